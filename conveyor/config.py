@@ -1,0 +1,44 @@
+"""Engine options, named as vLLM's flags where the meaning is the same."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_bytes(value: str | int) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1e9"`` or an int -> bytes."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size in bytes: {value!r} (examples: 2GiB, 512MB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF folder or .gguf file; None = the default model
+    dtype: str = "float32"
+    device: str = "auto"
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | str = "2GiB"
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    max_model_len: int | None = None  # None = the model's own limit
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,1 @@
+"""Ways in: the offline ``LLM`` API and the ``conveyor`` command line."""

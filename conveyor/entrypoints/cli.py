@@ -1,0 +1,145 @@
+"""The ``conveyor`` command: generate, bench throughput, bench decode."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from conveyor.config import EngineConfig
+from conveyor.sampling import SamplingParams
+
+EXAMPLE_CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about a river.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for learning a new language.",
+    "What does a compiler do?",
+    "Name the planets of the solar system.",
+]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool size in bytes, e.g. 2GiB, 512MB")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
+    g.add_argument("--seed", type=int, default=0, help="seed of unseeded random sampling")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate for a few prompts and print a per-request table")
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in example chats")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap each prompt as a user message in the model's chat template (default: on)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(gen)
+
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    thr = bench.add_parser("throughput", help="N long-tailed requests at once; requests/s, tokens/s, TTFT, latency")
+    thr.add_argument("--num-prompts", type=int, default=128)
+    thr.add_argument("--workload-seed", type=int, default=0)
+    thr.add_argument("--json", default=None, help="also write the figures to this file")
+    add_engine_args(thr)
+    dec = bench.add_parser("decode", help="steady-state decode tokens/s per batch size")
+    dec.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    dec.add_argument("--prompt-len", type=int, default=64)
+    dec.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
+    add_engine_args(dec)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        config = engine_config(args)
+        if args.command == "generate":
+            return _generate(args, config)
+        if args.bench == "throughput":
+            return _bench_throughput(args, config)
+        return _bench_decode(args, config)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"conveyor: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _generate(args: argparse.Namespace, config: EngineConfig) -> int:
+    from conveyor.bench.report import format_table
+    from conveyor.entrypoints.llm import LLM
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(**_as_options(config))
+    prompts = args.prompt or EXAMPLE_CHATS
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    rows = []
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        print(f"[{i}] {prompt}\n    -> {out.text.strip()}\n")
+        m = out.metrics
+        rows.append([i, len(out.prompt_token_ids), len(out.token_ids), round(m.time_to_first_token, 3),
+                     round(m.latency, 3), out.finish_reason])
+    print(format_table(["request", "prompt tokens", "output tokens", "TTFT s", "latency s", "finish"], rows))
+    return 0
+
+
+def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
+    from conveyor.bench.throughput import print_throughput, run_throughput
+    from conveyor.engine import Engine
+
+    engine = Engine(config)
+    print_throughput(run_throughput(engine, args.num_prompts, args.workload_seed), args.json)
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
+    from conveyor.bench.decode import print_decode, run_decode
+    from conveyor.engine import Engine
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
+    engine = Engine(config)
+    print_decode(run_decode(engine, batch_sizes, args.prompt_len, args.steps, args.seed))
+    return 0
+
+
+def _as_options(config: EngineConfig) -> dict:
+    return {name: getattr(config, name) for name in config.__slots__ if name != "model"} | {"model": config.model}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

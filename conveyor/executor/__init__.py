@@ -1,0 +1,1 @@
+"""Executors carry out a SchedulerOutput: the torch executor runs the real model."""

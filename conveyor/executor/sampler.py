@@ -1,0 +1,51 @@
+"""Turning a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+
+Random draws use the exponential race (argmax of p / E with E ~ Exp(1)),
+which samples from p exactly. A seeded request draws from a generator
+seeded by (seed, index of the token), so its tokens do not depend on what
+else shares the batch, nor on preemption and recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.sampling import SamplingParams
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._unseeded = torch.Generator().manual_seed(seed)
+        self._seeded = torch.Generator()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> list[int]:
+        """``logits`` [n, vocab] float32; ``token_indices[i]`` = how many tokens row i's request already output."""
+        greedy = logits.argmax(dim=-1).tolist()
+        if all(p.greedy for p in params):
+            return greedy
+        cpu_logits = logits.cpu()
+        for row, p in enumerate(params):
+            if p.greedy:
+                continue
+            row_logits = _apply_top_k_top_p(cpu_logits[row] / p.temperature, p.top_k, p.top_p)
+            probs = row_logits.softmax(-1)
+            generator = self._unseeded
+            if p.seed is not None:
+                generator = self._seeded.manual_seed(hash((p.seed, token_indices[row])) & 0x7FFF_FFFF_FFFF_FFFF)
+            noise = torch.empty_like(probs).exponential_(generator=generator)
+            greedy[row] = int((probs / noise).argmax())
+        return greedy

@@ -1,0 +1,107 @@
+"""The one part that runs the model: carries out a SchedulerOutput on real tensors.
+
+It owns the KV tensor ([layers, 2, blocks, block_size, kv_heads, head_dim]),
+packs the step's tokens into one flat batch (decode rows first, then prompt
+chunks), builds the attention metadata once for all layers, runs the model,
+computes logits only for rows that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.executor.sampler import Sampler
+from conveyor.model.attention import AttentionMetadata, PrefillChunk
+from conveyor.model.llama import LlamaModel
+from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
+
+
+class TorchExecutor:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        config = model.config
+        param = model.embed_tokens.weight
+        self.model = model
+        self.device = param.device
+        self.block_size = block_size
+        # Zeroed, not empty: padded decode rows read unused slots, which must hold finite numbers.
+        self.kv_cache = torch.zeros(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
+            dtype=param.dtype,
+            device=self.device,
+        )
+        self.sampler = Sampler(seed)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        """Run one step; return the token sampled for each request whose chunk ended at its last token."""
+        if output.is_empty:
+            return {}
+        batch = sorted(output.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first, stable
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        if not sample_rows:
+            return {}
+        rows, sampled = zip(*sample_rows)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens = self.sampler.sample(
+            logits, [s.sampling_params for s in sampled], [s.num_output_tokens for s in sampled]
+        )
+        return {s.request_id: t for s, t in zip(sampled, tokens)}
+
+    def _prepare(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, ScheduledRequest]]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[int, ScheduledRequest]] = []
+        prefills: list[PrefillChunk] = []
+        decodes = [s for s in batch if s.num_tokens == 1]
+        for item in batch:
+            row = len(input_ids)
+            start, end = item.start_position, item.context_len
+            input_ids.extend(item.token_ids)
+            positions.extend(range(start, end))
+            table = item.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if item.sample:
+                sample_rows.append((len(input_ids) - 1, item))
+            if item.num_tokens > 1:
+                prefills.append(self._prefill_chunk(item, row))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decodes=len(decodes),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decodes:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
+        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
+
+    def _decode_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables padded with block 0 and a mask that hides the padding."""
+        width = max(len(s.block_ids) for s in decodes)
+        tables = self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes])
+        context_lens = self._tensor([s.context_len for s in decodes])
+        slots = torch.arange(width * self.block_size, device=self.device)
+        mask = (slots[None, :] < context_lens[:, None]).view(len(decodes), 1, 1, -1)
+        return tables, mask
+
+    def _prefill_chunk(self, item: ScheduledRequest, row: int) -> PrefillChunk:
+        start, n = item.start_position, item.num_tokens
+        mask = None
+        if start > 0:
+            query_pos = torch.arange(start, start + n, device=self.device)
+            mask = torch.arange(start + n, device=self.device)[None, :] <= query_pos[:, None]
+        return PrefillChunk(
+            query_start=row,
+            query_end=row + n,
+            start_position=start,
+            block_ids=self._tensor(item.block_ids),
+            causal_mask=mask,
+        )
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,1 @@
+"""Llama-family layers, attention over block tables, and weight loading (GGUF, safetensors)."""

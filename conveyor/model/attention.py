@@ -1,0 +1,90 @@
+"""Attention over block tables, for a flat batch that mixes prefill and decode.
+
+The executor orders a step's tokens decode-first: rows ``[0, num_decodes)``
+are one token each of running requests, the rest are prompt chunks. Decode
+rows attend all at once, their cached K/V gathered through a padded block
+table; each prompt chunk attends causally to its own cached prefix plus itself.
+No row is padded to the longest request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """A prompt chunk: query rows ``[query_start, query_end)`` at positions ``start_position...``."""
+
+    query_start: int
+    query_end: int
+    start_position: int
+    block_ids: torch.Tensor  # blocks covering [0, context_len), only read when start_position > 0
+    causal_mask: torch.Tensor | None  # [n, context_len] bool, only when start_position > 0
+
+    @property
+    def context_len(self) -> int:
+        return self.start_position + self.query_end - self.query_start
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the executor and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V in their slots. ``kv_cache``: [2, num_blocks, block_size, kv_heads, head_dim]."""
+    _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim]."""
+    blocks = cache[block_ids]  # [..., nb, bs, kvh, d]
+    *lead, nb, bs, kvh, d = blocks.shape
+    return blocks.reshape(*lead, nb * bs, kvh, d).transpose(-3, -2)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """query [T, H, D], key/value [T, KVH, D] of this step's tokens -> [T, H, D]."""
+    write_kv(kv_cache, key, value, meta.slot_mapping)
+    out = torch.empty_like(query)
+    d = meta.num_decodes
+    if d:
+        q = query[:d].unsqueeze(2)  # [d, H, 1, D]
+        k = _gather(kv_cache[0], meta.decode_block_tables)
+        v = _gather(kv_cache[1], meta.decode_block_tables)
+        out[:d] = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        ).squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.query_start, chunk.query_end)
+        q = query[rows].transpose(0, 1)  # [H, n, D]
+        if chunk.start_position == 0:
+            k, v = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ctx = chunk.context_len
+            k = _gather(kv_cache[0], chunk.block_ids)[:, :ctx]
+            v = _gather(kv_cache[1], chunk.block_ids)[:, :ctx]
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=True)
+        out[rows] = attn.transpose(0, 1)
+    return out

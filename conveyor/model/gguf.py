@@ -1,0 +1,385 @@
+"""Turn a llama-family GGUF file into a Hugging Face model folder.
+
+conveyor loads weights from HF-style folders (``config.json`` + ``model.safetensors`` + tokenizer files).
+Many small models are distributed only as llama.cpp GGUF files, so this module is the bridge: it
+dequantizes every tensor once, undoes llama.cpp's layout changes, and writes a folder that both
+conveyor and ``transformers`` can load. Conversion is a one-off, offline step; nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import pathlib
+import shutil
+import uuid
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+__all__ = ["convert_gguf_to_hf"]
+
+SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# GGUF tensor base names (without ".weight"/".bias") that are not per-layer.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+# Per-layer GGUF names "blk.N.<key>" -> HF "model.layers.N.<value>".
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+# llama.cpp stores Llama-3 RoPE scaling as a precomputed per-frequency tensor instead of config values.
+_ROPE_FREQS = "rope_freqs.weight"
+
+# The Llama-3.x scaling constants; llama.cpp does not record them, so we assume them and verify (see below).
+_LLAMA3_LOW_FREQ_FACTOR = 1.0
+_LLAMA3_HIGH_FREQ_FACTOR = 4.0
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+
+
+def convert_gguf_to_hf(
+    gguf_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str = "float32",
+) -> pathlib.Path:
+    """Dequantize a llama-family GGUF file into a HF folder.
+
+    Writes config.json, model.safetensors, tokenizer files (tokenizer.json, tokenizer_config.json with the
+    chat template, special tokens) and generation_config.json. Everything is written to a temporary sibling
+    folder first and renamed into place, so a crash never leaves a half-written ``out_dir``. ``out_dir`` must
+    not exist yet, or be an empty folder: an existing model is never silently overwritten. Returns out_dir.
+    """
+    src = _existing_file(gguf_path)
+    out = pathlib.Path(out_dir)
+    torch_dtype = _parse_dtype(dtype)
+    _check_destination(out)
+
+    reader = gguf.GGUFReader(src)
+    arch = _architecture(reader, src)
+    hparams = _hyperparameters(reader, arch)
+    tensors, rope_freqs = _convert_tensors(reader, hparams, torch_dtype)
+    config = _build_config(reader, arch, hparams, tensors, rope_freqs, dtype)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex}"
+    staging.mkdir()  # unlike tempfile.mkdtemp this honours the umask, so the final folder gets normal permissions
+    try:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(staging / "config.json", config)
+        _write_json(staging / "generation_config.json", _generation_config(config))
+        _save_tokenizer(src, staging, config["max_position_embeddings"])
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inputs and metadata
+
+
+def _existing_file(path: str | os.PathLike) -> pathlib.Path:
+    """Fail early with the path in the message; GGUFReader's own error for a missing file is a bare memmap one."""
+    src = pathlib.Path(path)
+    if not src.is_file():
+        raise FileNotFoundError(errno.ENOENT, "GGUF file not found", str(src))
+    return src
+
+
+def _parse_dtype(dtype: str) -> torch.dtype:
+    """Map the public string option to a torch dtype, rejecting anything we have not thought about."""
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+def _check_destination(out: pathlib.Path) -> None:
+    """Refuse to clobber an existing model folder (or a file) before spending time on conversion."""
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise FileExistsError(errno.EEXIST, "output path already exists and is not an empty folder", str(out))
+
+
+def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """Read one metadata value; float32 values are rounded to their shortest decimal form.
+
+    GGUF stores e.g. rms_norm_eps=1e-5 as float32; widening it naively gives 9.999999747e-06, which is the
+    same number to the model but an ugly, surprising config value.
+    """
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    if field.types and field.types[0] == gguf.GGUFValueType.FLOAT32:
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _architecture(reader: gguf.GGUFReader, src: pathlib.Path) -> str:
+    """Only llama-style graphs are converted: other architectures need different names and configs."""
+    arch = _meta(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{src}: unsupported GGUF architecture {arch!r}; only {sorted(SUPPORTED_ARCHITECTURES)} can be converted"
+        )
+    return arch
+
+
+def _hyperparameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+    """Collect the shape-defining numbers; they drive both the config and the Q/K un-permutation."""
+    hidden = _meta(reader, f"{arch}.embedding_length")
+    heads = _meta(reader, f"{arch}.attention.head_count")
+    kv_heads = _meta(reader, f"{arch}.attention.head_count_kv", heads)
+    head_dim = _meta(reader, f"{arch}.attention.key_length", hidden // heads)
+    rope_dim = _meta(reader, f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        # HF Llama rotates the whole head; a partial rotary model would be silently wrong.
+        raise ValueError(f"rope.dimension_count={rope_dim} differs from head_dim={head_dim}; not a Llama layout")
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": _meta(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _meta(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _convert_tensors(
+    reader: gguf.GGUFReader, hparams: dict[str, Any], dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
+    """Dequantize, rename and re-layout every tensor; rope_freqs is returned apart since it is config, not weight."""
+    tensors: dict[str, torch.Tensor] = {}
+    rope_freqs = None
+    for tensor in reader.tensors:
+        values = _dequantize(tensor)
+        if tensor.name == _ROPE_FREQS:
+            rope_freqs = values
+            continue
+        name = _hf_name(tensor.name)
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            values = _unpermute_rope_rows(values, hparams["num_attention_heads"])
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            values = _unpermute_rope_rows(values, hparams["num_key_value_heads"])
+        tensors[name] = torch.from_numpy(values).to(dtype).contiguous()
+    return tensors, rope_freqs
+
+
+def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+    """Return a writable float32 array in numpy/torch dimension order.
+
+    GGUF lists dimensions innermost-first (ne[0] is the row length), so the numpy shape is the reverse.
+    """
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(f"cannot dequantize {tensor.name}: type {tensor.tensor_type.name} unsupported") from exc
+    shape = tuple(int(dim) for dim in reversed(tensor.shape))
+    # F32 tensors come back as views of the read-only memmap; torch wants memory it may own.
+    return np.array(values, dtype=np.float32, copy=not values.flags.writeable).reshape(shape)
+
+
+def _hf_name(gguf_name: str) -> str:
+    """Translate a GGUF tensor name to the HF Llama parameter name, or fail loudly on unknown weights."""
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        raise ValueError(f"unexpected GGUF tensor name {gguf_name!r}")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
+
+
+def _unpermute_rope_rows(values: np.ndarray, n_heads: int) -> np.ndarray:
+    """Restore HF's rotate-half row order for a Q or K projection.
+
+    HF Llama rotates the pair (i, i + head_dim/2) inside each head; ggml rotates adjacent pairs (2i, 2i+1).
+    llama.cpp's converter therefore reorders each head's rows from [first half | second half] into interleaved
+    pairs. Reading the rows as (head, pair, 2) and swapping the last two axes puts the halves back.
+    """
+    rows = values.shape[0]
+    head_dim = rows // n_heads
+    grouped = values.reshape(n_heads, head_dim // 2, 2, *values.shape[1:])
+    return np.ascontiguousarray(grouped.swapaxes(1, 2)).reshape(values.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config files
+
+
+def _build_config(
+    reader: gguf.GGUFReader,
+    arch: str,
+    hparams: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    rope_freqs: np.ndarray | None,
+    dtype: str,
+) -> dict[str, Any]:
+    """Assemble a LlamaConfig dict.
+
+    RoPE goes into ``rope_parameters`` (what transformers 5 reads); ``rope_theta`` is repeated at the top level
+    for older readers. ``torch_dtype`` and ``dtype`` are both written for the same reason.
+    """
+    context = _meta(reader, f"{arch}.context_length", 2048)
+    theta = _meta(reader, f"{arch}.rope.freq_base", 10000.0)
+    embed = tensors["model.embed_tokens.weight"]
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **hparams,
+        "hidden_act": "silu",
+        "rms_norm_eps": _meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": context,
+        "rope_theta": theta,
+        "rope_parameters": _rope_parameters(reader, arch, theta, hparams["head_dim"], rope_freqs),
+        "vocab_size": _meta(reader, f"{arch}.vocab_size", embed.shape[0]),
+        "tie_word_embeddings": "lm_head.weight" not in tensors,
+        "attention_bias": any(name.endswith("q_proj.bias") for name in tensors),
+        "mlp_bias": any(name.endswith("up_proj.bias") for name in tensors),
+        "torch_dtype": dtype,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    config.update(_special_token_ids(reader))
+    return config
+
+
+def _rope_parameters(
+    reader: gguf.GGUFReader, arch: str, theta: float, head_dim: int, rope_freqs: np.ndarray | None
+) -> dict[str, Any]:
+    """Express GGUF's RoPE settings (scaling metadata or a rope_freqs tensor) as HF ``rope_parameters``."""
+    if rope_freqs is not None:
+        return _llama3_rope(rope_freqs, theta, head_dim)
+    kind = _meta(reader, f"{arch}.rope.scaling.type", "none")
+    factor = _meta(reader, f"{arch}.rope.scaling.factor") or _meta(reader, f"{arch}.rope.scale_linear")
+    original = _meta(reader, f"{arch}.rope.scaling.original_context_length")
+    if kind == "none" and factor and factor != 1.0:
+        kind = "linear"  # old files only record rope.scale_linear
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
+    if kind == "yarn":
+        params = {"rope_type": "yarn", "rope_theta": theta, "factor": factor}
+        return params | ({"original_max_position_embeddings": original} if original else {})
+    raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF metadata")
+
+
+def _llama3_rope(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """Recover Llama-3 RoPE scaling from llama.cpp's precomputed frequency divisors.
+
+    Only the scale factor is directly readable (the largest divisor); the band constants are not stored, so we
+    assume the published Llama-3.x ones and check that they reproduce the tensor exactly, refusing otherwise
+    rather than shipping a model with subtly wrong positions.
+    """
+    factor = float(rope_freqs.max())
+    if factor == 1.0 and np.all(rope_freqs == 1.0):
+        return {"rope_type": "default", "rope_theta": theta}
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": factor,
+        "low_freq_factor": _LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": _LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": _LLAMA3_ORIGINAL_CONTEXT,
+    }
+    expected = _llama3_divisors(params, head_dim)
+    if expected.shape != rope_freqs.shape or not np.allclose(expected, rope_freqs, rtol=1e-5, atol=1e-6):
+        raise ValueError("rope_freqs tensor does not match Llama-3 RoPE scaling; cannot express it as a HF config")
+    return params
+
+
+def _llama3_divisors(params: dict[str, Any], head_dim: int) -> np.ndarray:
+    """Recompute the per-frequency divisors that llama.cpp derives from Llama-3 scaling constants."""
+    freqs = 1.0 / params["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    original, factor = params["original_max_position_embeddings"], params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    smooth = (original / wavelen - low) / (high - low)
+    with np.errstate(divide="ignore"):  # out-of-band entries may divide by zero; np.where discards them
+        mid = 1.0 / ((1 - smooth) / factor + smooth)
+    divisors = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, mid))
+    return divisors.astype(np.float32)
+
+
+def _special_token_ids(reader: gguf.GGUFReader) -> dict[str, int]:
+    """bos/eos/pad ids from the tokenizer metadata; absent ids are left out rather than guessed."""
+    ids = {
+        "bos_token_id": _meta(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _meta(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    return {key: int(value) for key, value in ids.items() if value is not None}
+
+
+def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Generation defaults only need the special ids, so generate() stops at the chat end token."""
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {key: config[key] for key in keys if key in config}
+
+
+def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
+    """Stable, readable JSON, as HF tooling writes it."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tokenizer and final move
+
+
+def _save_tokenizer(src: pathlib.Path, out: pathlib.Path, max_length: int) -> None:
+    """Rebuild the tokenizer with transformers' own GGUF converter and save it in plain HF form.
+
+    The chat template is kept inside tokenizer_config.json (``save_jinja_files=False``) so readers that predate
+    chat_template.jinja still find it. Load-time flags that transformers records as init arguments are dropped:
+    they describe how we loaded the GGUF, not how the saved folder should be loaded.
+    """
+    from transformers import AutoTokenizer  # heavy import, only needed here
+
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = None  # keep "no template" explicit instead of an empty string
+    tokenizer.model_max_length = max_length
+    for key in ("is_local", "local_files_only", "gguf_file"):
+        tokenizer.init_kwargs.pop(key, None)
+    tokenizer.save_pretrained(str(out), save_jinja_files=False)
+
+
+def _move_into_place(staging: pathlib.Path, out: pathlib.Path) -> None:
+    """Atomically publish the finished folder.
+
+    rename(2) replaces an empty placeholder folder at ``out`` but fails on a non-empty one, so a folder someone
+    filled while we were converting is never clobbered.
+    """
+    os.replace(staging, out)

@@ -1,0 +1,80 @@
+"""One request's state as the scheduler sees it.
+
+The scheduler reasons with two numbers only: ``num_computed_tokens`` (tokens
+whose KV is in the cache) and ``num_tokens`` (prompt plus output so far).
+Each step hands a request enough tokens for the first to catch up with the
+second, which makes prefill, chunked prefill, recompute after preemption and
+decode one and the same path.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from conveyor.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; its KV was dropped
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request ended; values match the OpenAI API's ``finish_reason``."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's maximum length
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    eos_token_id: int | None = None
+    priority: int = 0
+    prompt_text: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)`` of prompt + output."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        out_start = max(start - len(prompt), 0)
+        return prompt[start:] + self.output_token_ids[out_start : end - len(prompt)]
+
+    def finish(self, reason: FinishReason, now: float, stop_reason: str | int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = now

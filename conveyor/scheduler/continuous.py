@@ -1,0 +1,236 @@
+"""Iteration-level (continuous) batching, as in Orca and vLLM.
+
+Every step: serve the running requests first, oldest first, each with the
+tokens it still lacks; then admit waiting requests in arrival order while
+the KV pool, ``max_num_seqs`` and the step's token budget allow. A request
+that finishes leaves after the step in which it finished, and its blocks
+return to the pool at once, so a waiting request joins on the very next step.
+
+When a running request needs a block and the pool is empty, the most recently
+arrived running request is preempted by recompute: its KV is dropped and it
+goes back to the front of the waiting queue, to be prefilled again later
+(prompt and output so far) when memory frees up.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from conveyor.kv import PagedKVCacheManager
+from conveyor.request import FinishReason, Request, RequestStatus
+from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def _arrival_order(request: Request) -> tuple[float, str]:
+    return (request.arrival_time, request.request_id)
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each computes."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: PagedKVCacheManager,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if config.max_model_len > kv_manager.capacity_tokens:
+            # Otherwise a request alone in the engine could need more blocks than exist, and never finish.
+            raise ValueError(
+                f"max_model_len {config.max_model_len} is more than the KV cache holds "
+                f"({kv_manager.capacity_tokens} tokens)"
+            )
+        self.config = config
+        self.kv = kv_manager
+        self.clock = clock
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # Kept sorted by arrival: served from the front, preempted from the back.
+        self.running: list[Request] = []
+        self._finished_since_last_step: list[str] = []
+        self.step_index = 0
+        self.num_preemptions = 0
+
+    # ----- queue management -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt: {request.num_tokens} tokens, but max_model_len is {self.config.max_model_len}, "
+                "which leaves no room for output"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """End a request wherever it is; its blocks return to the pool at once."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """End a running request for a reason found outside the scheduler (a stop string)."""
+        request = self.requests[request_id]
+        self.running.remove(request)
+        self._finish(request, reason, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ----- one step ---------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._make_room(request, request.num_computed_tokens + num_new, preempted):
+                break  # the request preempted itself: it was the most recent arrival
+            scheduled.append(self._schedule(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # vLLM's rule: admit nobody in a step that had to preempt, or the
+        # newcomer would take the blocks just freed and cause the next preemption.
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+
+        self.step_index += 1
+        output = SchedulerOutput(
+            step=self.step_index,
+            scheduled=scheduled,
+            preempted_request_ids=preempted,
+            finished_request_ids=self._finished_since_last_step,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            kv_usage=self.kv.usage,
+        )
+        self._finished_since_last_step = []
+        return output
+
+    def _make_room(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
+        """Allocate slots for ``request``, preempting later arrivals until they fit."""
+        while not self.kv.allocate_slots(request.request_id, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # The watermark only matters when someone else could be preempted for it.
+            if not self.kv.can_admit(request.request_id, request.num_computed_tokens + num_new, bool(self.running)):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            bisect.insort(self.running, request, key=_arrival_order)
+            scheduled.append(self._schedule(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            start_position=start,
+            token_ids=request.token_ids(start, start + num_new),
+            block_ids=list(self.kv.block_ids(request.request_id)),
+            sampling_params=request.sampling_params,
+            sample=start + num_new == request.num_tokens,
+            num_output_tokens=request.num_output_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ----- after the executor ran the step ----------------------------------
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Record computed tokens and sampled tokens; end the requests that are done.
+
+        Returns the requests that received a token this step, finished or not.
+        """
+        now = self.clock()
+        touched: list[Request] = []
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_tokens
+            if not item.sample:
+                continue
+            token = sampled_token_ids[item.request_id]
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched.append(request)
+            reason, stop_reason = self._check_stop(request, token)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason, stop_reason)
+        return touched
+
+    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        if token == request.eos_token_id and not params.ignore_eos:
+            return FinishReason.STOP, None
+        if token in params.stop_token_ids:
+            return FinishReason.STOP, token
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self.kv.free(request.request_id)
+        request.finish(reason, self.clock(), stop_reason)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.append(request.request_id)

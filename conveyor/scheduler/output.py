@@ -1,0 +1,52 @@
+"""What the scheduler decided for one step, as plain data.
+
+An executor carries it out; tests assert on it; a trace records it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conveyor.sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: ``token_ids`` at positions ``start_position...``."""
+
+    request_id: str
+    start_position: int
+    token_ids: list[int]
+    block_ids: list[int]
+    sampling_params: SamplingParams
+    sample: bool  # the chunk reaches the request's last known token, so a new one is drawn
+    num_output_tokens: int  # output tokens before this step; seeds the request's random stream
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens the request attends to after this step (cached + new)."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest]
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that ended since the previous step: the executor drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
