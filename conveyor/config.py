@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -13,10 +14,11 @@ def parse_bytes(value: str | int) -> int:
     """``"2GiB"``, ``"512MB"``, ``"1e9"`` or an int -> bytes."""
     if isinstance(value, int):
         return value
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not match or match.group(2).lower() not in _UNITS:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    number = float(match.group(1)) * _UNITS.get(match.group(2).lower(), math.nan) if match else math.nan
+    if not math.isfinite(number):
         raise ValueError(f"not a size in bytes: {value!r} (examples: 2GiB, 512MB, 1000000)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    return int(number)
 
 
 @dataclass(slots=True)
@@ -33,7 +35,14 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        try:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        except ValueError as error:
+            raise ValueError(f"kv_cache_memory: {error}") from None
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len", "seed"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):

@@ -60,6 +60,7 @@ class _TextState:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     text: str = ""
+    num_sent: int = 0  # characters already handed out as deltas
 
 
 class Engine:
@@ -108,6 +109,8 @@ class Engine:
     def _max_model_len(self, capacity: int) -> int:
         wanted = self.config.max_model_len
         model_limit = self.model_config.max_position_embeddings
+        if wanted is not None and wanted > model_limit:
+            raise ValueError(f"max_model_len {wanted} is more than the model's limit of {model_limit} positions")
         if wanted is None:
             if capacity < model_limit:
                 logger.warning("max_model_len capped at %d tokens, all the KV cache can hold", capacity)
@@ -202,17 +205,22 @@ class Engine:
         before = len(state.text)
         state.text += state.detokenizer.add(request.output_token_ids[-1])
         stop = request.sampling_params.stop
-        if stop and not request.is_finished:
+        if stop:
             self._check_stop_strings(request, state, before)
         if request.is_finished:
             del self._text[request.request_id]
+            sendable = len(state.text)
+        else:
+            # Hold back a tail that may be the start of a stop string, so a stream never shows one.
+            sendable = max(len(state.text) - max((len(s) for s in stop), default=1) + 1, state.num_sent)
+        delta, state.num_sent = state.text[state.num_sent : sendable], sendable
         return RequestOutput(
             request_id=request.request_id,
             prompt=state.prompt,
             prompt_token_ids=request.prompt_token_ids,
             text=state.text,
             token_ids=list(request.output_token_ids),
-            delta_text=state.text[before:],
+            delta_text=delta,
             finished=request.is_finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             stop_reason=request.stop_reason,
@@ -231,7 +239,11 @@ class Engine:
         search_from = max(before - longest + 1, 0)
         hits = [(state.text.find(s, search_from), s) for s in request.sampling_params.stop]
         hits = [(at, s) for at, s in hits if at >= 0]
-        if hits:
-            at, stop = min(hits)
-            state.text = state.text[:at]
+        if not hits:
+            return
+        at, stop = min(hits)
+        state.text = state.text[:at]
+        if request.is_finished:  # the same token also reached a length limit: the stop string wins
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+        else:
             self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop)

@@ -38,6 +38,7 @@ class Request:
     arrival_time: float
     eos_token_id: int | None = None
     priority: int = 0
+    arrival_order: int = 0  # set by the scheduler; breaks ties between equal arrival times
     prompt_text: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

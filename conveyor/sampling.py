@@ -6,14 +6,18 @@ before it touches the engine and the other requests never see it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+# Below this temperature, sampling is greedy: dividing logits by it would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` (or -1) disables top-k,
+    ``temperature == 0`` (or below 1e-5) means greedy. ``top_k == 0`` (or -1) disables top-k,
     ``top_p == 1`` disables nucleus sampling. A ``seed`` makes the request's
     random draws its own: the same seed gives the same tokens whatever else
     is in the batch.
@@ -43,9 +47,10 @@ class SamplingParams:
     def _validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        temperature = self.temperature
+        if not isinstance(temperature, int | float) or not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
@@ -58,7 +63,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 GREEDY = SamplingParams(temperature=0.0)

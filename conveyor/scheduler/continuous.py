@@ -37,8 +37,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-def _arrival_order(request: Request) -> tuple[float, str]:
-    return (request.arrival_time, request.request_id)
+def _arrival_order(request: Request) -> tuple[float, int]:
+    return (request.arrival_time, request.arrival_order)
 
 
 class Scheduler:
@@ -66,6 +66,7 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self.step_index = 0
         self.num_preemptions = 0
+        self._num_added = 0
 
     # ----- queue management -------------------------------------------------
 
@@ -77,6 +78,8 @@ class Scheduler:
                 f"prompt: {request.num_tokens} tokens, but max_model_len is {self.config.max_model_len}, "
                 "which leaves no room for output"
             )
+        request.arrival_order = self._num_added
+        self._num_added += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
