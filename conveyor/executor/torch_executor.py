@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.executor.sampler import Sampler
-from conveyor.model.attention import AttentionMetadata, PrefillChunk
+from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from conveyor.model.llama import LlamaModel
 from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -36,7 +36,7 @@ class TorchExecutor:
         """Run one step; return the token sampled for each request whose chunk ended at its last token."""
         if output.is_empty:
             return {}
-        batch = sorted(output.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first, stable
+        batch = sorted(output.scheduled, key=_row_order)
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         if not sample_rows:
@@ -57,7 +57,7 @@ class TorchExecutor:
         slots: list[int] = []
         sample_rows: list[tuple[int, ScheduledRequest]] = []
         prefills: list[PrefillChunk] = []
-        decodes = [s for s in batch if s.num_tokens == 1]
+        num_decodes = sum(1 for s in batch if s.num_tokens == 1)
         for item in batch:
             row = len(input_ids)
             start, end = item.start_position, item.context_len
@@ -71,23 +71,31 @@ class TorchExecutor:
                 prefills.append(self._prefill_chunk(item, row))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
-            num_decodes=len(decodes),
-            decode_block_tables=None,
-            decode_mask=None,
+            decodes=self._decode_groups(batch[:num_decodes]),
             prefills=prefills,
         )
-        if decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
 
-    def _decode_tables(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables padded with block 0 and a mask that hides the padding."""
-        width = max(len(s.block_ids) for s in decodes)
-        tables = self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes])
-        context_lens = self._tensor([s.context_len for s in decodes])
+    def _decode_groups(self, decodes: list[ScheduledRequest]) -> list[DecodeGroup]:
+        """One group per power-of-two bucket of block count: padding stays under 2x per row."""
+        groups = []
+        start = 0
+        while start < len(decodes):
+            bucket = _bucket(decodes[start])
+            end = start
+            while end < len(decodes) and _bucket(decodes[end]) == bucket:
+                end += 1
+            groups.append(self._decode_group(decodes[start:end], start))
+            start = end
+        return groups
+
+    def _decode_group(self, rows: list[ScheduledRequest], row_start: int) -> DecodeGroup:
+        width = max(len(s.block_ids) for s in rows)
+        tables = self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in rows])
+        context_lens = self._tensor([s.context_len for s in rows])
         slots = torch.arange(width * self.block_size, device=self.device)
-        mask = (slots[None, :] < context_lens[:, None]).view(len(decodes), 1, 1, -1)
-        return tables, mask
+        mask = (slots[None, :] < context_lens[:, None]).view(len(rows), 1, 1, -1)
+        return DecodeGroup(row_start, row_start + len(rows), tables, mask)
 
     def _prefill_chunk(self, item: ScheduledRequest, row: int) -> PrefillChunk:
         start, n = item.start_position, item.num_tokens
@@ -105,3 +113,12 @@ class TorchExecutor:
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _bucket(item: ScheduledRequest) -> int:
+    return len(item.block_ids).bit_length()
+
+
+def _row_order(item: ScheduledRequest) -> tuple[int, int]:
+    """Decode rows first, grouped by context-length bucket; prompt chunks after."""
+    return (0, _bucket(item)) if item.num_tokens == 1 else (1, 0)

@@ -1,10 +1,11 @@
 """Attention over block tables, for a flat batch that mixes prefill and decode.
 
-The executor orders a step's tokens decode-first: rows ``[0, num_decodes)``
-are one token each of running requests, the rest are prompt chunks. Decode
-rows attend all at once, their cached K/V gathered through a padded block
-table; each prompt chunk attends causally to its own cached prefix plus itself.
-No row is padded to the longest request.
+The executor orders a step's tokens decode-first: the leading rows are one
+token each of running requests, the rest are prompt chunks. Decode rows come
+in groups of similar context length; a group attends at once, its cached K/V
+gathered through a block table padded to the group's longest context, so a
+long-tailed batch does not pad every row to its longest request. Each prompt
+chunk attends causally to its own cached prefix plus itself.
 """
 
 from __future__ import annotations
@@ -31,13 +32,21 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows ``[row_start, row_end)``, one token each, of similar context length."""
+
+    row_start: int
+    row_end: int
+    block_tables: torch.Tensor  # [rows, max_blocks], padded with block 0
+    mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool, False on padding
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Built once per step by the executor and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
-    num_decodes: int
-    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
 
 
@@ -67,14 +76,13 @@ def paged_attention(
     """query [T, H, D], key/value [T, KVH, D] of this step's tokens -> [T, H, D]."""
     write_kv(kv_cache, key, value, meta.slot_mapping)
     out = torch.empty_like(query)
-    d = meta.num_decodes
-    if d:
-        q = query[:d].unsqueeze(2)  # [d, H, 1, D]
-        k = _gather(kv_cache[0], meta.decode_block_tables)
-        v = _gather(kv_cache[1], meta.decode_block_tables)
-        out[:d] = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        ).squeeze(2)
+    for group in meta.decodes:
+        rows = slice(group.row_start, group.row_end)
+        k = _gather(kv_cache[0], group.block_tables)
+        v = _gather(kv_cache[1], group.block_tables)
+        q = query[rows].unsqueeze(2)  # [rows, H, 1, D]
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        out[rows] = attn.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.query_start, chunk.query_end)
         q = query[rows].transpose(0, 1)  # [H, n, D]
