@@ -33,6 +33,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
     max_model_len: int | None = None  # None = the model's own limit
     seed: int = 0
+    scheduler: str = "continuous"  # or "static": request-level batching, the baseline
 
     def __post_init__(self) -> None:
         try:
@@ -43,6 +44,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.scheduler not in ("continuous", "static"):
+            raise ValueError(f"scheduler must be continuous or static, got {self.scheduler!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):

@@ -18,8 +18,9 @@ from conveyor.kv import PagedKVCacheManager
 from conveyor.model.config import ModelConfig
 from conveyor.request import FinishReason, Request
 from conveyor.sampling import SamplingParams
-from conveyor.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from conveyor.scheduler import SCHEDULERS, SchedulerConfig, SchedulerOutput
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
+from conveyor.trace import Trace
 
 logger = logging.getLogger("conveyor")
 
@@ -87,7 +88,7 @@ class Engine:
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         model = load_model(folder, dtype, device, self.max_model_len)
         self.kv_manager = PagedKVCacheManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(
+        self.scheduler = SCHEDULERS[config.scheduler](
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
             self.kv_manager,
             clock,
@@ -95,6 +96,18 @@ class Engine:
         self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed)
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
+        self.trace: Trace | None = None
+
+    def start_trace(self) -> Trace:
+        """Record every step from now on (see :mod:`conveyor.trace`)."""
+        config = self.config
+        header = {
+            "scheduler": config.scheduler,
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+        }
+        self.trace = Trace(header, self.clock())
+        return self.trace
 
     def _num_kv_blocks(self, itemsize: int) -> int:
         if self.config.num_kv_blocks is not None:
@@ -195,10 +208,16 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: every running request advances; finished ones leave; waiting ones join."""
+        start = self.clock()
         scheduler_output: SchedulerOutput = self.scheduler.schedule()
+        slots = self.scheduler.slot_holders() if self.trace is not None else []
         sampled = self.executor.execute(scheduler_output)
         touched = self.scheduler.update(scheduler_output, sampled)
-        return [self._output(request) for request in touched]
+        outputs = [self._output(request) for request in touched]
+        if self.trace is not None:
+            finished = [o.request_id for o in outputs if o.finished]
+            self.trace.record(scheduler_output, slots, finished, start, self.clock())
+        return outputs
 
     def _output(self, request: Request) -> RequestOutput:
         state = self._text[request.request_id]

@@ -12,8 +12,12 @@ from conveyor.engine import Engine, RequestOutput
 from conveyor.sampling import SamplingParams
 
 
-def run_throughput(engine: Engine, num_prompts: int, seed: int) -> dict[str, Any]:
-    workload = long_tail_workload(num_prompts, seed, engine.model_config.vocab_size)
+def run_throughput(
+    engine: Engine, num_prompts: int, seed: int, output_range: tuple[int, int] = (8, 512)
+) -> dict[str, Any]:
+    """Run the workload to the end; the engine's trace is recorded too (``engine.trace``)."""
+    workload = long_tail_workload(num_prompts, seed, engine.model_config.vocab_size, output_range=output_range)
+    trace = engine.start_trace()
     start = time.monotonic()
     for i, item in enumerate(workload):
         params = SamplingParams(temperature=0.0, max_tokens=item.output_len, ignore_eos=True)
@@ -28,7 +32,10 @@ def run_throughput(engine: Engine, num_prompts: int, seed: int) -> dict[str, Any
     output_tokens = sum(len(o.token_ids) for o in finished)
     ttft = [o.metrics.time_to_first_token for o in finished]
     latency = [o.metrics.latency for o in finished]
+    _, idle_fraction = trace.slot_fill()
     return {
+        "scheduler": engine.config.scheduler,
+        "max_num_seqs": engine.config.max_num_seqs,
         "num_requests": len(finished),
         "seed": seed,
         "elapsed_s": elapsed,
@@ -45,12 +52,39 @@ def run_throughput(engine: Engine, num_prompts: int, seed: int) -> dict[str, Any
         "latency_p50_s": percentile(latency, 50),
         "latency_p99_s": percentile(latency, 99),
         "preemptions": sum(o.metrics.num_preemptions for o in finished),
+        "peak_running": max((step.num_running for step in trace.steps), default=0),
+        "idle_slot_fraction": idle_fraction,
     }
 
 
-def print_throughput(result: dict[str, Any], json_path: str | None) -> None:
-    rows = [[name, value] for name, value in result.items()]
-    print(format_table(["figure", "value"], rows))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
+def print_throughput(result: dict[str, Any]) -> None:
+    print(format_table(["figure", "value"], [[name, value] for name, value in result.items()]))
+
+
+COMPARE_COLUMNS = {
+    "output tok/s": "output_tokens_per_s",
+    "req/s": "requests_per_s",
+    "mean latency s": "latency_mean_s",
+    "p99 latency s": "latency_p99_s",
+    "p50 TTFT s": "ttft_p50_s",
+    "p99 TTFT s": "ttft_p99_s",
+    "idle slots": "idle_slot_fraction",
+    "preemptions": "preemptions",
+    "peak running": "peak_running",
+}
+
+
+def print_comparison(labels: list[str], results: list[dict[str, Any]]) -> None:
+    """One row per configuration, and each one's output tokens/s relative to the first."""
+    base = results[0]["output_tokens_per_s"]
+    rows = [
+        [label, *(result[key] for key in COMPARE_COLUMNS.values()), f"{result['output_tokens_per_s'] / base:.2f}x"]
+        for label, result in zip(labels, results)
+    ]
+    print(format_table(["configuration", *COMPARE_COLUMNS, "vs first"], rows))
+
+
+def write_json(results: Any, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from conveyor.config import EngineConfig
 from conveyor.sampling import SamplingParams
@@ -31,6 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded random sampling")
+    g.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
+                   help="continuous: iteration-level batching; static: request-level batches (the baseline)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -45,6 +48,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        scheduler=args.scheduler,
     )
 
 
@@ -68,13 +72,23 @@ def build_parser() -> argparse.ArgumentParser:
     thr = bench.add_parser("throughput", help="N long-tailed requests at once; requests/s, tokens/s, TTFT, latency")
     thr.add_argument("--num-prompts", type=int, default=128)
     thr.add_argument("--workload-seed", type=int, default=0)
+    thr.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between)")
     thr.add_argument("--json", default=None, help="also write the figures to this file")
+    thr.add_argument("--trace", default=None,
+                     help="write the scheduler trace (JSON lines); with --compare, a folder for one trace each")
+    thr.add_argument("--compare", nargs="+", metavar="OPTION=VALUE[,OPTION=VALUE]",
+                     help="run the same workload under each configuration, e.g. scheduler=static scheduler=continuous")
     add_engine_args(thr)
     dec = bench.add_parser("decode", help="steady-state decode tokens/s per batch size")
     dec.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     dec.add_argument("--prompt-len", type=int, default=64)
     dec.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     add_engine_args(dec)
+
+    plot = commands.add_parser("plot", help="pictures from traces").add_subparsers(dest="plot", required=True)
+    timeline = plot.add_parser("timeline", help="batch slots x steps, busy or idle, one panel per trace")
+    timeline.add_argument("traces", nargs="+")
+    timeline.add_argument("-o", "--output", default="timeline.png")
     return parser
 
 
@@ -82,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        config = engine_config(args)
+        config = engine_config(args) if hasattr(args, "model") else None
+        if args.command == "plot":
+            return _plot_timeline(args)
         if args.command == "generate":
             return _generate(args, config)
         if args.bench == "throughput":
@@ -118,11 +134,65 @@ def _generate(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
-    from conveyor.bench.throughput import print_throughput, run_throughput
+    from conveyor.bench.throughput import print_comparison, print_throughput, run_throughput, write_json
     from conveyor.engine import Engine
 
-    engine = Engine(config)
-    print_throughput(run_throughput(engine, args.num_prompts, args.workload_seed), args.json)
+    output_range = _int_pair(args.output_len, "--output-len")
+    if not args.compare:
+        engine = Engine(config)
+        result = run_throughput(engine, args.num_prompts, args.workload_seed, output_range)
+        print_throughput(result)
+        write_json(result, args.json)
+        if args.trace:
+            engine.trace.write(args.trace)
+        return 0
+    configs = [_with_overrides(config, spec) for spec in args.compare]  # all checked before any run
+    results = []
+    for spec, variant in zip(args.compare, configs):
+        print(f"running {spec} ...", file=sys.stderr, flush=True)
+        engine = Engine(variant)
+        results.append(run_throughput(engine, args.num_prompts, args.workload_seed, output_range))
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            engine.trace.write(Path(args.trace) / f"{spec.replace(',', '_').replace('=', '-')}.jsonl")
+        del engine
+    print_comparison(args.compare, results)
+    write_json(dict(zip(args.compare, results)), args.json)
+    return 0
+
+
+def _with_overrides(config: EngineConfig, spec: str) -> EngineConfig:
+    """``"scheduler=static,max_num_seqs=32"`` applied to a copy of ``config`` (option names as in EngineConfig)."""
+    options = _as_options(config)
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in options:
+            raise ValueError(f"--compare: {item!r} is not OPTION=VALUE with a known option ({', '.join(options)})")
+        options[name] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return EngineConfig(**options)
+
+
+def _int_pair(text: str, flag: str) -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be two integers like 8,512, got {text!r}") from None
+    if not 1 <= low <= high:
+        raise ValueError(f"{flag} must satisfy 1 <= min <= max, got {text!r}")
+    return low, high
+
+
+def _plot_timeline(args: argparse.Namespace) -> int:
+    from conveyor.trace import Trace
+    from conveyor.viz.timeline import plot_timeline
+
+    traces = [Trace.read(path) for path in args.traces]
+    labels = [f"{Path(p).stem} ({t.config['scheduler']}, max_num_seqs {t.config['max_num_seqs']})"
+              for p, t in zip(args.traces, traces)]
+    for label, idle in zip(labels, plot_timeline(traces, labels, args.output)):
+        print(f"{label}: {idle:.1%} of slot-steps idle")
+    print(f"wrote {args.output}")
     return 0
 
 

@@ -2,5 +2,8 @@
 
 from conveyor.scheduler.continuous import Scheduler, SchedulerConfig
 from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
+from conveyor.scheduler.static import StaticScheduler
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+SCHEDULERS: dict[str, type[Scheduler]] = {"continuous": Scheduler, "static": StaticScheduler}
+
+__all__ = ["SCHEDULERS", "ScheduledRequest", "Scheduler", "SchedulerConfig", "SchedulerOutput", "StaticScheduler"]

@@ -104,6 +104,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def slot_holders(self) -> list[str]:
+        """Requests that occupy a batch slot now (running ones); the trace draws them."""
+        return [r.request_id for r in self.running]
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -157,9 +161,15 @@ class Scheduler:
                 return False
         return True
 
+    def _may_join(self, request: Request) -> bool:
+        """Policy hook: may this head-of-queue request join the running batch now?"""
+        return True
+
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._may_join(request):
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # The watermark only matters when someone else could be preempted for it.
             if not self.kv.can_admit(request.request_id, request.num_computed_tokens + num_new, bool(self.running)):

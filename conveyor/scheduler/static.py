@@ -1,0 +1,63 @@
+"""Request-level (static) batching: the baseline that continuous batching replaces.
+
+A batch is chosen from the waiting queue at one instant: up to
+``max_num_seqs`` requests, as many as the free KV blocks can take prompts
+for. Nothing joins until every member has finished. A member that finishes
+early keeps its slot idle and its result waits for the batch to complete,
+as in request-level serving systems. Everything else (token budget, chunked
+prefill, preemption, the model and sampling) is shared with the continuous
+scheduler, so a difference in the figures comes from the policy alone.
+"""
+
+from __future__ import annotations
+
+from conveyor.kv import blocks_for_tokens
+from conveyor.request import FinishReason, Request
+from conveyor.scheduler.continuous import Scheduler
+from conveyor.scheduler.output import SchedulerOutput
+
+
+class StaticScheduler(Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._members: set[str] = set()  # the current batch's unfinished requests
+        self._held: list[Request] = []  # finished members, delivered when the batch completes
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._held)
+
+    def slot_holders(self) -> list[str]:
+        """Running members, preempted members waiting to resume, and finished members held back."""
+        preempted = [r.request_id for r in self.waiting if r.request_id in self._members]
+        return [r.request_id for r in self.running] + preempted + [r.request_id for r in self._held]
+
+    def _may_join(self, request: Request) -> bool:
+        if not self._members and not self._held:
+            self._form_batch()
+        return request.request_id in self._members
+
+    def _form_batch(self) -> None:
+        """Take the head of the queue, up to max_num_seqs, while their prompts fit in free blocks."""
+        free = self.kv.num_free_blocks
+        for request in self.waiting:
+            need = blocks_for_tokens(request.num_tokens + 1, self.kv.block_size)
+            if len(self._members) == self.config.max_num_seqs or (need > free and self._members):
+                break
+            free -= need
+            self._members.add(request.request_id)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        touched = super().update(output, sampled_token_ids)
+        delivered = [r for r in touched if not r.is_finished]
+        self._held.extend(r for r in touched if r.is_finished)
+        if not self._members and self._held:
+            now = self.clock()
+            for request in self._held:
+                request.finish_time = now  # the caller sees the result only now
+            delivered.extend(self._held)
+            self._held = []
+        return delivered
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        super()._finish(request, reason, stop_reason)
+        self._members.discard(request.request_id)

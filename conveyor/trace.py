@@ -1,0 +1,91 @@
+"""The scheduler's decisions, step by step, as JSON lines: what the pictures and checks read.
+
+The first line is a header (``{"config": ...}``) naming the policy and its
+limits; each further line is one step. Pure Python, so the real engine and a
+simulator write the same format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conveyor.scheduler.output import SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    start: float  # seconds since the trace began
+    end: float
+    scheduled: dict[str, int]  # request id -> tokens computed this step
+    slots: list[str]  # requests holding a batch slot during the step, busy or idle
+    finished: list[str]
+    preempted: list[str]
+    num_waiting: int
+    num_running: int
+    kv_usage: float
+
+
+@dataclass(slots=True)
+class Trace:
+    config: dict[str, Any]
+    origin: float
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def record(
+        self, output: SchedulerOutput, slots: list[str], finished: list[str], start: float, end: float
+    ) -> None:
+        self.steps.append(
+            StepRecord(
+                step=output.step,
+                start=start - self.origin,
+                end=end - self.origin,
+                scheduled={s.request_id: s.num_tokens for s in output.scheduled},
+                slots=slots,
+                finished=finished,
+                preempted=list(output.preempted_request_ids),
+                num_waiting=output.num_waiting,
+                num_running=output.num_running,
+                kv_usage=round(output.kv_usage, 5),
+            )
+        )
+
+    def write(self, path: str | Path) -> None:
+        with open(path, "w") as f:
+            f.write(json.dumps({"config": self.config}) + "\n")
+            for step in self.steps:
+                f.write(json.dumps(asdict(step)) + "\n")
+
+    @classmethod
+    def read(cls, path: str | Path) -> Trace:
+        with open(path) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+        if not lines or "config" not in lines[0]:
+            raise ValueError(f"trace: {path} does not start with a config header line")
+        return cls(lines[0]["config"], 0.0, [StepRecord(**line) for line in lines[1:]])
+
+    def slot_fill(self) -> tuple[list[list[bool | None]], float]:
+        """Rows = batch slots, columns = steps: True busy, False held but idle, None empty.
+
+        Also returns the idle fraction: the share of slot-steps (``max_num_seqs`` x steps) that did no work.
+        """
+        num_slots = self.config["max_num_seqs"]
+        owner: dict[str, int] = {}
+        grid: list[list[bool | None]] = [[None] * len(self.steps) for _ in range(num_slots)]
+        busy = 0
+        for col, step in enumerate(self.steps):
+            holding = set(step.slots)
+            for request_id in [r for r in owner if r not in holding]:
+                del owner[request_id]
+            free = sorted(set(range(num_slots)) - set(owner.values()), reverse=True)
+            for request_id in step.slots:
+                if request_id not in owner:
+                    owner[request_id] = free.pop()
+                working = request_id in step.scheduled
+                grid[owner[request_id]][col] = working
+                busy += working
+        total = num_slots * len(self.steps)
+        return grid, (1 - busy / total) if total else 0.0

@@ -1,0 +1,1 @@
+"""Pictures drawn from scheduler traces (matplotlib, no screen needed)."""
