@@ -34,6 +34,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own limit
     seed: int = 0
     scheduler: str = "continuous"  # or "static": request-level batching, the baseline
+    scheduling_policy: str = "fcfs"  # or "priority": lower value first; may preempt less important requests
 
     def __post_init__(self) -> None:
         try:
@@ -46,6 +47,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.scheduler not in ("continuous", "static"):
             raise ValueError(f"scheduler must be continuous or static, got {self.scheduler!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):

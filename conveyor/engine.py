@@ -89,7 +89,9 @@ class Engine:
         model = load_model(folder, dtype, device, self.max_model_len)
         self.kv_manager = PagedKVCacheManager(num_blocks, config.block_size)
         self.scheduler = SCHEDULERS[config.scheduler](
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(
+                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.scheduling_policy
+            ),
             self.kv_manager,
             clock,
         )
@@ -103,6 +105,7 @@ class Engine:
         config = self.config
         header = {
             "scheduler": config.scheduler,
+            "scheduling_policy": config.scheduling_policy,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
         }

@@ -46,6 +46,7 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
+    last_preempted_by: tuple[str, int] | None = None  # (waiting request, step): guards against thrash
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -65,5 +65,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
-
-GREEDY = SamplingParams(temperature=0.0)

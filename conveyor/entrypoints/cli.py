@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -34,6 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded random sampling")
     g.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
                    help="continuous: iteration-level batching; static: request-level batches (the baseline)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="priority: lower value first, preempting less important running requests")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -49,6 +52,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         seed=args.seed,
         scheduler=args.scheduler,
+        scheduling_policy=args.scheduling_policy,
     )
 
 
@@ -208,7 +212,7 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _as_options(config: EngineConfig) -> dict:
-    return {name: getattr(config, name) for name in config.__slots__ if name != "model"} | {"model": config.model}
+    return dataclasses.asdict(config)
 
 
 if __name__ == "__main__":

@@ -27,11 +27,18 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """``priority``: one integer per prompt, lower first (with ``scheduling_policy="priority"``)."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts) or not all(isinstance(p, int) for p in priorities):
+            raise ValueError(f"priority: one integer per prompt is needed, got {priority!r}")
         # Build and check every request before adding any: one bad prompt refuses the call, not half of it.
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = [
+            self.engine.make_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priorities)
+        ]
         for request in requests:
             self.engine.add_request(request)
         return self._run([r.request_id for r in requests], use_tqdm)

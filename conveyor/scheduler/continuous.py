@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,21 +23,30 @@ from conveyor.kv import PagedKVCacheManager
 from conveyor.request import FinishReason, Request, RequestStatus
 from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
 
+POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    policy: str = "fcfs"  # or "priority": lower value first, and may preempt less important requests
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.policy!r}")
 
 
 def _arrival_order(request: Request) -> tuple[float, int]:
     return (request.arrival_time, request.arrival_order)
+
+
+def _priority_order(request: Request) -> tuple[int, float, int]:
+    return (request.priority, request.arrival_time, request.arrival_order)
 
 
 class Scheduler:
@@ -60,10 +68,13 @@ class Scheduler:
         self.kv = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        # Kept sorted by arrival: served from the front, preempted from the back.
+        # Both queues are kept sorted by the policy's order (arrival, or priority then arrival):
+        # waiting is admitted from the front; running is served from the front and preempted from the back.
+        self._order = _arrival_order if config.policy == "fcfs" else _priority_order
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._finished_since_last_step: list[str] = []
+        self._preempted_this_step: list[str] = []
         self.step_index = 0
         self.num_preemptions = 0
         self._num_added = 0
@@ -81,7 +92,7 @@ class Scheduler:
         request.arrival_order = self._num_added
         self._num_added += 1
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=self._order)
 
     def abort_request(self, request_id: str) -> Request | None:
         """End a request wherever it is; its blocks return to the pool at once."""
@@ -121,20 +132,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
+        self._preempted_this_step = preempted = []
 
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, request.num_computed_tokens + num_new, preempted):
+            if not self._make_room(request, request.num_computed_tokens + num_new):
                 break  # the request preempted itself: it was the most recent arrival
             scheduled.append(self._schedule(request, num_new))
             budget -= num_new
             index += 1
 
-        # vLLM's rule: admit nobody in a step that had to preempt, or the
-        # newcomer would take the blocks just freed and cause the next preemption.
+        # vLLM's rule: admit nobody in a step that had to preempt for memory, or
+        # the newcomer would take the blocks just freed and cause the next preemption.
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
 
@@ -151,12 +162,11 @@ class Scheduler:
         self._finished_since_last_step = []
         return output
 
-    def _make_room(self, request: Request, num_tokens: int, preempted: list[str]) -> bool:
+    def _make_room(self, request: Request, num_tokens: int) -> bool:
         """Allocate slots for ``request``, preempting later arrivals until they fit."""
         while not self.kv.allocate_slots(request.request_id, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
-            preempted.append(victim.request_id)
             if victim is request:
                 return False
         return True
@@ -166,23 +176,54 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
             if not self._may_join(request):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            # The watermark only matters when someone else could be preempted for it.
-            if not self.kv.can_admit(request.request_id, request.num_computed_tokens + num_new, bool(self.running)):
-                break  # FCFS: nobody overtakes the head of the queue
+            if not self._fits(request, num_new):
+                refund = self._preempt_for(request, scheduled)
+                if refund is None:
+                    break  # nobody overtakes the head of the queue
+                budget += refund
+                continue
             self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
-            self.waiting.popleft()
+            self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
-            bisect.insort(self.running, request, key=_arrival_order)
+            bisect.insort(self.running, request, key=self._order)
             scheduled.append(self._schedule(request, num_new))
             budget -= num_new
         return budget
+
+    def _fits(self, request: Request, num_new: int) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        # The watermark only matters when someone else could be preempted for it.
+        return self.kv.can_admit(request.request_id, request.num_computed_tokens + num_new, bool(self.running))
+
+    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
+        """Priority policy: preempt the least important running request if it ranks strictly below ``request``.
+
+        Returns the tokens the victim had been given this step (back to the budget), or None if
+        nobody may be preempted.
+        """
+        if self.config.policy != "priority" or not self.running:
+            return None
+        victim = self.running[-1]
+        if victim.priority <= request.priority:
+            return None
+        if victim.last_preempted_by == (request.request_id, self.step_index - 1):
+            return None  # thrash guard: not twice in consecutive steps by the same request
+        refund = 0
+        for i, item in enumerate(scheduled):
+            if item.request_id == victim.request_id:
+                refund = scheduled.pop(i).num_tokens
+                break
+        self._preempt(victim)
+        victim.last_preempted_by = (request.request_id, self.step_index)
+        return refund
 
     def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -203,7 +244,8 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._preempted_this_step.append(request.request_id)
+        bisect.insort(self.waiting, request, key=self._order)
 
     # ----- after the executor ran the step ----------------------------------
 
