@@ -35,12 +35,16 @@ class EngineConfig:
     seed: int = 0
     scheduler: str = "continuous"  # or "static": request-level batching, the baseline
     scheduling_policy: str = "fcfs"  # or "priority": lower value first; may preempt less important requests
+    preemption_mode: str = "recompute"  # or "swap": a victim's KV goes to CPU memory and comes back
+    swap_space: int | str = "4GiB"  # CPU memory for swapped KV blocks (preemption_mode="swap")
+    kv_layout: str = "paged"  # or "contiguous": a max_model_len slab reserved per request
 
     def __post_init__(self) -> None:
-        try:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        except ValueError as error:
-            raise ValueError(f"kv_cache_memory: {error}") from None
+        for name in ("kv_cache_memory", "swap_space"):
+            try:
+                setattr(self, name, parse_bytes(getattr(self, name)))
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len", "seed"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
@@ -49,6 +53,10 @@ class EngineConfig:
             raise ValueError(f"scheduler must be continuous or static, got {self.scheduler!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout must be paged or contiguous, got {self.kv_layout!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):

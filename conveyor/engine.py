@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.config import EngineConfig
-from conveyor.kv import PagedKVCacheManager
+from conveyor.kv import ContiguousKVCacheManager, PagedKVCacheManager
 from conveyor.model.config import ModelConfig
 from conveyor.request import FinishReason, Request
 from conveyor.sampling import SamplingParams
@@ -84,18 +84,28 @@ class Engine:
         else:
             device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
-        num_blocks = self._num_kv_blocks(dtype.itemsize)
+        self.kv_block_bytes = config.block_size * self.model_config.kv_bytes_per_token * dtype.itemsize
+        num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         model = load_model(folder, dtype, device, self.max_model_len)
-        self.kv_manager = PagedKVCacheManager(num_blocks, config.block_size)
+        num_cpu_blocks = config.swap_space // self.kv_block_bytes if config.preemption_mode == "swap" else 0
+        block_size = config.block_size
+        if config.kv_layout == "contiguous":
+            self.kv_manager = ContiguousKVCacheManager(num_blocks, block_size, self.max_model_len, num_cpu_blocks)
+        else:
+            self.kv_manager = PagedKVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
         self.scheduler = SCHEDULERS[config.scheduler](
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.scheduling_policy
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                config.scheduling_policy,
+                config.preemption_mode,
             ),
             self.kv_manager,
             clock,
         )
-        self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed)
+        self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks)
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
         self.trace: Trace | None = None
@@ -106,21 +116,24 @@ class Engine:
         header = {
             "scheduler": config.scheduler,
             "scheduling_policy": config.scheduling_policy,
+            "preemption_mode": config.preemption_mode,
+            "kv_layout": config.kv_layout,
+            "block_size": config.block_size,
+            "max_model_len": self.max_model_len,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
         }
         self.trace = Trace(header, self.clock())
         return self.trace
 
-    def _num_kv_blocks(self, itemsize: int) -> int:
+    def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        block_bytes = self.config.block_size * self.model_config.kv_bytes_per_token * itemsize
-        if self.config.kv_cache_memory < block_bytes:
+        if self.config.kv_cache_memory < self.kv_block_bytes:
             raise ValueError(
-                f"kv_cache_memory: {self.config.kv_cache_memory} bytes hold no block of {block_bytes} bytes"
+                f"kv_cache_memory: {self.config.kv_cache_memory} bytes hold no block of {self.kv_block_bytes} bytes"
             )
-        return self.config.kv_cache_memory // block_bytes
+        return self.config.kv_cache_memory // self.kv_block_bytes
 
     def _max_model_len(self, capacity: int) -> int:
         wanted = self.config.max_model_len

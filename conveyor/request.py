@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in the waiting queue; its KV was dropped
+    SWAPPED = "swapped"  # preempted with its KV copied to CPU, to be copied back
     FINISHED = "finished"
 
 

@@ -27,6 +27,23 @@ class StepRecord:
     num_waiting: int
     num_running: int
     kv_usage: float
+    num_swapped: int = 0
+    blocks_swapped_in: int = 0
+    blocks_swapped_out: int = 0
+    kv_reserved_slots: int = 0
+    kv_used_slots: int = 0
+    kv_unusable_free_slots: int = 0
+
+
+def _memory_fields(output: SchedulerOutput) -> dict[str, int]:
+    memory = output.memory
+    if memory is None:
+        return {}
+    return {
+        "kv_reserved_slots": memory.reserved_slots,
+        "kv_used_slots": memory.used_slots,
+        "kv_unusable_free_slots": memory.unusable_free_slots,
+    }
 
 
 @dataclass(slots=True)
@@ -49,7 +66,11 @@ class Trace:
                 preempted=list(output.preempted_request_ids),
                 num_waiting=output.num_waiting,
                 num_running=output.num_running,
+                num_swapped=output.num_swapped,
+                blocks_swapped_in=len(output.blocks_to_swap_in),
+                blocks_swapped_out=len(output.blocks_to_swap_out),
                 kv_usage=round(output.kv_usage, 5),
+                **_memory_fields(output),
             )
         )
 

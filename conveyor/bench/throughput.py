@@ -10,6 +10,7 @@ from conveyor.bench.report import format_table, mean, percentile
 from conveyor.bench.workload import long_tail_workload
 from conveyor.engine import Engine, RequestOutput
 from conveyor.sampling import SamplingParams
+from conveyor.trace import Trace
 
 
 def run_throughput(
@@ -35,6 +36,9 @@ def run_throughput(
     _, idle_fraction = trace.slot_fill()
     return {
         "scheduler": engine.config.scheduler,
+        "scheduling_policy": engine.config.scheduling_policy,
+        "preemption_mode": engine.config.preemption_mode,
+        "kv_layout": engine.config.kv_layout,
         "max_num_seqs": engine.config.max_num_seqs,
         "num_requests": len(finished),
         "seed": seed,
@@ -52,9 +56,18 @@ def run_throughput(
         "latency_p50_s": percentile(latency, 50),
         "latency_p99_s": percentile(latency, 99),
         "preemptions": sum(o.metrics.num_preemptions for o in finished),
+        "swaps_out": engine.scheduler.num_swaps_out,
+        "swap_fallbacks_to_recompute": engine.scheduler.num_swap_fallbacks,
         "peak_running": max((step.num_running for step in trace.steps), default=0),
+        "kv_waste_fraction": _mean_waste(trace),
         "idle_slot_fraction": idle_fraction,
     }
+
+
+def _mean_waste(trace: Trace) -> float:
+    """Share of reserved KV slots that held no token, averaged over steps that reserved any."""
+    shares = [1 - s.kv_used_slots / s.kv_reserved_slots for s in trace.steps if s.kv_reserved_slots]
+    return mean(shares) if shares else 0.0
 
 
 def print_throughput(result: dict[str, Any]) -> None:
@@ -70,7 +83,9 @@ COMPARE_COLUMNS = {
     "p99 TTFT s": "ttft_p99_s",
     "idle slots": "idle_slot_fraction",
     "preemptions": "preemptions",
+    "swaps": "swaps_out",
     "peak running": "peak_running",
+    "KV waste": "kv_waste_fraction",
 }
 
 

@@ -37,6 +37,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="continuous: iteration-level batching; static: request-level batches (the baseline)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="priority: lower value first, preempting less important running requests")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="what happens to a preempted request's KV: dropped and recomputed, or swapped to CPU")
+    g.add_argument("--swap-space", default="4GiB", help="CPU memory for swapped KV (with --preemption-mode swap)")
+    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"],
+                   help="paged: blocks on demand; contiguous: a --max-model-len slab reserved per request")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -53,6 +58,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         scheduler=args.scheduler,
         scheduling_policy=args.scheduling_policy,
+        preemption_mode=args.preemption_mode,
+        swap_space=args.swap_space,
+        kv_layout=args.kv_layout,
     )
 
 
@@ -93,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     timeline = plot.add_parser("timeline", help="batch slots x steps, busy or idle, one panel per trace")
     timeline.add_argument("traces", nargs="+")
     timeline.add_argument("-o", "--output", default="timeline.png")
+    memory = plot.add_parser("memory", help="KV slots reserved vs used over time, and running requests")
+    memory.add_argument("traces", nargs="+")
+    memory.add_argument("-o", "--output", default="memory.png")
     return parser
 
 
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = engine_config(args) if hasattr(args, "model") else None
         if args.command == "plot":
-            return _plot_timeline(args)
+            return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":
             return _generate(args, config)
         if args.bench == "throughput":
@@ -187,13 +198,30 @@ def _int_pair(text: str, flag: str) -> tuple[int, int]:
     return low, high
 
 
-def _plot_timeline(args: argparse.Namespace) -> int:
+def _read_traces(paths: list[str]) -> tuple[list, list[str]]:
     from conveyor.trace import Trace
+
+    traces = [Trace.read(path) for path in paths]
+    labels = [f"{Path(p).stem} ({t.config['scheduler']}, max_num_seqs {t.config['max_num_seqs']})"
+              for p, t in zip(paths, traces)]
+    return traces, labels
+
+
+def _plot_memory(args: argparse.Namespace) -> int:
+    from conveyor.viz.memory import plot_memory
+
+    traces, labels = _read_traces(args.traces)
+    for label, summary in zip(labels, plot_memory(traces, labels, args.output)):
+        print(f"{label}: {summary['mean_waste']:.1%} of reserved KV slots unused on average, "
+              f"peak {summary['peak_running']} running requests")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _plot_timeline(args: argparse.Namespace) -> int:
     from conveyor.viz.timeline import plot_timeline
 
-    traces = [Trace.read(path) for path in args.traces]
-    labels = [f"{Path(p).stem} ({t.config['scheduler']}, max_num_seqs {t.config['max_num_seqs']})"
-              for p, t in zip(args.traces, traces)]
+    traces, labels = _read_traces(args.traces)
     for label, idle in zip(labels, plot_timeline(traces, labels, args.output)):
         print(f"{label}: {idle:.1%} of slot-steps idle")
     print(f"wrote {args.output}")

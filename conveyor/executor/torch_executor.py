@@ -17,7 +17,9 @@ from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
 
 
 class TorchExecutor:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, num_cpu_blocks: int = 0
+    ) -> None:
         config = model.config
         param = model.embed_tokens.weight
         self.model = model
@@ -29,11 +31,18 @@ class TorchExecutor:
             dtype=param.dtype,
             device=self.device,
         )
+        # The swap space: same layout, in host memory (pinned when the device is a GPU, for fast copies).
+        self.cpu_kv_cache = torch.zeros(
+            (*self.kv_cache.shape[:2], num_cpu_blocks, *self.kv_cache.shape[3:]),
+            dtype=param.dtype,
+            pin_memory=self.device.type == "cuda" and num_cpu_blocks > 0,
+        )
         self.sampler = Sampler(seed)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the token sampled for each request whose chunk ended at its last token."""
+        self._swap(output)
         if output.is_empty:
             return {}
         batch = sorted(output.scheduled, key=_row_order)
@@ -47,6 +56,15 @@ class TorchExecutor:
             logits, [s.sampling_params for s in sampled], [s.num_output_tokens for s in sampled]
         )
         return {s.request_id: t for s, t in zip(sampled, tokens)}
+
+    def _swap(self, output: SchedulerOutput) -> None:
+        """Copy swapped blocks, all layers at once; swap-ins first (see SchedulerOutput)."""
+        if output.blocks_to_swap_in:
+            cpu, device = zip(*output.blocks_to_swap_in)
+            self.kv_cache[:, :, list(device)] = self.cpu_kv_cache[:, :, list(cpu)].to(self.device)
+        if output.blocks_to_swap_out:
+            device, cpu = zip(*output.blocks_to_swap_out)
+            self.cpu_kv_cache[:, :, list(cpu)] = self.kv_cache[:, :, list(device)].cpu()
 
     def _prepare(
         self, batch: list[ScheduledRequest]

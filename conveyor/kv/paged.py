@@ -8,6 +8,7 @@ spill into it, so memory held tracks memory used, within one block.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -27,6 +28,13 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def can_take(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def unusable_free_blocks(self) -> int:
+        """Free blocks that no request could use: none, since any block serves any request."""
+        return 0
+
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
@@ -36,21 +44,39 @@ class BlockPool:
         self._free.extend(block_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    capacity_slots: int
+    reserved_slots: int  # slots held by requests
+    used_slots: int  # slots that hold a token's K/V
+    unusable_free_slots: int  # external fragmentation: free, but in holes too small for any request
+    num_requests: int
+
+    @property
+    def internal_waste_slots(self) -> int:
+        return self.reserved_slots - self.used_slots
+
+
 class PagedKVCacheManager:
-    """Owns the block tables of all requests that hold KV in the pool.
+    """Owns the block tables of all requests that hold KV in the pool, and of those swapped out to CPU.
 
     ``watermark_blocks`` are held back from *admission* (not from requests
     already running), so that admitting one more request does not force a
-    preemption on the very next step.
+    preemption on the very next step. ``num_cpu_blocks`` is the swap space:
+    a second pool, in host memory, that a preempted request's blocks can be
+    copied to instead of being dropped.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.cpu_block_tables: dict[str, list[int]] = {}
+        self._num_tokens: dict[str, int] = {}  # slots each request fills, for the waste report
 
     @property
     def num_blocks(self) -> int:
@@ -79,19 +105,67 @@ class PagedKVCacheManager:
     def can_admit(self, request_id: str, num_tokens: int, keep_watermark: bool = True) -> bool:
         """Whether a waiting request could get slots for ``num_tokens`` tokens."""
         reserve = self.watermark_blocks if keep_watermark else 0
-        return self._extra_blocks(request_id, num_tokens) <= self.pool.num_free - reserve
+        return self.pool.can_take(self._extra_blocks(request_id, num_tokens) + reserve)
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's block table to hold ``num_tokens`` tokens; False if the pool is short."""
         extra = self._extra_blocks(request_id, num_tokens)
-        if extra > self.pool.num_free:
+        if extra and not self.pool.can_take(extra):
             return False
         table = self.block_tables.setdefault(request_id, [])
         if extra:
             table.extend(self.pool.take(extra))
+        self._num_tokens[request_id] = num_tokens
         return True
 
     def free(self, request_id: str) -> None:
+        self._num_tokens.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
             self.pool.give_back(table)
+        cpu_table = self.cpu_block_tables.pop(request_id, None)
+        if cpu_table:
+            self.cpu_pool.give_back(cpu_table)
+
+    def memory_report(self) -> MemoryReport:
+        """Token slots reserved vs holding real KV, and free slots no request could use."""
+        reserved = (self.pool.num_blocks - self.pool.num_free) * self.block_size
+        used = sum(n for rid, n in self._num_tokens.items() if rid in self.block_tables)
+        return MemoryReport(
+            capacity_slots=self.capacity_tokens,
+            reserved_slots=reserved,
+            used_slots=used,
+            unusable_free_slots=self.pool.unusable_free_blocks() * self.block_size,
+            num_requests=len(self.block_tables),
+        )
+
+    # ----- swap ---------------------------------------------------------------
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_free if self.cpu_pool else 0
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to CPU; (device, cpu) pairs to copy, or None if swap space is short."""
+        table = self.block_tables.get(request_id, [])
+        if self.cpu_pool is None or len(table) > self.cpu_pool.num_free:
+            return None
+        cpu_table = self.cpu_pool.take(len(table))
+        self.pool.give_back(self.block_tables.pop(request_id, []))
+        self.cpu_block_tables[request_id] = cpu_table
+        return list(zip(table, cpu_table))
+
+    def can_swap_in(self, request_id: str, num_tokens: int, keep_watermark: bool = True) -> bool:
+        """Whether the swapped request's blocks, plus room for ``num_tokens`` tokens, fit on the device."""
+        needed = blocks_for_tokens(num_tokens, self.block_size)
+        held = len(self.cpu_block_tables.get(request_id, ()))
+        reserve = self.watermark_blocks if keep_watermark else 0
+        return self.pool.can_take(max(needed - held, 0) + held + reserve)
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """Move the request's blocks back to the device; (cpu, device) pairs to copy."""
+        cpu_table = self.cpu_block_tables.pop(request_id)
+        table = self.pool.take(len(cpu_table))
+        self.cpu_pool.give_back(cpu_table)
+        self.block_tables[request_id] = table
+        return list(zip(cpu_table, table))

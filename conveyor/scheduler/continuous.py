@@ -7,14 +7,17 @@ that finishes leaves after the step in which it finished, and its blocks
 return to the pool at once, so a waiting request joins on the very next step.
 
 When a running request needs a block and the pool is empty, the most recently
-arrived running request is preempted by recompute: its KV is dropped and it
+arrived running request is preempted. By recompute, its KV is dropped and it
 goes back to the front of the waiting queue, to be prefilled again later
-(prompt and output so far) when memory frees up.
+(prompt and output so far). By swap, its blocks are copied to a CPU pool and
+it waits in the swapped queue, which is resumed before anyone new is admitted;
+when the CPU pool is full, that victim falls back to recompute.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +27,8 @@ from conveyor.request import FinishReason, Request, RequestStatus
 from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
 
 POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+logger = logging.getLogger("conveyor.scheduler")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"  # or "priority": lower value first, and may preempt less important requests
+    preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -39,6 +45,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
 
 
 def _arrival_order(request: Request) -> tuple[float, int]:
@@ -73,10 +81,14 @@ class Scheduler:
         self._order = _arrival_order if config.policy == "fcfs" else _priority_order
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
         self._finished_since_last_step: list[str] = []
         self._preempted_this_step: list[str] = []
+        self._swap_out: list[tuple[int, int]] = []
         self.step_index = 0
         self.num_preemptions = 0
+        self.num_swaps_out = 0
+        self.num_swap_fallbacks = 0  # swaps that found the CPU pool full and recomputed instead
         self._num_added = 0
 
     # ----- queue management -------------------------------------------------
@@ -99,10 +111,10 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
+        queue = {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
+            request.status, self.waiting
+        )
+        queue.remove(request)
         self._finish(request, FinishReason.ABORT)
         return request
 
@@ -127,12 +139,18 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     # ----- one step ---------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         self._preempted_this_step = preempted = []
+        self._swap_out = []
+        swap_in: list[tuple[int, int]] = []
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -146,7 +164,9 @@ class Scheduler:
 
         # vLLM's rule: admit nobody in a step that had to preempt for memory, or
         # the newcomer would take the blocks just freed and cause the next preemption.
+        # Swapped requests come back before anyone new is admitted.
         if not preempted:
+            budget = self._resume_swapped(budget, scheduled, swap_in)
             budget = self._admit_waiting(budget, scheduled)
 
         self.step_index += 1
@@ -155,9 +175,13 @@ class Scheduler:
             scheduled=scheduled,
             preempted_request_ids=preempted,
             finished_request_ids=self._finished_since_last_step,
+            blocks_to_swap_in=swap_in,
+            blocks_to_swap_out=self._swap_out,
             num_waiting=len(self.waiting),
             num_running=len(self.running),
+            num_swapped=len(self.swapped),
             kv_usage=self.kv.usage,
+            memory=self.kv.memory_report(),
         )
         self._finished_since_last_step = []
         return output
@@ -171,6 +195,22 @@ class Scheduler:
                 return False
         return True
 
+    def _resume_swapped(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + num_new
+            if not self.kv.can_swap_in(request.request_id, end, keep_watermark=bool(self.running)):
+                break
+            swap_in.extend(self.kv.swap_in(request.request_id))
+            self.kv.allocate_slots(request.request_id, end)
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._order)
+            scheduled.append(self._schedule(request, num_new))
+            budget -= num_new
+        return budget
+
     def _may_join(self, request: Request) -> bool:
         """Policy hook: may this head-of-queue request join the running batch now?"""
         return True
@@ -178,6 +218,8 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if self.swapped and self._order(self.swapped[0]) < self._order(request):
+                break  # a swapped request that ranks first is resumed first
             if not self._may_join(request):
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -239,12 +281,22 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv.free(request.request_id)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_this_step.append(request.request_id)
+        if self.config.preemption_mode == "swap":
+            pairs = self.kv.swap_out(request.request_id)
+            if pairs is not None:
+                self._swap_out.extend(pairs)
+                self.num_swaps_out += 1
+                request.status = RequestStatus.SWAPPED
+                bisect.insort(self.swapped, request, key=self._order)
+                return
+            self.num_swap_fallbacks += 1
+            logger.warning("swap space full: request %s is preempted by recompute instead", request.request_id)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, request, key=self._order)
 
     # ----- after the executor ran the step ----------------------------------

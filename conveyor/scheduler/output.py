@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from conveyor.kv import MemoryReport
 from conveyor.sampling import SamplingParams
 
 
@@ -39,9 +40,15 @@ class SchedulerOutput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that ended since the previous step: the executor drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # (cpu block, device block) and (device block, cpu block) pairs to copy before the step runs:
+    # swap-ins first, then swap-outs (a CPU block freed by a swap-in may be a swap-out's destination).
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     num_waiting: int = 0
     num_running: int = 0
+    num_swapped: int = 0
     kv_usage: float = 0.0
+    memory: MemoryReport | None = None  # after this step's allocations
 
     @property
     def num_batched_tokens(self) -> int:

@@ -28,7 +28,7 @@ class StaticScheduler(Scheduler):
 
     def slot_holders(self) -> list[str]:
         """Running members, preempted members waiting to resume, and finished members held back."""
-        preempted = [r.request_id for r in self.waiting if r.request_id in self._members]
+        preempted = [r.request_id for r in self.swapped + self.waiting if r.request_id in self._members]
         return [r.request_id for r in self.running] + preempted + [r.request_id for r in self._held]
 
     def _may_join(self, request: Request) -> bool:

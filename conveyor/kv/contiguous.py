@@ -1,0 +1,75 @@
+"""Contiguous KV reservation: the "traditional" layout that paged attention replaced.
+
+At admission a request reserves one contiguous slab of slots for the longest
+sequence it could reach (``max_model_len``), however short it turns out. The
+slab is expressed as a run of consecutive block ids, so the same attention
+over block tables reads it, and the two layouts differ in memory policy only.
+Two losses follow, both reported: internal waste (slots reserved but never
+filled) and external fragmentation (free slots in holes too small for a slab).
+"""
+
+from __future__ import annotations
+
+from conveyor.kv.paged import PagedKVCacheManager, blocks_for_tokens
+
+
+class ContiguousBlockPool:
+    """Free blocks as a bitmap; every request takes one run of ``slab_blocks`` consecutive blocks (first fit)."""
+
+    def __init__(self, num_blocks: int, slab_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.slab_blocks = slab_blocks
+        self._free = [True] * num_blocks
+        self._num_free = num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def _free_runs(self) -> list[tuple[int, int]]:
+        """(start, length) of every maximal run of free blocks."""
+        runs, start = [], None
+        for index, free in enumerate([*self._free, False]):
+            if free and start is None:
+                start = index
+            elif not free and start is not None:
+                runs.append((start, index - start))
+                start = None
+        return runs
+
+    def can_take(self, n: int) -> bool:
+        return n == 0 or any(length >= n for _, length in self._free_runs())
+
+    def unusable_free_blocks(self) -> int:
+        """Free blocks outside any slab-sized piece of a hole."""
+        usable = sum(length // self.slab_blocks * self.slab_blocks for _, length in self._free_runs())
+        return self._num_free - usable
+
+    def take(self, n: int) -> list[int]:
+        for start, length in self._free_runs():
+            if length >= n:
+                for block in range(start, start + n):
+                    self._free[block] = False
+                self._num_free -= n
+                return list(range(start, start + n))
+        raise RuntimeError(f"no run of {n} contiguous free KV blocks")
+
+    def give_back(self, block_ids: list[int]) -> None:
+        for block in block_ids:
+            self._free[block] = True
+        self._num_free += len(block_ids)
+
+
+class ContiguousKVCacheManager(PagedKVCacheManager):
+    """Each request holds one slab of ``max_model_len`` slots from admission to finish."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int, num_cpu_blocks: int = 0) -> None:
+        # No watermark: a running request never needs another slot, so admission cannot cause preemption.
+        super().__init__(num_blocks, block_size, watermark=0.0, num_cpu_blocks=num_cpu_blocks)
+        self.slab_blocks = blocks_for_tokens(max_model_len, block_size)
+        self.pool = ContiguousBlockPool(num_blocks, self.slab_blocks)
+
+    def _extra_blocks(self, request_id: str, num_tokens: int) -> int:
+        return 0 if self.block_tables.get(request_id) else self.slab_blocks

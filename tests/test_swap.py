@@ -1,0 +1,107 @@
+"""Preemption by swap: a victim's KV goes to a CPU pool and comes back intact."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.kv import PagedKVCacheManager
+from conveyor.request import RequestStatus
+from conveyor.scheduler import Scheduler, SchedulerConfig
+from conveyor.scheduler.output import SchedulerOutput
+from tests.test_scheduler import FakeClock, FakeExecutor, Harness
+
+
+class SwapAwareExecutor(FakeExecutor):
+    """The fake executor, except that a swapped-out request keeps its KV (the real one copies it)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        super().__init__()
+        self.scheduler = scheduler
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+        requests = self.scheduler.requests
+        dropped = [i for i in output.preempted_request_ids if requests[i].status is not RequestStatus.SWAPPED]
+        return super().execute(dataclasses.replace(output, preempted_request_ids=dropped))
+
+
+def swap_harness(num_blocks: int, block_size: int, num_cpu_blocks: int) -> Harness:
+    kv = PagedKVCacheManager(num_blocks, block_size, watermark=0.0, num_cpu_blocks=num_cpu_blocks)
+    config = SchedulerConfig(8, 64, kv.capacity_tokens, preemption_mode="swap")
+    scheduler = Scheduler(config, kv, clock=FakeClock())
+    return Harness(scheduler, SwapAwareExecutor(scheduler))
+
+
+def test_swapped_request_keeps_its_progress_and_resumes_before_new_admissions():
+    h = swap_harness(num_blocks=4, block_size=4, num_cpu_blocks=8)
+    first = h.add("first", 6, max_tokens=6, ignore_eos=True)
+    second = h.add("second", 6, max_tokens=6, ignore_eos=True)
+    # Both fill 2 blocks each; when first needs a third, second (the later arrival) is swapped out.
+    while not (output := h.step()).preempted_request_ids:
+        pass
+    assert output.preempted_request_ids == ["second"]
+    assert len(output.blocks_to_swap_out) == 2 and second.status is RequestStatus.SWAPPED
+    progress = second.num_computed_tokens
+    assert progress == 8, "a swapped request keeps its computed tokens"
+    h.add("late", 2, max_tokens=2, ignore_eos=True)
+    outputs = h.run_to_end()
+    resumed = next(i for i, o in enumerate(outputs) if o.blocks_to_swap_in)
+    late_admitted = next(i for i, o in enumerate(outputs) if "late" in {s.request_id for s in o.scheduled})
+    assert resumed <= late_admitted, "the swapped request comes back before a new one is admitted"
+    # No recompute: after the swap-in, the request continues from where it stopped.
+    [again] = [s for s in outputs[resumed].scheduled if s.request_id == "second"]
+    assert again.start_position == progress and again.num_tokens == 1
+    assert first.num_output_tokens == second.num_output_tokens == 6
+    assert h.scheduler.kv.num_free_blocks == 4 and h.scheduler.kv.num_free_cpu_blocks == 8
+
+
+def test_full_swap_space_falls_back_to_recompute():
+    h = swap_harness(num_blocks=4, block_size=4, num_cpu_blocks=1)
+    h.add("first", 6, max_tokens=6, ignore_eos=True)
+    second = h.add("second", 6, max_tokens=6, ignore_eos=True)
+    while not (output := h.step()).preempted_request_ids:
+        pass
+    assert output.preempted_request_ids == ["second"] and output.blocks_to_swap_out == []
+    assert second.status is RequestStatus.PREEMPTED and second.num_computed_tokens == 0
+    assert h.scheduler.num_swap_fallbacks == 1
+    h.run_to_end()
+    assert second.num_output_tokens == 6
+
+
+def test_swap_copies_are_bit_identical(tiny_model_dir):
+    """KV copied out to CPU and back lands unchanged in the new device blocks."""
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=16, block_size=4, preemption_mode="swap", swap_space=10**6)
+    executor = llm.engine.executor
+    executor.kv_cache.normal_()
+    original = executor.kv_cache[:, :, [3, 5, 7]].clone()
+    executor.execute(SchedulerOutput(step=1, scheduled=[], blocks_to_swap_out=[(3, 0), (5, 1), (7, 2)]))
+    executor.kv_cache[:, :, [3, 5, 7]] = 0.0  # the freed blocks get reused
+    executor.execute(SchedulerOutput(step=2, scheduled=[], blocks_to_swap_in=[(0, 9), (1, 10), (2, 11)]))
+    assert torch.equal(executor.kv_cache[:, :, [9, 10, 11]], original)
+
+
+def _workload(seed: int):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randrange(4, 60))] for _ in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 40), ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+@pytest.mark.parametrize("swap_space", [10**7, 30_000], ids=["roomy-swap", "swap-runs-out"])
+def test_swap_gives_the_same_tokens_as_recompute(tiny_model_dir, swap_space):
+    prompts, params = _workload(seed=21)
+    reference = LLM(str(tiny_model_dir), num_kv_blocks=1024).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=24, block_size=4, max_model_len=96,
+              preemption_mode="swap", swap_space=swap_space)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_swaps_out > 0
+    if swap_space == 30_000:
+        assert scheduler.num_swap_fallbacks > 0
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks and kv.num_free_cpu_blocks == kv.cpu_pool.num_blocks
