@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from conveyor import LLM, SamplingParams
+from conveyor.entrypoints.cli import main
 from conveyor.kv import ContiguousKVCacheManager, PagedKVCacheManager
 
 
@@ -44,7 +45,7 @@ def _workload():
     return prompts, params
 
 
-def test_same_tokens_and_paged_runs_more_requests_in_the_same_memory(tiny_model_dir):
+def test_same_tokens_and_paged_runs_more_requests_in_the_same_memory(tiny_model_dir, tmp_path, capsys):
     prompts, params = _workload()
     runs = {}
     for layout in ("paged", "contiguous"):
@@ -58,3 +59,11 @@ def test_same_tokens_and_paged_runs_more_requests_in_the_same_memory(tiny_model_
     assert runs["paged"][1] >= 2 * runs["contiguous"][1]
     contiguous_trace = runs["contiguous"][2]
     assert all(s.kv_reserved_slots == 64 * s.num_running for s in contiguous_trace.steps if s.num_running)
+    paths = []
+    for layout in ("contiguous", "paged"):
+        runs[layout][2].write(tmp_path / f"{layout}.jsonl")
+        paths.append(str(tmp_path / f"{layout}.jsonl"))
+    assert main(["plot", "memory", *paths, "-o", str(tmp_path / "memory.png")]) == 0
+    assert (tmp_path / "memory.png").stat().st_size > 10_000
+    printed = capsys.readouterr().out
+    assert "peak 4 running" in printed and f"peak {runs['paged'][1]} running" in printed

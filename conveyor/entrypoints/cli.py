@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 from conveyor.config import EngineConfig
@@ -198,19 +199,19 @@ def _int_pair(text: str, flag: str) -> tuple[int, int]:
     return low, high
 
 
-def _read_traces(paths: list[str]) -> tuple[list, list[str]]:
+def _read_traces(paths: list[str], describe: str) -> tuple[list, list[str]]:
+    """Traces and their labels: the file name, and the config fields that ``describe`` names."""
     from conveyor.trace import Trace
 
     traces = [Trace.read(path) for path in paths]
-    labels = [f"{Path(p).stem} ({t.config['scheduler']}, max_num_seqs {t.config['max_num_seqs']})"
-              for p, t in zip(paths, traces)]
+    labels = [f"{Path(p).stem} ({describe.format_map(defaultdict(str, t.config))})" for p, t in zip(paths, traces)]
     return traces, labels
 
 
 def _plot_memory(args: argparse.Namespace) -> int:
     from conveyor.viz.memory import plot_memory
 
-    traces, labels = _read_traces(args.traces)
+    traces, labels = _read_traces(args.traces, "{kv_layout}, {max_model_len}-token max length")
     for label, summary in zip(labels, plot_memory(traces, labels, args.output)):
         print(f"{label}: {summary['mean_waste']:.1%} of reserved KV slots unused on average, "
               f"peak {summary['peak_running']} running requests")
@@ -221,7 +222,7 @@ def _plot_memory(args: argparse.Namespace) -> int:
 def _plot_timeline(args: argparse.Namespace) -> int:
     from conveyor.viz.timeline import plot_timeline
 
-    traces, labels = _read_traces(args.traces)
+    traces, labels = _read_traces(args.traces, "{scheduler}, max_num_seqs {max_num_seqs}")
     for label, idle in zip(labels, plot_timeline(traces, labels, args.output)):
         print(f"{label}: {idle:.1%} of slot-steps idle")
     print(f"wrote {args.output}")
