@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-slow lint bench-decode bench-throughput clean
+.PHONY: install run demo test test-slow lint bench-decode bench-throughput clean
 
 install: $(STAMP)
 
@@ -20,6 +20,12 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: install
+	@echo "Starting the server on http://127.0.0.1:8000 (Ctrl-C stops it). Try, from another shell:"
+	@echo "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Name three rivers.\"}], \"max_tokens\": 64}'"
+	$(BIN)/conveyor serve
+
+demo: install
 	$(BIN)/conveyor generate
 
 lint: install

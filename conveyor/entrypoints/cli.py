@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -98,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     add_engine_args(dec)
 
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 (default: $CONVEYOR_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use")
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024, help="503 beyond this many waiting")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    add_engine_args(serve)
+
     plot = commands.add_parser("plot", help="pictures from traces").add_subparsers(dest="plot", required=True)
     timeline = plot.add_parser("timeline", help="batch slots x steps, busy or idle, one panel per trace")
     timeline.add_argument("traces", nargs="+")
@@ -117,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":
             return _generate(args, config)
+        if args.command == "serve":
+            from conveyor.entrypoints.serve import serve
+
+            return serve(args, config)
         if args.bench == "throughput":
             return _bench_throughput(args, config)
         return _bench_decode(args, config)

@@ -1,0 +1,160 @@
+"""The engine's step loop in a background thread, fed and read from asyncio.
+
+The loop thread is the only one that touches the engine. Callers hand it
+requests and aborts through a queue; it applies them between steps (never in
+the middle of one), runs a step, and passes each output to the asyncio queue
+of the request it belongs to, so every token reaches its stream as soon as
+its step ends. A caller that goes away (a client disconnect) aborts its
+request: it leaves the batch at the next step and its blocks return at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from conveyor.engine import Engine, RequestOutput
+from conveyor.request import Request
+
+logger = logging.getLogger("conveyor.async_engine")
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is at its limit; the caller should retry later."""
+
+
+class EngineDead(Exception):
+    """The step loop stopped (an error, or the server shutting down); the request cannot be served."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting_requests: int = 1024,
+        on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._num_pending = 0  # added by callers, not yet taken in by the loop
+        self._lock = threading.Lock()
+        self._stopping = False
+        self.draining = False  # shutting down: no new requests
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Submit ``request`` (already checked by ``Engine.make_request``) and yield its outputs as they come."""
+        if self.error is not None:
+            raise EngineDead(str(self.error))
+        if self.draining:
+            raise EngineOverloaded("the server is shutting down")
+        with self._lock:
+            waiting = self.engine.scheduler.num_waiting + self._num_pending
+            if waiting >= self.max_waiting_requests:
+                raise EngineOverloaded(f"{waiting} requests are waiting, the limit is {self.max_waiting_requests}")
+            self._num_pending += 1
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the caller stopped listening: free the request's slot and memory
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Refuse new requests now; after ``timeout`` seconds, end the unfinished ones with an error."""
+        self.draining = True
+        timer = threading.Timer(timeout, lambda: (self._commands.put(("fail_all", None)), self._wake.set()))
+        timer.daemon = True
+        timer.start()
+
+    # ----- the loop thread ----------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    if self._on_step is not None:
+                        self._on_step(self.engine, [])  # let gauges settle after aborts
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+                if self._on_step is not None:
+                    self._on_step(self.engine, outputs)
+        except BaseException as error:  # the loop must report whatever stopped it
+            logger.exception("the engine loop stopped")
+            self.error = error
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDead(f"the engine stopped: {error!r}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command, value = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command == "add":
+                with self._lock:
+                    self._num_pending -= 1
+                try:
+                    self.engine.add_request(value)
+                except ValueError as error:  # e.g. a request id already in use
+                    self._deliver(value.request_id, error)
+            elif command == "abort":
+                self.engine.abort_request(value)
+                self._streams.pop(value, None)
+            else:  # fail_all: the shutdown timeout passed
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                    self._deliver(request_id, EngineDead("the server is shutting down"))
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -1,0 +1,70 @@
+"""Prometheus metrics, named as vLLM's with a ``conveyor:`` prefix, updated after every step."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from conveyor.engine import Engine, RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"conveyor:{name}", doc, labels, registry=r)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"conveyor:{name}", doc, labels + list(extra), registry=r)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"conveyor:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
+
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be admitted")
+        self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out to CPU")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1")
+        self.preemptions = counter("num_preemptions", "Preemptions (recompute or swap)")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.success = counter("request_success", "Requests finished, by reason", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens of a request")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled")
+        self._model = model_name
+        self._preemptions_seen = 0
+
+    def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        """Called by the engine thread after each step."""
+        m = self._model
+        scheduler = engine.scheduler
+        self.running.labels(m).set(scheduler.num_running)
+        self.waiting.labels(m).set(scheduler.num_waiting)
+        self.swapped.labels(m).set(scheduler.num_swapped)
+        self.kv_usage.labels(m).set(engine.kv_manager.usage)
+        self.preemptions.labels(m).inc(scheduler.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = scheduler.num_preemptions
+        for output in outputs:
+            self.generation_tokens.labels(m).inc(1)
+            if len(output.token_ids) == 1:
+                self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+            if output.finished:
+                self._on_finish(output)
+
+    def _on_finish(self, output: RequestOutput) -> None:
+        m, metrics = self._model, output.metrics
+        self.success.labels(m, output.finish_reason).inc()
+        if metrics.time_to_first_token is not None:
+            self.ttft.labels(m).observe(metrics.time_to_first_token)
+        if metrics.latency is not None:
+            self.e2e.labels(m).observe(metrics.latency)
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.labels(m).observe(metrics.first_scheduled_time - metrics.arrival_time)
+        n = len(output.token_ids)
+        if n > 1 and metrics.finish_time is not None and metrics.first_token_time is not None:
+            self.tpot.labels(m).observe((metrics.finish_time - metrics.first_token_time) / (n - 1))

@@ -1,0 +1,302 @@
+"""An OpenAI-compatible HTTP server over the background engine (FastAPI + uvicorn).
+
+Every error leaves in OpenAI's shape, ``{"error": {"message", "type", "param",
+"code"}}``; a stack trace is logged, never sent. Streams are server-sent
+events ending with ``data: [DONE]``; a client that disconnects aborts its
+request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import conveyor
+from conveyor.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from conveyor.engine import RequestOutput
+from conveyor.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _SamplingRequest,
+)
+
+logger = logging.getLogger("conveyor.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = error_body(error.message, error.kind, error.param, error.code)
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = 1 << 20
+    default_max_tokens: int = 16
+
+
+class BodyLimit:
+    """ASGI middleware: refuse a body over the limit with 413, whether or not it declares its length."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope, receive, send) -> None:
+        message = f"request body is over the limit of {self.limit} bytes"
+        await JSONResponse(error_body(message, "invalid_request_error", code="request_too_large"), 413)(
+            scope, receive, send
+        )
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="Conveyor", version=conveyor.__version__)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    tokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.max_model_len
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return _error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(location) or None
+        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body("internal server error", "internal_server_error"), status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        protected = settings.api_key and request.url.path.startswith("/v1")
+        if protected and request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
+            return _error_response(APIError(401, "invalid or missing API key", "authentication_error",
+                                            code="invalid_api_key"))
+        return await call_next(request)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != settings.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {settings.model_name!r}",
+                           "not_found_error", "model", "model_not_found")
+
+    def make_request(body: _SamplingRequest, prompt: str | list[int], kind: str):
+        check_model(body.model)
+        problem = body.unsupported()
+        if problem:
+            raise APIError(400, problem, "invalid_request_error", problem.split("=")[0].split(":")[0])
+        try:
+            params = body.sampling_params(settings.default_max_tokens)
+            request = engine.engine.make_request(prompt, params, f"{kind}-{uuid.uuid4().hex}",
+                                                 priority=body.priority)
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", str(error).split(":")[0].split(" ")[0]) from None
+        if request.num_prompt_tokens + params.max_tokens > max_model_len:
+            params_max = max_model_len - request.num_prompt_tokens
+            raise APIError(400, f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) "
+                                f"is more than max_model_len ({max_model_len}); lower max_tokens to {params_max}",
+                           "invalid_request_error", "max_tokens")
+        return request
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.error is not None:
+            return JSONResponse(error_body("engine stopped", "internal_server_error"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": conveyor.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(app.state.metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "conveyor",
+                "max_model_len": max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "invalid_request_error", "prompt")
+        if body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt)
+        else:
+            messages = [m.model_dump() for m in body.messages]
+            tokens = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        vocab = engine.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        request = make_request(body, body.single_prompt(), "cmpl")
+        return await respond(body, request, _CompletionFormat(request.request_id, settings.model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        try:
+            prompt = tokenizer.apply_chat_template(body.message_dicts())
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "messages") from None
+        request = make_request(body, prompt, "chatcmpl")
+        return await respond(body, request, _ChatFormat(request.request_id, settings.model_name))
+
+    async def respond(body: _SamplingRequest, request, fmt: _Format):
+        outputs = engine.generate(request)
+        try:
+            first = await anext(outputs)  # EngineOverloaded goes to its handler: 503 with Retry-After
+        except EngineDead as error:
+            raise APIError(503, str(error), "internal_server_error") from None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse(first, outputs, fmt, include_usage), media_type="text/event-stream")
+        final = first
+        try:
+            async for output in outputs:
+                final = output
+        except EngineDead as error:
+            raise APIError(503, str(error), "internal_server_error") from None
+        return fmt.full(final)
+
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(_: Request, error: EngineOverloaded) -> JSONResponse:
+        overloaded = APIError(503, f"server overloaded: {error}; retry later", "server_overloaded",
+                              code="server_overloaded")
+        return _error_response(overloaded, headers={"Retry-After": "1"})
+
+    return app
+
+
+async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput], fmt: _Format, include_usage: bool):
+    def event(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    last = first
+    try:
+        yield event(fmt.chunk(first, is_first=True))
+        async for output in rest:
+            last = output
+            yield event(fmt.chunk(output, is_first=False))
+        if include_usage:
+            yield event(fmt.usage_chunk(last))
+    except EngineDead as error:
+        yield event(error_body(str(error), "internal_server_error"))
+    yield "data: [DONE]\n\n"
+
+
+def _usage(output: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Format:
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, []) | {"usage": _usage(output)}
+
+
+class _CompletionFormat(_Format):
+    object_full = object_chunk = "text_completion"
+
+    def full(self, output: RequestOutput) -> dict[str, Any]:
+        choice = {"index": 0, "text": output.text, "finish_reason": output.finish_reason, "logprobs": None,
+                  "stop_reason": output.stop_reason}
+        return self._envelope(self.object_full, [choice]) | {"usage": _usage(output)}
+
+    def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
+        choice = {"index": 0, "text": output.delta_text, "finish_reason": output.finish_reason, "logprobs": None}
+        return self._envelope(self.object_chunk, [choice])
+
+
+class _ChatFormat(_Format):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def full(self, output: RequestOutput) -> dict[str, Any]:
+        choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
+                  "finish_reason": output.finish_reason, "logprobs": None, "stop_reason": output.stop_reason}
+        return self._envelope(self.object_full, [choice]) | {"usage": _usage(output)}
+
+    def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": output.delta_text} if is_first else {"content": output.delta_text}
+        choice = {"index": 0, "delta": delta, "finish_reason": output.finish_reason, "logprobs": None}
+        return self._envelope(self.object_chunk, [choice])

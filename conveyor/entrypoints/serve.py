@@ -1,0 +1,56 @@
+"""``conveyor serve``: the engine in the background, the OpenAI-compatible API in front."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import uvicorn
+
+from conveyor.async_engine import AsyncEngine
+from conveyor.config import EngineConfig
+from conveyor.engine import Engine
+from conveyor.entrypoints.metrics import EngineMetrics
+from conveyor.entrypoints.openai_server import ServerSettings, build_app
+
+logger = logging.getLogger("conveyor.server")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    name = args.served_model_name or (Path(config.model).stem if config.model else DEFAULT_MODEL_NAME)
+    engine = Engine(config)
+    metrics = EngineMetrics(name)
+    async_engine = AsyncEngine(engine, args.max_waiting_requests, on_step=metrics.on_step)
+    settings = ServerSettings(name, args.api_key, args.max_request_bytes)
+    app = build_app(async_engine, settings)
+    app.state.metrics = metrics
+    async_engine.start()
+    print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models)",
+          flush=True)
+    server = _GracefulServer(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="warning",
+        # A backstop: the engine ends unfinished streams with an error event at the shutdown timeout.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
+    ))
+    server.on_exit = lambda: async_engine.begin_shutdown(args.shutdown_timeout)
+    try:
+        server.run()  # returns after SIGTERM/SIGINT, once in-flight requests finished or timed out
+    finally:
+        async_engine.stop()
+    return 0
+
+
+class _GracefulServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: refuse new requests, let in-flight ones finish, then end the rest with an error."""
+
+    on_exit = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.on_exit is not None and not self.should_exit:
+            self.on_exit()
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals once it has stopped, which would end the process with
+        # the signal's status; a shutdown that went as planned exits 0 instead.
+        self._captured_signals.clear()

@@ -1,0 +1,256 @@
+"""The OpenAI-compatible server, as a real process on a loopback port, driven by the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from conveyor import LLM, SamplingParams
+
+API_KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model_dir, *flags: str) -> Iterator[str]:
+    port = _free_port()
+    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--model", str(model_dir),
+               "--port", str(port), *flags]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, f"server exited: {process.stdout.read()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.3)
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--api-key", API_KEY,
+                        "--served-model-name", "tiny", "--max-request-bytes", "20000") as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    return LLM(str(tiny_model_dir), num_kv_blocks=1024)
+
+
+def _offline_text(llm: LLM, prompt, max_tokens: int) -> str:
+    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0].text
+
+
+def test_completion_streamed_equals_unstreamed_equals_offline(client, offline):
+    prompt = "The quick brown fox"
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert full.choices[0].text == streamed == _offline_text(offline, prompt, 12)
+    assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
+
+
+def test_chat_streamed_equals_unstreamed_equals_offline(client, offline):
+    messages = [{"role": "user", "content": "Say something."}]
+    full = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        if chunk.usage:
+            usage = chunk.usage
+    prompt_ids = offline.tokenizer.apply_chat_template(messages)
+    assert full.choices[0].message.content == "".join(parts) == _offline_text(offline, prompt_ids, 10)
+    assert usage is not None and usage.completion_tokens == 10 and usage.prompt_tokens == len(prompt_ids)
+
+
+def test_32_concurrent_streams_match_offline(server, offline):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randrange(1, 60))] for _ in range(32)]
+    lengths = [rng.randrange(1, 24) for _ in prompts]
+
+    async def one(client: openai.AsyncOpenAI, prompt, n):
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                                 stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+        return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+    texts = asyncio.run(all_of_them())
+    expected = offline.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths],
+                                use_tqdm=False)
+    assert texts == [o.text for o in expected]
+
+
+def _metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(f"conveyor:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} not found")
+
+
+def test_disconnected_streams_are_aborted_and_free_their_blocks(server):
+    async def drop_after_two_chunks(client: httpx.AsyncClient, i: int):
+        body = {"model": "tiny", "prompt": [1000 + i] * 30, "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        async with client.stream("POST", f"{server}/v1/completions", json=body,
+                                 headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+            seen = 0
+            async for line in response.aiter_lines():
+                seen += line.startswith("data:")
+                if seen == 2:
+                    return  # leaving the block closes the connection mid-stream
+
+    async def drop_all():
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(drop_after_two_chunks(client, i) for i in range(20)))
+
+    asyncio.run(drop_all())
+    deadline = time.monotonic() + 20
+    while _metric(server, "num_requests_running") or _metric(server, "kv_cache_usage_perc"):
+        assert time.monotonic() < deadline, "aborted requests still hold the batch or KV blocks"
+        time.sleep(0.2)
+
+
+def _post(base: str, path: str, body, key: str | None = API_KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{base}{path}", json=body, headers=headers, timeout=30, **kwargs)
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param:
+        assert error["param"] == param
+    assert "Traceback" not in response.text
+    return error
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "bogus_field": 1}, "bogus_field"),
+    ({"prompt": ""}, "prompt"),
+    ({}, "prompt"),
+])
+def test_bad_parameters_get_400(server, body, param):
+    _assert_error(_post(server, "/v1/completions", body), 400, param)
+
+
+def test_prompt_over_the_limit_gets_400_with_both_numbers(server):
+    error = _assert_error(_post(server, "/v1/completions", {"prompt": [1000] * 1500}), 400)
+    assert "1500" in error["message"] and "1024" in error["message"]
+
+
+def test_auth_model_and_body_size(server):
+    _assert_error(_post(server, "/v1/completions", {"prompt": "hi"}, key=None), 401)
+    _assert_error(_post(server, "/v1/completions", {"prompt": "hi"}, key="wrong"), 401)
+    _assert_error(_post(server, "/v1/completions", {"prompt": "hi", "model": "nope"}), 404, "model")
+    _assert_error(_post(server, "/v1/completions", {"prompt": "x" * 30000}), 413)
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_tokenize_detokenize_version(server):
+    tokens = _post(server, "/tokenize", {"prompt": "Hello world"}).json()["tokens"]
+    assert _post(server, "/detokenize", {"tokens": tokens}).json()["prompt"] == "Hello world"
+    assert httpx.get(f"{server}/version").json()["version"]
+    assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0][
+        "id"] == "tiny"
+
+
+def test_overload_gets_503_with_retry_after(tiny_model_dir):
+    with running_server(tiny_model_dir, "--num-kv-blocks", "256", "--max-num-seqs", "1",
+                        "--max-waiting-requests", "2") as base:
+        async def fire():
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {"prompt": [1000] * 8, "max_tokens": 200, "ignore_eos": True}
+                return await asyncio.gather(*(client.post(f"{base}/v1/completions", json=body) for _ in range(8)))
+
+        responses = asyncio.run(fire())
+        refused = [r for r in responses if r.status_code == 503]
+        assert refused and all(r.headers.get("retry-after") for r in refused)
+        _assert_error(refused[0], 503)
+        assert all(r.status_code in (200, 503) for r in responses)
+
+
+def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tiny_model_dir):
+    port = _free_port()
+    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--model", str(tiny_model_dir),
+               "--port", str(port), "--num-kv-blocks", "512", "--shutdown-timeout", "2"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, process.stdout.read()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+
+    async def stream(client: httpx.AsyncClient, max_tokens: int, started: asyncio.Event) -> list[str]:
+        body = {"prompt": [1000] * 4, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        events = []
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    started.set()
+        return events
+
+    async def run():
+        started = asyncio.Event()
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [asyncio.create_task(stream(client, n, started)) for n in (5, 1000, 1000)]
+            await started.wait()
+            process.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert process.wait(timeout=60) == 0
+    for events in results:
+        assert events[-1] == "[DONE]"
+        last = events[-2]
+        assert '"finish_reason": "length"' in last or '"error"' in last, last
+    assert any('"error"' in events[-2] for events in results), "the 1000-token streams outlast the 2 s timeout"
+    assert '"finish_reason": "length"' in results[0][-2], "a short stream finishes normally"
