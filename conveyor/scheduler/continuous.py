@@ -211,17 +211,14 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _may_join(self, request: Request) -> bool:
-        """Policy hook: may this head-of-queue request join the running batch now?"""
-        return True
+    def _next_to_admit(self) -> Request | None:
+        """Policy hook: the waiting request admission considers next (the head of the queue)."""
+        return self.waiting[0] if self.waiting else None
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        while budget > 0 and (request := self._next_to_admit()) is not None:
             if self.swapped and self._order(self.swapped[0]) < self._order(request):
                 break  # a swapped request that ranks first is resumed first
-            if not self._may_join(request):
-                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._fits(request, num_new):
                 refund = self._preempt_for(request, scheduled)
@@ -230,7 +227,7 @@ class Scheduler:
                 budget += refund
                 continue
             self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
-            self.waiting.pop(0)
+            self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()

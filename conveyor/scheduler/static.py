@@ -31,10 +31,11 @@ class StaticScheduler(Scheduler):
         preempted = [r.request_id for r in self.swapped + self.waiting if r.request_id in self._members]
         return [r.request_id for r in self.running] + preempted + [r.request_id for r in self._held]
 
-    def _may_join(self, request: Request) -> bool:
+    def _next_to_admit(self) -> Request | None:
+        """The first waiting member of the current batch (forming a new batch when the last one is done)."""
         if not self._members and not self._held:
             self._form_batch()
-        return request.request_id in self._members
+        return next((r for r in self.waiting if r.request_id in self._members), None)
 
     def _form_batch(self) -> None:
         """Take the head of the queue, up to max_num_seqs, while their prompts fit in free blocks."""
