@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import signal
 import socket
@@ -254,3 +255,16 @@ def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tiny_model_dir):
         assert '"finish_reason": "length"' in last or '"error"' in last, last
     assert any('"error"' in events[-2] for events in results), "the 1000-token streams outlast the 2 s timeout"
     assert '"finish_reason": "length"' in results[0][-2], "a short stream finishes normally"
+
+
+def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
+    from conveyor.entrypoints.cli import main
+
+    out = tmp_path / "serve.json"
+    code = main(["bench", "serve", "--base-url", server, "--api-key", API_KEY, "--num-prompts", "6",
+                 "--request-rate", "20", "--output-len", "2,10", "--slo-ttft", "60", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["failed"] == 0
+    assert 0 < result["ttft_p50_s"] <= result["e2e_p50_s"] and result["goodput_requests_per_s"] > 0
+    assert "itl_p99_s" in capsys.readouterr().out

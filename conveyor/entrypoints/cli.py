@@ -98,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--prompt-len", type=int, default=64)
     dec.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     add_engine_args(dec)
+    srv = bench.add_parser("serve", help="Poisson arrivals of streaming requests against an OpenAI-compatible server")
+    srv.add_argument("--base-url", default="http://127.0.0.1:8000")
+    srv.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
+    srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"))
+    srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    srv.add_argument("--num-prompts", type=int, default=64)
+    srv.add_argument("--seed", type=int, default=0)
+    srv.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between)")
+    srv.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
+    srv.add_argument("--slo-ttft", type=float, default=None, help="seconds; goodput counts requests within it")
+    srv.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token, for goodput")
+    srv.add_argument("--json", default=None)
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
@@ -125,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        config = engine_config(args) if hasattr(args, "model") else None
+        config = engine_config(args) if hasattr(args, "max_num_seqs") else None
+        if getattr(args, "bench", None) == "serve":
+            return _bench_serve(args)
         if args.command == "plot":
             return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":
@@ -244,6 +258,20 @@ def _plot_timeline(args: argparse.Namespace) -> int:
         print(f"{label}: {idle:.1%} of slot-steps idle")
     print(f"wrote {args.output}")
     return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from conveyor.bench.serve import bench_serve, print_serve
+    from conveyor.bench.throughput import write_json
+
+    if args.request_rate <= 0 or args.num_prompts < 1:
+        raise ValueError("--request-rate must be > 0 and --num-prompts >= 1")
+    result = bench_serve(args.base_url, args.model, args.num_prompts, args.request_rate, args.seed,
+                         _int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
+                         args.api_key)
+    print_serve(result)
+    write_json(result, args.json)
+    return 0 if result["completed"] else 1
 
 
 def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:

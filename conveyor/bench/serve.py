@@ -1,0 +1,128 @@
+"""``conveyor bench serve``: an online benchmark against any OpenAI-compatible server.
+
+Requests arrive as a Poisson process at ``--request-rate`` (or all at once
+with ``inf``), each streaming from ``/v1/completions`` with token-id prompts
+and ``ignore_eos`` so that lengths are exact; the same seeded workload as
+``bench throughput``. It times each token as the client sees it: time to
+first token (TTFT), time per output token after the first (TPOT),
+inter-token latency (ITL) and end-to-end latency, and counts goodput, the
+requests per second that met the latency objectives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from conveyor.bench.report import format_table, mean, percentile
+from conveyor.bench.workload import SyntheticRequest, long_tail_workload
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float | None = None
+    latency: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.latency is None or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str | None, item: SyntheticRequest,
+               headers: dict[str, str]) -> RequestTiming:
+    timing = RequestTiming(len(item.prompt_token_ids))
+    body: dict[str, Any] = {"prompt": item.prompt_token_ids, "max_tokens": item.output_len, "temperature": 0,
+                            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if model:
+        body["model"] = model
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
+            if response.status_code != 200:
+                timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return timing
+            async for line in response.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    timing.error = str(event["error"])
+                    return timing
+                if event.get("choices") and event["choices"][0].get("text"):
+                    timing.token_times.append(time.perf_counter() - start)
+                if event.get("usage"):
+                    timing.output_tokens = event["usage"]["completion_tokens"]
+    except httpx.HTTPError as error:
+        timing.error = repr(error)
+        return timing
+    timing.latency = time.perf_counter() - start
+    timing.ttft = timing.token_times[0] if timing.token_times else timing.latency
+    return timing
+
+
+async def run_serve_benchmark(base_url: str, model: str | None, workload: list[SyntheticRequest],
+                              request_rate: float, seed: int, api_key: str | None) -> tuple[list[RequestTiming],
+                                                                                             float]:
+    rng = random.Random(seed)
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        tasks = []
+        start = time.perf_counter()
+        for item in workload:
+            tasks.append(asyncio.create_task(_one(client, url, model, item, headers)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        timings = await asyncio.gather(*tasks)
+        return list(timings), time.perf_counter() - start
+
+
+def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | None,
+              slo_tpot: float | None) -> dict[str, Any]:
+    done = [t for t in timings if t.error is None]
+    itl = [b - a for t in done for a, b in zip(t.token_times, t.token_times[1:])]
+    good = [t for t in done if (slo_ttft is None or t.ttft <= slo_ttft)
+            and (slo_tpot is None or t.tpot is None or t.tpot <= slo_tpot)]
+    result: dict[str, Any] = {
+        "completed": len(done),
+        "failed": len(timings) - len(done),
+        "elapsed_s": elapsed,
+        "requests_per_s": len(done) / elapsed,
+        "output_tokens_per_s": sum(t.output_tokens for t in done) / elapsed,
+        "goodput_requests_per_s": len(good) / elapsed,
+    }
+    for name, values in (("ttft", [t.ttft for t in done]), ("tpot", [t.tpot for t in done if t.tpot is not None]),
+                         ("itl", itl), ("e2e", [t.latency for t in done])):
+        result[f"{name}_mean_s"] = mean(values)
+        for q in (50, 90, 99):
+            result[f"{name}_p{q}_s"] = percentile(values, q)
+    errors = [t.error for t in timings if t.error]
+    if errors:
+        result["first_error"] = errors[0]
+    return result
+
+
+def bench_serve(base_url: str, model: str | None, num_prompts: int, request_rate: float, seed: int,
+                output_range: tuple[int, int], vocab_size: int, slo_ttft: float | None, slo_tpot: float | None,
+                api_key: str | None) -> dict[str, Any]:
+    workload = long_tail_workload(num_prompts, seed, vocab_size, output_range=output_range)
+    timings, elapsed = asyncio.run(run_serve_benchmark(base_url, model, workload, request_rate, seed, api_key))
+    return {"request_rate": request_rate, "num_prompts": num_prompts, "seed": seed} | summarize(
+        timings, elapsed, slo_ttft, slo_tpot)
+
+
+def print_serve(result: dict[str, Any]) -> None:
+    print(format_table(["figure", "value"], [[k, v] for k, v in result.items()]))
