@@ -89,11 +89,7 @@ class Engine:
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         model = load_model(folder, dtype, device, self.max_model_len)
         num_cpu_blocks = config.swap_space // self.kv_block_bytes if config.preemption_mode == "swap" else 0
-        block_size = config.block_size
-        if config.kv_layout == "contiguous":
-            self.kv_manager = ContiguousKVCacheManager(num_blocks, block_size, self.max_model_len, num_cpu_blocks)
-        else:
-            self.kv_manager = PagedKVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        self.kv_manager = self._kv_manager(num_blocks, num_cpu_blocks)
         self.scheduler = SCHEDULERS[config.scheduler](
             SchedulerConfig(
                 config.max_num_seqs,
@@ -125,6 +121,11 @@ class Engine:
         }
         self.trace = Trace(header, self.clock())
         return self.trace
+
+    def _kv_manager(self, num_blocks: int, num_cpu_blocks: int) -> PagedKVCacheManager:
+        if self.config.kv_layout == "contiguous":
+            return ContiguousKVCacheManager(num_blocks, self.config.block_size, self.max_model_len, num_cpu_blocks)
+        return PagedKVCacheManager(num_blocks, self.config.block_size, num_cpu_blocks=num_cpu_blocks)
 
     def _num_kv_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:

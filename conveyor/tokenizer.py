@@ -32,7 +32,12 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if not self._tok.chat_template:
             raise ValueError("messages: this model has no chat template; send a plain prompt instead")
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        from jinja2 import TemplateError
+
+        try:
+            ids = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        except TemplateError as error:  # the template refused these messages (roles, order, ...)
+            raise ValueError(f"messages: the chat template refused them: {error}") from None
         # Newer transformers return a BatchEncoding here, older ones a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 

@@ -31,6 +31,7 @@ from conveyor.entrypoints.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     _SamplingRequest,
+    message_dicts,
 )
 
 logger = logging.getLogger("conveyor.server")
@@ -182,11 +183,13 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "invalid_request_error", "prompt")
-        if body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt)
-        else:
-            messages = [m.model_dump() for m in body.messages]
-            tokens = tokenizer.apply_chat_template(messages, body.add_generation_prompt)
+        try:
+            if body.prompt is not None:
+                tokens = tokenizer.encode(body.prompt)
+            else:
+                tokens = tokenizer.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "messages") from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
 
     @app.post("/detokenize")

@@ -123,23 +123,27 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them; content parts of type text are joined."""
-        out = []
-        for message in self.messages:
-            content = message.content
-            if isinstance(content, list):
-                if any(part.get("type") != "text" for part in content):
-                    raise ValueError("messages: only text content parts are supported")
-                content = "".join(str(part.get("text", "")) for part in content)
-            out.append({"role": message.role, "content": content or ""})
-        return out
+        return message_dicts(self.messages)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them; content parts of type text are joined."""
+    out = []
+    for message in messages:
+        content = message.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" for part in content):
+                raise ValueError("messages: only text content parts are supported")
+            content = "".join(str(part.get("text", "")) for part in content)
+        out.append({"role": message.role, "content": content or ""})
+    return out
 
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True
 
 
