@@ -40,15 +40,14 @@ from conveyor.request import FinishReason, Request, RequestStatus
 from conveyor.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StaticScheduler
 from conveyor.scheduler.continuous import POLICIES, PREEMPTION_MODES
 from tests.test_scheduler import (
-    EOS,
     Abort,
     FakeClock,
     RequestSpec,
     TokenFn,
     Workload,
     hashed_token,
-    make_request,
     reference_output,
+    request_from_spec,
     workloads,
 )
 from tests.test_swap import SwapAwareExecutor
@@ -292,15 +291,7 @@ class PolicySimulation:
     def add(self, index: int) -> None:
         spec = self.w.requests[index]
         request_id = f"r{index}"
-        request = make_request(
-            request_id,
-            spec.prompt_len,
-            arrival=float(len(self.all_requests)),
-            max_tokens=spec.max_tokens,
-            eos=EOS if spec.use_eos else None,
-            stop_token_ids=spec.stop_token_ids,
-            ignore_eos=spec.ignore_eos,
-        )
+        request = request_from_spec(spec, request_id, arrival=float(len(self.all_requests)))
         request.priority = self.workload.priorities[index]
         self.all_requests[request_id] = request
         self.executor.prompts[request_id] = request.prompt_token_ids

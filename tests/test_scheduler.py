@@ -112,6 +112,19 @@ def make_request(
     return Request(request_id, prompt, params, arrival_time=arrival, eos_token_id=eos)
 
 
+def request_from_spec(spec: RequestSpec, request_id: str, arrival: float) -> Request:
+    """The request a workload's spec describes, arriving at ``arrival``."""
+    return make_request(
+        request_id,
+        spec.prompt_len,
+        arrival=arrival,
+        max_tokens=spec.max_tokens,
+        eos=EOS if spec.use_eos else None,
+        stop_token_ids=spec.stop_token_ids,
+        ignore_eos=spec.ignore_eos,
+    )
+
+
 def chunks(output: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
     """(request_id, start_position, num_tokens, sample) per scheduled request: what a step did, at a glance."""
     return [(s.request_id, s.start_position, s.num_tokens, s.sample) for s in output.scheduled]
@@ -322,15 +335,7 @@ class Simulation:
     def add(self, index: int) -> None:
         spec = self.w.requests[index]
         request_id = f"r{index}"
-        request = make_request(
-            request_id,
-            spec.prompt_len,
-            arrival=float(len(self.arrival_index)),
-            max_tokens=spec.max_tokens,
-            eos=EOS if spec.use_eos else None,
-            stop_token_ids=spec.stop_token_ids,
-            ignore_eos=spec.ignore_eos,
-        )
+        request = request_from_spec(spec, request_id, arrival=float(len(self.arrival_index)))
         self.arrival_index[request_id] = len(self.arrival_index)
         self.all_requests[request_id] = request
         self.executor.prompts[request_id] = request.prompt_token_ids
