@@ -29,8 +29,8 @@ from conveyor.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingRequest,
     TokenizeRequest,
-    _SamplingRequest,
     message_dicts,
 )
 
@@ -139,7 +139,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             raise APIError(404, f"model {name!r} does not exist; this server serves {settings.model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
-    def make_request(body: _SamplingRequest, prompt: str | list[int], kind: str):
+    def make_request(body: SamplingRequest, prompt: str | list[int], kind: str):
         check_model(body.model)
         problem = body.unsupported()
         if problem:
@@ -214,7 +214,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         request = make_request(body, prompt, "chatcmpl")
         return await respond(body, request, _ChatFormat(request.request_id, settings.model_name))
 
-    async def respond(body: _SamplingRequest, request, fmt: _Format):
+    async def respond(body: SamplingRequest, request, fmt: _Format):
         outputs = engine.generate(request)
         try:
             first = await anext(outputs)  # EngineOverloaded goes to its handler: 503 with Retry-After

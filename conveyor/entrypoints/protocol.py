@@ -19,7 +19,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
@@ -75,7 +75,7 @@ class _SamplingRequest(BaseModel):
         return self.max_tokens
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
@@ -106,7 +106,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
