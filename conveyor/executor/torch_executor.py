@@ -8,6 +8,8 @@ computes logits only for rows that sample, and samples.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from conveyor.executor.sampler import Sampler
@@ -97,14 +99,11 @@ class TorchExecutor:
     def _decode_groups(self, decodes: list[ScheduledRequest]) -> list[DecodeGroup]:
         """One group per power-of-two bucket of block count: padding stays under 2x per row."""
         groups = []
-        start = 0
-        while start < len(decodes):
-            bucket = _bucket(decodes[start])
-            end = start
-            while end < len(decodes) and _bucket(decodes[end]) == bucket:
-                end += 1
-            groups.append(self._decode_group(decodes[start:end], start))
-            start = end
+        row_start = 0
+        for _, members in itertools.groupby(decodes, key=_bucket):
+            rows = list(members)
+            groups.append(self._decode_group(rows, row_start))
+            row_start += len(rows)
         return groups
 
     def _decode_group(self, rows: list[ScheduledRequest], row_start: int) -> DecodeGroup:
