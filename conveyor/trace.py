@@ -88,6 +88,14 @@ class Trace:
             raise ValueError(f"trace: {path} does not start with a config header line")
         return cls(lines[0]["config"], 0.0, [StepRecord(**line) for line in lines[1:]])
 
+    def peak_running(self) -> int:
+        return max((step.num_running for step in self.steps), default=0)
+
+    def mean_kv_waste(self) -> float:
+        """Share of reserved KV slots that held no token, averaged over the steps that reserved any."""
+        shares = [1 - s.kv_used_slots / s.kv_reserved_slots for s in self.steps if s.kv_reserved_slots]
+        return sum(shares) / len(shares) if shares else 0.0
+
     def slot_fill(self) -> tuple[list[list[bool | None]], float]:
         """Rows = batch slots, columns = steps: True busy, False held but idle, None empty.
 

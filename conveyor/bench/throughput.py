@@ -10,7 +10,6 @@ from conveyor.bench.report import format_table, mean, percentile
 from conveyor.bench.workload import long_tail_workload
 from conveyor.engine import Engine, RequestOutput
 from conveyor.sampling import SamplingParams
-from conveyor.trace import Trace
 
 
 def run_throughput(
@@ -58,16 +57,10 @@ def run_throughput(
         "preemptions": sum(o.metrics.num_preemptions for o in finished),
         "swaps_out": engine.scheduler.num_swaps_out,
         "swap_fallbacks_to_recompute": engine.scheduler.num_swap_fallbacks,
-        "peak_running": max((step.num_running for step in trace.steps), default=0),
-        "kv_waste_fraction": _mean_waste(trace),
+        "peak_running": trace.peak_running(),
+        "kv_waste_fraction": trace.mean_kv_waste(),
         "idle_slot_fraction": idle_fraction,
     }
-
-
-def _mean_waste(trace: Trace) -> float:
-    """Share of reserved KV slots that held no token, averaged over steps that reserved any."""
-    shares = [1 - s.kv_used_slots / s.kv_reserved_slots for s in trace.steps if s.kv_reserved_slots]
-    return mean(shares) if shares else 0.0
 
 
 def print_throughput(result: dict[str, Any]) -> None:

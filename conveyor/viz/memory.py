@@ -28,12 +28,7 @@ def plot_memory(traces: list[Trace], labels: list[str], out: str | Path) -> list
         top.plot(steps, [s.kv_used_slots for s in trace.steps], color=colour, linestyle="--",
                  label=f"{label}: holding K/V")
         bottom.plot(steps, [s.num_running for s in trace.steps], color=colour, label=label)
-        reserving = [s for s in trace.steps if s.kv_reserved_slots]
-        waste = [1 - s.kv_used_slots / s.kv_reserved_slots for s in reserving]
-        summaries.append({
-            "mean_waste": sum(waste) / len(waste) if waste else 0.0,
-            "peak_running": max((s.num_running for s in trace.steps), default=0),
-        })
+        summaries.append({"mean_waste": trace.mean_kv_waste(), "peak_running": trace.peak_running()})
     top.set_ylabel("KV token slots")
     top.set_title("KV cache: reserved vs holding real K/V")
     top.legend(fontsize=8)
