@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test test-slow lint bench-decode bench-throughput clean
+.PHONY: install run demo test test-slow lint bench-decode bench-throughput bench-roofline clean
 
 install: $(STAMP)
 
@@ -42,6 +42,9 @@ bench-decode: install
 
 bench-throughput: install
 	$(BIN)/conveyor bench throughput --num-prompts 128
+
+bench-roofline: install
+	$(BIN)/conveyor roofline -o docs/roofline.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

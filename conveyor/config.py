@@ -28,6 +28,7 @@ class EngineConfig:
     device: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    num_scheduler_steps: int = 1  # model steps per scheduling decision (vLLM's multi-step scheduling)
     block_size: int = 16
     kv_cache_memory: int | str = "2GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -38,6 +39,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": a victim's KV goes to CPU memory and comes back
     swap_space: int | str = "4GiB"  # CPU memory for swapped KV blocks (preemption_mode="swap")
     kv_layout: str = "paged"  # or "contiguous": a max_model_len slab reserved per request
+    kernels: str = "native"  # or "torch": plain PyTorch ops (the reference; also used off float32 CPU)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_memory", "swap_space"):
@@ -45,7 +47,8 @@ class EngineConfig:
                 setattr(self, name, parse_bytes(getattr(self, name)))
             except ValueError as error:
                 raise ValueError(f"{name}: {error}") from None
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "max_model_len", "seed"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "block_size", "num_kv_blocks",
+                     "max_model_len", "seed"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -57,9 +60,11 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if self.kv_layout not in ("paged", "contiguous"):
             raise ValueError(f"kv_layout must be paged or contiguous, got {self.kv_layout!r}")
+        if self.kernels not in ("native", "torch"):
+            raise ValueError(f"kernels must be native or torch, got {self.kernels!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "block_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_kv_blocks", "max_model_len"):

@@ -1,28 +1,25 @@
 """The step loop: schedule, execute, update, and turn tokens into text.
 
-``Engine.step`` is the whole of continuous batching in four lines; everything
-else here is building the parts and checking what callers hand in, so that
-a bad request is refused before it can disturb the others.
+The loop itself is :class:`conveyor.engine_core.EngineCore`, which the
+simulator runs too; everything here is building the parts, checking what
+callers hand in (so that a bad request is refused before it can disturb the
+others), and text.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.config import EngineConfig
-from conveyor.kv import ContiguousKVCacheManager, PagedKVCacheManager
+from conveyor.engine_core import EngineCore, plan_kv_cache
 from conveyor.model.config import ModelConfig
 from conveyor.request import FinishReason, Request
 from conveyor.sampling import SamplingParams
-from conveyor.scheduler import SCHEDULERS, SchedulerConfig, SchedulerOutput
 from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
 from conveyor.trace import Trace
-
-logger = logging.getLogger("conveyor")
 
 
 @dataclass(slots=True)
@@ -62,6 +59,7 @@ class _TextState:
     detokenizer: IncrementalDetokenizer
     text: str = ""
     num_sent: int = 0  # characters already handed out as deltas
+    num_tokens: int = 0  # output tokens already turned into text
 
 
 class Engine:
@@ -84,73 +82,43 @@ class Engine:
         else:
             device = torch.device(config.device)
         dtype = DTYPES[config.dtype]
-        self.kv_block_bytes = config.block_size * self.model_config.kv_bytes_per_token * dtype.itemsize
-        num_blocks = self._num_kv_blocks()
-        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
-        model = load_model(folder, dtype, device, self.max_model_len)
-        num_cpu_blocks = config.swap_space // self.kv_block_bytes if config.preemption_mode == "swap" else 0
-        self.kv_manager = self._kv_manager(num_blocks, num_cpu_blocks)
-        self.scheduler = SCHEDULERS[config.scheduler](
-            SchedulerConfig(
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                self.max_model_len,
-                config.scheduling_policy,
-                config.preemption_mode,
-            ),
-            self.kv_manager,
-            clock,
+        plan = plan_kv_cache(
+            config, self.model_config.kv_bytes_per_token * dtype.itemsize, self.model_config.max_position_embeddings
         )
-        self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks)
+        self.kv_block_bytes = plan.block_bytes
+        self.max_model_len = plan.max_model_len
+        num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
+        model = load_model(folder, dtype, device, self.max_model_len)
+        native = self._use_native_kernels(model, dtype, device)
+        self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks, native)
+        # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too.
+        self.core = EngineCore(config, plan, self.executor, clock)
+        self.scheduler = self.core.scheduler
+        self.kv_manager = self.core.kv_manager
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
-        self.trace: Trace | None = None
+
+    @property
+    def trace(self) -> Trace | None:
+        return self.core.trace
+
+    def _use_native_kernels(self, model, dtype, device) -> bool:
+        """Native kernels run float32 on CPU; elsewhere (or without a compiler) the torch ops do."""
+        import torch
+
+        from conveyor.model.kernels import native_kernels
+
+        if self.config.kernels != "native" or dtype != torch.float32 or device.type != "cpu":
+            return False
+        kernels = native_kernels()
+        if kernels is None:
+            return False
+        model.use_native_kernels(kernels)
+        return True
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.trace`)."""
-        config = self.config
-        header = {
-            "scheduler": config.scheduler,
-            "scheduling_policy": config.scheduling_policy,
-            "preemption_mode": config.preemption_mode,
-            "kv_layout": config.kv_layout,
-            "block_size": config.block_size,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": config.max_num_seqs,
-            "max_num_batched_tokens": config.max_num_batched_tokens,
-        }
-        self.trace = Trace(header, self.clock())
-        return self.trace
-
-    def _kv_manager(self, num_blocks: int, num_cpu_blocks: int) -> PagedKVCacheManager:
-        if self.config.kv_layout == "contiguous":
-            return ContiguousKVCacheManager(num_blocks, self.config.block_size, self.max_model_len, num_cpu_blocks)
-        return PagedKVCacheManager(num_blocks, self.config.block_size, num_cpu_blocks=num_cpu_blocks)
-
-    def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.config.kv_cache_memory < self.kv_block_bytes:
-            raise ValueError(
-                f"kv_cache_memory: {self.config.kv_cache_memory} bytes hold no block of {self.kv_block_bytes} bytes"
-            )
-        return self.config.kv_cache_memory // self.kv_block_bytes
-
-    def _max_model_len(self, capacity: int) -> int:
-        wanted = self.config.max_model_len
-        model_limit = self.model_config.max_position_embeddings
-        if wanted is not None and wanted > model_limit:
-            raise ValueError(f"max_model_len {wanted} is more than the model's limit of {model_limit} positions")
-        if wanted is None:
-            if capacity < model_limit:
-                logger.warning("max_model_len capped at %d tokens, all the KV cache can hold", capacity)
-            return min(model_limit, capacity)
-        if wanted > capacity:
-            raise ValueError(
-                f"max_model_len {wanted} is more than the KV cache holds ({capacity} tokens); "
-                "raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len"
-            )
-        return wanted
+        return self.core.start_trace()
 
     # ----- requests ---------------------------------------------------------
 
@@ -225,24 +193,19 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: every running request advances; finished ones leave; waiting ones join."""
-        start = self.clock()
-        scheduler_output: SchedulerOutput = self.scheduler.schedule()
-        slots = self.scheduler.slot_holders() if self.trace is not None else []
-        sampled = self.executor.execute(scheduler_output)
-        touched = self.scheduler.update(scheduler_output, sampled)
-        outputs = [self._output(request) for request in touched]
-        if self.trace is not None:
-            finished = [o.request_id for o in outputs if o.finished]
-            self.trace.record(scheduler_output, slots, finished, start, self.clock())
-        return outputs
+        return self.core.step(lambda touched: [self._output(request) for request in touched])
 
     def _output(self, request: Request) -> RequestOutput:
         state = self._text[request.request_id]
-        before = len(state.text)
-        state.text += state.detokenizer.add(request.output_token_ids[-1])
         stop = request.sampling_params.stop
-        if stop:
-            self._check_stop_strings(request, state, before)
+        # One new token, or several after a multi-step window.
+        for index in range(state.num_tokens, request.num_output_tokens):
+            before = len(state.text)
+            state.text += state.detokenizer.add(request.output_token_ids[index])
+            if stop and self._check_stop_strings(request, state, before):
+                del request.output_token_ids[index + 1 :]  # drawn past the stop string in the same window
+                break
+        state.num_tokens = request.num_output_tokens
         if request.is_finished:
             del self._text[request.request_id]
             sendable = len(state.text)
@@ -269,17 +232,18 @@ class Engine:
             ),
         )
 
-    def _check_stop_strings(self, request: Request, state: _TextState, before: int) -> None:
-        """End the request at the first stop string; the text keeps what came before it."""
+    def _check_stop_strings(self, request: Request, state: _TextState, before: int) -> bool:
+        """End the request at the first stop string; the text keeps what came before it. True if it ended."""
         longest = max(len(s) for s in request.sampling_params.stop)
         search_from = max(before - longest + 1, 0)
         hits = [(state.text.find(s, search_from), s) for s in request.sampling_params.stop]
         hits = [(at, s) for at, s in hits if at >= 0]
         if not hits:
-            return
+            return False
         at, stop = min(hits)
         state.text = state.text[:at]
         if request.is_finished:  # the same token also reached a length limit: the stop string wins
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
         else:
             self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop)
+        return True

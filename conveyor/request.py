@@ -31,7 +31,7 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # cancelled by the caller
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # a request is equal only to itself: queues find it by identity, fast
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -71,10 +71,12 @@ class Request:
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at positions ``[start, end)`` of prompt + output."""
         prompt = self.prompt_token_ids
-        if end <= len(prompt):
+        num_prompt = len(prompt)
+        if end <= num_prompt:
             return prompt[start:end]
-        out_start = max(start - len(prompt), 0)
-        return prompt[start:] + self.output_token_ids[out_start : end - len(prompt)]
+        if start >= num_prompt:  # a decode: output tokens only
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return prompt[start:] + self.output_token_ids[: end - num_prompt]
 
     def finish(self, reason: FinishReason, now: float, stop_reason: str | int | None = None) -> None:
         self.status = RequestStatus.FINISHED

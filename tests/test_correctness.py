@@ -2,7 +2,8 @@
 
 The tiny random Llama covers the shapes that break paged attention: prompts
 of 1 to 300 tokens, block sizes 1 and 16, prompts chunked by a small token
-budget, batches of mixed lengths, and preemption forced by a tiny pool. The
+budget, batches of mixed lengths, and preemption forced by a tiny pool, with
+the native kernels (the default) and with plain PyTorch ops. The
 real default model covers real weights and the GGUF conversion.
 """
 
@@ -48,8 +49,10 @@ LENGTHS = [1, 2, 7, 15, 16, 17, 33, 64, 100, 129, 250, 300]
         dict(block_size=16, max_num_batched_tokens=37),  # prompts chunked across steps
         dict(block_size=1, max_num_batched_tokens=5),
         dict(block_size=4, num_kv_blocks=96, max_num_batched_tokens=64),  # preemption by a tiny pool
+        dict(block_size=16, kernels="torch"),  # the plain PyTorch path (the default is the native kernels)
+        dict(block_size=4, num_kv_blocks=96, max_num_batched_tokens=64, kernels="torch"),
     ],
-    ids=["bs16", "bs1", "chunked", "bs1-chunked", "tiny-pool"],
+    ids=["bs16", "bs1", "chunked", "bs1-chunked", "tiny-pool", "torch-bs16", "torch-tiny-pool"],
 )
 def test_tiny_model_batch_matches_transformers(tiny_model_dir, references, options):
     options.setdefault("num_kv_blocks", 2048)

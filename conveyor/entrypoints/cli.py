@@ -1,4 +1,4 @@
-"""The ``conveyor`` command: generate, bench throughput, bench decode."""
+"""The ``conveyor`` command: generate, serve, bench, plot, simulate."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    g.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="model steps per scheduling decision: decodes run on for up to this many steps")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool size in bytes, e.g. 2GiB, 512MB")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
@@ -44,6 +46,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--swap-space", default="4GiB", help="CPU memory for swapped KV (with --preemption-mode swap)")
     g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"],
                    help="paged: blocks on demand; contiguous: a --max-model-len slab reserved per request")
+    g.add_argument("--kernels", default="native", choices=["native", "torch"],
+                   help="native: packed-weight GEMMs and paged decode attention in C++ (float32 CPU); "
+                   "torch: plain PyTorch ops, the reference")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -53,6 +58,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        num_scheduler_steps=args.num_scheduler_steps,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
         num_kv_blocks=args.num_kv_blocks,
@@ -63,6 +69,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode,
         swap_space=args.swap_space,
         kv_layout=args.kv_layout,
+        kernels=args.kernels,
     )
 
 
@@ -123,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     add_engine_args(serve)
 
+    roof = commands.add_parser("roofline", help="this machine's bandwidth and GEMM limits vs the engine's decode")
+    roof.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    roof.add_argument("--context-lens", default="128,512,2048", help="contexts for the bound table")
+    roof.add_argument("--measured-context-len", type=int, default=128,
+                      help="context at which the engine is measured (0: bounds only)")
+    roof.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    roof.add_argument("-o", "--output", default="roofline.png", help="the picture (PNG)")
+    roof.add_argument("--json", default=None, help="also write the table here")
+    add_engine_args(roof)
+
     plot = commands.add_parser("plot", help="pictures from traces").add_subparsers(dest="plot", required=True)
     timeline = plot.add_parser("timeline", help="batch slots x steps, busy or idle, one panel per trace")
     timeline.add_argument("traces", nargs="+")
@@ -130,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     memory = plot.add_parser("memory", help="KV slots reserved vs used over time, and running requests")
     memory.add_argument("traces", nargs="+")
     memory.add_argument("-o", "--output", default="memory.png")
+
+    from conveyor.entrypoints.simulate import add_simulate_parser
+
+    add_simulate_parser(commands)
     return parser
 
 
@@ -137,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "simulate":
+            from conveyor.entrypoints.simulate import run_simulate
+
+            return run_simulate(args)
         config = engine_config(args) if hasattr(args, "max_num_seqs") else None
         if getattr(args, "bench", None) == "serve":
             return _bench_serve(args)
@@ -148,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             from conveyor.entrypoints.serve import serve
 
             return serve(args, config)
+        if args.command == "roofline":
+            return _roofline(args, config)
         if args.bench == "throughput":
             return _bench_throughput(args, config)
         return _bench_decode(args, config)
@@ -282,6 +309,30 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
     config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
     engine = Engine(config)
     print_decode(run_decode(engine, batch_sizes, args.prompt_len, args.steps, args.seed))
+    return 0
+
+
+def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
+    from conveyor.bench.machine import measure_machine
+    from conveyor.bench.roofline import format_roofline, run_roofline
+    from conveyor.bench.throughput import write_json
+    from conveyor.engine import Engine
+    from conveyor.viz.roofline import plot_roofline
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    context_lens = [int(c) for c in args.context_lens.split(",")]
+    if args.measured_context_len and args.measured_context_len not in context_lens:
+        context_lens.insert(0, args.measured_context_len)
+    machine = measure_machine(config.dtype)
+    print(f"machine figures saved to {machine.save()}", flush=True)
+    config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
+    engine = Engine(config)
+    points = run_roofline(engine, machine, batch_sizes, context_lens, args.measured_context_len, args.steps, args.seed)
+    print(format_roofline(points, machine))
+    plot_roofline(points, machine, args.output)
+    print(f"picture: {args.output}")
+    write_json({"machine": dataclasses.asdict(machine), "points": [dataclasses.asdict(p) for p in points]},
+               args.json)
     return 0
 
 

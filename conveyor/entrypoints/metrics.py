@@ -38,6 +38,7 @@ class EngineMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled")
         self._model = model_name
         self._preemptions_seen = 0
+        self._tokens_seen: dict[str, int] = {}  # output tokens counted per unfinished request
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step."""
@@ -50,11 +51,17 @@ class EngineMetrics:
         self.preemptions.labels(m).inc(scheduler.num_preemptions - self._preemptions_seen)
         self._preemptions_seen = scheduler.num_preemptions
         for output in outputs:
-            self.generation_tokens.labels(m).inc(1)
-            if len(output.token_ids) == 1:
+            # A step brings one token per request, or several with multi-step scheduling.
+            seen = self._tokens_seen.pop(output.request_id, 0)
+            self.generation_tokens.labels(m).inc(len(output.token_ids) - seen)
+            if seen == 0:
                 self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
             if output.finished:
                 self._on_finish(output)
+            else:
+                self._tokens_seen[output.request_id] = len(output.token_ids)
+        if not engine.has_unfinished_requests():
+            self._tokens_seen.clear()  # what is left belongs to aborted requests
 
     def _on_finish(self, output: RequestOutput) -> None:
         m, metrics = self._model, output.metrics

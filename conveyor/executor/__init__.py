@@ -1,1 +1,1 @@
-"""Executors carry out a SchedulerOutput: the torch executor runs the real model."""
+"""Executors carry out a SchedulerOutput: the torch executor runs the real model, the simulated one prices it."""

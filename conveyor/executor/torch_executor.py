@@ -13,16 +13,23 @@ import itertools
 import torch
 
 from conveyor.executor.sampler import Sampler
-from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from conveyor.model.attention import AttentionMetadata, DecodeGroup, NativeDecode, PrefillChunk
 from conveyor.model.llama import LlamaModel
 from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
 
 
 class TorchExecutor:
     def __init__(
-        self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0, num_cpu_blocks: int = 0
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        seed: int = 0,
+        num_cpu_blocks: int = 0,
+        native_kernels: bool = False,
     ) -> None:
         config = model.config
+        self.native_kernels = native_kernels  # the model's projections are packed; decode attention is native
         param = model.embed_tokens.weight
         self.model = model
         self.device = param.device
@@ -89,10 +96,13 @@ class TorchExecutor:
                 sample_rows.append((len(input_ids) - 1, item))
             if item.num_tokens > 1:
                 prefills.append(self._prefill_chunk(item, row))
+        decodes = batch[:num_decodes]
+        native = self.native_kernels and num_decodes > 0
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
-            decodes=self._decode_groups(batch[:num_decodes]),
+            decodes=[] if native else self._decode_groups(decodes),
             prefills=prefills,
+            native_decode=self._native_decode(decodes) if native else None,
         )
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
 
@@ -105,6 +115,11 @@ class TorchExecutor:
             groups.append(self._decode_group(rows, row_start))
             row_start += len(rows)
         return groups
+
+    def _native_decode(self, decodes: list[ScheduledRequest]) -> NativeDecode:
+        width = max(len(s.block_ids) for s in decodes)
+        tables = self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes])
+        return NativeDecode(len(decodes), tables, self._tensor([s.context_len for s in decodes]))
 
     def _decode_group(self, rows: list[ScheduledRequest], row_start: int) -> DecodeGroup:
         width = max(len(s.block_ids) for s in rows)

@@ -14,14 +14,15 @@ from conveyor.kv.paged import PagedKVCacheManager, blocks_for_tokens
 
 
 class ContiguousBlockPool:
-    """Free blocks as a bitmap; every request takes one run of ``slab_blocks`` consecutive blocks (first fit)."""
+    """Free blocks as a byte map (1 free, 0 taken); every request takes one run of ``slab_blocks`` consecutive
+    blocks (first fit). Runs are found with ``bytearray.find``, so a scan costs one step per run, not per block."""
 
     def __init__(self, num_blocks: int, slab_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.slab_blocks = slab_blocks
-        self._free = [True] * num_blocks
+        self._free = bytearray(b"\x01") * num_blocks
         self._num_free = num_blocks
 
     @property
@@ -30,35 +31,42 @@ class ContiguousBlockPool:
 
     def _free_runs(self) -> list[tuple[int, int]]:
         """(start, length) of every maximal run of free blocks."""
-        runs, start = [], None
-        for index, free in enumerate([*self._free, False]):
-            if free and start is None:
-                start = index
-            elif not free and start is not None:
-                runs.append((start, index - start))
-                start = None
+        runs, free = [], self._free
+        start = free.find(1)
+        while start != -1:
+            end = free.find(0, start)
+            end = len(free) if end == -1 else end
+            runs.append((start, end - start))
+            start = free.find(1, end)
         return runs
 
     def can_take(self, n: int) -> bool:
+        if n > self._num_free:  # no need to look for holes
+            return False
         return n == 0 or any(length >= n for _, length in self._free_runs())
 
     def unusable_free_blocks(self) -> int:
         """Free blocks outside any slab-sized piece of a hole."""
+        if self._num_free < self.slab_blocks:  # too few for any slab, wherever they are
+            return self._num_free
         usable = sum(length // self.slab_blocks * self.slab_blocks for _, length in self._free_runs())
         return self._num_free - usable
 
     def take(self, n: int) -> list[int]:
         for start, length in self._free_runs():
             if length >= n:
-                for block in range(start, start + n):
-                    self._free[block] = False
+                self._free[start : start + n] = bytes(n)
                 self._num_free -= n
                 return list(range(start, start + n))
         raise RuntimeError(f"no run of {n} contiguous free KV blocks")
 
     def give_back(self, block_ids: list[int]) -> None:
-        for block in block_ids:
-            self._free[block] = True
+        low, high = (min(block_ids), max(block_ids)) if block_ids else (0, -1)
+        if high - low + 1 == len(block_ids):  # distinct blocks forming one run: a whole slab, as a rule
+            self._free[low : high + 1] = b"\x01" * len(block_ids)
+        else:
+            for block in block_ids:
+                self._free[block] = 1
         self._num_free += len(block_ids)
 
 

@@ -65,6 +65,10 @@ class PagedKVCacheManager:
     preemption on the very next step. ``num_cpu_blocks`` is the swap space:
     a second pool, in host memory, that a preempted request's blocks can be
     copied to instead of being dropped.
+
+    A block table is never changed in place (growing it makes a new list), so
+    the scheduler hands the executor the table itself: it still shows the
+    blocks of its own step after later steps have grown the request.
     """
 
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0) -> None:
@@ -99,8 +103,8 @@ class PagedKVCacheManager:
         return self.block_tables.get(request_id, [])
 
     def _extra_blocks(self, request_id: str, num_tokens: int) -> int:
-        held = len(self.block_tables.get(request_id, ()))
-        return max(blocks_for_tokens(num_tokens, self.block_size) - held, 0)
+        extra = blocks_for_tokens(num_tokens, self.block_size) - len(self.block_tables.get(request_id, ()))
+        return extra if extra > 0 else 0
 
     def can_admit(self, request_id: str, num_tokens: int, keep_watermark: bool = True) -> bool:
         """Whether a waiting request could get slots for ``num_tokens`` tokens."""
@@ -110,11 +114,13 @@ class PagedKVCacheManager:
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's block table to hold ``num_tokens`` tokens; False if the pool is short."""
         extra = self._extra_blocks(request_id, num_tokens)
-        if extra and not self.pool.can_take(extra):
-            return False
-        table = self.block_tables.setdefault(request_id, [])
         if extra:
-            table.extend(self.pool.take(extra))
+            if not self.pool.can_take(extra):
+                return False
+            # A new list, never the old one grown in place: a step's output can hold a table uncopied.
+            self.block_tables[request_id] = self.block_tables.get(request_id, []) + self.pool.take(extra)
+        elif request_id not in self.block_tables:
+            self.block_tables[request_id] = []
         self._num_tokens[request_id] = num_tokens
         return True
 
@@ -130,7 +136,7 @@ class PagedKVCacheManager:
     def memory_report(self) -> MemoryReport:
         """Token slots reserved vs holding real KV, and free slots no request could use."""
         reserved = (self.pool.num_blocks - self.pool.num_free) * self.block_size
-        used = sum(n for rid, n in self._num_tokens.items() if rid in self.block_tables)
+        used = sum(map(self._num_tokens.__getitem__, self.block_tables))  # not the swapped-out requests
         return MemoryReport(
             capacity_slots=self.capacity_tokens,
             reserved_slots=reserved,

@@ -10,6 +10,7 @@ to the attention metadata.
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -19,13 +20,39 @@ from conveyor.model.attention import AttentionMetadata, paged_attention
 from conveyor.model.config import ModelConfig
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that can move its weight to the native kernel's packed layout.
+
+    Packed, the weight is tiles of 16 output columns, each contiguous, which
+    a decode step streams at close to memory bandwidth (see csrc/kernels.cpp).
+    """
+
+    kernels: ModuleType | None = None
+    packed: torch.Tensor | None = None
+
+    def pack(self, kernels: ModuleType, keep_weight: bool = False) -> None:
+        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous())
+        if not keep_weight:  # the plain copy would double the model's memory
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.kernels.packed_linear(x, self.packed, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 class RMSNorm(nn.Module):
+    kernels: ModuleType | None = None  # set by LlamaModel.use_native_kernels
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 whatever the dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -81,6 +108,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    kernels: ModuleType | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -89,8 +118,8 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -101,22 +130,32 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), *rope)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.kernels is not None:
+            cos, sin = rope
+            self.kernels.rotary_embedding(q, k, cos.squeeze(1), sin.squeeze(1))
+        else:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
+    kernels: ModuleType | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -128,7 +167,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -141,7 +182,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -156,6 +197,15 @@ class LlamaModel(nn.Module):
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, rope, layer_cache, meta)
         return self.norm(x)
+
+    def use_native_kernels(self, kernels: ModuleType) -> None:
+        """Switch every layer to the native kernels (float32 on CPU only) and pack the weights for them."""
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(kernels, keep_weight=module is self.lm_head and tied)
+            if isinstance(module, Linear | RMSNorm | Attention | MLP):
+                module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that are sampled, and only those."""

@@ -12,6 +12,13 @@ goes back to the front of the waiting queue, to be prefilled again later
 (prompt and output so far). By swap, its blocks are copied to a CPU pool and
 it waits in the swapped queue, which is resumed before anyone new is admitted;
 when the CPU pool is full, that victim falls back to recompute.
+
+With ``num_scheduler_steps`` > 1 (vLLM's multi-step scheduling), one decision
+covers several model steps: every request whose chunk ends at its last token
+goes on decoding for up to that many steps, in KV slots allocated ahead, and
+the tokens come back together. The scheduler's own cost is then paid once per
+window instead of once per token, at the price of newcomers and freed slots
+waiting for the window to end.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # or "priority": lower value first, and may preempt less important requests
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
+    num_scheduler_steps: int = 1  # model steps per scheduling decision
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.policy not in POLICIES:
@@ -155,10 +163,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._make_room(request, request.num_computed_tokens + num_new):
+            num_new, num_steps = self._share(request, budget)
+            if not self._make_room(request, request.num_computed_tokens + num_new + num_steps - 1):
                 break  # the request preempted itself: it was the most recent arrival
-            scheduled.append(self._schedule(request, num_new))
+            scheduled.append(self._schedule(request, num_new, num_steps))
             budget -= num_new
             index += 1
 
@@ -198,8 +206,8 @@ class Scheduler:
     def _resume_swapped(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            end = request.num_computed_tokens + num_new
+            num_new, num_steps = self._share(request, budget)
+            end = request.num_computed_tokens + num_new + num_steps - 1
             if not self.kv.can_swap_in(request.request_id, end, keep_watermark=bool(self.running)):
                 break
             swap_in.extend(self.kv.swap_in(request.request_id))
@@ -207,7 +215,7 @@ class Scheduler:
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order)
-            scheduled.append(self._schedule(request, num_new))
+            scheduled.append(self._schedule(request, num_new, num_steps))
             budget -= num_new
         return budget
 
@@ -219,28 +227,29 @@ class Scheduler:
         while budget > 0 and (request := self._next_to_admit()) is not None:
             if self.swapped and self._order(self.swapped[0]) < self._order(request):
                 break  # a swapped request that ranks first is resumed first
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._fits(request, num_new):
+            num_new, num_steps = self._share(request, budget)
+            end = request.num_computed_tokens + num_new + num_steps - 1
+            if not self._fits(request, end):
                 refund = self._preempt_for(request, scheduled)
                 if refund is None:
                     break  # nobody overtakes the head of the queue
                 budget += refund
                 continue
-            self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new)
+            self.kv.allocate_slots(request.request_id, end)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
             bisect.insort(self.running, request, key=self._order)
-            scheduled.append(self._schedule(request, num_new))
+            scheduled.append(self._schedule(request, num_new, num_steps))
             budget -= num_new
         return budget
 
-    def _fits(self, request: Request, num_new: int) -> bool:
+    def _fits(self, request: Request, num_slots: int) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         # The watermark only matters when someone else could be preempted for it.
-        return self.kv.can_admit(request.request_id, request.num_computed_tokens + num_new, bool(self.running))
+        return self.kv.can_admit(request.request_id, num_slots, bool(self.running))
 
     def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
         """Priority policy: preempt the least important running request if it ranks strictly below ``request``.
@@ -264,16 +273,38 @@ class Scheduler:
         victim.last_preempted_by = (request.request_id, self.step_index)
         return refund
 
-    def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _share(self, request: Request, budget: int) -> tuple[int, int]:
+        """The request's share of this step: tokens to compute (what it lacks, within ``budget``), and model steps.
+
+        One model step, unless multi-step scheduling is on and the chunk samples; then as many as the
+        window has, but never past the token at which ``max_tokens`` or ``max_model_len`` ends the
+        request, so no slot is allocated beyond its end.
+        """
+        num_tokens = request.num_tokens
+        num_new = min(num_tokens - request.num_computed_tokens, budget)
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or request.num_computed_tokens + num_new < num_tokens:
+            return num_new, 1
+        left = min(
+            steps,
+            request.sampling_params.max_tokens - len(request.output_token_ids),
+            self.config.max_model_len - num_tokens,
+        )
+        return num_new, left if left > 1 else 1
+
+    def _schedule(self, request: Request, num_new: int, num_steps: int = 1) -> ScheduledRequest:
         start = request.num_computed_tokens
+        end = start + num_new
+        # Positional arguments, in field order: this runs for every request in every step.
         return ScheduledRequest(
-            request_id=request.request_id,
-            start_position=start,
-            token_ids=request.token_ids(start, start + num_new),
-            block_ids=list(self.kv.block_ids(request.request_id)),
-            sampling_params=request.sampling_params,
-            sample=start + num_new == request.num_tokens,
-            num_output_tokens=request.num_output_tokens,
+            request.request_id,
+            start,
+            request.token_ids(start, end),
+            self.kv.block_ids(request.request_id),  # not copied: tables are replaced, never changed in place
+            request.sampling_params,
+            end == request.num_tokens,  # sample
+            len(request.output_token_ids),
+            num_steps,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -298,30 +329,52 @@ class Scheduler:
 
     # ----- after the executor ran the step ----------------------------------
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int] | dict[str, list[int]]
+    ) -> list[Request]:
         """Record computed tokens and sampled tokens; end the requests that are done.
 
+        ``sampled_token_ids`` holds a token per sampling request, or, for a request
+        scheduled with ``num_steps`` > 1, the list of tokens its steps drew.
         Returns the requests that received a token this step, finished or not.
         """
         now = self.clock()
         touched: list[Request] = []
+        running = RequestStatus.RUNNING
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None or request.status is not running:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_tokens
+            request.num_computed_tokens += len(item.token_ids)
             if not item.sample:
                 continue
-            token = sampled_token_ids[item.request_id]
-            request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             touched.append(request)
-            reason, stop_reason = self._check_stop(request, token)
+            if item.num_steps == 1:
+                token = sampled_token_ids[item.request_id]
+                request.output_token_ids.append(token)
+                reason, stop_reason = self._check_stop(request, token)
+            else:
+                reason, stop_reason = self._append_tokens(request, sampled_token_ids[item.request_id])
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason, stop_reason)
         return touched
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[FinishReason | None, int | None]:
+        """Take a multi-step window's tokens up to the first that ends the request; drop those after it."""
+        params = request.sampling_params
+        keep = len(tokens)
+        if params.stop_token_ids or (request.eos_token_id is not None and not params.ignore_eos):
+            ends = set(params.stop_token_ids)
+            if request.eos_token_id is not None and not params.ignore_eos:
+                ends.add(request.eos_token_id)
+            keep = next((i + 1 for i, token in enumerate(tokens) if token in ends), keep)
+        request.output_token_ids.extend(tokens if keep == len(tokens) else tokens[:keep])
+        # The last kept token was drawn, not fed back: its KV is not computed yet.
+        request.num_computed_tokens += keep - 1
+        return self._check_stop(request, tokens[keep - 1])
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params

@@ -22,6 +22,9 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     sample: bool  # the chunk reaches the request's last known token, so a new one is drawn
     num_output_tokens: int  # output tokens before this step; seeds the request's random stream
+    # Model steps in this scheduler step (multi-step scheduling): the chunk, then num_steps - 1 decode
+    # steps, each fed the token just drawn, in slots allocated ahead; only when ``sample`` is true.
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ scheduler, so a difference in the figures comes from the policy alone.
 from __future__ import annotations
 
 from conveyor.kv import blocks_for_tokens
-from conveyor.request import FinishReason, Request
+from conveyor.request import FinishReason, Request, RequestStatus
 from conveyor.scheduler.continuous import Scheduler
 from conveyor.scheduler.output import SchedulerOutput
 
@@ -28,14 +28,21 @@ class StaticScheduler(Scheduler):
 
     def slot_holders(self) -> list[str]:
         """Running members, preempted members waiting to resume, and finished members held back."""
-        preempted = [r.request_id for r in self.swapped + self.waiting if r.request_id in self._members]
+        swapped = sorted(self._members_in(RequestStatus.SWAPPED), key=self._order)
+        waiting = sorted(self._members_in(RequestStatus.WAITING, RequestStatus.PREEMPTED), key=self._order)
+        preempted = [r.request_id for r in swapped + waiting]
         return [r.request_id for r in self.running] + preempted + [r.request_id for r in self._held]
 
     def _next_to_admit(self) -> Request | None:
         """The first waiting member of the current batch (forming a new batch when the last one is done)."""
         if not self._members and not self._held:
             self._form_batch()
-        return next((r for r in self.waiting if r.request_id in self._members), None)
+        # The queue is sorted by the policy's order, so its first member is the member first in that order.
+        return min(self._members_in(RequestStatus.WAITING, RequestStatus.PREEMPTED), key=self._order, default=None)
+
+    def _members_in(self, *statuses: RequestStatus) -> list[Request]:
+        """Members with one of ``statuses``; found through the batch (at most max_num_seqs), not the queues."""
+        return [r for r in map(self.requests.__getitem__, self._members) if r.status in statuses]
 
     def _form_batch(self) -> None:
         """Take the head of the queue, up to max_num_seqs, while their prompts fit in free blocks."""

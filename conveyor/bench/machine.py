@@ -1,0 +1,94 @@
+"""This machine's two roofline numbers: memory read bandwidth and GEMM throughput.
+
+A decode step is bound by one of them: reading every weight once (bandwidth)
+or multiplying them by the batch (compute). Both are measured with the same
+torch build the engine runs on, and saved, so that the roofline table and the
+simulator's ``cpu-local`` hardware use the figures of the machine they ran on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from conveyor.model.loader import DTYPES, cache_dir
+
+
+@dataclass(frozen=True, slots=True)
+class MachineFigures:
+    memory_bandwidth: float  # bytes/s read from DRAM by a large reduction
+    gemm_flops: float  # FLOP/s of a large square GEMM in ``dtype``
+    dtype: str
+    threads: int
+    cpu: str
+    measured_at: str  # ISO time, UTC
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOP per byte above which a kernel is compute-bound."""
+        return self.gemm_flops / self.memory_bandwidth
+
+    def save(self, path: Path | None = None) -> Path:
+        path = path or machine_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> MachineFigures:
+        return cls(**json.loads((path or machine_file()).read_text()))
+
+
+def machine_file() -> Path:
+    """Where ``conveyor roofline`` leaves its figures for the simulator."""
+    return cache_dir() / "machine.json"
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults, thread pool start
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of summing a float32 tensor far larger than the caches."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return num_bytes / _best_seconds(data.sum, repeats)
+
+
+def measure_gemm(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of one ``size``-cubed matrix product."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    return 2 * size**3 / _best_seconds(lambda: a @ b, repeats)
+
+
+def measure_machine(dtype: str = "float32") -> MachineFigures:
+    return MachineFigures(
+        memory_bandwidth=measure_bandwidth(),
+        gemm_flops=measure_gemm(DTYPES[dtype]),
+        dtype=dtype,
+        threads=torch.get_num_threads(),
+        cpu=_cpu_name(),
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

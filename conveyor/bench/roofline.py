@@ -1,0 +1,113 @@
+"""``conveyor roofline``: the seed's first section as a measurement on this machine.
+
+One decode step reads every weight once and multiplies it by the batch, so
+its arithmetic intensity (FLOP per byte moved) grows about linearly with the
+batch size until the step stops being bound by memory bandwidth and becomes
+bound by compute. For each batch size this computes the step's FLOPs and
+bytes (weights, K/V read, K/V written) from the loaded model's shape with
+the simulator's cost model, the fastest the step could run on this machine
+(its measured bandwidth and GEMM throughput), and the engine's real speed at
+the same point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from conveyor.bench.decode import measure_decode
+from conveyor.bench.machine import MachineFigures
+from conveyor.bench.report import format_table
+from conveyor.engine import Engine
+from conveyor.model.config import ModelConfig
+from conveyor.sim.cost import CostModel
+from conveyor.sim.hardware import HardwareSpec
+
+
+@dataclass(frozen=True, slots=True)
+class RooflinePoint:
+    batch_size: int
+    context_len: int
+    flops: float  # per decode step
+    bytes_moved: float  # per decode step: weights + K/V read + K/V written
+    bound_tokens_per_s: float  # the machine's limit for this step
+    measured_tokens_per_s: float | None = None
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes_moved
+
+    @property
+    def share_of_bound(self) -> float | None:
+        if self.measured_tokens_per_s is None:
+            return None
+        return self.measured_tokens_per_s / self.bound_tokens_per_s
+
+
+def machine_cost_model(model: ModelConfig, machine: MachineFigures) -> CostModel:
+    """The cost model at this machine's measured peaks, with no efficiency loss and no overhead: the bound."""
+    spec = HardwareSpec(
+        name="this machine",
+        peak_flops={machine.dtype: machine.gemm_flops},
+        memory_bandwidth=machine.memory_bandwidth,
+        memory_capacity=0,
+        host_link_bandwidth=machine.memory_bandwidth,
+        default_dtype=machine.dtype,
+        flops_efficiency=1.0,
+        bandwidth_efficiency=1.0,
+        step_overhead_s=0.0,
+    )
+    return CostModel(model, spec, machine.dtype)
+
+
+def decode_point(cost: CostModel, batch_size: int, context_len: int) -> RooflinePoint:
+    """Work and bound of a step in which ``batch_size`` requests each add one token after ``context_len``."""
+    keys = batch_size * context_len
+    flops = (
+        batch_size * (cost.dense_flops_per_token + cost.lm_head_flops_per_row)
+        + keys * cost.attention_flops_per_pair
+    )
+    moved = cost.dense_weight_bytes + cost.lm_head_bytes + (keys + batch_size) * cost.kv_bytes_per_token
+    return RooflinePoint(batch_size, context_len, flops, moved, batch_size / cost.decode_time(batch_size, keys))
+
+
+def run_roofline(
+    engine: Engine,
+    machine: MachineFigures,
+    batch_sizes: list[int],
+    context_lens: list[int],
+    measured_context_len: int,
+    steps: int,
+    seed: int = 0,
+) -> list[RooflinePoint]:
+    """Bounds at every (batch, context); the engine measured at ``measured_context_len``."""
+    cost = machine_cost_model(engine.model_config, machine)
+    points = []
+    for context_len in context_lens:
+        for batch_size in batch_sizes:
+            point = decode_point(cost, batch_size, context_len)
+            if context_len == measured_context_len:
+                # The context grows by one token a step; measure around the nominal length.
+                prompt_len = max(context_len - steps // 2, 1)
+                measured = measure_decode(engine, batch_size, prompt_len, steps, seed)
+                point = RooflinePoint(**{**asdict(point), "measured_tokens_per_s": measured})
+                print(f"batch {batch_size}: {measured:.1f} tok/s ({measured / point.bound_tokens_per_s:.0%} of bound)",
+                      flush=True)
+            points.append(point)
+    return points
+
+
+def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str:
+    header = (
+        f"machine: {machine.cpu}, {machine.threads} threads: {machine.memory_bandwidth / 1e9:.1f} GB/s read, "
+        f"{machine.gemm_flops / 1e9:.0f} GFLOP/s {machine.dtype} GEMM, ridge {machine.ridge_point:.1f} FLOP/byte"
+    )
+    rows = []
+    for p in points:
+        measured = "" if p.measured_tokens_per_s is None else round(p.measured_tokens_per_s, 1)
+        share = "" if p.share_of_bound is None else f"{p.share_of_bound:.0%}"
+        rows.append([p.batch_size, p.context_len, round(p.intensity, 2), round(p.bound_tokens_per_s, 1),
+                     measured, share])
+    table = format_table(
+        ["batch", "context", "FLOP/byte", "bound tok/s", "measured tok/s", "% of bound"], rows
+    )
+    return f"{header}\n\n{table}"

@@ -1,0 +1,248 @@
+"""``conveyor simulate``: the real scheduler on a virtual clock, for hardware and traffic this machine cannot run.
+
+It takes the engine flags of ``serve`` and ``bench throughput``, plus the
+hardware, the model's config, the workload and the request rates; it prints
+the benchmark's figures for each configuration and rate, writes the same
+trace format, and with ``--sweep`` draws latency against request rate and
+names each configuration's max sustainable rate (see :mod:`conveyor.sim.sweep`).
+``conveyor simulate calibrate`` fits ``cpu-local`` to the real engine.
+
+The simulator's own cost is the scheduler's, per request and step; with
+``--num-scheduler-steps 8`` a decision covers eight model steps, which is
+what makes 100,000 requests a matter of seconds rather than minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from conveyor.bench.report import format_table
+from conveyor.config import EngineConfig
+from conveyor.entrypoints.cli import _int_pair, _with_overrides, add_engine_args, engine_config
+from conveyor.sim.cost import CostModel
+from conveyor.sim.hardware import hardware_names, load_hardware, load_model_config, model_names
+from conveyor.sim.simulator import device_kv_cache_memory, simulate
+from conveyor.sim.sweep import DEFAULT_LATENCY_BOUND, is_sustainable, max_sustainable_rate
+from conveyor.sim.workload import (
+    LENGTH_PRESETS,
+    WorkloadRequest,
+    parse_lengths,
+    read_trace_file,
+    synthetic_workload,
+)
+
+DEFAULT_MODEL_CONFIG = "Llama-2-7B"
+DEFAULT_NUM_REQUESTS = 1000
+KV_OPTIONS = ("kv_cache_memory", "num_kv_blocks")
+
+
+def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
+    sim = commands.add_parser("simulate", help="the scheduler on a cost model: GPUs, models and traffic at scale")
+    g = sim.add_argument_group("simulation")
+    g.add_argument("--hardware", default="A100-80GB", help=f"{', '.join(hardware_names())}, or a JSON spec file")
+    g.add_argument("--model-config", default=None,
+                   help=f"{', '.join(model_names())}, or a HF config.json or folder "
+                   f"(default: --model's config, else {DEFAULT_MODEL_CONFIG})")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices that split each layer")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of device memory for weights and KV, when --kv-cache-memory is not given")
+    g.add_argument("--workload", default="sharegpt",
+                   help=f"{', '.join(LENGTH_PRESETS)} (long-tailed lengths of those means), or a CSV/JSONL "
+                   "file of arrival_time, prompt_tokens, output_tokens")
+    g.add_argument("--prompt-len", default=None, help="N, uniform:LOW,HIGH or longtail:MEAN (overrides --workload)")
+    g.add_argument("--output-len", default=None, help="N, uniform:LOW,HIGH or longtail:MEAN (overrides --workload)")
+    g.add_argument("--num-requests", type=int, default=None, help=f"default {DEFAULT_NUM_REQUESTS}; a file: all")
+    g.add_argument("--request-rates", default=None, help="requests/s, comma-separated, e.g. 1,2,4 (default inf: "
+                   "all at once); arrivals are a Poisson process, or gamma with --burstiness")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, < 1 burstier")
+    g.add_argument("--workload-seed", type=int, default=0)
+    g.add_argument("--compare", nargs="+", metavar="OPTION=VALUE[,OPTION=VALUE]",
+                   help="simulate each configuration on the same workload, e.g. scheduler=static kv_layout=contiguous")
+    g.add_argument("--sweep", action="store_true", help="draw latency vs request rate (to --plot) and print each "
+                   "configuration's max sustainable rate")
+    g.add_argument("--plot", default="sweep.png", help="where --sweep draws")
+    g.add_argument("--latency-bound", type=float, default=DEFAULT_LATENCY_BOUND,
+                   help="mean normalized latency (s per output token) a sustainable rate stays under")
+    g.add_argument("--trace", default=None, help="write the scheduler trace (JSON lines); a folder when there "
+                   "are several runs")
+    g.add_argument("--json", default=None, help="also write the figures to this file")
+    add_engine_args(sim)
+    sim.set_defaults(dtype=None, kv_cache_memory=None)  # the hardware's dtype; the KV its memory leaves
+
+    calibrate = sim.add_subparsers(dest="simulate_command").add_parser(
+        "calibrate", help="fit cpu-local's efficiencies to the real engine, then compare both on one workload")
+    c = calibrate.add_argument_group("calibration")
+    c.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes to time")
+    c.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of each decoding request")
+    c.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    c.add_argument("--long-context", default="4,512", help="BATCH,PROMPT_LEN of the decodes over long contexts")
+    c.add_argument("--prefill-len", type=int, default=512, help="tokens of the timed prompt chunk")
+    c.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
+                   help="then run one workload through both the real engine and the simulator")
+    c.add_argument("--num-prompts", type=int, default=32, help="requests of the validation workload")
+    c.add_argument("--output-len", default="8,128", help="min,max output tokens (long-tailed between)")
+    c.add_argument("--workload-seed", type=int, default=0)
+    c.add_argument("--trace", default=None, help="a folder for the validation's two traces (real-engine.jsonl, "
+                   "simulator.jsonl): the same steps, their times measured and predicted")
+    add_engine_args(calibrate)
+    calibrate.set_defaults(max_num_seqs=16)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    if args.simulate_command == "calibrate":
+        return _calibrate(args)
+    hardware = load_hardware(args.hardware)
+    model = load_model_config(args.model_config or args.model or DEFAULT_MODEL_CONFIG)
+    args.dtype = args.dtype or hardware.default_dtype
+    kv_auto = args.kv_cache_memory is None and args.num_kv_blocks is None
+    args.kv_cache_memory = args.kv_cache_memory or "2GiB"  # replaced below when kv_auto
+    base = engine_config(args)
+    specs = args.compare or [_describe(base)]
+    configs = [_with_overrides(base, spec) if args.compare else base for spec in specs]  # all checked before any run
+    rates, workloads = _workloads(args)
+    results: dict[str, list[dict[str, Any]]] = {}
+    several = len(configs) * len(rates) > 1
+    for spec, config in zip(specs, configs):
+        cost = CostModel(model, hardware, config.dtype, args.tensor_parallel_size)
+        if kv_auto and not any(option in spec for option in KV_OPTIONS):
+            config = dataclasses.replace(config, kv_cache_memory=device_kv_cache_memory(cost,
+                                                                                     args.gpu_memory_utilization))
+        results[spec] = []
+        for rate, workload in zip(rates, workloads):
+            print(f"simulating {spec} at {_rate(rate)} ...", file=sys.stderr, flush=True)
+            result, trace = simulate(config, cost, workload, record_trace=bool(args.trace))
+            result = {"configuration": spec, "request_rate": rate, **result}
+            results[spec].append(result)
+            if trace is not None:
+                trace.write(_trace_path(args.trace, spec, rate) if several else args.trace)
+    _report(args, rates, results, several)
+    return 0
+
+
+def _describe(config: EngineConfig) -> str:
+    return f"scheduler={config.scheduler},kv_layout={config.kv_layout}"
+
+
+def _workloads(args: argparse.Namespace) -> tuple[list[float], list[list[WorkloadRequest]]]:
+    """The request rates, and the workload at each (one workload, replayed as it is, for a trace file)."""
+    if args.workload not in LENGTH_PRESETS:
+        if args.request_rates or args.prompt_len or args.output_len:
+            raise ValueError("--workload FILE: the file sets arrival times and lengths; drop --request-rates, "
+                             "--prompt-len and --output-len")
+        requests = read_trace_file(args.workload)
+        return [math.nan], [requests[: args.num_requests] if args.num_requests else requests]
+    prompt_default, output_default = LENGTH_PRESETS[args.workload]
+    prompt_lengths = parse_lengths(args.prompt_len or prompt_default)
+    output_lengths = parse_lengths(args.output_len or output_default)
+    rates = _parse_rates(args.request_rates or "inf")
+    num = args.num_requests or DEFAULT_NUM_REQUESTS
+    if num < 1:
+        raise ValueError("--num-requests must be >= 1")
+    return rates, [
+        synthetic_workload(num, rate, prompt_lengths, output_lengths, args.workload_seed, args.burstiness)
+        for rate in rates
+    ]
+
+
+def _parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--request-rates must be numbers like 1,2,4 or inf, got {text!r}") from None
+    if any(not rate > 0 for rate in rates):
+        raise ValueError(f"--request-rates must be > 0, got {text!r}")
+    return rates
+
+
+def _rate(rate: float) -> str:
+    if math.isnan(rate):
+        return "the file's arrival times"
+    return "once (all at t=0)" if math.isinf(rate) else f"{rate:g} req/s"
+
+
+def _trace_path(folder: str, spec: str, rate: float) -> Path:
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return Path(folder) / f"{spec.replace(',', '_').replace('=', '-')}_rate-{rate:g}.jsonl"
+
+
+TABLE_COLUMNS = {
+    "req/s": "requests_per_s",
+    "output tok/s": "output_tokens_per_s",
+    "TTFT mean s": "ttft_mean_s",
+    "TTFT p99 s": "ttft_p99_s",
+    "TPOT mean s": "tpot_mean_s",
+    "latency p50 s": "latency_p50_s",
+    "latency p90 s": "latency_p90_s",
+    "latency p99 s": "latency_p99_s",
+    "norm. latency s/tok": "normalized_latency_mean_s",
+    "preemptions": "preemptions",
+    "swaps": "swaps_out",
+    "peak running": "peak_running",
+    "KV waste": "kv_waste_fraction",
+    "sim wall s": "simulation_wall_s",
+}
+
+
+def _report(args: argparse.Namespace, rates: list[float], results: dict[str, list[dict[str, Any]]],
+            several: bool) -> None:
+    from conveyor.bench.throughput import print_throughput, write_json
+
+    if not several:
+        print_throughput(next(iter(results.values()))[0])
+    else:
+        rows = [[spec, _rate(r["request_rate"]), *(r[key] for key in TABLE_COLUMNS.values())]
+                for spec, runs in results.items() for r in runs]
+        print(format_table(["configuration", "rate", *TABLE_COLUMNS], rows))
+    if args.sweep:
+        _sweep(args, rates, results)
+    write_json(results if several else next(iter(results.values()))[0], args.json)
+
+
+def _sweep(args: argparse.Namespace, rates: list[float], results: dict[str, list[dict[str, Any]]]) -> None:
+    from conveyor.viz.sweep import plot_sweep
+
+    finite = [i for i, rate in enumerate(rates) if math.isfinite(rate)]
+    if len(finite) < 2:
+        raise ValueError("--sweep needs at least two finite --request-rates")
+    swept = [rates[i] for i in finite]
+    best = {spec: max_sustainable_rate(swept, [runs[i] for i in finite], args.latency_bound)
+            for spec, runs in results.items()}
+    curves = {spec: (swept, [runs[i]["normalized_latency_mean_s"] for i in finite]) for spec, runs in results.items()}
+    first = next(iter(results.values()))[0]
+    title = (f"{args.model_config or args.model or DEFAULT_MODEL_CONFIG} on {first['hardware']}"
+             f"{' x' + str(args.tensor_parallel_size) if args.tensor_parallel_size > 1 else ''}, "
+             f"{args.workload}, {first['num_requests']} requests")
+    plot_sweep(curves, best, args.latency_bound, title, args.plot)
+    print()
+    print(format_table(
+        ["configuration", "max sustainable rate", "sustainable at"],
+        [[spec, "none" if best[spec] is None else f"{best[spec]:g} req/s",
+          " ".join(f"{rates[i]:g}" for i in finite if is_sustainable(results[spec][i], args.latency_bound))]
+         for spec in results],
+    ))
+    print(f"sustainable: completions keep up with arrivals (>= 90% of their rate) and the mean normalized latency "
+          f"is under {args.latency_bound} s/token, at that rate and every lower one swept")
+    print(f"wrote {args.plot}")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from conveyor.sim.calibrate import calibrate, validate
+
+    config = engine_config(args)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    long_context = _int_pair(args.long_context, "--long-context")
+    calibrate(config, batch_sizes, args.prompt_len, args.steps, args.prefill_len, long_context)
+    if args.validate:
+        print(f"\nvalidation: {args.num_prompts} long-tailed requests, max_num_seqs {config.max_num_seqs}, "
+              "real engine then simulator ...", flush=True)
+        result = validate(config, args.num_prompts, args.workload_seed, _int_pair(args.output_len, "--output-len"))
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+            result["measured_trace"].write(Path(args.trace) / "real-engine.jsonl")
+            result["predicted_trace"].write(Path(args.trace) / "simulator.jsonl")
+    return 0

@@ -1,0 +1,140 @@
+"""A roofline cost model of one model step: FLOPs and bytes moved, on a hardware spec.
+
+A step has two parts with different bounds. The dense part (projections,
+MLP, LM head on the sampled rows) reads every weight once whatever the
+batch, and does 2 FLOPs per weight per token. Attention reads each request's
+cached K/V once and does 4 FLOPs per head dimension per query-key pair (QK^T
+and PV); its K/V reads, gathered block by block, get a bandwidth efficiency
+of their own. Each part takes the longer of its compute time and its memory time;
+then come a fixed per-step overhead, a per-request overhead, the all-reduces
+of tensor parallelism (two per layer) and any swap copies over the host link.
+Activations and norms are left out: next to weights and K/V they are small.
+
+Everything is per device: with tensor parallelism of degree ``tp`` each
+device holds ``1/tp`` of the weights and of the KV heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from conveyor.model.config import ModelConfig
+from conveyor.sim.hardware import DTYPE_BYTES, HardwareSpec
+
+
+@dataclass(slots=True)
+class StepWork:
+    """What one model step computes, summed over its requests."""
+
+    num_seqs: int = 0  # requests in the step
+    num_tokens: int = 0  # tokens whose activations and K/V are computed
+    num_sampled: int = 0  # rows that go through the LM head
+    attention_pairs: int = 0  # query-key pairs, per layer and head
+    kv_tokens_read: int = 0  # tokens of K/V that attention reads, per layer
+    swap_blocks: int = 0  # KV blocks copied between device and host
+
+
+def chunk_attention_pairs(start: int, num_tokens: int) -> int:
+    """Query-key pairs of ``num_tokens`` causal queries at positions ``start...`` (each sees itself and before)."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+def linear_params_per_layer(model: ModelConfig) -> int:
+    """Weights of one decoder layer's projections and MLP (norms and biases are negligible)."""
+    h, d = model.hidden_size, model.head_dim
+    attention = h * model.num_heads * d * 2 + h * model.num_kv_heads * d * 2  # q and o; k and v
+    return attention + 3 * h * model.intermediate_size  # gate, up, down
+
+
+def total_params(model: ModelConfig) -> int:
+    """Parameters held in memory: layers, embedding, LM head unless tied, and the norms."""
+    embeddings = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    norms = (2 * model.num_layers + 1) * model.hidden_size
+    return model.num_layers * linear_params_per_layer(model) + embeddings + norms
+
+
+class CostModel:
+    def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, tensor_parallel_size: int = 1) -> None:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+        tp = tensor_parallel_size
+        if tp < 1 or model.num_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must be >= 1 and divide the {model.num_heads} attention heads")
+        if tp > 1 and not hardware.interconnect_bandwidth:
+            raise ValueError(f"hardware {hardware.name} has no interconnect_bandwidth: no tensor parallelism")
+        self.model = model
+        self.hardware = hardware
+        self.dtype = dtype
+        self.tensor_parallel_size = tp
+        b = DTYPE_BYTES[dtype]
+        h, layers = model.hidden_size, model.num_layers
+        kv_heads = max(model.num_kv_heads // tp, 1)  # fewer KV heads than devices: each device keeps a copy
+        layer_params = linear_params_per_layer(model)
+        # Per device.
+        self.weight_bytes = total_params(model) * b / tp
+        self.dense_weight_bytes = layers * layer_params * b / tp  # read by every step
+        self.lm_head_bytes = model.vocab_size * h * b / tp  # read by steps that sample
+        self.dense_flops_per_token = 2 * layers * layer_params / tp
+        self.lm_head_flops_per_row = 2 * model.vocab_size * h / tp
+        self.attention_flops_per_pair = 4 * layers * (model.num_heads // tp) * model.head_dim
+        self.kv_bytes_per_token = 2 * layers * kv_heads * model.head_dim * b  # K and V, all layers
+        self.allreduce_bytes_per_token = h * b  # one hidden vector per token, twice per layer
+        self.flops = hardware.flops(dtype) * hardware.flops_efficiency
+        self.bandwidth = hardware.memory_bandwidth * hardware.bandwidth_efficiency
+        self.kv_bandwidth = self.bandwidth * hardware.attention_efficiency
+
+    def dense_time(self, num_tokens: int, num_sampled: int) -> float:
+        flops = num_tokens * self.dense_flops_per_token + num_sampled * self.lm_head_flops_per_row
+        weight_bytes = self.dense_weight_bytes + (self.lm_head_bytes if num_sampled else 0.0)
+        return max(flops / self.flops, weight_bytes / self.bandwidth)
+
+    def attention_time(self, attention_pairs: int, kv_tokens_read: int, num_tokens: int) -> float:
+        flops = attention_pairs * self.attention_flops_per_pair
+        moved = (kv_tokens_read + num_tokens) * self.kv_bytes_per_token  # cached K/V read, new K/V written
+        return max(flops / self.flops, moved / self.kv_bandwidth)
+
+    def allreduce_time(self, num_tokens: int) -> float:
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return 0.0
+        hw = self.hardware
+        # Ring all-reduce: each device sends and receives 2 (tp - 1) / tp of the buffer.
+        per_call = hw.allreduce_latency_s + 2 * (tp - 1) / tp * num_tokens * self.allreduce_bytes_per_token / (
+            hw.interconnect_bandwidth
+        )
+        return 2 * self.model.num_layers * per_call
+
+    def swap_time(self, num_blocks: int, block_size: int) -> float:
+        return num_blocks * block_size * self.kv_bytes_per_token / self.hardware.host_link_bandwidth
+
+    def overhead(self, num_seqs: int) -> float:
+        return self.hardware.step_overhead_s + num_seqs * self.hardware.per_sequence_overhead_s
+
+    def step_time(self, work: StepWork, block_size: int = 16) -> float:
+        """Seconds one model step takes."""
+        if not work.num_tokens:
+            return self.swap_time(work.swap_blocks, block_size)
+        return (
+            self.overhead(work.num_seqs)
+            + self.dense_time(work.num_tokens, work.num_sampled)
+            + self.attention_time(work.attention_pairs, work.kv_tokens_read, work.num_tokens)
+            + self.allreduce_time(work.num_tokens)
+            + self.swap_time(work.swap_blocks, block_size)
+        )
+
+    def decode_time(self, num_seqs: int, context_tokens: int) -> float:
+        """A step of ``num_seqs`` single-token decodes attending to ``context_tokens`` keys in all.
+
+        The same sum as :meth:`step_time`, written out: a multi-step window prices its decode steps here.
+        """
+        hw = self.hardware
+        dense = max(
+            num_seqs * (self.dense_flops_per_token + self.lm_head_flops_per_row) / self.flops,
+            (self.dense_weight_bytes + self.lm_head_bytes) / self.bandwidth,
+        )
+        attention = max(
+            context_tokens * self.attention_flops_per_pair / self.flops,
+            (context_tokens + num_seqs) * self.kv_bytes_per_token / self.kv_bandwidth,
+        )
+        allreduce = self.allreduce_time(num_seqs) if self.tensor_parallel_size > 1 else 0.0
+        return hw.step_overhead_s + num_seqs * hw.per_sequence_overhead_s + dense + attention + allreduce

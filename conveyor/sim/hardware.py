@@ -1,0 +1,159 @@
+"""Hardware and model specs for the simulator, read from data files users can extend.
+
+The packaged catalog (``catalog/hardware.json``, ``catalog/models.json``) is
+merged with the user's own files of the same names under
+``$CONVEYOR_CACHE_DIR/sim/`` (user entries win), and a path to a JSON file
+works wherever a name does. Models are HF ``config.json`` dicts, so any HF
+model folder or config file can be simulated as it is.
+
+``cpu-local`` is this machine: its peak figures come from the file that
+``conveyor roofline`` writes, and its efficiencies and overheads from
+``conveyor simulate calibrate``, when that has been run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from conveyor.model.config import ModelConfig
+
+CATALOG_DIR = Path(__file__).parent / "catalog"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+CALIBRATED_FIELDS = (
+    "flops_efficiency", "bandwidth_efficiency", "attention_efficiency", "step_overhead_s", "per_sequence_overhead_s"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareSpec:
+    """One device; a tensor-parallel group is several of them joined by ``interconnect_bandwidth``."""
+
+    name: str
+    peak_flops: dict[str, float]  # dense FLOP/s per dtype
+    memory_bandwidth: float  # bytes/s
+    memory_capacity: int  # bytes
+    host_link_bandwidth: float  # bytes/s each way between device and host memory: swap copies cross it
+    interconnect_bandwidth: float | None = None  # bytes/s each way between devices, for all-reduce
+    default_dtype: str = "float16"
+    flops_efficiency: float = 0.6  # share of peak FLOP/s a step's matrix products reach
+    bandwidth_efficiency: float = 0.8  # share of peak bandwidth its reads reach
+    # Share of that usable bandwidth attention's K/V reads reach: about 1 for fused GPU kernels, far
+    # less where K/V blocks are gathered and multiplied in small pieces (an eager CPU engine).
+    attention_efficiency: float = 1.0
+    step_overhead_s: float = 0.002  # fixed cost of a step: scheduling, launches, sampling
+    per_sequence_overhead_s: float = 0.0  # cost per request in the step: input preparation, bookkeeping
+    allreduce_latency_s: float = 1e-5  # fixed cost of one all-reduce
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def flops(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            known = ", ".join(self.peak_flops)
+            raise ValueError(f"hardware {self.name} has no peak FLOP/s for {dtype} (it has {known})")
+        return self.peak_flops[dtype]
+
+
+def cache_dir() -> Path:
+    """Conveyor's cache folder; the same rule as ``conveyor.model.loader.cache_dir``, which imports torch."""
+    root = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "conveyor"
+    )
+    return Path(root)
+
+
+def machine_file() -> Path:
+    """Where ``conveyor roofline`` saves this machine's figures (``conveyor.bench.machine.machine_file``)."""
+    return cache_dir() / "machine.json"
+
+
+def calibration_file() -> Path:
+    """Where ``conveyor simulate calibrate`` saves cpu-local's fitted efficiencies, next to the machine figures."""
+    return cache_dir() / "cpu-local-calibration.json"
+
+
+def _catalog(kind: str) -> dict[str, dict[str, Any]]:
+    entries = json.loads((CATALOG_DIR / f"{kind}.json").read_text())
+    user_file = cache_dir() / "sim" / f"{kind}.json"
+    if user_file.is_file():
+        entries.update(json.loads(user_file.read_text()))
+    return entries
+
+
+def hardware_names() -> list[str]:
+    return list(_catalog("hardware"))
+
+
+def model_names() -> list[str]:
+    return list(_catalog("models"))
+
+
+def load_hardware(name_or_path: str) -> HardwareSpec:
+    """A catalog name (``A100-80GB``, ``cpu-local``, ...) or a JSON file holding one spec."""
+    catalog = _catalog("hardware")
+    if name_or_path in catalog:
+        name, raw = name_or_path, catalog[name_or_path]
+    elif Path(name_or_path).is_file():
+        name, raw = Path(name_or_path).stem, json.loads(Path(name_or_path).read_text())
+    else:
+        raise ValueError(f"hardware: {name_or_path!r} is neither a JSON file nor one of {', '.join(catalog)}")
+    if raw.get("from_machine_file"):
+        raw = {**raw, **_machine_figures(), **_calibration()}
+    return _hardware_from_dict(name, raw)
+
+
+def _hardware_from_dict(name: str, raw: dict[str, Any]) -> HardwareSpec:
+    known = {f.name for f in fields(HardwareSpec)} - {"name", "extra"}
+    missing = [key for key in ("peak_flops", "memory_bandwidth", "memory_capacity", "host_link_bandwidth")
+               if key not in raw]
+    if missing:
+        raise ValueError(f"hardware {name}: missing {', '.join(missing)}")
+    values = {key: value for key, value in raw.items() if key in known}
+    extra = {key: value for key, value in raw.items() if key not in known}
+    return HardwareSpec(name=name, extra=extra, **values)
+
+
+def _machine_figures() -> dict[str, Any]:
+    """cpu-local's peak figures from the roofline measurement of this machine."""
+    path = machine_file()
+    if not path.is_file():
+        raise ValueError(
+            f"hardware cpu-local: no measurement of this machine at {path}; create it with `conveyor roofline`, "
+            'or: python -c "from conveyor.bench.machine import measure_machine; measure_machine().save()"'
+        )
+    machine = json.loads(path.read_text())
+    bandwidth = float(machine["memory_bandwidth"])
+    return {
+        "peak_flops": {machine["dtype"]: float(machine["gemm_flops"])},
+        "memory_bandwidth": bandwidth,
+        "memory_capacity": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        "host_link_bandwidth": bandwidth / 2,  # a swap is a copy within the same memory: read plus write
+        "default_dtype": machine["dtype"],
+        "description": f"{machine.get('cpu', 'this CPU')}, {machine.get('threads', '?')} threads, "
+        f"measured {machine.get('measured_at', '?')}",
+    }
+
+
+def _calibration() -> dict[str, Any]:
+    path = calibration_file()
+    if not path.is_file():
+        return {}
+    saved = json.loads(path.read_text())
+    return {key: saved[key] for key in CALIBRATED_FIELDS if key in saved}
+
+
+def load_model_config(name_or_path: str) -> ModelConfig:
+    """A catalog name (``Llama-2-13B``, ...), a HF ``config.json``, or a folder holding one."""
+    catalog = _catalog("models")
+    if name_or_path in catalog:
+        return ModelConfig.from_hf_dict(catalog[name_or_path])
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    raise ValueError(f"model config: {name_or_path!r} is neither a config.json (or its folder) "
+                     f"nor one of {', '.join(catalog)}")

@@ -1,0 +1,128 @@
+"""Simulated traffic: when requests arrive, and how long their prompts and outputs are.
+
+Arrivals and lengths are drawn from separate seeded streams, so the same
+requests arrive at every request rate of a sweep, only sooner or later.
+Length presets follow the mean lengths of the vLLM paper's workloads:
+ShareGPT-like (161 prompt / 338 output tokens) and Alpaca-like (19.31 / 58.45).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+LENGTH_PRESETS: dict[str, tuple[str, str]] = {
+    "sharegpt": ("longtail:161", "longtail:338"),
+    "alpaca": ("longtail:19.31", "longtail:58.45"),
+}
+LONG_TAIL_SIGMA = 1.0  # of the log-normal: the median is ~0.6x the mean, and 1 in 20 is over ~3x the mean
+TRACE_FIELDS = ("arrival_time", "prompt_tokens", "output_tokens")  # and, optionally, priority
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadRequest:
+    arrival_time: float  # seconds from the start
+    prompt_len: int
+    output_len: int
+    priority: int = 0  # for --scheduling-policy priority: lower first
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDistribution:
+    """``fixed`` (low), ``uniform`` (low..high inclusive) or ``longtail`` (log-normal with ``mean``)."""
+
+    kind: str
+    low: int = 1
+    high: int = 1
+    mean: float = 1.0
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return self.low
+        if self.kind == "uniform":
+            return rng.randint(self.low, self.high)
+        mu = math.log(self.mean) - LONG_TAIL_SIGMA**2 / 2  # so that the mean, not the median, is ``mean``
+        return max(round(rng.lognormvariate(mu, LONG_TAIL_SIGMA)), 1)
+
+
+def parse_lengths(spec: str) -> LengthDistribution:
+    """``"128"`` or ``"fixed:128"``, ``"uniform:16,512"``, ``"longtail:338"`` (the mean)."""
+    kind, _, args = spec.partition(":") if ":" in spec else ("fixed", "", spec)
+    try:
+        numbers = [float(x) for x in args.split(",")]
+        if kind == "fixed" and len(numbers) == 1 and numbers[0] >= 1:
+            return LengthDistribution("fixed", low=int(numbers[0]))
+        if kind == "uniform" and len(numbers) == 2 and 1 <= numbers[0] <= numbers[1]:
+            return LengthDistribution("uniform", low=int(numbers[0]), high=int(numbers[1]))
+        if kind == "longtail" and len(numbers) == 1 and numbers[0] >= 1:
+            return LengthDistribution("longtail", mean=numbers[0])
+    except ValueError:
+        pass
+    raise ValueError(f"lengths: {spec!r} is not N, fixed:N, uniform:LOW,HIGH or longtail:MEAN (all >= 1)")
+
+
+def arrival_times(num_requests: int, rate: float, rng: random.Random, burstiness: float = 1.0) -> list[float]:
+    """Gaps drawn from a gamma distribution of mean 1/rate, as vLLM's benchmarks do.
+
+    ``burstiness`` is the gamma's shape: 1 is a Poisson process, below 1 burstier,
+    above 1 more even. ``rate`` infinite: everyone arrives at once, at 0.
+    """
+    if rate <= 0 or burstiness <= 0:
+        raise ValueError(f"request rate and burstiness must be > 0, got {rate} and {burstiness}")
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    times, now = [], 0.0
+    for _ in range(num_requests):
+        times.append(now)
+        now += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return times
+
+
+def synthetic_workload(
+    num_requests: int,
+    rate: float,
+    prompt_lengths: LengthDistribution,
+    output_lengths: LengthDistribution,
+    seed: int = 0,
+    burstiness: float = 1.0,
+) -> list[WorkloadRequest]:
+    lengths_rng = random.Random(f"{seed}:lengths")
+    times = arrival_times(num_requests, rate, random.Random(f"{seed}:arrivals"), burstiness)
+    return [
+        WorkloadRequest(at, prompt_lengths.sample(lengths_rng), output_lengths.sample(lengths_rng)) for at in times
+    ]
+
+
+def read_trace_file(path: str | Path) -> list[WorkloadRequest]:
+    """A CSV (with a header row) or JSON-lines file of arrival_time, prompt_tokens, output_tokens and optionally
+    priority; sorted by time."""
+    path = Path(path)
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f)) if path.suffix == ".csv" else [json.loads(line) for line in f if line.strip()]
+    requests = []
+    for number, row in enumerate(rows, start=1):
+        try:
+            request = WorkloadRequest(
+                float(row["arrival_time"]),
+                int(row["prompt_tokens"]),
+                int(row["output_tokens"]),
+                int(row.get("priority") or 0),
+            )
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: request {number} lacks numeric {', '.join(TRACE_FIELDS)}") from None
+        if request.prompt_len < 1 or request.output_len < 1 or request.arrival_time < 0:
+            raise ValueError(f"{path}: request {number} needs lengths >= 1 and a time >= 0, got {row}")
+        requests.append(request)
+    return sorted(requests, key=lambda r: r.arrival_time)
+
+
+def write_trace_file(requests: list[WorkloadRequest], path: str | Path) -> None:
+    """The JSON-lines form :func:`read_trace_file` reads."""
+    with open(path, "w") as f:
+        for r in requests:
+            row = dict(zip(TRACE_FIELDS, (r.arrival_time, r.prompt_len, r.output_len)))
+            f.write(json.dumps(row | ({"priority": r.priority} if r.priority else {})) + "\n")

@@ -1,0 +1,82 @@
+"""The native kernels against plain PyTorch on the shapes that break them.
+
+Linear: column counts that do not fill a 16-wide tile, row counts around the
+6-row micro-kernel and the 64-row block. Decode attention: contexts of one
+token, exactly a block, and ragged lengths; block tables in random order;
+grouped-query heads; block sizes 1, 4 and 16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.model.kernels import native_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = native_kernels()
+    assert module is not None, "the native kernels should build on the test machine (needs a C++ compiler)"
+    return module
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
+@pytest.mark.parametrize("k", [8, 64, 70])
+def test_packed_linear_matches_f_linear(kernels, n, k):
+    torch.manual_seed(n * 100 + k)
+    weight = torch.randn(n, k)
+    packed = kernels.pack_linear_weight(weight)
+    for m in [1, 2, 5, 6, 7, 13, 64, 65, 130]:
+        x = torch.randn(m, k)
+        torch.testing.assert_close(kernels.packed_linear(x, packed, n), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_takes_a_non_contiguous_input(kernels):
+    weight = torch.randn(40, 32)
+    x = torch.randn(32, 9).t()  # [9, 32], column-major
+    torch.testing.assert_close(kernels.packed_linear(x, kernels.pack_linear_weight(weight), 40), x @ weight.t())
+
+
+def test_packed_linear_rejects_a_wrong_width(kernels):
+    packed = kernels.pack_linear_weight(torch.randn(16, 32))
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.packed_linear(torch.randn(2, 31), packed, 16)
+
+
+def _reference_decode(query, k_cache, v_cache, tables, lens, scale):
+    """Gather each row's context in order and run PyTorch's attention on it."""
+    out = []
+    for row in range(query.shape[0]):
+        ctx = int(lens[row])
+        blocks = tables[row, : -(-ctx // k_cache.shape[1])]
+        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [kvh, ctx, d]
+        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        q = query[row].unsqueeze(1)  # [h, 1, d]
+        out.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True).squeeze(1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32)])
+def test_paged_decode_attention_matches_reference(kernels, block_size, heads, kv_heads, head_dim):
+    torch.manual_seed(block_size + heads)
+    num_blocks, max_blocks = 300, 40
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size, 37, 97, max_blocks * block_size][:7])
+    lens = lens.clamp(max=max_blocks * block_size)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens])
+    query = torch.randn(len(lens), heads, head_dim)
+    scale = head_dim**-0.5
+    got = kernels.paged_decode_attention(query, cache[0], cache[1], tables, lens, scale)
+    want = _reference_decode(query, cache[0], cache[1], tables, lens, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_attention_rejects_a_context_past_its_table(kernels):
+    cache = torch.randn(2, 8, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="context length"):
+        kernels.paged_decode_attention(
+            torch.randn(1, 1, 8), cache[0], cache[1], torch.tensor([[0, 1]]), torch.tensor([9]), 1.0
+        )

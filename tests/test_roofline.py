@@ -1,0 +1,56 @@
+"""The roofline's arithmetic by hand, and ``conveyor roofline`` end to end on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.bench.machine import MachineFigures
+from conveyor.bench.roofline import decode_point, machine_cost_model
+from conveyor.entrypoints.cli import main
+from conveyor.sim.hardware import load_model_config
+
+MACHINE = MachineFigures(
+    memory_bandwidth=20e9, gemm_flops=100e9, dtype="float32", threads=2, cpu="test", measured_at="now"
+)
+
+
+def test_batch_one_reads_every_weight_once():
+    smol = load_model_config("SmolLM2-135M")
+    cost = machine_cost_model(smol, MACHINE)
+    # 30 layers x (q, o 576x576; k, v 576x192; gate, up, down 576x1536) + the tied 49152x576 LM head.
+    weights = 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536) + 49152 * 576
+    point = decode_point(cost, batch_size=1, context_len=0)
+    assert point.flops == pytest.approx(2 * weights)
+    assert point.bytes_moved == pytest.approx(4 * weights + cost.kv_bytes_per_token)  # + one token's K/V written
+    assert point.intensity == pytest.approx(0.5, rel=0.01)  # 2 FLOP per 4-byte weight
+    assert point.bound_tokens_per_s == pytest.approx(20e9 / point.bytes_moved, rel=0.01)
+
+
+def test_intensity_grows_with_the_batch_until_compute_bound():
+    cost = machine_cost_model(load_model_config("SmolLM2-135M"), MACHINE)
+    points = [decode_point(cost, b, 128) for b in (1, 4, 16, 64, 256)]
+    intensities = [p.intensity for p in points]
+    assert intensities == sorted(intensities)
+    assert intensities[3] / intensities[0] > 20  # batch 64: about 30x the FLOPs per byte of batch 1
+    bounds = [p.bound_tokens_per_s for p in points]
+    assert bounds[1] / bounds[0] > 3.5  # memory-bound: 4 requests cost about as much as one
+    assert bounds[4] / bounds[3] < 2  # past the ridge point: compute-bound, little gain left
+
+
+def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
+    machine_json = tmp_path / "machine.json"
+    monkeypatch.setattr("conveyor.bench.machine.machine_file", lambda: machine_json)
+    picture, table = tmp_path / "roof.png", tmp_path / "roof.json"
+    argv = ["roofline", "--model", str(tiny_model_dir), "--batch-sizes", "1,3", "--context-lens", "64",
+            "--measured-context-len", "16", "--steps", "2", "-o", str(picture), "--json", str(table),
+            "--num-kv-blocks", "64"]
+    assert main(argv) == 0
+    assert picture.stat().st_size > 10_000
+    saved = json.loads(table.read_text())
+    measured = [p for p in saved["points"] if p["measured_tokens_per_s"] is not None]
+    assert [p["batch_size"] for p in measured] == [1, 3]
+    assert all(p["context_len"] == 16 and p["measured_tokens_per_s"] > 0 for p in measured)
+    assert len(saved["points"]) == 4  # two batch sizes at each of two contexts
+    assert MachineFigures.load(machine_json).gemm_flops > 0  # the figures the simulator's cpu-local reads

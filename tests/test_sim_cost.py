@@ -1,0 +1,118 @@
+"""The cost model against FLOPs and bytes computed by hand from published model configs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conveyor.executor.simulated import SimulatedExecutor, VirtualClock
+from conveyor.sampling import SamplingParams
+from conveyor.scheduler import ScheduledRequest, SchedulerOutput
+from conveyor.sim.cost import CostModel, StepWork, chunk_attention_pairs, total_params
+from conveyor.sim.hardware import load_hardware, load_model_config
+from conveyor.sim.simulator import device_kv_cache_memory
+
+A100 = load_hardware("A100-80GB")
+LLAMA_7B = load_model_config("Llama-2-7B")
+# One Llama-2-7B layer: q, k, v, o are 4096 x 4096; gate, up, down are 4096 x 11008.
+LAYER_7B = 4 * 4096 * 4096 + 3 * 4096 * 11008
+
+
+def test_llama2_7b_has_its_published_parameter_count():
+    # 32 layers, untied 32000 x 4096 embedding and LM head, 65 RMSNorm vectors: 6.74B.
+    assert total_params(LLAMA_7B) == 32 * LAYER_7B + 2 * 32000 * 4096 + 65 * 4096 == 6_738_415_616
+    assert total_params(load_model_config("Llama-2-13B")) == pytest.approx(13.0e9, rel=0.01)
+    assert total_params(load_model_config("Llama-2-70B")) == pytest.approx(69.0e9, rel=0.01)
+
+
+def test_llama2_7b_fp16_decode_at_batch_1_reads_about_13_5_gb_of_weights():
+    cost = CostModel(LLAMA_7B, A100, "float16")
+    # Every projection and MLP weight, plus the LM head for the sampled row; the embedding is a one-row gather.
+    read = cost.dense_weight_bytes + cost.lm_head_bytes
+    assert read == 2 * (32 * LAYER_7B + 32000 * 4096) == 13_214_154_752
+    assert read == pytest.approx(13.5e9, rel=0.03)
+    assert cost.weight_bytes == 2 * 6_738_415_616  # what the device holds
+    # Batch 1 is bandwidth-bound: the dense part takes the weight bytes over the usable bandwidth.
+    assert cost.dense_time(1, 1) == pytest.approx(read / (2039e9 * A100.bandwidth_efficiency))
+
+
+def test_flops_per_token_and_the_compute_bound_prefill():
+    cost = CostModel(LLAMA_7B, A100, "float16")
+    assert cost.dense_flops_per_token == 2 * 32 * LAYER_7B
+    assert cost.lm_head_flops_per_row == 2 * 32000 * 4096
+    # 2048 prompt tokens: 2 FLOPs per weight per token dwarf one read of the weights.
+    flops = 2048 * 2 * 32 * LAYER_7B + 2 * 32000 * 4096
+    assert cost.dense_time(2048, 1) == pytest.approx(flops / (312e12 * A100.flops_efficiency))
+
+
+def test_attention_pairs_flops_and_kv_bytes():
+    assert chunk_attention_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert chunk_attention_pairs(10, 3) == 11 + 12 + 13
+    cost = CostModel(LLAMA_7B, A100, "float16")
+    assert cost.attention_flops_per_pair == 4 * 32 * 32 * 128  # QK^T and PV, all layers and heads
+    assert cost.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2 == 512 * 1024  # K and V, fp16: 0.5 MiB
+    assert CostModel(load_model_config("Llama-2-13B"), A100, "float16").kv_bytes_per_token == 819_200
+    # A decode of 1000 cached tokens reads their K/V and writes its own.
+    bandwidth = 2039e9 * A100.bandwidth_efficiency
+    assert cost.attention_time(1000, 1000, 1) == pytest.approx(1001 * 512 * 1024 / bandwidth)
+
+
+def test_step_time_adds_overheads_and_swap_copies():
+    cost = CostModel(LLAMA_7B, A100, "float16")
+    work = StepWork(num_seqs=4, num_tokens=4, num_sampled=4, attention_pairs=400, kv_tokens_read=400, swap_blocks=10)
+    expected = (
+        A100.step_overhead_s + 4 * A100.per_sequence_overhead_s
+        + cost.dense_time(4, 4) + cost.attention_time(400, 400, 4)
+        + 10 * 16 * 512 * 1024 / A100.host_link_bandwidth
+    )
+    assert cost.step_time(work, block_size=16) == pytest.approx(expected)
+    assert cost.decode_time(4, 400) == pytest.approx(cost.step_time(dataclasses.replace(work, swap_blocks=0)))
+
+
+def test_tensor_parallel_splits_weights_and_kv_and_adds_two_all_reduces_per_layer():
+    model = load_model_config("Llama-2-70B")
+    one, two = CostModel(model, A100, "float16", 1), CostModel(model, A100, "float16", 2)
+    assert two.weight_bytes == pytest.approx(one.weight_bytes / 2)
+    assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2  # 8 KV heads: 4 per device
+    assert one.allreduce_time(64) == 0.0
+    per_call = A100.allreduce_latency_s + 2 * (1 / 2) * 64 * 8192 * 2 / A100.interconnect_bandwidth
+    assert two.allreduce_time(64) == pytest.approx(2 * 80 * per_call)
+    with pytest.raises(ValueError, match="divide"):
+        CostModel(model, A100, "float16", 3)
+
+
+def test_kv_memory_is_device_memory_less_weights():
+    cost = CostModel(load_model_config("Llama-2-13B"), A100, "float16")
+    assert device_kv_cache_memory(cost, 0.9) == int(0.9 * 80 * 2**30 - cost.weight_bytes)
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        device_kv_cache_memory(CostModel(load_model_config("Llama-2-70B"), A100, "float16"))
+    assert device_kv_cache_memory(CostModel(load_model_config("Llama-2-70B"), A100, "float16", 2)) > 0
+
+
+def _item(request_id: str, start: int, num_tokens: int, sample: bool, num_steps: int = 1) -> ScheduledRequest:
+    return ScheduledRequest(request_id, start, [0] * num_tokens, [], SamplingParams(), sample, 0, num_steps)
+
+
+def test_simulated_executor_prices_a_mixed_step_and_advances_the_clock():
+    cost = CostModel(LLAMA_7B, A100, "float16")
+    clock = VirtualClock(5.0)
+    executor = SimulatedExecutor(cost, clock, block_size=16)
+    output = SchedulerOutput(step=1, scheduled=[_item("decode", 99, 1, True), _item("prompt", 0, 50, False)])
+    assert executor.execute(output) == {"decode": 0}
+    work = StepWork(num_seqs=2, num_tokens=51, num_sampled=1, attention_pairs=100 + 50 * 51 // 2,
+                    kv_tokens_read=100 + 50)
+    assert clock.now == pytest.approx(5.0 + cost.step_time(work))
+
+
+def test_a_multi_step_window_prices_each_decode_step_as_the_requests_drop_out():
+    cost = CostModel(LLAMA_7B, A100, "float16")
+    clock = VirtualClock()
+    executor = SimulatedExecutor(cost, clock, block_size=16, num_scheduler_steps=4)
+    output = SchedulerOutput(step=1, scheduled=[_item("long", 99, 1, True, 4), _item("short", 9, 1, True, 2)])
+    assert executor.execute(output) == {"long": [0] * 4, "short": [0] * 2}
+    first = cost.step_time(StepWork(2, 2, 2, 110, 110))
+    # Step 2 runs both (contexts 101 and 11), steps 3 and 4 only the long one (102, 103).
+    expected = first + cost.decode_time(2, 112) + cost.decode_time(1, 102) + cost.decode_time(1, 103)
+    assert clock.now == pytest.approx(expected)
+    assert (executor.num_model_steps, executor.num_busy_slot_steps) == (4, 2 + 2 + 1 + 1)
