@@ -44,7 +44,7 @@ bench-throughput: install
 	$(BIN)/conveyor bench throughput --num-prompts 128
 
 bench-roofline: install
-	$(BIN)/conveyor roofline -o docs/roofline.png
+	$(BIN)/conveyor roofline --kv-cache-memory 4GiB -o docs/roofline.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

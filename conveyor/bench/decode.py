@@ -19,19 +19,28 @@ def measure_decode(engine: Engine, batch_size: int, prompt_len: int, steps: int,
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     warmup = 2
-    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 1, ignore_eos=True)
-    for i in range(batch_size):
-        engine.add_request([rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)], params, f"decode-{i}")
+    # Room to decode until aborted: requests prefilled early keep decoding while later ones prefill,
+    # and none may finish inside the timed steps.
+    params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
+    ids = [f"decode-{i}" for i in range(batch_size)]
+    for request_id in ids:
+        engine.add_request([rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)], params, request_id)
     # Prefill (it may take several steps under the token budget), then a couple of warm-up decodes.
     while engine.scheduler.num_waiting or any(r.num_output_tokens < warmup for r in engine.scheduler.running):
         engine.step()
+    before = _output_tokens(engine)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     elapsed = time.perf_counter() - start
-    while engine.has_unfinished_requests():
-        engine.step()
-    return batch_size * steps / elapsed
+    produced = _output_tokens(engine) - before  # counted, not assumed: a preempted request produces nothing
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return produced / elapsed
+
+
+def _output_tokens(engine: Engine) -> int:
+    return sum(request.num_output_tokens for request in engine.scheduler.requests.values())
 
 
 def run_decode(engine: Engine, batch_sizes: list[int], prompt_len: int, steps: int, seed: int) -> list[list]:

@@ -14,10 +14,16 @@ from conveyor.sampling import SamplingParams
 
 
 def run_throughput(
-    engine: Engine, num_prompts: int, seed: int, output_range: tuple[int, int] = (8, 512)
+    engine: Engine,
+    num_prompts: int,
+    seed: int,
+    output_range: tuple[int, int] = (8, 512),
+    prompt_range: tuple[int, int] = (16, 512),
 ) -> dict[str, Any]:
     """Run the workload to the end; the engine's trace is recorded too (``engine.trace``)."""
-    workload = long_tail_workload(num_prompts, seed, engine.model_config.vocab_size, output_range=output_range)
+    workload = long_tail_workload(
+        num_prompts, seed, engine.model_config.vocab_size, prompt_range=prompt_range, output_range=output_range
+    )
     trace = engine.start_trace()
     start = time.monotonic()
     for i, item in enumerate(workload):

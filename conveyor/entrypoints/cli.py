@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--num-prompts", type=int, default=128)
     thr.add_argument("--workload-seed", type=int, default=0)
     thr.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between)")
+    thr.add_argument("--prompt-len", default="16,512", help="min,max prompt tokens (long-tailed between)")
     thr.add_argument("--json", default=None, help="also write the figures to this file")
     thr.add_argument("--trace", default=None,
                      help="write the scheduler trace (JSON lines); with --compare, a folder for one trace each")
@@ -212,9 +213,10 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
     from conveyor.engine import Engine
 
     output_range = _int_pair(args.output_len, "--output-len")
+    prompt_range = _int_pair(args.prompt_len, "--prompt-len")
     if not args.compare:
         engine = Engine(config)
-        result = run_throughput(engine, args.num_prompts, args.workload_seed, output_range)
+        result = run_throughput(engine, args.num_prompts, args.workload_seed, output_range, prompt_range)
         print_throughput(result)
         write_json(result, args.json)
         if args.trace:
@@ -225,7 +227,7 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
     for spec, variant in zip(args.compare, configs):
         print(f"running {spec} ...", file=sys.stderr, flush=True)
         engine = Engine(variant)
-        results.append(run_throughput(engine, args.num_prompts, args.workload_seed, output_range))
+        results.append(run_throughput(engine, args.num_prompts, args.workload_seed, output_range, prompt_range))
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             engine.trace.write(Path(args.trace) / f"{spec.replace(',', '_').replace('=', '-')}.jsonl")
