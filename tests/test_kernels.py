@@ -80,3 +80,16 @@ def test_paged_decode_attention_rejects_a_context_past_its_table(kernels):
         kernels.paged_decode_attention(
             torch.randn(1, 1, 8), cache[0], cache[1], torch.tensor([[0, 1]]), torch.tensor([9]), 1.0
         )
+
+
+def test_packed_layer_with_bias_matches_the_plain_layer(kernels):
+    """Qwen2-style projections carry a bias; packing must keep it (and free the plain weight)."""
+    from conveyor.model.llama import Linear
+
+    torch.manual_seed(3)
+    layer = Linear(24, 40, bias=True)
+    x = torch.randn(5, 24)
+    want = layer(x).detach()
+    layer.pack(kernels)
+    assert layer.weight.numel() == 0
+    torch.testing.assert_close(layer(x).detach(), want, rtol=1e-5, atol=1e-5)
