@@ -31,6 +31,7 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
 
     def pack(self, kernels: ModuleType, keep_weight: bool = False) -> None:
+        self.kernels = kernels
         self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous())
         if not keep_weight:  # the plain copy would double the model's memory
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
