@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from conveyor.model.loader import DTYPES, cache_dir
+from conveyor.model.loader import DTYPES
+from conveyor.sim.hardware import machine_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,11 +44,6 @@ class MachineFigures:
     @classmethod
     def load(cls, path: Path | None = None) -> MachineFigures:
         return cls(**json.loads((path or machine_file()).read_text()))
-
-
-def machine_file() -> Path:
-    """Where ``conveyor roofline`` leaves its figures for the simulator."""
-    return cache_dir() / "machine.json"
 
 
 def _best_seconds(fn, repeats: int) -> float:

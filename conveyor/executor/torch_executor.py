@@ -117,15 +117,17 @@ class TorchExecutor:
         return groups
 
     def _native_decode(self, decodes: list[ScheduledRequest]) -> NativeDecode:
-        width = max(len(s.block_ids) for s in decodes)
-        tables = self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in decodes])
-        return NativeDecode(len(decodes), tables, self._tensor([s.context_len for s in decodes]))
+        return NativeDecode(len(decodes), *self._tables_and_lengths(decodes))
 
-    def _decode_group(self, rows: list[ScheduledRequest], row_start: int) -> DecodeGroup:
+    def _tables_and_lengths(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block tables padded with block 0 to the longest, and each row's context length."""
         width = max(len(s.block_ids) for s in rows)
         tables = self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in rows])
-        context_lens = self._tensor([s.context_len for s in rows])
-        slots = torch.arange(width * self.block_size, device=self.device)
+        return tables, self._tensor([s.context_len for s in rows])
+
+    def _decode_group(self, rows: list[ScheduledRequest], row_start: int) -> DecodeGroup:
+        tables, context_lens = self._tables_and_lengths(rows)
+        slots = torch.arange(tables.shape[1] * self.block_size, device=self.device)
         mask = (slots[None, :] < context_lens[:, None]).view(len(rows), 1, 1, -1)
         return DecodeGroup(row_start, row_start + len(rows), tables, mask)
 

@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from conveyor.cache import cache_dir
+
 logger = logging.getLogger("conveyor")
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"
 
@@ -23,8 +25,6 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"
 def native_kernels() -> ModuleType | None:
     """The compiled extension module, or None when it cannot be built here."""
     from torch.utils.cpp_extension import load
-
-    from conveyor.model.loader import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     build_dir = cache_dir() / "kernels" / digest

@@ -205,7 +205,7 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(kernels, keep_weight=module is self.lm_head and tied)
-            if isinstance(module, Linear | RMSNorm | Attention | MLP):
+            elif isinstance(module, RMSNorm | Attention | MLP):
                 module.kernels = kernels
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

