@@ -103,12 +103,15 @@ class Engine:
         return self.core.trace
 
     def _use_native_kernels(self, model, dtype, device) -> bool:
-        """Native kernels run float32 on CPU; elsewhere (or without a compiler) the torch ops do."""
+        """Native kernels run float32 on CPU with the head sizes they are unrolled for; elsewhere (or without
+        a compiler) the torch ops do."""
         import torch
 
-        from conveyor.model.kernels import native_kernels
+        from conveyor.model.kernels import NATIVE_HEAD_SIZES, native_kernels
 
         if self.config.kernels != "native" or dtype != torch.float32 or device.type != "cpu":
+            return False
+        if self.model_config.head_dim not in NATIVE_HEAD_SIZES:
             return False
         kernels = native_kernels()
         if kernels is None:

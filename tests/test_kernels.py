@@ -59,7 +59,9 @@ def _reference_decode(query, k_cache, v_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8)]
+)
 def test_paged_decode_attention_matches_reference(kernels, block_size, heads, kv_heads, head_dim):
     torch.manual_seed(block_size + heads)
     num_blocks, max_blocks = 300, 40
@@ -82,6 +84,17 @@ def test_paged_decode_attention_rejects_a_context_past_its_table(kernels):
         )
 
 
+def test_paged_decode_attention_refuses_a_head_size_it_has_no_kernel_for(kernels):
+    from conveyor.model.kernels import NATIVE_HEAD_SIZES
+
+    assert 24 not in NATIVE_HEAD_SIZES
+    cache = torch.randn(2, 8, 4, 1, 24)
+    with pytest.raises(RuntimeError, match="head size 24"):
+        kernels.paged_decode_attention(
+            torch.randn(1, 1, 24), cache[0], cache[1], torch.tensor([[0, 1]]), torch.tensor([5]), 1.0
+        )
+
+
 def test_packed_layer_with_bias_matches_the_plain_layer(kernels):
     """Qwen2-style projections carry a bias; packing must keep it (and free the plain weight)."""
     from conveyor.model.llama import Linear
@@ -93,3 +106,31 @@ def test_packed_layer_with_bias_matches_the_plain_layer(kernels):
     layer.pack(kernels)
     assert layer.weight.numel() == 0
     torch.testing.assert_close(layer(x).detach(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", [1, 8, 13, 64])
+def test_silu_and_mul_matches_torch_over_the_whole_float_range(kernels, width):
+    """The vectorised exp must hold where silu saturates (|x| near 88 and past it) as well as near 0."""
+    torch.manual_seed(width)
+    gate = torch.cat([torch.randn(3, width) * 4, torch.linspace(-120, 120, 4 * width).view(4, width)])
+    up = torch.randn_like(gate)
+    got = kernels.silu_and_mul(torch.cat([gate, up], dim=1).contiguous())
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_and_rotary_match_torch(kernels):
+    torch.manual_seed(7)
+    x, weight = torch.randn(5, 48), torch.randn(48)
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), want, rtol=1e-5, atol=1e-5)
+    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    angles = torch.randn(5, 8)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+    def rotate(t):
+        half = torch.cat([-t[..., 8:], t[..., :8]], -1)
+        return t * cos[:, None] + half * sin[:, None]
+
+    want_q, want_k = rotate(q), rotate(k)
+    kernels.rotary_embedding(q, k, cos, sin)
+    torch.testing.assert_close((q, k), (want_q, want_k), rtol=1e-5, atol=1e-5)

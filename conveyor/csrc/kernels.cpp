@@ -66,20 +66,119 @@ constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,          tile_kernel<1>, til
                                            tile_kernel<4>, tile_kernel<5>, tile_kernel<6>};
 
 typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 inline float sum8(v8 v) {
   const v4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
-// q . k for a head size that is a multiple of 8 (checked by the caller).
-inline float dot(const float* q, const float* k, int64_t dim) {
-  v8 acc = load8(q) * load8(k);
-  for (int64_t d = 8; d < dim; d += 8) acc += load8(q + d) * load8(k + d);
-  return sum8(acc);
+inline v8 splat(float x) { return v8{} + x; }
+
+// e^x for 8 lanes, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial,
+// 2^n by writing n into the exponent bits. A scalar std::exp per element costs more than the rest of
+// attention's softmax together.
+inline v8 exp8(v8 x) {
+  const v8 lo = splat(-87.3f), hi = splat(88.3f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const v8 shifter = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const v8 n = (x * 1.44269504f + shifter) - shifter;
+  const v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts, so r keeps its low bits
+  v8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23;
+  v8 two_n;
+  __builtin_memcpy(&two_n, &scale, sizeof two_n);
+  return p * two_n;
 }
 
-constexpr int64_t kMaxHeadDim = 256;
+// q . k over NV 8-float vectors, in two accumulators to halve the dependency chain.
+template <int NV>
+inline float dot(const float* q, const float* k) {
+  v8 even = load8(q) * load8(k), odd = v8{};
+  for (int j = 1; j < NV; ++j) (j % 2 ? odd : even) += load8(q + 8 * j) * load8(k + 8 * j);
+  return sum8(even + odd);
+}
+
+// s[i] = exp(s[i] - max(s)); returns the sum.
+inline float softmax_numerators(float* s, int64_t n) {
+  const float top = *std::max_element(s, s + n);
+  v8 total = v8{};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const v8 e = exp8(load8(s + i) - top);
+    store8(s + i, e);
+    total += e;
+  }
+  float rest = sum8(total);
+  for (; i < n; ++i) rest += (s[i] = std::exp(s[i] - top));
+  return rest;
+}
+
+// Asks for one KV head's slice of a whole block (block_size rows of dim floats, token_stride apart) while the
+// current block is worked on: blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the
+// next one, and a decode step's KV is cold (the whole model's weights streamed through since it was read).
+inline void prefetch_block(const float* first, int64_t dim, int64_t token_stride, int64_t block_size) {
+  for (int64_t i = 0; i < block_size; ++i) {
+    for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(first + i * token_stride + d);
+  }
+}
+
+// One decode row and one KV head: its `group` query heads attend over `ctx` positions of the paged cache.
+// k / v point at this KV head's slice of block 0; table maps position / block_size to a block.
+template <int NV>
+void attend_kv_head(const float* q, int64_t group, const float* k, const float* v, const int64_t* table,
+                    int64_t ctx, int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
+                    float* scores, float* out) {
+  constexpr int64_t dim = 8 * NV;
+  for (int64_t first = 0; first < ctx; first += block_size) {
+    const float* keys = k + table[first / block_size] * block_stride;
+    if (first + block_size < ctx) prefetch_block(k + table[first / block_size + 1] * block_stride, dim, token_stride, block_size);
+    const int64_t n = std::min(block_size, ctx - first);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        scores[g * ctx + first + i] = dot<NV>(q + g * dim, keys + i * token_stride) * scale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* p = scores + g * ctx;
+    const float inv = 1.f / softmax_numerators(p, ctx);
+    v8 acc[NV] = {};
+    for (int64_t first = 0; first < ctx; first += block_size) {
+      const float* values = v + table[first / block_size] * block_stride;
+      if (first + block_size < ctx) prefetch_block(v + table[first / block_size + 1] * block_stride, dim, token_stride, block_size);
+      const int64_t n = std::min(block_size, ctx - first);
+      for (int64_t i = 0; i < n; ++i) {
+        const v8 weight = splat(p[first + i]);
+        for (int j = 0; j < NV; ++j) acc[j] += load8(values + i * token_stride + 8 * j) * weight;
+      }
+    }
+    for (int j = 0; j < NV; ++j) store8(out + g * dim + 8 * j, acc[j] * inv);
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, float, float*, float*);
+
+// Head sizes with their own unrolled kernel (the accumulators stay in registers); others are refused.
+AttendFn attend_fn(int64_t dim) {
+  switch (dim) {
+    case 8: return attend_kv_head<1>;
+    case 16: return attend_kv_head<2>;
+    case 32: return attend_kv_head<4>;
+    case 64: return attend_kv_head<8>;
+    case 96: return attend_kv_head<12>;
+    case 128: return attend_kv_head<16>;
+    default: return nullptr;
+  }
+}
 
 }  // namespace
 
@@ -137,7 +236,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
   TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "head shapes do not match");
-  TORCH_CHECK(dim % 8 == 0 && dim <= kMaxHeadDim, "head size must be a multiple of 8, at most ", kMaxHeadDim);
+  const AttendFn attend = attend_fn(dim);
+  TORCH_CHECK(attend != nullptr, "no decode attention kernel for head size ", dim, " (8, 16, 32, 64, 96 or 128)");
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t row = 0; row < rows; ++row) {
     TORCH_CHECK(lp[row] >= 1 && lp[row] <= max_blocks * block_size, "context length outside the block table");
@@ -152,41 +252,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    v8 acc[kMaxHeadDim / 8];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, kvh = item % kv_heads, ctx = lp[row];
-      const int64_t* table = tp + row * max_blocks;
-      const float* q0 = qp + (row * heads + kvh * group) * dim;  // the group's query heads, one after another
-      scores.resize(group * ctx);
-      // Scores, block by block: within a block, positions are consecutive slots.
-      for (int64_t first = 0; first < ctx; first += block_size) {
-        const float* keys = kp + table[first / block_size] * block_stride + kvh * dim;
-        const int64_t n = std::min(block_size, ctx - first);
-        for (int64_t i = 0; i < n; ++i) {
-          for (int64_t g = 0; g < group; ++g) {
-            scores[g * ctx + first + i] = dot(q0 + g * dim, keys + i * token_stride, dim) * fscale;
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * ctx;
-        const float top = *std::max_element(s, s + ctx);
-        float total = 0.f;
-        for (int64_t pos = 0; pos < ctx; ++pos) total += (s[pos] = std::exp(s[pos] - top));
-        for (int64_t j = 0; j < dim / 8; ++j) acc[j] = v8{};
-        for (int64_t first = 0; first < ctx; first += block_size) {
-          const float* values = vp + table[first / block_size] * block_stride + kvh * dim;
-          const int64_t n = std::min(block_size, ctx - first);
-          for (int64_t i = 0; i < n; ++i) {
-            const float p = s[first + i];
-            const float* value = values + i * token_stride;
-            for (int64_t j = 0; j < dim / 8; ++j) acc[j] += load8(value + 8 * j) * p;
-          }
-        }
-        float* oh = op + (row * heads + kvh * group + g) * dim;
-        const float inv = 1.f / total;
-        for (int64_t j = 0; j < dim / 8; ++j) store8(oh + 8 * j, acc[j] * inv);
-      }
+      const int64_t row = item / kv_heads, kvh = item % kv_heads, first_head = row * heads + kvh * group;
+      scores.resize(group * lp[row]);
+      attend(qp + first_head * dim, group, kp + kvh * dim, vp + kvh * dim, tp + row * max_blocks, lp[row],
+             block_size, token_stride, block_stride, fscale, scores.data(), op + first_head * dim);
     }
   });
   return out;
@@ -257,7 +327,12 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
       const float* gate = in + row * 2 * size;
       const float* up = gate + size;
       float* o = op + row * size;
-      for (int64_t i = 0; i < size; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      int64_t i = 0;
+      for (; i + 8 <= size; i += 8) {
+        const v8 g = load8(gate + i);
+        store8(o + i, g / (1.f + exp8(-g)) * load8(up + i));
+      }
+      for (; i < size; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
     }
   });
   return out;
