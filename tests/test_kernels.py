@@ -1,9 +1,10 @@
 """The native kernels against plain PyTorch on the shapes that break them.
 
 Linear: column counts that do not fill a 16-wide tile, row counts around the
-6-row micro-kernel and the 64-row block. Decode attention: contexts of one
+6-row micro-kernel and the 64-row block. Paged attention: contexts of one
 token, exactly a block, and ragged lengths; block tables in random order;
-grouped-query heads; block sizes 1, 4 and 16.
+grouped-query heads; block sizes 1, 4 and 16; prompt rows (causal) beside
+decode rows. The whole native stack against the model's PyTorch layers.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ def test_packed_linear_rejects_a_wrong_width(kernels):
         kernels.packed_linear(torch.randn(2, 31), packed, 16)
 
 
-def _reference_decode(query, k_cache, v_cache, tables, lens, scale):
+def _reference_attention(query, k_cache, v_cache, tables, row_seq, lens, scale):
     """Gather each row's context in order and run PyTorch's attention on it."""
     out = []
     for row in range(query.shape[0]):
         ctx = int(lens[row])
-        blocks = tables[row, : -(-ctx // k_cache.shape[1])]
+        blocks = tables[int(row_seq[row]), : -(-ctx // k_cache.shape[1])]
         k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [kvh, ctx, d]
         v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
         q = query[row].unsqueeze(1)  # [h, 1, d]
@@ -62,36 +63,55 @@ def _reference_decode(query, k_cache, v_cache, tables, lens, scale):
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8)]
 )
-def test_paged_decode_attention_matches_reference(kernels, block_size, heads, kv_heads, head_dim):
+def test_paged_attention_of_decode_rows_matches_reference(kernels, block_size, heads, kv_heads, head_dim):
     torch.manual_seed(block_size + heads)
     num_blocks, max_blocks = 300, 40
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
     lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size, 37, 97, max_blocks * block_size][:7])
     lens = lens.clamp(max=max_blocks * block_size)
     tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens])
+    rows = torch.arange(len(lens))
     query = torch.randn(len(lens), heads, head_dim)
     scale = head_dim**-0.5
-    got = kernels.paged_decode_attention(query, cache[0], cache[1], tables, lens, scale)
-    want = _reference_decode(query, cache[0], cache[1], tables, lens, scale)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, rows, lens, scale)
+    want = _reference_attention(query, cache[0], cache[1], tables, rows, lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_decode_attention_rejects_a_context_past_its_table(kernels):
+def test_paged_attention_of_prompt_rows_is_causal(kernels):
+    """Two prompt chunks and a decode row in one call: each prompt row sees its sequence up to itself."""
+    torch.manual_seed(11)
+    block_size, heads, kv_heads, head_dim = 4, 6, 2, 16
+    cache = torch.randn(2, 64, block_size, kv_heads, head_dim)
+    tables = torch.stack([torch.randperm(64)[:10] for _ in range(3)])
+    # Sequence 0: a fresh 7-token prompt; 1: a chunk at positions 5..13 after a cached prefix; 2: one decode row.
+    row_seq = torch.tensor([0] * 7 + [1] * 9 + [2])
+    lens = torch.cat([torch.arange(1, 8), torch.arange(6, 15), torch.tensor([23])])
+    query = torch.randn(len(row_seq), heads, head_dim)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25)
+    want = _reference_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_attention_rejects_a_context_past_its_table(kernels):
     cache = torch.randn(2, 8, 4, 1, 8)
+    args = torch.tensor([[0, 1]]), torch.tensor([0])
     with pytest.raises(RuntimeError, match="context length"):
-        kernels.paged_decode_attention(
-            torch.randn(1, 1, 8), cache[0], cache[1], torch.tensor([[0, 1]]), torch.tensor([9]), 1.0
+        kernels.paged_attention(torch.randn(1, 1, 8), cache[0], cache[1], *args, torch.tensor([9]), 1.0)
+    with pytest.raises(RuntimeError, match="block table 1"):
+        kernels.paged_attention(
+            torch.randn(1, 1, 8), cache[0], cache[1], args[0], torch.tensor([1]), torch.tensor([3]), 1.0
         )
 
 
-def test_paged_decode_attention_refuses_a_head_size_it_has_no_kernel_for(kernels):
+def test_paged_attention_refuses_a_head_size_it_has_no_kernel_for(kernels):
     from conveyor.model.kernels import NATIVE_HEAD_SIZES
 
     assert 24 not in NATIVE_HEAD_SIZES
     cache = torch.randn(2, 8, 4, 1, 24)
     with pytest.raises(RuntimeError, match="head size 24"):
-        kernels.paged_decode_attention(
-            torch.randn(1, 1, 24), cache[0], cache[1], torch.tensor([[0, 1]]), torch.tensor([5]), 1.0
+        kernels.paged_attention(
+            torch.randn(1, 1, 24), cache[0], cache[1], torch.tensor([[0, 1]]), torch.tensor([0]), torch.tensor([5]), 1.0
         )
 
 
@@ -134,3 +154,46 @@ def test_rms_norm_and_rotary_match_torch(kernels):
     want_q, want_k = rotate(q), rotate(k)
     kernels.rotary_embedding(q, k, cos, sin)
     torch.testing.assert_close((q, k), (want_q, want_k), rtol=1e-5, atol=1e-5)
+
+
+def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels):
+    """NativeLlama against LlamaModel's own PyTorch path: a prompt with a cached prefix, a fresh prompt and
+    a decode row in one step, with biases on every projection that may carry one."""
+    from conveyor.model.attention import AttentionMetadata, DecodeGroup, NativeRows, PrefillChunk
+    from conveyor.model.config import ModelConfig
+    from conveyor.model.llama import LlamaModel
+
+    torch.manual_seed(5)
+    config = ModelConfig(
+        vocab_size=300, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
+        head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=True,
+        attention_bias=True, mlp_bias=True,
+    )
+    model = LlamaModel(config, max_positions=128)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    block_size, num_blocks = 4, 32
+    tables = torch.tensor([[3, 9, 4, 0], [7, 1, 0, 0], [12, 15, 2, 0]])
+    # seq 0: prefix of 5 cached, chunk at 5..9; seq 1: fresh prompt 0..5; seq 2: decode at position 10.
+    positions = torch.cat([torch.arange(5, 10), torch.arange(0, 6), torch.tensor([10])])
+    row_seq = torch.tensor([0] * 5 + [1] * 6 + [2])
+    slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])
+    cache = torch.randn(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    ids = torch.randint(0, 300, (len(positions),))
+
+    decode_mask = (torch.arange(16) < 11).view(1, 1, 1, 16)
+    prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
+    torch_meta = AttentionMetadata(
+        slot_mapping=slots,
+        decodes=[DecodeGroup(11, 12, tables[2:3], decode_mask)],
+        prefills=[PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)],
+    )
+    torch_cache = cache.clone()
+    with torch.inference_mode():
+        want = model(ids, positions, torch_cache, torch_meta)
+        model.use_native_kernels(kernels)
+        native_meta = AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1))
+        got = model(ids, positions, cache, native_meta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)

@@ -1,13 +1,15 @@
-// Native CPU kernels for the two places a decode step loses most time in eager PyTorch.
+// Native CPU kernels for the places a step loses most time in eager PyTorch.
 //
 // 1. Linear layers on packed weights. A weight [N, K] is stored as tiles of 16
 //    output columns, each tile [K, 16] contiguous, so that one pass streams the
 //    whole weight once, in order, whatever the number of rows: at batch 1 the
 //    step is bound by memory bandwidth, and at larger batches each tile is
 //    reused from cache by every row.
-// 2. Decode attention straight over the paged KV cache. Each query row reads
-//    its own context through its block table; nothing is gathered into a
-//    padded copy, and rows of any context length share one call.
+// 2. Attention straight over the paged KV cache. Each query row reads its own
+//    context through its sequence's block table; nothing is gathered into a
+//    padded copy, and decode rows and prompt rows of any length share one call.
+// 3. The whole decoder stack (NativeLlama) in one call per step, so that no
+//    Python or tensor dispatch runs between the thirty layers' kernels.
 //
 // Vectors are GCC/Clang vector extensions rather than intrinsics, so the same
 // source builds for AVX2 or NEON with -march=native. Threads: ATen's parallel_for (OpenMP).
@@ -130,7 +132,7 @@ inline void prefetch_block(const float* first, int64_t dim, int64_t token_stride
   }
 }
 
-// One decode row and one KV head: its `group` query heads attend over `ctx` positions of the paged cache.
+// One query row and one KV head: its `group` query heads attend over `ctx` positions of the paged cache.
 // k / v point at this KV head's slice of block 0; table maps position / block_size to a block.
 template <int NV>
 void attend_kv_head(const float* q, int64_t group, const float* k, const float* v, const int64_t* table,
@@ -180,7 +182,144 @@ AttendFn attend_fn(int64_t dim) {
   }
 }
 
+// Each kernel below works on raw rows and splits them over ATen's threads itself, so that the model's
+// forward (NativeLlama) calls them with no tensor or Python in between.
+
+// y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight. Work items are (row block, tile), row
+// block outermost, so that neighbouring items share x rows and each tile is reused by up to 64 rows.
+void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t block = item / tiles, tile = item % tiles;
+      const int64_t col = tile * kTile, cols = std::min(kTile, n - col);
+      const int64_t row_end = std::min(m, (block + 1) * kRowsPerBlock);
+      for (int64_t row = block * kRowsPerBlock; row < row_end; row += kMaxRows) {
+        const int64_t rows = std::min<int64_t>(kMaxRows, row_end - row);
+        kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, y + row * n + col, n, cols);
+        if (bias != nullptr) {
+          for (int64_t r = row; r < row + rows; ++r) {
+            for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
+          }
+        }
+      }
+    }
+  });
+}
+
+// out = x / rms(x) * weight, row by row. With `residual`, first x += residual (in place): the residual add
+// and the next norm read x once.
+void rms_norm_rows(float* x, const float* residual, const float* weight, int64_t rows, int64_t size, float eps,
+                   float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      float* in = x + row * size;
+      if (residual != nullptr) {
+        for (int64_t i = 0; i < size; ++i) in[i] += residual[row * size + i];
+      }
+      double squares = 0.0;
+      for (int64_t i = 0; i < size; ++i) squares += static_cast<double>(in[i]) * in[i];
+      const float inv = 1.f / std::sqrt(static_cast<float>(squares / size) + eps);
+      float* o = out + row * size;
+      for (int64_t i = 0; i < size; ++i) o[i] = weight[i] * (in[i] * inv);
+    }
+  });
+}
+
+// x * cos + rotate_half(x) * sin on `heads` heads of `dim` at the start of each row, in place.
+void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, int64_t dim, const float* cos,
+                 const float* sin) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + t * dim;
+      const float* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* head = x + t * row_stride + h * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = head[i], b = head[i + half];
+          head[i] = a * c[i] - b * s[i];
+          head[i + half] = b * c[i + half] + a * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+// out [rows, size] = silu(gate) * up, from [rows, 2 * size] (gate then up).
+void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* out) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* gate = gate_up + row * 2 * size;
+      const float* up = gate + size;
+      float* o = out + row * size;
+      int64_t i = 0;
+      for (; i + 8 <= size; i += 8) {
+        const v8 g = load8(gate + i);
+        store8(o + i, g / (1.f + exp8(-g)) * load8(up + i));
+      }
+      for (; i < size; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+    }
+  });
+}
+
+// The shape of a paged KV cache of one layer: [blocks, block_size, kv_heads, head_dim] for K and for V.
+struct CacheShape {
+  int64_t block_size, kv_heads, dim;
+  int64_t token_stride() const { return kv_heads * dim; }
+  int64_t block_stride() const { return block_size * token_stride(); }
+};
+
+// Copies this step's K and V rows (row_stride apart) into their cache slots.
+void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_stride, const int64_t* slots,
+                   const CacheShape& shape, float* k_cache, float* v_cache) {
+  const int64_t width = shape.token_stride();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::copy(k + t * row_stride, k + t * row_stride + width, k_cache + slots[t] * width);
+    std::copy(v + t * row_stride, v + t * row_stride + width, v_cache + slots[t] * width);
+  }
+}
+
+// Attention of every query row over the paged cache: row r belongs to the sequence whose block table is
+// tables[row_seq[r]] and sees positions [0, context_lens[r]). A decode row is one query at the end of its
+// context; the rows of a prompt chunk each see the prompt up to themselves, which makes the mask causal.
+// query rows are row_stride apart, heads contiguous within a row; out is [rows, heads * dim].
+void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const float* k_cache,
+                    const float* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
+                    const int64_t* row_seq, const int64_t* context_lens, float scale, float* out) {
+  const AttendFn attend = attend_fn(shape.dim);
+  TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96 or 128)");
+  const int64_t group = heads / shape.kv_heads, items = rows * shape.kv_heads;
+  // Items are dealt out in turn rather than in halves: a prompt's later rows see longer contexts, and
+  // halves would leave one thread all the long ones.
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t thread = begin; thread < end; ++thread) {
+      for (int64_t item = thread; item < items; item += threads) {
+        const int64_t row = item / shape.kv_heads, kvh = item % shape.kv_heads, ctx = context_lens[row];
+        scores.resize(group * ctx);
+        attend(query + row * row_stride + kvh * group * shape.dim, group, k_cache + kvh * shape.dim,
+               v_cache + kvh * shape.dim, tables + row_seq[row] * table_width, ctx, shape.block_size,
+               shape.token_stride(), shape.block_stride(), scale, scores.data(),
+               out + (row * heads + kvh * group) * shape.dim);
+      }
+    }
+  });
+}
+
+const float* optional_data(const torch::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<float>(); }
+
+void check_float_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be a contiguous float32 tensor");
+}
+
+torch::Tensor as_int64(const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); }
+
 }  // namespace
+
+// ----- Tensor-level entry points (also what the tests compare with PyTorch) -----
 
 // weight [N, K] -> packed [ceil(N / 16), K, 16], zero-padded past N.
 torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
@@ -201,118 +340,56 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(n <= packed.size(0) * kTile, "n is larger than the packed weight");
   auto xc = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
-  const int64_t tiles = packed.size(0);
-  const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Work items: (row block, tile), row block outermost so neighbouring items share x rows.
-  at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t block = item / tiles, tile = item % tiles;
-      const int64_t col = tile * kTile, cols = std::min(kTile, n - col);
-      const int64_t row_end = std::min(m, (block + 1) * kRowsPerBlock);
-      for (int64_t row = block * kRowsPerBlock; row < row_end; row += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, row_end - row);
-        kTileFns[rows](xp + row * k, k, wp + tile * k * kTile, k, yp + row * n + col, n, cols);
-      }
-    }
-  });
+  linear_rows(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, nullptr, y.data_ptr<float>());
   return y;
 }
 
-// One query row per decode request: query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D];
-// block_tables [T, max_blocks] (int64); context_lens [T]. Returns [T, H, D].
-torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32,
-              "float32 query and cache expected");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous KV cache expected");
+// query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D]; block_tables [S, max_blocks]; row_seq [T]
+// (which table each row uses); context_lens [T]. Returns [T, H, D].
+torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& row_seq,
+                              const torch::Tensor& context_lens, double scale) {
+  check_float_rows(k_cache, "k_cache");
+  check_float_rows(v_cache, "v_cache");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3, "query must be [T, H, D] float32");
   auto q = query.contiguous();
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  auto lens = context_lens.to(torch::kInt64).contiguous();
+  auto tables = as_int64(block_tables), seqs = as_int64(row_seq), lens = as_int64(context_lens);
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, max_blocks = tables.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == dim, "head shapes do not match");
-  const AttendFn attend = attend_fn(dim);
-  TORCH_CHECK(attend != nullptr, "no decode attention kernel for head size ", dim, " (8, 16, 32, 64, 96 or 128)");
-  const int64_t* lp = lens.data_ptr<int64_t>();
+  const CacheShape shape{k_cache.size(1), k_cache.size(2), dim};
+  TORCH_CHECK(heads % shape.kv_heads == 0 && k_cache.size(3) == dim, "head shapes do not match");
+  const int64_t width = tables.size(1);
   for (int64_t row = 0; row < rows; ++row) {
-    TORCH_CHECK(lp[row] >= 1 && lp[row] <= max_blocks * block_size, "context length outside the block table");
+    const int64_t seq = seqs.data_ptr<int64_t>()[row], ctx = lens.data_ptr<int64_t>()[row];
+    TORCH_CHECK(seq >= 0 && seq < tables.size(0), "row ", row, " names block table ", seq, " of ", tables.size(0));
+    TORCH_CHECK(ctx >= 1 && ctx <= width * shape.block_size, "context length outside the block table");
   }
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, kvh = item % kv_heads, first_head = row * heads + kvh * group;
-      scores.resize(group * lp[row]);
-      attend(qp + first_head * dim, group, kp + kvh * dim, vp + kvh * dim, tp + row * max_blocks, lp[row],
-             block_size, token_stride, block_stride, fscale, scores.data(), op + first_head * dim);
-    }
-  });
+  attention_rows(q.data_ptr<float>(), rows, heads * dim, heads, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                 shape, tables.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                 static_cast<float>(scale), out.data_ptr<float>());
   return out;
 }
-
-// The small per-layer ops, fused: in eager PyTorch each is five to ten dispatches per layer, which at
-// batch 1 costs more than the arithmetic.
 
 // Root-mean-square norm of each row, times weight.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "2-D float32 x expected");
-  auto xc = x.contiguous();
-  const int64_t rows = xc.size(0), size = xc.size(1);
-  TORCH_CHECK(weight.numel() == size && weight.is_contiguous(), "weight must have one entry per column");
+  auto xc = x.contiguous().clone();
+  TORCH_CHECK(weight.numel() == xc.size(1) && weight.is_contiguous(), "weight must have one entry per column");
   auto out = torch::empty_like(xc);
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* in = xp + row * size;
-      double squares = 0.0;
-      for (int64_t i = 0; i < size; ++i) squares += static_cast<double>(in[i]) * in[i];
-      const float inv = 1.f / std::sqrt(static_cast<float>(squares / size) + static_cast<float>(eps));
-      float* o = op + row * size;
-      for (int64_t i = 0; i < size; ++i) o[i] = wp[i] * (in[i] * inv);
-    }
-  });
+  rms_norm_rows(xc.data_ptr<float>(), nullptr, weight.data_ptr<float>(), xc.size(0), xc.size(1),
+                static_cast<float>(eps), out.data_ptr<float>());
   return out;
 }
 
 // Rotary embedding in place on q [T, H, D] and k [T, KVH, D] (views of one projection output are fine):
 // x * cos + rotate_half(x) * sin, with cos / sin [T, D] looked up by position.
 void rotary_embedding(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
-  const int64_t tokens = q.size(0), dim = q.size(2), half = dim / 2;
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(),
-              "rotary embedding wants unit stride along the head dimension");
-  float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  auto rotate = [&](float* x, const float* c, const float* s) {
-    for (int64_t i = 0; i < half; ++i) {
-      const float a = x[i], b = x[i + half];
-      x[i] = a * c[i] - b * s[i];
-      x[i + half] = b * c[i + half] + a * s[i + half];
-    }
-  };
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cp + t * dim;
-      const float* s = sp + t * dim;
-      for (int64_t h = 0; h < q.size(1); ++h) rotate(qp + t * q.stride(0) + h * q.stride(1), c, s);
-      for (int64_t h = 0; h < k.size(1); ++h) rotate(kp + t * k.stride(0) + h * k.stride(1), c, s);
-    }
-  });
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2) &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "rotary embedding wants heads contiguous within a row");
+  const int64_t tokens = q.size(0), dim = q.size(2);
+  rotary_rows(q.data_ptr<float>(), tokens, q.stride(0), q.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+  rotary_rows(k.data_ptr<float>(), tokens, k.stride(0), k.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
 // SwiGLU's gate: [M, 2I] (gate then up) -> silu(gate) * up, [M, I].
@@ -320,23 +397,113 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "contiguous [M, 2I]");
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
   auto out = torch::empty({rows, size}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* gate = in + row * 2 * size;
-      const float* up = gate + size;
-      float* o = op + row * size;
-      int64_t i = 0;
-      for (; i + 8 <= size; i += 8) {
-        const v8 g = load8(gate + i);
-        store8(o + i, g / (1.f + exp8(-g)) * load8(up + i));
-      }
-      for (; i < size; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-    }
-  });
+  silu_and_mul_rows(gate_up.data_ptr<float>(), rows, size, out.data_ptr<float>());
   return out;
 }
+
+// ----- The whole decoder stack in one call -----
+
+// A Llama-family decoder's layers on packed weights. One forward runs every layer for a flat batch of
+// prompt and decode rows: in eager PyTorch the same step is about twelve dispatches per layer, each costing
+// Python and allocator time that at batch 1 adds up to a third of the step.
+class NativeLlama {
+ public:
+  NativeLlama(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
+              torch::Tensor final_norm)
+      : heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(hidden), intermediate_(intermediate),
+        eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()) {
+    TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+    TORCH_CHECK(attend_fn(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
+  }
+
+  // Weights packed by pack_linear_weight; a bias may be an empty tensor.
+  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o,
+                 torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor gate_up_bias, torch::Tensor down,
+                 torch::Tensor down_bias) {
+    const int64_t qkv_width = (heads_ + 2 * kv_heads_) * dim_;
+    check_packed(qkv, hidden_, qkv_width);
+    check_packed(o, heads_ * dim_, hidden_);
+    check_packed(gate_up, hidden_, 2 * intermediate_);
+    check_packed(down, intermediate_, hidden_);
+    layers_.push_back({input_norm.contiguous(), qkv, qkv_bias.contiguous(), o, post_norm.contiguous(), gate_up,
+                       gate_up_bias.contiguous(), down, down_bias.contiguous()});
+  }
+
+  // x [T, hidden] embedded tokens (consumed: it carries the residual stream); cos / sin [T, head_dim] at each
+  // row's position; kv_cache [layers, 2, blocks, block_size, KVH, D]; slot_mapping [T]; block_tables
+  // [S, max_blocks]; row_seq [T]; context_lens [T]. Returns the final-normed hidden states [T, hidden].
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        torch::Tensor& kv_cache, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
+                        const torch::Tensor& row_seq, const torch::Tensor& context_lens) {
+    check_float_rows(x, "x");
+    check_float_rows(kv_cache, "kv_cache");
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
+                    kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
+                "kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim]");
+    const int64_t tokens = x.size(0);
+    auto slots = as_int64(slot_mapping), tables = as_int64(block_tables), seqs = as_int64(row_seq);
+    auto lens = as_int64(context_lens);
+    auto cosc = cos.contiguous(), sinc = sin.contiguous();
+    const CacheShape shape{kv_cache.size(3), kv_heads_, dim_};
+    const int64_t cache_slots = kv_cache.size(2) * shape.block_size, width = tables.size(1);
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t slot = slots.data_ptr<int64_t>()[t], seq = seqs.data_ptr<int64_t>()[t];
+      const int64_t ctx = lens.data_ptr<int64_t>()[t];
+      TORCH_CHECK(slot >= 0 && slot < cache_slots, "slot ", slot, " outside the cache");
+      TORCH_CHECK(seq >= 0 && seq < tables.size(0), "row ", t, " names block table ", seq);
+      TORCH_CHECK(ctx >= 1 && ctx <= width * shape.block_size, "context length outside the block table");
+    }
+    const int64_t q_width = heads_ * dim_, qkv_width = (heads_ + 2 * kv_heads_) * dim_;
+    auto opts = x.options();
+    auto normed = torch::empty({tokens, hidden_}, opts), qkv = torch::empty({tokens, qkv_width}, opts);
+    auto attn = torch::empty({tokens, q_width}, opts), delta = torch::empty({tokens, hidden_}, opts);
+    auto gate_up = torch::empty({tokens, 2 * intermediate_}, opts), act = torch::empty({tokens, intermediate_}, opts);
+    float* xp = x.data_ptr<float>();
+    float *np = normed.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *ap = attn.data_ptr<float>();
+    float *dp = delta.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
+    const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
+    const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& w = layers_[l];
+      float* k_cache = kv_cache.data_ptr<float>() + l * layer_stride;
+      float* v_cache = k_cache + kv_stride;
+      // The previous layer's MLP output joins the residual stream on the way into this layer's norm.
+      rms_norm_rows(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
+      linear_rows(np, tokens, hidden_, w.qkv.data_ptr<float>(), qkv_width, optional_data(w.qkv_bias), qkvp);
+      rotary_rows(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, cosc.data_ptr<float>(), sinc.data_ptr<float>());
+      write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, slots.data_ptr<int64_t>(),
+                    shape, k_cache, v_cache);
+      attention_rows(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, shape, tables.data_ptr<int64_t>(), width,
+                     seqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scale, ap);
+      linear_rows(ap, tokens, q_width, w.o.data_ptr<float>(), hidden_, nullptr, dp);
+      rms_norm_rows(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
+      linear_rows(np, tokens, hidden_, w.gate_up.data_ptr<float>(), 2 * intermediate_, optional_data(w.gate_up_bias),
+                  gp);
+      silu_and_mul_rows(gp, tokens, intermediate_, actp);
+      linear_rows(actp, tokens, intermediate_, w.down.data_ptr<float>(), hidden_, optional_data(w.down_bias), dp);
+    }
+    auto out = torch::empty({tokens, hidden_}, opts);
+    rms_norm_rows(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_,
+                  out.data_ptr<float>());
+    return out;
+  }
+
+ private:
+  struct Layer {
+    torch::Tensor input_norm, qkv, qkv_bias, o, post_norm, gate_up, gate_up_bias, down, down_bias;
+  };
+
+  static void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) {
+    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kTile && packed.is_contiguous() &&
+                    packed.size(0) * kTile >= n,
+                "a packed [", n, ", ", k, "] weight expected");
+  }
+
+  int64_t heads_, kv_heads_, dim_, hidden_, intermediate_;
+  float eps_;
+  torch::Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/16, K, 16]");
@@ -344,5 +511,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight");
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache");
+  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache");
+  pybind11::class_<NativeLlama>(m, "NativeLlama")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
+      .def("add_layer", &NativeLlama::add_layer)
+      .def("forward", &NativeLlama::forward);
 }

@@ -13,7 +13,7 @@ import itertools
 import torch
 
 from conveyor.executor.sampler import Sampler
-from conveyor.model.attention import AttentionMetadata, DecodeGroup, NativeDecode, PrefillChunk
+from conveyor.model.attention import AttentionMetadata, DecodeGroup, NativeRows, PrefillChunk
 from conveyor.model.llama import LlamaModel
 from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
 
@@ -29,7 +29,7 @@ class TorchExecutor:
         native_kernels: bool = False,
     ) -> None:
         config = model.config
-        self.native_kernels = native_kernels  # the model's projections are packed; decode attention is native
+        self.native_kernels = native_kernels  # the model runs as one native stack (LlamaModel.use_native_kernels)
         param = model.embed_tokens.weight
         self.model = model
         self.device = param.device
@@ -83,28 +83,35 @@ class TorchExecutor:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[tuple[int, ScheduledRequest]] = []
-        prefills: list[PrefillChunk] = []
-        num_decodes = sum(1 for s in batch if s.num_tokens == 1)
-        for item in batch:
-            row = len(input_ids)
+        row_seq: list[int] = []  # which request each row belongs to (its index in the batch)
+        first_rows: list[int] = []
+        for seq, item in enumerate(batch):
             start, end = item.start_position, item.context_len
+            first_rows.append(len(input_ids))
             input_ids.extend(item.token_ids)
             positions.extend(range(start, end))
+            row_seq.extend([seq] * item.num_tokens)
             table = item.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.sample:
                 sample_rows.append((len(input_ids) - 1, item))
-            if item.num_tokens > 1:
-                prefills.append(self._prefill_chunk(item, row))
-        decodes = batch[:num_decodes]
-        native = self.native_kernels and num_decodes > 0
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            decodes=[] if native else self._decode_groups(decodes),
-            prefills=prefills,
-            native_decode=self._native_decode(decodes) if native else None,
-        )
+        if self.native_kernels:
+            tables, _ = self._tables_and_lengths(batch)
+            native = NativeRows(tables, self._tensor(row_seq), self._tensor(positions) + 1)
+            meta = AttentionMetadata(slot_mapping=self._tensor(slots), decodes=[], prefills=[], native=native)
+        else:
+            meta = self._torch_metadata(batch, first_rows, slots)
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
+
+    def _torch_metadata(
+        self, batch: list[ScheduledRequest], first_rows: list[int], slots: list[int]
+    ) -> AttentionMetadata:
+        """Decode rows in groups of similar context, and one causal chunk per prompt (see model/attention.py)."""
+        num_decodes = sum(1 for s in batch if s.num_tokens == 1)
+        prefills = [self._prefill_chunk(item, row) for item, row in zip(batch, first_rows) if item.num_tokens > 1]
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slots), decodes=self._decode_groups(batch[:num_decodes]), prefills=prefills
+        )
 
     def _decode_groups(self, decodes: list[ScheduledRequest]) -> list[DecodeGroup]:
         """One group per power-of-two bucket of block count: padding stays under 2x per row."""
@@ -115,9 +122,6 @@ class TorchExecutor:
             groups.append(self._decode_group(rows, row_start))
             row_start += len(rows)
         return groups
-
-    def _native_decode(self, decodes: list[ScheduledRequest]) -> NativeDecode:
-        return NativeDecode(len(decodes), *self._tables_and_lengths(decodes))
 
     def _tables_and_lengths(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables padded with block 0 to the longest, and each row's context length."""

@@ -7,8 +7,10 @@ gathered through a block table padded to the group's longest context, so a
 long-tailed batch does not pad every row to its longest request. Each prompt
 chunk attends causally to its own cached prefix plus itself.
 
-With the native kernels, all decode rows attend in one call that reads each
-row's context through its block table, with no grouping and no padded copy.
+With the native kernels the whole decoder stack runs in one native call
+(csrc/kernels.cpp), whose attention reads every row's context, prompt rows
+and decode rows alike, through its sequence's block table (``NativeRows``);
+no grouping, no padded copy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import native_kernels
 
 
 @dataclass(slots=True)
@@ -47,12 +48,14 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
-class NativeDecode:
-    """All decode rows ``[0, num_rows)`` at once, for the native kernel: no grouping, no padding copies."""
+class NativeRows:
+    """Every row of the step for the native stack: row ``r`` sees positions ``[0, context_lens[r])`` of
+    sequence ``row_seq[r]``, whose blocks are ``block_tables[row_seq[r]]``; for a prompt row that is the
+    prompt up to itself (the causal mask), for a decode row its whole context."""
 
-    num_rows: int
-    block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0 past each row's blocks
-    context_lens: torch.Tensor  # [rows] int64
+    block_tables: torch.Tensor  # [sequences, max_blocks] int64, padded with block 0
+    row_seq: torch.Tensor  # [rows] int64
+    context_lens: torch.Tensor  # [rows] int64: position + 1
 
 
 @dataclass(slots=True)
@@ -62,7 +65,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    native_decode: NativeDecode | None = None  # replaces ``decodes`` when the native kernels run
+    native: NativeRows | None = None  # replaces ``decodes`` and ``prefills`` when the native stack runs
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -91,16 +94,6 @@ def paged_attention(
     """query [T, H, D], key/value [T, KVH, D] of this step's tokens -> [T, H, D]."""
     write_kv(kv_cache, key, value, meta.slot_mapping)
     out = torch.empty_like(query)
-    if meta.native_decode is not None:
-        rows = slice(0, meta.native_decode.num_rows)
-        out[rows] = native_kernels().paged_decode_attention(
-            query[rows],
-            kv_cache[0],
-            kv_cache[1],
-            meta.native_decode.block_tables,
-            meta.native_decode.context_lens,
-            scale,
-        )
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_end)
         k = _gather(kv_cache[0], group.block_tables)

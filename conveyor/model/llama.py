@@ -44,16 +44,12 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    kernels: ModuleType | None = None  # set by LlamaModel.use_native_kernels
-
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None:
-            return self.kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 whatever the dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -109,8 +105,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    kernels: ModuleType | None = None
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -134,18 +128,12 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.kernels is not None:
-            cos, sin = rope
-            self.kernels.rotary_embedding(q, k, cos.squeeze(1), sin.squeeze(1))
-        else:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
-    kernels: ModuleType | None = None
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -154,8 +142,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -176,6 +162,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder in PyTorch ops (any device and dtype, and the reference), or, once
+    :meth:`use_native_kernels` has run, the same layers in one native call per step (float32 on CPU)."""
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -184,6 +173,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.native = None  # the kernels' NativeLlama, holding the packed layers
 
     def forward(
         self,
@@ -194,20 +184,43 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states of every token; ``kv_cache`` is [layers, 2, blocks, block_size, kv_heads, head_dim]."""
         x = self.embed_tokens(input_ids)
+        if self.native is not None:
+            rows = meta.native
+            cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+            return self.native.forward(
+                x, cos, sin, kv_cache, meta.slot_mapping, rows.block_tables, rows.row_seq, rows.context_lens
+            )
         rope = self.rotary(positions, x.dtype)
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, rope, layer_cache, meta)
         return self.norm(x)
 
     def use_native_kernels(self, kernels: ModuleType) -> None:
-        """Switch every layer to the native kernels (float32 on CPU only) and pack the weights for them."""
+        """Pack every projection for the native kernels and hand the layers to one native stack (float32 on
+        CPU only). The layers' plain weights are freed; the LM head stays a (packed) Linear run from Python,
+        on the sampled rows only."""
         tied = self.lm_head.weight is self.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(kernels, keep_weight=module is self.lm_head and tied)
-            elif isinstance(module, RMSNorm | Attention | MLP):
-                module.kernels = kernels
+        c = self.config
+        self.native = kernels.NativeLlama(
+            c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
+            self.norm.weight.detach(),
+        )
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.native.add_layer(
+                layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, _bias(attn.qkv_proj), attn.o_proj.packed,
+                layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed, _bias(mlp.gate_up_proj),
+                mlp.down_proj.packed, _bias(mlp.down_proj),
+            )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that are sampled, and only those."""
         return self.lm_head(hidden).float()
+
+
+def _bias(layer: Linear) -> torch.Tensor:
+    """The native stack takes an empty tensor for "no bias"."""
+    return torch.empty(0) if layer.bias is None else layer.bias.detach()
