@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 @dataclass(slots=True)
 class PrefillChunk:
     """A prompt chunk: query rows ``[query_start, query_end)`` at positions ``start_position...``."""
