@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test test-slow lint bench-decode bench-throughput bench-roofline clean
+.PHONY: install run demo test test-slow lint bench-decode bench-throughput bench-roofline bench-peers clean
 
 install: $(STAMP)
 
@@ -29,7 +29,7 @@ demo: install
 	$(BIN)/conveyor generate
 
 lint: install
-	$(BIN)/ruff check conveyor tests
+	$(BIN)/ruff check conveyor tests bench
 
 test: lint
 	$(BIN)/python -m pytest -q
@@ -45,6 +45,25 @@ bench-throughput: install
 
 bench-roofline: install
 	$(BIN)/conveyor roofline --kv-cache-memory 4GiB -o docs/roofline.png
+
+# Optional: other engines on the same workloads. Each peer is set up once, in its own virtual environment
+# under .peers/ (downloads of several hundred MB; llama.cpp builds for 10-20 minutes); a set-up that fails
+# leaves that peer out of the comparison. Nothing of this runs in `make test` or CI.
+PEERS_READY := .peers/openvino/model/openvino_model.xml .peers/llama.cpp/model-f32.gguf .peers/vllm/.ready \
+	.peers/model/config.json
+
+.peers/openvino/model/openvino_model.xml: | $(STAMP)
+	-bash bench/peers/setup_openvino.sh
+.peers/llama.cpp/model-f32.gguf: | $(STAMP)
+	-bash bench/peers/setup_llamacpp.sh
+.peers/vllm/.ready: | $(STAMP)
+	-bash bench/peers/setup_vllm.sh
+.peers/model/config.json: | $(STAMP)
+	-bash bench/peers/setup_transformers.sh
+
+bench-peers: install $(PEERS_READY)
+	mkdir -p out
+	$(BIN)/conveyor bench compare -o out/bench-peers.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

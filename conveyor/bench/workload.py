@@ -37,3 +37,140 @@ def long_tail_workload(
         prompt = [rng.randrange(vocab_size // 8, vocab_size) for _ in range(prompt_len)]
         requests.append(SyntheticRequest(prompt, output_len))
     return requests
+
+
+# ----- the fixed workloads that engines are compared on (``conveyor bench compare``) -----------------
+
+W1_NUM_PROMPTS = 64
+W1_PROMPT_LEN = 41
+W1_OUTPUT_LEN = 128
+W2_NUM_REQUESTS = 256
+W2_SEED = 0
+
+AT_ONCE = "at-once"
+ONE_AT_A_TIME = "one-at-a-time"
+
+W1_QUESTIONS = (
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "How do bees make honey?",
+    "What causes the seasons on Earth?",
+    "Name three rivers in Africa.",
+    "What does a compiler do?",
+    "How does a rainbow form?",
+    "Why do cats purr?",
+    "What is photosynthesis?",
+    "How far away is the Moon?",
+    "Write a haiku about the sea.",
+    "What is the boiling point of water?",
+    "Who wrote Romeo and Juliet?",
+    "How do airplanes stay in the air?",
+    "What is a prime number?",
+    "Why do leaves change color in autumn?",
+    "Give me three tips for sleeping well.",
+    "What is the largest ocean?",
+    "How does a vaccine work?",
+    "What is the speed of light?",
+    "Explain gravity to a child.",
+    "What are the planets of the solar system?",
+    "How do I boil an egg?",
+    "What is the tallest mountain?",
+    "Why is the ocean salty?",
+    "What is an atom made of?",
+    "How do volcanoes erupt?",
+    "Suggest a name for a pet turtle.",
+    "What is the difference between weather and climate?",
+    "How many legs does a spider have?",
+    "What language is spoken in Brazil?",
+    "Why do we have day and night?",
+    "What is a black hole?",
+    "How does the heart pump blood?",
+    "Write a short poem about snow.",
+    "What is the main ingredient of bread?",
+    "How do magnets work?",
+    "What is the capital of Japan?",
+    "Why do birds migrate?",
+    "What is a noun?",
+    "How do fish breathe underwater?",
+    "Who painted the Mona Lisa?",
+    "What is the freezing point of water?",
+    "How does a battery store energy?",
+    "List three kinds of clouds.",
+    "What is the longest river in the world?",
+    "How do plants drink water?",
+    "What does DNA stand for?",
+    "Why does the Moon change shape?",
+    "What is an earthquake?",
+    "Give me a fun fact about octopuses.",
+    "How do I make a paper airplane?",
+    "What is the smallest country?",
+    "Why do we yawn?",
+    "What is the Internet?",
+    "How do clocks keep time?",
+    "Describe a sunset in one sentence.",
+    "What is the hottest planet?",
+    "How does soap clean hands?",
+    "What is a desert?",
+    "Why do onions make people cry?",
+    "What do pandas eat?",
+    "How is glass made?",
+    "Tell me a riddle about time.",
+)
+# Appended to every question, then cut to length: prompts reach exactly W1_PROMPT_LEN tokens with the
+# question intact and the chat template's structure kept.
+_W1_FILLER = " Please answer in a few clear sentences, and give one simple example that a child would understand."
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """A named list of requests and how they arrive: all at once, or each after the previous one ended."""
+
+    name: str
+    mode: str  # AT_ONCE or ONE_AT_A_TIME
+    requests: list[SyntheticRequest]
+
+    def to_json(self) -> dict:
+        """What the peer runners read (bench/peers/*)."""
+        return {"name": self.name, "mode": self.mode, "requests": [
+            {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in self.requests]}
+
+
+def chat_prompt_ids(tokenizer, question: str, length: int) -> list[int]:
+    """``question`` (plus filler) in the chat template, its content cut so the whole is ``length`` token ids."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question + _W1_FILLER}])
+    excess = len(ids) - length
+    if excess < 0:
+        raise ValueError(f"W1: {question!r} with filler is {len(ids)} tokens, fewer than {length}")
+    tail = _template_tail_len(tokenizer)
+    return ids[: len(ids) - tail - excess] + ids[len(ids) - tail :]
+
+
+def _template_tail_len(tokenizer) -> int:
+    """Token ids the chat template puts after the user's content (end of turn, assistant header)."""
+    a = tokenizer.apply_chat_template([{"role": "user", "content": "1"}])
+    b = tokenizer.apply_chat_template([{"role": "user", "content": "2"}])
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def w1_requests(tokenizer) -> list[SyntheticRequest]:
+    """W1: 64 chat prompts of exactly 41 tokens, 128 output tokens each."""
+    return [SyntheticRequest(chat_prompt_ids(tokenizer, q, W1_PROMPT_LEN), W1_OUTPUT_LEN) for q in W1_QUESTIONS]
+
+
+def comparison_workloads(tokenizer, vocab_size: int, w1_single: int = 8,
+                         names: tuple[str, ...] = ("W1@1", "W1@64", "W2")) -> list[Workload]:
+    """W1@1 (the first ``w1_single`` W1 prompts, one at a time), W1@64 (all 64 at once), W2 (256 long-tailed
+    requests at once, seed fixed): the same token ids for every engine."""
+    w1 = w1_requests(tokenizer) if {"W1@1", "W1@64"} & set(names) else []
+    build = {
+        "W1@1": lambda: Workload("W1@1", ONE_AT_A_TIME, w1[:w1_single]),
+        "W1@64": lambda: Workload("W1@64", AT_ONCE, w1),
+        "W2": lambda: Workload("W2", AT_ONCE, long_tail_workload(W2_NUM_REQUESTS, W2_SEED, vocab_size)),
+    }
+    unknown = [n for n in names if n not in build]
+    if unknown:
+        raise ValueError(f"workloads: unknown {unknown}; choose from {', '.join(build)}")
+    return [build[name]() for name in names]

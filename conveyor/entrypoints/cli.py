@@ -1,4 +1,4 @@
-"""The ``conveyor`` command: generate, serve, bench, plot, simulate."""
+"""The ``conveyor`` command: generate, serve, bench, plot, simulate, roofline, export-hf."""
 
 from __future__ import annotations
 
@@ -106,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--prompt-len", type=int, default=64)
     dec.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     add_engine_args(dec)
+    cmp = bench.add_parser("compare", help="Conveyor and the peers set up under .peers/ on the same fixed workloads")
+    cmp.add_argument("--workloads", default="W1@1,W1@64,W2",
+                     help="W1@1: W1 prompts one at a time; W1@64: all 64 at once; W2: 256 long-tailed at once")
+    cmp.add_argument("--peers", default="openvino,llamacpp,vllm,transformers",
+                     help="peers to run (those not set up are skipped; see bench/peers/)")
+    cmp.add_argument("--w1-single", type=int, default=8, help="W1 prompts run one at a time in W1@1")
+    cmp.add_argument("--limit", type=int, default=None, help="first N requests of each workload (a quick check)")
+    cmp.add_argument("--max-output-len", type=int, default=None, help="cap output lengths (a quick check)")
+    cmp.add_argument("-o", "--output", default=None, help="write machine, figures and agreement as JSON")
     srv = bench.add_parser("serve", help="Poisson arrivals of streaming requests against an OpenAI-compatible server")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000")
     srv.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
@@ -118,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slo-ttft", type=float, default=None, help="seconds; goodput counts requests within it")
     srv.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token, for goodput")
     srv.add_argument("--json", default=None)
+
+    export = commands.add_parser("export-hf", help="write the model as a float32 Hugging Face folder for other engines")
+    export.add_argument("output", help="the folder to write (new, or empty)")
+    export.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
 
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
@@ -163,9 +176,16 @@ def main(argv: list[str] | None = None) -> int:
             from conveyor.entrypoints.simulate import run_simulate
 
             return run_simulate(args)
+        if args.command == "export-hf":
+            return _export_hf(args)
         config = engine_config(args) if hasattr(args, "max_num_seqs") else None
         if getattr(args, "bench", None) == "serve":
             return _bench_serve(args)
+        if getattr(args, "bench", None) == "compare":
+            from conveyor.bench.compare import compare
+
+            return compare(args.workloads.split(","), args.peers.split(",") if args.peers else [], args.w1_single,
+                           args.limit, args.max_output_len, args.output)
         if args.command == "plot":
             return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":
@@ -301,6 +321,13 @@ def _bench_serve(args: argparse.Namespace) -> int:
     print_serve(result)
     write_json(result, args.json)
     return 0 if result["completed"] else 1
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from conveyor.bench.export import export_hf
+
+    print(f"wrote {export_hf(args.model, args.output)}")
+    return 0
 
 
 def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:

@@ -1,0 +1,103 @@
+"""llama.cpp's ``llama-server`` (F32 GGUF, 64 slots, 2 threads, continuous batching) driven over HTTP.
+
+The runner starts the server, sends each request to ``/completion`` with a
+token-id prompt (all of a workload's requests concurrently, or one after
+another), and stops the server. Runs in the project's .venv (httpx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import peer_io
+
+DIR = peer_io.PEERS / "llama.cpp"
+SERVER = DIR / "build" / "bin" / "llama-server"
+SDIST_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp setup_llamacpp.sh builds
+SERVER_ARGS = ("-np", "64", "-c", "65536", "-t", "2", "-cb", "--no-ui")
+
+
+def completion_body(request: peer_io.Request) -> dict[str, Any]:
+    """Greedy, exactly ``output_len`` tokens, no prompt cache (every engine computes every prompt)."""
+    return {
+        "prompt": request["prompt_token_ids"],
+        "n_predict": request["output_len"],
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "cache_prompt": False,
+        "return_tokens": True,
+        "stream": False,
+    }
+
+
+def parse_completion(body: dict[str, Any], latency_s: float) -> peer_io.Record:
+    """The response's token ids; time to first token is the latency less the server's own decode time
+    (``timings.predicted_ms`` runs from the first sampled token to the last), since streamed chunks may
+    hold back a token that ends inside a UTF-8 character."""
+    ttft = latency_s - body["timings"]["predicted_ms"] / 1000
+    return peer_io.record(body["tokens"], max(ttft, 0.0), latency_s)
+
+
+async def _one(client: httpx.AsyncClient, url: str, request: peer_io.Request) -> peer_io.Record:
+    start = time.perf_counter()
+    response = await client.post(url, json=completion_body(request))
+    response.raise_for_status()
+    return parse_completion(response.json(), time.perf_counter() - start)
+
+
+async def _all(url: str, requests: list[peer_io.Request]) -> list[peer_io.Record]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        return list(await asyncio.gather(*(_one(client, url, r) for r in requests)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, port: int, log: Path) -> subprocess.Popen:
+    """Start llama-server and wait until /health answers 200 (model loaded)."""
+    with log.open("w") as out:
+        server = subprocess.Popen([str(SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port),
+                                   *SERVER_ARGS], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {server.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.terminate()
+    raise RuntimeError(f"llama-server did not become healthy in 300 s; see {log}")
+
+
+def server_version() -> str:
+    """``version: 0.5.0-dev (build 1, commit 0c1e570)`` -> ``0.5.0-dev (0c1e570), llama-cpp-python 0.3.36``."""
+    run = subprocess.run([str(SERVER), "--version"], capture_output=True, text=True)
+    match = re.search(r"version: (\S+) \(.*commit (\w+)\)", run.stdout + run.stderr)
+    return f"{match.group(1)} ({match.group(2)}), llama-cpp-python {SDIST_VERSION}" if match else "unknown"
+
+
+if __name__ == "__main__":
+    args = peer_io.parse_args(__doc__.splitlines()[0], DIR / "model-f32.gguf")
+    port = free_port()
+    server = start_server(args.model, port, DIR / "server.log")
+    try:
+        url = f"http://127.0.0.1:{port}/completion"
+        peer_io.main("llama.cpp llama-server", server_version(), args,
+                     lambda requests: asyncio.run(_all(url, requests)))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

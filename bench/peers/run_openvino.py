@@ -1,0 +1,66 @@
+"""OpenVINO GenAI's ``ContinuousBatchingPipeline``: continuous batching over a paged KV cache, float32.
+
+Token-id prompts, greedy, exactly ``output_len`` tokens (ignore_eos, with
+min_new_tokens = max_new_tokens). Requests go in through ``add_request`` and the
+runner drives ``step()`` itself, so that it sees when each one produced its
+first token and when it finished. Runs in .peers/openvino (setup_openvino.sh).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import openvino as ov
+import openvino_genai as ov_genai
+import peer_io
+
+# The same limits as Conveyor's defaults: 128 sequences, a 2048-token step, 2 GiB of KV cache.
+MAX_NUM_SEQS = 128
+MAX_NUM_BATCHED_TOKENS = 2048
+CACHE_SIZE_GB = 2
+
+
+def make_pipeline(model_dir: str) -> ov_genai.ContinuousBatchingPipeline:
+    scheduler = ov_genai.SchedulerConfig()
+    scheduler.cache_size = CACHE_SIZE_GB
+    scheduler.max_num_seqs = MAX_NUM_SEQS
+    scheduler.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
+    scheduler.dynamic_split_fuse = True
+    scheduler.enable_prefix_caching = False  # every engine computes every prompt
+    return ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+
+
+def generation_config(output_len: int) -> ov_genai.GenerationConfig:
+    config = ov_genai.GenerationConfig()
+    config.do_sample = False
+    config.max_new_tokens = output_len
+    config.min_new_tokens = output_len
+    config.ignore_eos = True
+    return config
+
+
+def run_together(pipe: ov_genai.ContinuousBatchingPipeline, requests: list[peer_io.Request]) -> list[peer_io.Record]:
+    start = time.perf_counter()
+    handles = [pipe.add_request(i, ov.Tensor(np.array([r["prompt_token_ids"]], dtype=np.int64)),
+                                generation_config(r["output_len"])) for i, r in enumerate(requests)]
+    first_token: list[float | None] = [None] * len(handles)
+    finished: list[float | None] = [None] * len(handles)
+    while pipe.has_non_finished_requests():
+        pipe.step()
+        now = time.perf_counter() - start
+        for i, handle in enumerate(handles):
+            if first_token[i] is None and handle.can_read():
+                first_token[i] = now
+            if finished[i] is None and handle.get_status() != ov_genai.GenerationStatus.RUNNING:
+                finished[i] = now
+    end = time.perf_counter() - start
+    return [peer_io.record(handle.read_all()[0].generated_ids, ttft, done if done is not None else end)
+            for handle, ttft, done in zip(handles, first_token, finished)]
+
+
+if __name__ == "__main__":
+    args = peer_io.parse_args(__doc__.splitlines()[0], peer_io.PEERS / "openvino" / "model")
+    pipe = make_pipeline(args.model)
+    peer_io.main("OpenVINO GenAI ContinuousBatchingPipeline", ov_genai.__version__, args,
+                 lambda requests: run_together(pipe, requests))

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# OpenVINO GenAI in its own virtual environment (.peers/openvino), and the default model exported to
+# OpenVINO IR with float32 weights (.peers/openvino/model).
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+MODEL="$(hf_model)"
+VENV="$PEERS/openvino"
+
+new_venv openvino
+"$VENV/bin/pip" install --quiet torch==2.13.0 "optimum-intel[openvino]" openvino-genai openvino-tokenizers
+# The torchvision wheel from PyPI is built for another torch and breaks imports beside the local CPU torch.
+"$VENV/bin/pip" uninstall --quiet -y torchvision || true
+
+"$VENV/bin/optimum-cli" export openvino --model "$MODEL" --weight-format fp32 --task text-generation-with-past \
+    "$VENV/model.tmp"
+rm -rf "$VENV/model" && mv "$VENV/model.tmp" "$VENV/model"
+echo "OpenVINO GenAI ready: $VENV"

@@ -1,0 +1,320 @@
+"""``conveyor bench compare``: Conveyor and the engines a user would pick instead, on the same workloads.
+
+Conveyor runs in this process; each peer set up under ``.peers/`` (by
+``bench/peers/setup_*.sh``) runs in its own virtual environment through its
+runner script, one engine after another on the same token ids, so that every
+ratio comes from one sitting on one machine (machines of this kind differ by up
+to 2x from day to day). Greedy float32 engines should agree token for token, so
+the first tokens of every request are checked against Conveyor's as well.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from conveyor.bench.report import format_table, percentile
+from conveyor.bench.workload import AT_ONCE, ONE_AT_A_TIME, SyntheticRequest, Workload
+from conveyor.engine import Engine
+from conveyor.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+PEERS_DIR = ROOT / "bench" / "peers"
+AGREEMENT_TOKENS = 8  # greedy outputs are compared on this many first tokens
+WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    name: str  # what --peers takes
+    runner: str  # the script in bench/peers
+    python: str | None  # its interpreter, relative to the root; None: this one (the project's .venv)
+    needs: tuple[str, ...]  # what its set-up script leaves, relative to the root
+    setup: str
+
+    def missing(self, root: Path = ROOT) -> list[str]:
+        paths = [self.python] if self.python else []
+        return [p for p in (*paths, *self.needs) if not (root / p).exists()]
+
+
+PEERS = (
+    Peer("openvino", "run_openvino.py", ".peers/openvino/bin/python", (".peers/openvino/model/openvino_model.xml",),
+         "setup_openvino.sh"),
+    Peer("llamacpp", "run_llamacpp.py", None,
+         (".peers/llama.cpp/build/bin/llama-server", ".peers/llama.cpp/model-f32.gguf"), "setup_llamacpp.sh"),
+    Peer("vllm", "run_vllm.py", ".peers/vllm/bin/python", (".peers/vllm/.ready", ".peers/model/config.json"),
+         "setup_vllm.sh"),
+    Peer("transformers", "run_transformers.py", None, (".peers/model/config.json",), "setup_transformers.sh"),
+)
+
+
+@dataclass(slots=True)
+class WorkloadResult:
+    """One engine on one workload: per request (in workload order) the output ids, TTFT and latency."""
+
+    workload: str
+    wall_s: float  # first submit to last finish
+    output_token_ids: list[list[int]]
+    ttft_s: list[float | None]
+    latency_s: list[float]
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return sum(len(ids) for ids in self.output_token_ids) / self.wall_s
+
+    @property
+    def latency_p50_s(self) -> float:
+        return percentile(self.latency_s, 50)
+
+    def figures(self) -> dict[str, Any]:
+        ttft = [t for t in self.ttft_s if t is not None]
+        return {"num_requests": len(self.latency_s), "output_tokens": sum(len(i) for i in self.output_token_ids),
+                "wall_s": self.wall_s, "output_tokens_per_s": self.output_tokens_per_s,
+                "latency_p50_s": self.latency_p50_s, "latency_p99_s": percentile(self.latency_s, 99),
+                "ttft_p50_s": percentile(ttft, 50) if ttft else None}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WorkloadResult:
+        requests = data["requests"]
+        return cls(data["workload"], data["wall_s"], [r["output_token_ids"] for r in requests],
+                   [r["ttft_s"] for r in requests], [r["latency_s"] for r in requests])
+
+
+@dataclass(slots=True)
+class EngineResult:
+    engine: str
+    version: str
+    results: dict[str, WorkloadResult] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EngineResult:
+        results = [WorkloadResult.from_json(r) for r in data["results"]]
+        return cls(data["engine"], data["version"], {r.workload: r for r in results})
+
+
+# ----- running -----------------------------------------------------------------------------------------
+
+
+def shrink(workloads: list[Workload], limit: int | None, max_output_len: int | None) -> list[Workload]:
+    """The first ``limit`` requests of each workload, outputs capped: a quick check, not a benchmark."""
+    def cut(r: SyntheticRequest) -> SyntheticRequest:
+        return SyntheticRequest(r.prompt_token_ids, min(r.output_len, max_output_len or r.output_len))
+
+    return [replace(w, requests=[cut(r) for r in w.requests[:limit]]) for w in workloads]
+
+
+def _conveyor_together(engine: Engine, requests: list[SyntheticRequest]) -> list[dict[str, Any]]:
+    """All requests submitted at once, stepped to the end; times counted from the submit."""
+    start = engine.clock()
+    ids = [engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len,
+                                                                  ignore_eos=True), arrival_time=start)
+           for r in requests]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [{"output_token_ids": done[i].token_ids, "ttft_s": done[i].metrics.time_to_first_token,
+             "latency_s": done[i].metrics.latency} for i in ids]
+
+
+def run_conveyor(engine: Engine, workloads: list[Workload]) -> EngineResult:
+    """The same protocol as the peer runners (bench/peers/peer_io.py): one warm-up, then each workload."""
+    first = workloads[0].requests[0]
+    _conveyor_together(engine, [SyntheticRequest(first.prompt_token_ids, WARMUP_TOKENS)])
+    result = EngineResult("Conveyor", version("conveyor"))
+    for workload in workloads:
+        start = time.perf_counter()
+        if workload.mode == AT_ONCE:
+            records = _conveyor_together(engine, workload.requests)
+        elif workload.mode == ONE_AT_A_TIME:
+            records = [_conveyor_together(engine, [r])[0] for r in workload.requests]
+        else:
+            raise ValueError(f"workload {workload.name}: unknown mode {workload.mode!r}")
+        wall = time.perf_counter() - start
+        result.results[workload.name] = WorkloadResult.from_json(
+            {"workload": workload.name, "wall_s": wall, "requests": records})
+        print(f"Conveyor: {workload.name} done in {wall:.1f} s", file=sys.stderr, flush=True)
+    return result
+
+
+def run_peer(peer: Peer, workload_files: list[Path], result_file: Path, root: Path = ROOT) -> EngineResult:
+    """The peer's runner in its own interpreter; its output goes straight to the terminal."""
+    python = str(root / peer.python) if peer.python else sys.executable
+    command = [python, str(root / "bench" / "peers" / peer.runner), *map(str, workload_files),
+               "--result", str(result_file)]
+    subprocess.run(command, cwd=root, check=True)
+    return EngineResult.from_json(json.loads(result_file.read_text()))
+
+
+def run_peers(peers: list[Peer], workloads: list[Workload], root: Path = ROOT) -> list[EngineResult]:
+    """Every installed peer on the workloads, one after another; missing or failing ones are reported."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="conveyor-compare-") as tmp:
+        files = [Path(tmp) / f"workload-{i}.json" for i in range(len(workloads))]
+        for path, workload in zip(files, workloads):
+            path.write_text(json.dumps(workload.to_json()))
+        for peer in peers:
+            missing = peer.missing(root)
+            if missing:
+                print(f"skipping {peer.name}: not set up (no {missing[0]}); run `bash bench/peers/{peer.setup}` "
+                      "or `make bench-peers`", file=sys.stderr)
+                continue
+            print(f"running {peer.name} ...", file=sys.stderr, flush=True)
+            try:
+                results.append(run_peer(peer, files, Path(tmp) / f"result-{peer.name}.json", root))
+            except (subprocess.CalledProcessError, OSError, KeyError, ValueError) as error:
+                print(f"{peer.name} failed: {error}", file=sys.stderr)
+    return results
+
+
+# ----- reporting ---------------------------------------------------------------------------------------
+
+
+def agreement(reference: EngineResult, other: EngineResult, eos_token_id: int | None,
+              num_tokens: int = AGREEMENT_TOKENS) -> tuple[int, int]:
+    """(requests whose first ``num_tokens`` output ids equal the reference's, requests compared).
+
+    Engines read ``ignore_eos`` two ways: some may still produce the end-of-sequence token and go on
+    (Conveyor, transformers), others never produce it (min_tokens, an EOS logit bias). Where either
+    output holds one, the outputs are compared only up to it."""
+    matched = total = 0
+    for name, ours in reference.results.items():
+        theirs = other.results.get(name)
+        if theirs is None:
+            continue
+        for a, b in zip(ours.output_token_ids, theirs.output_token_ids):
+            n = min(num_tokens, _index(a, eos_token_id), _index(b, eos_token_id))
+            total += 1
+            matched += a[:n] == b[:n]
+    return matched, total
+
+
+def _index(token_ids: list[int], token_id: int | None) -> int:
+    return token_ids.index(token_id) if token_id in token_ids else len(token_ids)
+
+
+# (workload, figure, its column, its ratio's column); ratios read > 1 where Conveyor is ahead.
+COLUMNS = (
+    ("W1@1", "output_tokens_per_s", "W1@1 tok/s", "W1@1 Conveyor/peer"),
+    ("W1@64", "output_tokens_per_s", "W1@64 tok/s", "W1@64 Conveyor/peer"),
+    ("W2", "output_tokens_per_s", "W2 output tok/s", "W2 Conveyor/peer"),
+    ("W2", "latency_p50_s", "W2 p50 latency s", "W2 p50 peer/Conveyor"),
+)
+
+
+def _figure(result: EngineResult, workload: str, attribute: str) -> float | None:
+    run = result.results.get(workload)
+    return getattr(run, attribute) if run is not None else None
+
+
+def _ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> str:
+    """How far Conveyor is ahead: > 1 means Conveyor is faster, whichever way the figure runs."""
+    if ours is None or theirs is None or not ours or not theirs:
+        return "-"
+    return f"{(ours / theirs if higher_is_better else theirs / ours):.2f}x"
+
+
+@dataclass(slots=True)
+class Comparison:
+    """Everything one run measured: what the table, the agreement check and the JSON are made of."""
+
+    machine: dict[str, Any]
+    workloads: list[Workload]
+    eos_token_id: int | None  # the model's; where outputs hold it, agreement stops there
+    conveyor: EngineResult
+    peers: list[EngineResult]
+
+    def agreement(self, result: EngineResult) -> tuple[int, int]:
+        return agreement(self.conveyor, result, self.eos_token_id)
+
+    def rows(self) -> list[list[object]]:
+        rows = []
+        for result in (self.conveyor, *self.peers):
+            figures = [_figure(result, w, a) for w, a, _, _ in COLUMNS]
+            ratios = [_ratio(_figure(self.conveyor, w, a), value, a != "latency_p50_s")
+                      for (w, a, _, _), value in zip(COLUMNS, figures)]
+            agree = "reference" if result is self.conveyor else "{}/{}".format(*self.agreement(result))
+            rows.append([result.engine, result.version, *("-" if f is None else f for f in figures), *ratios, agree])
+        return rows
+
+    def table(self) -> str:
+        headers = ["engine", "version", *(c[2] for c in COLUMNS), *(c[3] for c in COLUMNS),
+                   f"first {AGREEMENT_TOKENS} tokens agree"]
+        return format_table(headers, self.rows())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "machine": self.machine,
+            "workloads": {w.name: {"mode": w.mode, "num_requests": len(w.requests),
+                                   "output_tokens": sum(r.output_len for r in w.requests)} for w in self.workloads},
+            "engines": [{"engine": r.engine, "version": r.version,
+                         "first_tokens_agree": None if r is self.conveyor else dict(
+                             zip(("matched", "compared"), self.agreement(r))),
+                         "results": {name: run.figures() for name, run in r.results.items()}}
+                        for r in (self.conveyor, *self.peers)],
+        }
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    from conveyor.bench.machine import _cpu_name
+
+    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+# ----- the command -------------------------------------------------------------------------------------
+
+
+def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | None,
+                          max_output_len: int | None) -> tuple[list[Workload], EngineResult, int | None]:
+    """Conveyor with its default configuration; the workloads come from its tokenizer. Returns them, its
+    result and the model's EOS id. The engine is dropped on return: its memory is free before the peers start."""
+    from conveyor.bench.workload import comparison_workloads
+    from conveyor.config import EngineConfig
+
+    engine = Engine(EngineConfig())
+    workloads = comparison_workloads(engine.tokenizer, engine.model_config.vocab_size, w1_single, names)
+    workloads = shrink(workloads, limit, max_output_len)
+    return workloads, run_conveyor(engine, workloads), engine.tokenizer.eos_token_id
+
+
+def select_peers(names: list[str]) -> list[Peer]:
+    known = {p.name: p for p in PEERS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"--peers: unknown {unknown}; choose from {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def compare(workload_names: list[str], peer_names: list[str], w1_single: int, limit: int | None = None,
+            max_output_len: int | None = None, output: str | None = None) -> int:
+    """Run everything, print machine info and the table, write JSON to ``output``."""
+    if not 1 <= w1_single <= 64:
+        raise ValueError(f"--w1-single must be in [1, 64], got {w1_single}")
+    if (limit is not None and limit < 1) or (max_output_len is not None and max_output_len < 1):
+        raise ValueError("--limit and --max-output-len must be >= 1")
+    peers = select_peers(peer_names)
+    if not PEERS_DIR.is_dir():
+        raise FileNotFoundError(f"bench compare: no {PEERS_DIR}; it runs from a source checkout of Conveyor")
+    machine = machine_info()
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
+    workloads, conveyor, eos_token_id = conveyor_on_workloads(tuple(workload_names), w1_single, limit,
+                                                              max_output_len)
+    gc.collect()  # the engine's KV pool and weights, before the peers need the memory
+    comparison = Comparison(machine, workloads, eos_token_id, conveyor, run_peers(peers, workloads))
+    print(comparison.table())
+    if output:
+        Path(output).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")
+        print(f"wrote {output}")
+    return 0
