@@ -512,7 +512,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache");
-  pybind11::class_<NativeLlama>(m, "NativeLlama")
+  pybind11::class_<NativeLlama>(m, "NativeLlama", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
       .def("add_layer", &NativeLlama::add_layer)
       .def("forward", &NativeLlama::forward);

@@ -47,7 +47,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"],
                    help="paged: blocks on demand; contiguous: a --max-model-len slab reserved per request")
     g.add_argument("--kernels", default="native", choices=["native", "torch"],
-                   help="native: packed-weight GEMMs and paged decode attention in C++ (float32 CPU); "
+                   help="native: the decoder stack in C++ on packed weights (float32 CPU); "
                    "torch: plain PyTorch ops, the reference")
 
 

@@ -18,7 +18,7 @@ from types import ModuleType
 from conveyor.cache import cache_dir
 
 logger = logging.getLogger("conveyor")
-NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # decode attention is unrolled for these (kernels.cpp, attend_fn)
+NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # attention is unrolled for these (kernels.cpp, attend_fn)
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"
 
 
