@@ -89,8 +89,8 @@ class Engine:
         self.max_model_len = plan.max_model_len
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
         model = load_model(folder, dtype, device, self.max_model_len)
-        native = self._use_native_kernels(model, dtype, device)
-        self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks, native)
+        self._use_native_kernels(model, dtype, device)
+        self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks)
         # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too.
         self.core = EngineCore(config, plan, self.executor, clock)
         self.scheduler = self.core.scheduler
@@ -102,7 +102,7 @@ class Engine:
     def trace(self) -> Trace | None:
         return self.core.trace
 
-    def _use_native_kernels(self, model, dtype, device) -> bool:
+    def _use_native_kernels(self, model, dtype, device) -> None:
         """Native kernels run float32 on CPU with the head sizes they are unrolled for; elsewhere (or without
         a compiler) the torch ops do."""
         import torch
@@ -110,14 +110,12 @@ class Engine:
         from conveyor.model.kernels import NATIVE_HEAD_SIZES, native_kernels
 
         if self.config.kernels != "native" or dtype != torch.float32 or device.type != "cpu":
-            return False
+            return
         if self.model_config.head_dim not in NATIVE_HEAD_SIZES:
-            return False
+            return
         kernels = native_kernels()
-        if kernels is None:
-            return False
-        model.use_native_kernels(kernels)
-        return True
+        if kernels is not None:
+            model.use_native_kernels(kernels)
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.trace`)."""

@@ -317,6 +317,19 @@ void check_float_rows(const torch::Tensor& t, const char* name) {
 
 torch::Tensor as_int64(const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); }
 
+// Every row must name one of the block tables and a context that table covers: attention_rows reads
+// through both unchecked. All three tensors int64 and contiguous (as_int64).
+void check_rows(const torch::Tensor& tables, const torch::Tensor& row_seq, const torch::Tensor& context_lens,
+                int64_t block_size) {
+  const int64_t* seqs = row_seq.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t row = 0; row < row_seq.numel(); ++row) {
+    TORCH_CHECK(seqs[row] >= 0 && seqs[row] < tables.size(0), "row ", row, " names block table ", seqs[row], " of ",
+                tables.size(0));
+    TORCH_CHECK(lens[row] >= 1 && lens[row] <= tables.size(1) * block_size, "context length outside the block table");
+  }
+}
+
 }  // namespace
 
 // ----- Tensor-level entry points (also what the tests compare with PyTorch) -----
@@ -358,11 +371,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   const CacheShape shape{k_cache.size(1), k_cache.size(2), dim};
   TORCH_CHECK(heads % shape.kv_heads == 0 && k_cache.size(3) == dim, "head shapes do not match");
   const int64_t width = tables.size(1);
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t seq = seqs.data_ptr<int64_t>()[row], ctx = lens.data_ptr<int64_t>()[row];
-    TORCH_CHECK(seq >= 0 && seq < tables.size(0), "row ", row, " names block table ", seq, " of ", tables.size(0));
-    TORCH_CHECK(ctx >= 1 && ctx <= width * shape.block_size, "context length outside the block table");
-  }
+  check_rows(tables, seqs, lens, shape.block_size);
   auto out = torch::empty_like(q);
   attention_rows(q.data_ptr<float>(), rows, heads * dim, heads, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                  shape, tables.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
@@ -447,12 +456,10 @@ class NativeLlama {
     const CacheShape shape{kv_cache.size(3), kv_heads_, dim_};
     const int64_t cache_slots = kv_cache.size(2) * shape.block_size, width = tables.size(1);
     for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t slot = slots.data_ptr<int64_t>()[t], seq = seqs.data_ptr<int64_t>()[t];
-      const int64_t ctx = lens.data_ptr<int64_t>()[t];
+      const int64_t slot = slots.data_ptr<int64_t>()[t];
       TORCH_CHECK(slot >= 0 && slot < cache_slots, "slot ", slot, " outside the cache");
-      TORCH_CHECK(seq >= 0 && seq < tables.size(0), "row ", t, " names block table ", seq);
-      TORCH_CHECK(ctx >= 1 && ctx <= width * shape.block_size, "context length outside the block table");
     }
+    check_rows(tables, seqs, lens, shape.block_size);
     const int64_t q_width = heads_ * dim_, qkv_width = (heads_ + 2 * kv_heads_) * dim_;
     auto opts = x.options();
     auto normed = torch::empty({tokens, hidden_}, opts), qkv = torch::empty({tokens, qkv_width}, opts);

@@ -26,10 +26,8 @@ class TorchExecutor:
         block_size: int,
         seed: int = 0,
         num_cpu_blocks: int = 0,
-        native_kernels: bool = False,
     ) -> None:
         config = model.config
-        self.native_kernels = native_kernels  # the model runs as one native stack (LlamaModel.use_native_kernels)
         param = model.embed_tokens.weight
         self.model = model
         self.device = param.device
@@ -83,31 +81,27 @@ class TorchExecutor:
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[tuple[int, ScheduledRequest]] = []
-        row_seq: list[int] = []  # which request each row belongs to (its index in the batch)
-        first_rows: list[int] = []
-        for seq, item in enumerate(batch):
+        for item in batch:
             start, end = item.start_position, item.context_len
-            first_rows.append(len(input_ids))
             input_ids.extend(item.token_ids)
             positions.extend(range(start, end))
-            row_seq.extend([seq] * item.num_tokens)
             table = item.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if item.sample:
                 sample_rows.append((len(input_ids) - 1, item))
-        if self.native_kernels:
-            tables, _ = self._tables_and_lengths(batch)
-            native = NativeRows(tables, self._tensor(row_seq), self._tensor(positions) + 1)
+        positions_tensor = self._tensor(positions)
+        if self.model.native is not None:  # the model runs as one native stack (LlamaModel.use_native_kernels)
+            row_seq = [seq for seq, item in enumerate(batch) for _ in range(item.num_tokens)]
+            native = NativeRows(self._padded_tables(batch), self._tensor(row_seq), positions_tensor + 1)
             meta = AttentionMetadata(slot_mapping=self._tensor(slots), decodes=[], prefills=[], native=native)
         else:
-            meta = self._torch_metadata(batch, first_rows, slots)
-        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
+            meta = self._torch_metadata(batch, slots)
+        return self._tensor(input_ids), positions_tensor, meta, sample_rows
 
-    def _torch_metadata(
-        self, batch: list[ScheduledRequest], first_rows: list[int], slots: list[int]
-    ) -> AttentionMetadata:
+    def _torch_metadata(self, batch: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:
         """Decode rows in groups of similar context, and one causal chunk per prompt (see model/attention.py)."""
         num_decodes = sum(1 for s in batch if s.num_tokens == 1)
+        first_rows = itertools.accumulate((item.num_tokens for item in batch), initial=0)
         prefills = [self._prefill_chunk(item, row) for item, row in zip(batch, first_rows) if item.num_tokens > 1]
         return AttentionMetadata(
             slot_mapping=self._tensor(slots), decodes=self._decode_groups(batch[:num_decodes]), prefills=prefills
@@ -123,14 +117,13 @@ class TorchExecutor:
             row_start += len(rows)
         return groups
 
-    def _tables_and_lengths(self, rows: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables padded with block 0 to the longest, and each row's context length."""
+    def _padded_tables(self, rows: list[ScheduledRequest]) -> torch.Tensor:
+        """Block tables padded with block 0 to the longest."""
         width = max(len(s.block_ids) for s in rows)
-        tables = self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in rows])
-        return tables, self._tensor([s.context_len for s in rows])
+        return self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in rows])
 
     def _decode_group(self, rows: list[ScheduledRequest], row_start: int) -> DecodeGroup:
-        tables, context_lens = self._tables_and_lengths(rows)
+        tables, context_lens = self._padded_tables(rows), self._tensor([s.context_len for s in rows])
         slots = torch.arange(tables.shape[1] * self.block_size, device=self.device)
         mask = (slots[None, :] < context_lens[:, None]).view(len(rows), 1, 1, -1)
         return DecodeGroup(row_start, row_start + len(rows), tables, mask)
