@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.bench.report import format_table, percentile
+from conveyor.bench.throughput import run_all_at_once
 from conveyor.bench.workload import AT_ONCE, ONE_AT_A_TIME, SyntheticRequest, Workload
 from conveyor.engine import Engine
-from conveyor.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR = ROOT / "bench" / "peers"
@@ -115,15 +115,9 @@ def shrink(workloads: list[Workload], limit: int | None, max_output_len: int | N
 
 def _conveyor_together(engine: Engine, requests: list[SyntheticRequest]) -> list[dict[str, Any]]:
     """All requests submitted at once, stepped to the end; times counted from the submit."""
-    start = engine.clock()
-    ids = [engine.add_request(r.prompt_token_ids, SamplingParams(temperature=0.0, max_tokens=r.output_len,
-                                                                  ignore_eos=True), arrival_time=start)
-           for r in requests]
-    done = {}
-    while engine.has_unfinished_requests():
-        done.update((o.request_id, o) for o in engine.step() if o.finished)
-    return [{"output_token_ids": done[i].token_ids, "ttft_s": done[i].metrics.time_to_first_token,
-             "latency_s": done[i].metrics.latency} for i in ids]
+    outputs, _ = run_all_at_once(engine, requests)
+    return [{"output_token_ids": o.token_ids, "ttft_s": o.metrics.time_to_first_token, "latency_s": o.metrics.latency}
+            for o in outputs]
 
 
 def run_conveyor(engine: Engine, workloads: list[Workload]) -> EngineResult:

@@ -7,10 +7,24 @@ import time
 from typing import Any
 
 from conveyor.bench.report import format_table, mean, percentile
-from conveyor.bench.workload import long_tail_workload
+from conveyor.bench.workload import SyntheticRequest, long_tail_workload
 from conveyor.config import EngineConfig
 from conveyor.engine import Engine, RequestOutput
 from conveyor.sampling import SamplingParams
+
+
+def run_all_at_once(engine: Engine, requests: list[SyntheticRequest]) -> tuple[list[RequestOutput], int]:
+    """Submit every request at once (greedy, ignore_eos: exactly ``output_len`` tokens each) and step until all
+    have finished. Returns their outputs in submit order and the number of steps."""
+    start = engine.clock()
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    ids = [engine.add_request(r.prompt_token_ids, p, arrival_time=start) for r, p in zip(requests, params)]
+    done: dict[str, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+    return [done[i] for i in ids], steps
 
 
 def run_throughput(
@@ -26,14 +40,7 @@ def run_throughput(
     )
     trace = engine.start_trace()
     start = time.monotonic()
-    for i, item in enumerate(workload):
-        params = SamplingParams(temperature=0.0, max_tokens=item.output_len, ignore_eos=True)
-        engine.add_request(item.prompt_token_ids, params, request_id=f"bench-{i}", arrival_time=start)
-    finished: list[RequestOutput] = []
-    steps = 0
-    while engine.has_unfinished_requests():
-        finished.extend(o for o in engine.step() if o.finished)
-        steps += 1
+    finished, steps = run_all_at_once(engine, workload)
     elapsed = time.monotonic() - start
     _, idle_fraction = trace.slot_fill()
     return {
