@@ -78,6 +78,20 @@ def test_paged_attention_of_decode_rows_matches_reference(kernels, block_size, h
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, rows):
+    """Fewer rows than threads to share out: each KV head of a row is its own work item."""
+    torch.manual_seed(rows)
+    block_size, heads, kv_heads, head_dim, num_blocks = 16, 9, 3, 64, 200
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    tables = torch.stack([torch.randperm(num_blocks)[:60] for _ in range(rows)])
+    lens = torch.tensor([950, 13, 411][:rows])
+    query = torch.randn(rows, heads, head_dim)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
+    want = _reference_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_of_prompt_rows_is_causal(kernels):
     """Two prompt chunks and a decode row in one call: each prompt row sees its sequence up to itself."""
     torch.manual_seed(11)

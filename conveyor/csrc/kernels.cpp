@@ -123,61 +123,118 @@ inline float softmax_numerators(float* s, int64_t n) {
   return rest;
 }
 
-// Asks for one KV head's slice of a whole block (block_size rows of dim floats, token_stride apart) while the
-// current block is worked on: blocks lie anywhere in the cache, so the hardware prefetcher cannot guess the
-// next one, and a decode step's KV is cold (the whole model's weights streamed through since it was read).
-inline void prefetch_block(const float* first, int64_t dim, int64_t token_stride, int64_t block_size) {
-  for (int64_t i = 0; i < block_size; ++i) {
-    for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(first + i * token_stride + d);
-  }
+// The shape of a paged KV cache of one layer: [blocks, block_size, kv_heads, head_dim] for K and for V.
+struct CacheShape {
+  int64_t block_size, kv_heads, dim;
+  int64_t token_stride() const { return kv_heads * dim; }
+  int64_t block_stride() const { return block_size * token_stride(); }
+};
+
+// The sums of 8 vectors as one vector, out[p] = sum(a[p]): pairwise adds across lanes, 7 shuffles and adds
+// for all 8 where one sum on its own takes 3.
+inline v8 hadd(v8 a, v8 b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
 }
 
-// One query row and one KV head: its `group` query heads attend over `ctx` positions of the paged cache.
-// k / v point at this KV head's slice of block 0; table maps position / block_size to a block.
+inline v8 sums8(const v8* a) {
+  const v8 lo = hadd(hadd(a[0], a[1]), hadd(a[2], a[3]));  // sums of a[0..3], each in two halves
+  const v8 hi = hadd(hadd(a[4], a[5]), hadd(a[6], a[7]));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// q . k for 8 consecutive positions (keys token_stride apart) at once: q is loaded once per 8 keys, and the 8
+// sums are reduced together.
 template <int NV>
-void attend_kv_head(const float* q, int64_t group, const float* k, const float* v, const int64_t* table,
-                    int64_t ctx, int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
-                    float* scores, float* out) {
-  constexpr int64_t dim = 8 * NV;
-  for (int64_t first = 0; first < ctx; first += block_size) {
-    const float* keys = k + table[first / block_size] * block_stride;
-    if (first + block_size < ctx) prefetch_block(k + table[first / block_size + 1] * block_stride, dim, token_stride, block_size);
-    const int64_t n = std::min(block_size, ctx - first);
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t g = 0; g < group; ++g) {
-        scores[g * ctx + first + i] = dot<NV>(q + g * dim, keys + i * token_stride) * scale;
-      }
-    }
+inline v8 dot8(const float* q, const float* keys, int64_t token_stride) {
+  v8 acc[8] = {};
+  for (int j = 0; j < NV; ++j) {
+    const v8 qv = load8(q + 8 * j);
+    for (int p = 0; p < 8; ++p) acc[p] += qv * load8(keys + p * token_stride + 8 * j);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* p = scores + g * ctx;
-    const float inv = 1.f / softmax_numerators(p, ctx);
-    v8 acc[NV] = {};
-    for (int64_t first = 0; first < ctx; first += block_size) {
-      const float* values = v + table[first / block_size] * block_stride;
-      if (first + block_size < ctx) prefetch_block(v + table[first / block_size + 1] * block_stride, dim, token_stride, block_size);
-      const int64_t n = std::min(block_size, ctx - first);
-      for (int64_t i = 0; i < n; ++i) {
-        const v8 weight = splat(p[first + i]);
-        for (int j = 0; j < NV; ++j) acc[j] += load8(values + i * token_stride + 8 * j) * weight;
-      }
-    }
-    for (int j = 0; j < NV; ++j) store8(out + g * dim + 8 * j, acc[j] * inv);
+  return sums8(acc);
+}
+
+// s = softmax(s), in place.
+inline void softmax(float* s, int64_t n) {
+  const v8 inv = splat(1.f / softmax_numerators(s, n));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(s + i, load8(s + i) * inv);
+  for (; i < n; ++i) s[i] *= inv[0];
+}
+
+// Asks for one slice of the next block (of `floats` floats) per head worked on in the current one: blocks lie
+// anywhere in the cache, so the hardware prefetcher cannot guess the next, and a step's KV is cold (the
+// whole model's weights streamed through since it was last read). Spread over the heads, the requests
+// arrive while the current block is computed on rather than all at once.
+inline void prefetch_slice(const float* next, int64_t floats, int64_t slice, int64_t slices) {
+  for (int64_t line = slice * floats / 16 / slices; line < (slice + 1) * floats / 16 / slices; ++line) {
+    __builtin_prefetch(next + line * 16);
   }
 }
 
-using AttendFn = void (*)(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, float, float*, float*);
+// One query row over `ctx` positions of the paged cache, for the query heads of KV heads [kv_begin, kv_end).
+// Blocks are the outer loop, heads the inner one: a position's K (and V) for every KV head is one contiguous
+// run in the cache, so each block is read from memory once, in order, and then serves all those heads from L1.
+// q and out point at the row's head 0; scores holds (kv_end - kv_begin) * group * ctx floats.
+template <int NV>
+void attend_row(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t ctx,
+                const CacheShape& shape, int64_t kv_begin, int64_t kv_end, int64_t group, float scale,
+                float* scores, float* out) {
+  constexpr int64_t dim = 8 * NV;
+  const int64_t stride = shape.token_stride(), heads = (kv_end - kv_begin) * group, h0 = kv_begin * group;
+  const auto block_at = [&](const float* cache, int64_t block) { return cache + table[block] * shape.block_stride(); };
+  for (int64_t first = 0; first < ctx; first += shape.block_size) {
+    const int64_t block = first / shape.block_size, n = std::min(shape.block_size, ctx - first);
+    const float* keys = block_at(k_cache, block);
+    const float* next = first + n < ctx ? block_at(k_cache, block + 1) : block_at(v_cache, 0);  // V follows K
+    for (int64_t h = 0; h < heads; ++h) {
+      prefetch_slice(next, shape.block_stride(), h, heads);
+      const float* qh = q + (h0 + h) * dim;
+      const float* kh = keys + (h0 + h) / group * dim;
+      float* s = scores + h * ctx + first;
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) store8(s + i, dot8<NV>(qh, kh + i * stride, stride) * scale);
+      for (; i < n; ++i) s[i] = dot<NV>(qh, kh + i * stride) * scale;
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) softmax(scores + h * ctx, ctx);
+  // Accumulators of up to 8 vectors stay in registers; wider heads go in two halves.
+  constexpr int kChunk = NV <= 8 ? NV : NV / 2;
+  for (int64_t first = 0; first < ctx; first += shape.block_size) {
+    const int64_t block = first / shape.block_size, n = std::min(shape.block_size, ctx - first);
+    const float* values = block_at(v_cache, block);
+    for (int64_t h = 0; h < heads; ++h) {
+      if (first + n < ctx) prefetch_slice(block_at(v_cache, block + 1), shape.block_stride(), h, heads);
+      const float* vh = values + (h0 + h) / group * dim;
+      const float* p = scores + h * ctx + first;
+      float* o = out + (h0 + h) * dim;
+      for (int j0 = 0; j0 < NV; j0 += kChunk) {
+        v8 acc[kChunk];
+        for (int c = 0; c < kChunk; ++c) acc[c] = first == 0 ? v8{} : load8(o + 8 * (j0 + c));
+        for (int64_t i = 0; i < n; ++i) {
+          const v8 weight = splat(p[i]);
+          for (int c = 0; c < kChunk; ++c) acc[c] += load8(vh + i * stride + 8 * (j0 + c)) * weight;
+        }
+        for (int c = 0; c < kChunk; ++c) store8(o + 8 * (j0 + c), acc[c]);
+      }
+    }
+  }
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, const CacheShape&,
+                          int64_t, int64_t, int64_t, float, float*, float*);
 
 // Head sizes with their own unrolled kernel (the accumulators stay in registers); others are refused.
 AttendFn attend_fn(int64_t dim) {
   switch (dim) {
-    case 8: return attend_kv_head<1>;
-    case 16: return attend_kv_head<2>;
-    case 32: return attend_kv_head<4>;
-    case 64: return attend_kv_head<8>;
-    case 96: return attend_kv_head<12>;
-    case 128: return attend_kv_head<16>;
+    case 8: return attend_row<1>;
+    case 16: return attend_row<2>;
+    case 32: return attend_row<4>;
+    case 64: return attend_row<8>;
+    case 96: return attend_row<12>;
+    case 128: return attend_row<16>;
     default: return nullptr;
   }
 }
@@ -264,13 +321,6 @@ void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* 
   });
 }
 
-// The shape of a paged KV cache of one layer: [blocks, block_size, kv_heads, head_dim] for K and for V.
-struct CacheShape {
-  int64_t block_size, kv_heads, dim;
-  int64_t token_stride() const { return kv_heads * dim; }
-  int64_t block_stride() const { return block_size * token_stride(); }
-};
-
 // Copies this step's K and V rows (row_stride apart) into their cache slots.
 void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_stride, const int64_t* slots,
                    const CacheShape& shape, float* k_cache, float* v_cache) {
@@ -290,7 +340,11 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
                     const int64_t* row_seq, const int64_t* context_lens, float scale, float* out) {
   const AttendFn attend = attend_fn(shape.dim);
   TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96 or 128)");
-  const int64_t group = heads / shape.kv_heads, items = rows * shape.kv_heads;
+  const int64_t group = heads / shape.kv_heads;
+  // A whole row per work item when there are rows enough to share out (each block is then read once per row);
+  // one KV head per item otherwise, so that a single long row still keeps every thread busy.
+  const int64_t split = rows >= 2 * at::get_num_threads() ? 1 : shape.kv_heads, items = rows * split;
+  const int64_t kv_per_item = shape.kv_heads / split;
   // Items are dealt out in turn rather than in halves: a prompt's later rows see longer contexts, and
   // halves would leave one thread all the long ones.
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
@@ -298,12 +352,10 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
     std::vector<float> scores;
     for (int64_t thread = begin; thread < end; ++thread) {
       for (int64_t item = thread; item < items; item += threads) {
-        const int64_t row = item / shape.kv_heads, kvh = item % shape.kv_heads, ctx = context_lens[row];
-        scores.resize(group * ctx);
-        attend(query + row * row_stride + kvh * group * shape.dim, group, k_cache + kvh * shape.dim,
-               v_cache + kvh * shape.dim, tables + row_seq[row] * table_width, ctx, shape.block_size,
-               shape.token_stride(), shape.block_stride(), scale, scores.data(),
-               out + (row * heads + kvh * group) * shape.dim);
+        const int64_t row = item / split, kv_begin = item % split * kv_per_item, ctx = context_lens[row];
+        scores.resize(kv_per_item * group * ctx);
+        attend(query + row * row_stride, k_cache, v_cache, tables + row_seq[row] * table_width, ctx, shape, kv_begin,
+               kv_begin + kv_per_item, group, scale, scores.data(), out + row * heads * shape.dim);
       }
     }
   });
