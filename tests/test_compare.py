@@ -174,7 +174,10 @@ def run_together(requests):
     return [peer_io.record((r["prompt_token_ids"] * 600)[: r["output_len"]], 0.01, 0.02) for r in requests]
 
 if __name__ == "__main__":
-    peer_io.main("stand-in", "1.0", peer_io.parse_args("stand-in", peer_io.PEERS / "none"), run_together)
+    parser = peer_io.argument_parser("stand-in", peer_io.PEERS / "none")
+    parser.add_argument("--name", default="stand-in")
+    args = parser.parse_args()
+    peer_io.main(args.name, "1.0", args, run_together)
 '''
 
 
@@ -187,8 +190,10 @@ def test_run_peers_speaks_the_runner_protocol_and_skips_missing_peers(tmp_path, 
                  Workload("W2", AT_ONCE, [SyntheticRequest([9], 2), SyntheticRequest([4, 3, 2], 4)])]
     stand_in = Peer("stand-in", "run_stand_in.py", None, (), "setup_stand_in.sh")
     absent = Peer("absent", "run_absent.py", ".peers/absent/bin/python", (), "setup_absent.sh")
-    (result,) = run_peers([absent, stand_in], workloads, root=tmp_path)
+    renamed = Peer("renamed", "run_stand_in.py", None, (), "setup_stand_in.sh", ("--name", "renamed"))
+    result, other = run_peers([absent, stand_in, renamed], workloads, root=tmp_path)
     assert "skipping absent" in capsys.readouterr().err
+    assert other.engine == "renamed"  # the peer's own options reach its runner
     assert (result.engine, result.version) == ("stand-in", "1.0")
     assert result.results["W1@1"].output_token_ids == [[5, 6, 5]]
     assert result.results["W2"].output_token_ids == [[9, 9], [4, 3, 2, 4]]

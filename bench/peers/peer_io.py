@@ -28,12 +28,14 @@ Record = dict[str, Any]  # {"output_token_ids": [...], "ttft_s": float | None, "
 RunTogether = Callable[[list[Request]], list[Record]]
 
 
-def parse_args(description: str, default_model: Path) -> argparse.Namespace:
+def argument_parser(description: str, default_model: Path) -> argparse.ArgumentParser:
+    """The arguments every runner takes; a runner may add its own before parsing."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("workloads", nargs="+", help="workload JSON files, run in this order")
     parser.add_argument("--result", required=True, help="the result JSON to write")
     parser.add_argument("--model", default=str(default_model), help=f"(default: {default_model})")
-    return parser.parse_args()
+    return parser
+
 
 
 def record(output_token_ids: list[int], ttft_s: float | None, latency_s: float) -> Record:

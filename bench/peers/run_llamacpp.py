@@ -91,7 +91,7 @@ def server_version() -> str:
 
 
 if __name__ == "__main__":
-    args = peer_io.parse_args(__doc__.splitlines()[0], DIR / "model-f32.gguf")
+    args = peer_io.argument_parser(__doc__.splitlines()[0], DIR / "model-f32.gguf").parse_args()
     port = free_port()
     server = start_server(args.model, port, DIR / "server.log")
     try:

@@ -1,5 +1,10 @@
 """OpenVINO GenAI's ``ContinuousBatchingPipeline``: continuous batching over a paged KV cache, float32.
 
+Its CPU plugin keeps the KV cache in 8-bit integers by default (KV_CACHE_PRECISION
+u8), a lossy compression that reads a quarter of the bytes per attended
+position. Every other engine here keeps it in float32, so that is this runner's
+default too (``--kv-cache-precision f32``); ``u8`` runs its own default.
+
 Token-id prompts, greedy, exactly ``output_len`` tokens (ignore_eos, with
 min_new_tokens = max_new_tokens). Requests go in through ``add_request`` and the
 runner drives ``step()`` itself, so that it sees when each one produced its
@@ -21,14 +26,15 @@ MAX_NUM_BATCHED_TOKENS = 2048
 CACHE_SIZE_GB = 2
 
 
-def make_pipeline(model_dir: str) -> ov_genai.ContinuousBatchingPipeline:
+def make_pipeline(model_dir: str, kv_cache_precision: str) -> ov_genai.ContinuousBatchingPipeline:
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = CACHE_SIZE_GB
     scheduler.max_num_seqs = MAX_NUM_SEQS
     scheduler.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     scheduler.dynamic_split_fuse = True
     scheduler.enable_prefix_caching = False  # every engine computes every prompt
-    return ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    properties = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": kv_cache_precision}
+    return ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", properties)
 
 
 def generation_config(output_len: int) -> ov_genai.GenerationConfig:
@@ -60,7 +66,9 @@ def run_together(pipe: ov_genai.ContinuousBatchingPipeline, requests: list[peer_
 
 
 if __name__ == "__main__":
-    args = peer_io.parse_args(__doc__.splitlines()[0], peer_io.PEERS / "openvino" / "model")
-    pipe = make_pipeline(args.model)
-    peer_io.main("OpenVINO GenAI ContinuousBatchingPipeline", ov_genai.__version__, args,
+    parser = peer_io.argument_parser(__doc__.splitlines()[0], peer_io.PEERS / "openvino" / "model")
+    parser.add_argument("--kv-cache-precision", choices=("f32", "u8"), default="f32")
+    args = parser.parse_args()
+    pipe = make_pipeline(args.model, args.kv_cache_precision)
+    peer_io.main(f"OpenVINO GenAI ContinuousBatchingPipeline, KV {args.kv_cache_precision}", ov_genai.__version__, args,
                  lambda requests: run_together(pipe, requests))

@@ -65,6 +65,6 @@ if __name__ == "__main__":  # vLLM starts worker processes that import this file
     preload_intel_openmp()
     import vllm
 
-    args = peer_io.parse_args(__doc__.splitlines()[0], peer_io.PEERS / "model")
+    args = peer_io.argument_parser(__doc__.splitlines()[0], peer_io.PEERS / "model").parse_args()
     llm = make_llm(args.model)
     peer_io.main("vLLM (CPU)", vllm.__version__, args, lambda requests: run_together(llm, requests))

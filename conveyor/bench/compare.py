@@ -41,6 +41,7 @@ class Peer:
     python: str | None  # its interpreter, relative to the root; None: this one (the project's .venv)
     needs: tuple[str, ...]  # what its set-up script leaves, relative to the root
     setup: str
+    args: tuple[str, ...] = ()  # its runner's own options
 
     def missing(self, root: Path = ROOT) -> list[str]:
         paths = [self.python] if self.python else []
@@ -50,6 +51,9 @@ class Peer:
 PEERS = (
     Peer("openvino", "run_openvino.py", ".peers/openvino/bin/python", (".peers/openvino/model/openvino_model.xml",),
          "setup_openvino.sh"),
+    # OpenVINO's own default: an 8-bit KV cache (lossy; every other engine here keeps float32).
+    Peer("openvino-u8kv", "run_openvino.py", ".peers/openvino/bin/python",
+         (".peers/openvino/model/openvino_model.xml",), "setup_openvino.sh", ("--kv-cache-precision", "u8")),
     Peer("llamacpp", "run_llamacpp.py", None,
          (".peers/llama.cpp/build/bin/llama-server", ".peers/llama.cpp/model-f32.gguf"), "setup_llamacpp.sh"),
     Peer("vllm", "run_vllm.py", ".peers/vllm/bin/python", (".peers/vllm/.ready", ".peers/model/config.json"),
@@ -144,7 +148,7 @@ def run_peer(peer: Peer, workload_files: list[Path], result_file: Path, root: Pa
     """The peer's runner in its own interpreter; its output goes straight to the terminal."""
     python = str(root / peer.python) if peer.python else sys.executable
     command = [python, str(root / "bench" / "peers" / peer.runner), *map(str, workload_files),
-               "--result", str(result_file)]
+               "--result", str(result_file), *peer.args]
     subprocess.run(command, cwd=root, check=True)
     return EngineResult.from_json(json.loads(result_file.read_text()))
 
