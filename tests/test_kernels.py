@@ -170,44 +170,64 @@ def test_rms_norm_and_rotary_match_torch(kernels):
     torch.testing.assert_close((q, k), (want_q, want_k), rtol=1e-5, atol=1e-5)
 
 
-def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels):
-    """NativeLlama against LlamaModel's own PyTorch path: a prompt with a cached prefix, a fresh prompt and
-    a decode row in one step, with biases on every projection that may carry one."""
-    from conveyor.model.attention import AttentionMetadata, DecodeGroup, NativeRows, PrefillChunk
+def _stack_model(intermediate_size: int):
+    """A random two-layer model with biases on every projection that may carry one."""
     from conveyor.model.config import ModelConfig
     from conveyor.model.llama import LlamaModel
 
-    torch.manual_seed(5)
     config = ModelConfig(
-        vocab_size=300, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=6, num_kv_heads=2,
-        head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128, tie_word_embeddings=True,
-        attention_bias=True, mlp_bias=True,
+        vocab_size=300, hidden_size=48, intermediate_size=intermediate_size, num_layers=2, num_heads=6,
+        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
+        tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
     )
     model = LlamaModel(config, max_positions=128)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
-    block_size, num_blocks = 4, 32
+    return model
+
+
+def _assert_native_stack_matches(kernels, model, positions, row_seq, tables, decodes, prefills, block_size=4):
+    """The same step through the PyTorch layers and through NativeLlama: equal hidden states and caches."""
+    from conveyor.model.attention import AttentionMetadata, NativeRows
+
+    config = model.config
+    slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])
+    cache = torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim)
+    ids = torch.randint(0, config.vocab_size, (len(positions),))
+    torch_cache = cache.clone()
+    with torch.inference_mode():
+        want = model(ids, positions, torch_cache, AttentionMetadata(slots, decodes, prefills))
+        model.use_native_kernels(kernels)
+        got = model(ids, positions, cache, AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1)))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels):
+    """A prompt with a cached prefix, a fresh prompt and a decode row in one step."""
+    from conveyor.model.attention import DecodeGroup, PrefillChunk
+
+    torch.manual_seed(5)
     tables = torch.tensor([[3, 9, 4, 0], [7, 1, 0, 0], [12, 15, 2, 0]])
     # seq 0: prefix of 5 cached, chunk at 5..9; seq 1: fresh prompt 0..5; seq 2: decode at position 10.
     positions = torch.cat([torch.arange(5, 10), torch.arange(0, 6), torch.tensor([10])])
     row_seq = torch.tensor([0] * 5 + [1] * 6 + [2])
-    slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])
-    cache = torch.randn(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    ids = torch.randint(0, 300, (len(positions),))
-
     decode_mask = (torch.arange(16) < 11).view(1, 1, 1, 16)
     prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
-    torch_meta = AttentionMetadata(
-        slot_mapping=slots,
-        decodes=[DecodeGroup(11, 12, tables[2:3], decode_mask)],
-        prefills=[PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)],
-    )
-    torch_cache = cache.clone()
-    with torch.inference_mode():
-        want = model(ids, positions, torch_cache, torch_meta)
-        model.use_native_kernels(kernels)
-        native_meta = AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1))
-        got = model(ids, positions, cache, native_meta)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
+    decodes = [DecodeGroup(11, 12, tables[2:3], decode_mask)]
+    prefills = [PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)]
+    _assert_native_stack_matches(kernels, _stack_model(80), positions, row_seq, tables, decodes, prefills)
+
+
+@pytest.mark.parametrize("intermediate_size", [80, 72])
+def test_native_stack_matches_the_torch_layers_on_a_long_prompt(kernels, intermediate_size):
+    """70 rows: enough for SwiGLU to be fused into the gate/up projection where the intermediate size is a
+    whole number of 16-column tiles (80), and the unfused path where it is not (72)."""
+    from conveyor.model.attention import PrefillChunk
+
+    torch.manual_seed(6)
+    tables = torch.randperm(32)[:18].view(1, 18)
+    positions, row_seq = torch.arange(70), torch.zeros(70, dtype=torch.long)
+    prefills = [PrefillChunk(0, 70, 0, tables[0], None)]
+    _assert_native_stack_matches(kernels, _stack_model(intermediate_size), positions, row_seq, tables, [], prefills)

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = bench.add_parser("compare", help="Conveyor and the peers set up under .peers/ on the same fixed workloads")
     cmp.add_argument("--workloads", default="W1@1,W1@64,W2",
                      help="W1@1: W1 prompts one at a time; W1@64: all 64 at once; W2: 256 long-tailed at once")
-    cmp.add_argument("--peers", default="openvino,llamacpp,vllm,transformers",
+    cmp.add_argument("--peers", default="openvino,openvino-u8kv,llamacpp,vllm,transformers",
                      help="peers to run (those not set up are skipped; see bench/peers/)")
     cmp.add_argument("--w1-single", type=int, default=8, help="W1 prompts run one at a time in W1@1")
     cmp.add_argument("--limit", type=int, default=None, help="first N requests of each workload (a quick check)")
