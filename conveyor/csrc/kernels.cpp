@@ -208,8 +208,9 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
   for (int64_t first = 0; first < ctx; first += shape.block_size) {
     const int64_t block = first / shape.block_size, n = std::min(shape.block_size, ctx - first);
     const float* values = block_at(v_cache, block);
+    const float* next = first + n < ctx ? block_at(v_cache, block + 1) : nullptr;
     for (int64_t h = 0; h < heads; ++h) {
-      if (first + n < ctx) prefetch_slice(block_at(v_cache, block + 1), shape.block_stride(), h, heads);
+      if (next != nullptr) prefetch_slice(next, shape.block_stride(), h, heads);
       const float* vh = values + (h0 + h) / group * dim;
       const float* p = scores + h * ctx + first;
       float* o = out + (h0 + h) * dim;
@@ -245,55 +246,55 @@ AttendFn attend_fn(int64_t dim) {
 // Each kernel below works on raw rows and splits them over ATen's threads itself, so that the model's
 // forward (NativeLlama) calls them with no tensor or Python in between.
 
-// y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight. Work items are (row block, tile), row
-// block outermost, so that neighbouring items share x rows and each tile is reused by up to 64 rows.
-void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y) {
-  const int64_t tiles = (n + kTile - 1) / kTile;
+// The GEMMs' schedule over m rows and `tiles` weight tiles: work items are (row block, tile), row block
+// outermost, so that neighbouring items share x rows and each tile is reused by up to 64 rows; each item calls
+// pass(tile, row, rows) for its rows, up to kMaxRows at a time.
+template <typename Pass>
+void for_each_tile_pass(int64_t m, int64_t tiles, const Pass& pass) {
   const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / tiles, tile = item % tiles;
-      const int64_t col = tile * kTile, cols = std::min(kTile, n - col);
       const int64_t row_end = std::min(m, (block + 1) * kRowsPerBlock);
       for (int64_t row = block * kRowsPerBlock; row < row_end; row += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, row_end - row);
-        kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, y + row * n + col, n, cols);
-        if (bias != nullptr) {
-          for (int64_t r = row; r < row + rows; ++r) {
-            for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
-          }
-        }
+        pass(tile, row, std::min<int64_t>(kMaxRows, row_end - row));
+      }
+    }
+  });
+}
+
+// y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight.
+void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y) {
+  for_each_tile_pass(m, (n + kTile - 1) / kTile, [&](int64_t tile, int64_t row, int64_t rows) {
+    const int64_t col = tile * kTile, cols = std::min(kTile, n - col);
+    kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, y + row * n + col, n, cols);
+    if (bias != nullptr) {
+      for (int64_t r = row; r < row + rows; ++r) {
+        for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
       }
     }
   });
 }
 
 // out [m, I] = silu(x . Wg^T + bg) * (x . Wu^T + bu), with gate and up packed as one [2I, k] weight, gate
-// first, I a multiple of 16. Each item computes a gate tile and the matching up tile for its rows and writes
+// first, I a multiple of 16. Each pass computes a gate tile and the matching up tile for its rows and writes
 // only their product: the [m, 2I] projection never goes through memory, and no separate pass reads it back.
 void swiglu_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t intermediate, const float* bias,
                  float* out) {
   const int64_t tiles = intermediate / kTile;
-  const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
-  at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
+  for_each_tile_pass(m, tiles, [&](int64_t tile, int64_t row, int64_t rows) {
     alignas(32) float gate[kMaxRows * kTile], up[kMaxRows * kTile];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t block = item / tiles, tile = item % tiles, col = tile * kTile;
-      const int64_t row_end = std::min(m, (block + 1) * kRowsPerBlock);
-      for (int64_t row = block * kRowsPerBlock; row < row_end; row += kMaxRows) {
-        const int64_t rows = std::min<int64_t>(kMaxRows, row_end - row);
-        kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, gate, kTile, kTile);
-        kTileFns[rows](x + row * k, k, packed + (tile + tiles) * k * kTile, k, up, kTile, kTile);
-        for (int64_t r = 0; r < rows; ++r) {
-          for (int64_t half = 0; half < kTile; half += 8) {
-            v8 g = load8(gate + r * kTile + half), u = load8(up + r * kTile + half);
-            if (bias != nullptr) {
-              g += load8(bias + col + half);
-              u += load8(bias + intermediate + col + half);
-            }
-            store8(out + (row + r) * intermediate + col + half, silu_mul8(g, u));
-          }
+    const int64_t col = tile * kTile;
+    kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, gate, kTile, kTile);
+    kTileFns[rows](x + row * k, k, packed + (tile + tiles) * k * kTile, k, up, kTile, kTile);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t half = 0; half < kTile; half += 8) {
+        v8 g = load8(gate + r * kTile + half), u = load8(up + r * kTile + half);
+        if (bias != nullptr) {
+          g += load8(bias + col + half);
+          u += load8(bias + intermediate + col + half);
         }
+        store8(out + (row + r) * intermediate + col + half, silu_mul8(g, u));
       }
     }
   });
