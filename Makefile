@@ -28,8 +28,10 @@ run: install
 demo: install
 	$(BIN)/conveyor generate
 
+# ruff, then the import contracts in pyproject.toml ([tool.importlinter]): the layering cannot erode unseen.
 lint: install
 	$(BIN)/ruff check conveyor tests bench
+	$(BIN)/lint-imports --no-logo --no-cache
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -1,6 +1,6 @@
 """Conveyor: an LLM serving engine whose batching you can see and control."""
 
-from conveyor.sampling import SamplingParams
+from conveyor.core.sampling import SamplingParams
 
 __all__ = ["LLM", "Engine", "EngineConfig", "SamplingParams"]
 __version__ = "0.1.0"
@@ -18,7 +18,7 @@ def __getattr__(name: str):
 
         return Engine
     if name == "EngineConfig":
-        from conveyor.config import EngineConfig
+        from conveyor.core.config import EngineConfig
 
         return EngineConfig
     raise AttributeError(name)

@@ -13,9 +13,9 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from conveyor.async_engine import AsyncEngine
-from conveyor.config import EngineConfig
+from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
+from conveyor.engine.async_engine import AsyncEngine
 from conveyor.entrypoints.metrics import EngineMetrics
 from conveyor.entrypoints.openai_server import ServerSettings, build_app
 
@@ -25,8 +25,7 @@ def served(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_model_len=256))
     metrics = EngineMetrics("tiny")
     async_engine = AsyncEngine(engine, max_waiting_requests=64, on_step=metrics.on_step)
-    app = build_app(async_engine, ServerSettings("tiny", max_request_bytes=1 << 16))
-    app.state.metrics = metrics
+    app = build_app(async_engine, ServerSettings("tiny", max_request_bytes=1 << 16), metrics)
     async_engine.start()
     yield app, async_engine
     async_engine.stop()
@@ -62,7 +61,7 @@ def test_still_healthy_afterwards(served):
         reply = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
     deadline = time.monotonic() + 10
-    while async_engine.engine.has_unfinished_requests():
+    while async_engine.stats().num_unfinished or async_engine.num_unfinished:
         assert time.monotonic() < deadline, "requests left running after the fuzzing"
         time.sleep(0.1)
-    assert async_engine.engine.kv_manager.usage == 0
+    assert async_engine.stats().kv_usage == 0

@@ -35,8 +35,8 @@ from conveyor.bench.workload import (
     long_tail_workload,
     w1_requests,
 )
+from conveyor.engine.tokenizer import Tokenizer
 from conveyor.entrypoints.cli import main
-from conveyor.tokenizer import Tokenizer
 from tests.conftest import hf_greedy
 
 PEERS_DIR = ROOT / "bench" / "peers"
@@ -134,7 +134,7 @@ def test_export_hf_writes_float32_from_half_precision(tiny_model_dir, tmp_path):
 
 
 def test_conveyor_runs_both_modes_to_exact_lengths(tiny_model_dir, tokenizer):
-    from conveyor.config import EngineConfig
+    from conveyor.core.config import EngineConfig
     from conveyor.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, kernels="torch"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from conveyor import LLM, SamplingParams
+from conveyor.core.kv import ContiguousKVCacheManager, PagedKVCacheManager
 from conveyor.entrypoints.cli import main
-from conveyor.kv import ContiguousKVCacheManager, PagedKVCacheManager
 
 
 def test_a_request_is_admitted_only_when_a_whole_slab_is_free():

@@ -172,7 +172,7 @@ def test_rms_norm_and_rotary_match_torch(kernels):
 
 def _stack_model(intermediate_size: int):
     """A random two-layer model with biases on every projection that may carry one."""
-    from conveyor.model.config import ModelConfig
+    from conveyor.core.model_config import ModelConfig
     from conveyor.model.llama import LlamaModel
 
     config = ModelConfig(

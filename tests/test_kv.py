@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.kv import BlockPool, PagedKVCacheManager, blocks_for_tokens
+from conveyor.core.kv import BlockPool, PagedKVCacheManager, blocks_for_tokens
 
 
 def owned_blocks(kv: PagedKVCacheManager) -> list[int]:

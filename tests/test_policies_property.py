@@ -35,10 +35,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from conveyor.kv import BlockPool, ContiguousBlockPool, ContiguousKVCacheManager, PagedKVCacheManager
-from conveyor.request import FinishReason, Request, RequestStatus
-from conveyor.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StaticScheduler
-from conveyor.scheduler.continuous import POLICIES, PREEMPTION_MODES
+from conveyor.core.kv import BlockPool, ContiguousBlockPool, ContiguousKVCacheManager, PagedKVCacheManager
+from conveyor.core.request import FinishReason, Request, RequestStatus
+from conveyor.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StaticScheduler
+from conveyor.core.scheduler.continuous import POLICIES, PREEMPTION_MODES
 from tests.test_scheduler import (
     Abort,
     FakeClock,
@@ -249,7 +249,7 @@ class PolicySimulation:
         self.w = workload.base
         self.checked = checked
         self.scheduler = build_scheduler(combo, workload)
-        self.kv = self.scheduler.kv
+        self.kv = self.scheduler.kv_manager
         self.token_fn: TokenFn = lambda rid, pos: hashed_token(rid, pos, self.w.vocab)
         # Also right for recompute: it forgets every victim that is not SWAPPED, i.e. all of them.
         self.executor = SwapAwareExecutor(self.scheduler)
@@ -335,7 +335,7 @@ class PolicySimulation:
 
         self.records.append(
             (
-                tuple((s.request_id, s.start_position, s.num_tokens) for s in output.scheduled),
+                tuple((s.request_id, s.start_position, s.num_scheduled_tokens) for s in output.scheduled),
                 tuple(output.preempted_request_ids),
                 tuple(output.blocks_to_swap_in),
                 tuple(output.blocks_to_swap_out),
@@ -373,10 +373,10 @@ class PolicySimulation:
         for item in output.scheduled:
             request = self.all_requests[item.request_id]
             assert request.status is RequestStatus.RUNNING, f"{item.request_id} scheduled but {request.status}"
-            assert item.num_tokens >= 1
+            assert item.num_scheduled_tokens >= 1
             assert item.start_position == request.num_computed_tokens
             assert item.context_len <= request.num_tokens <= config.max_model_len
-            assert item.sample == (item.context_len == request.num_tokens)
+            assert item.samples_token == (item.context_len == request.num_tokens)
             assert item.block_ids == kv.block_ids(item.request_id), "handed a stale block table"
             assert len(item.block_ids) * kv.block_size >= item.context_len, "block table too short"
 

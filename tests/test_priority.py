@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from conveyor.kv import PagedKVCacheManager
-from conveyor.scheduler import Scheduler, SchedulerConfig
+from conveyor.core.kv import PagedKVCacheManager
+from conveyor.core.scheduler import Scheduler, SchedulerConfig
 from tests.test_scheduler import FakeClock, Harness, make_request
 
 
@@ -49,7 +49,7 @@ def test_important_arrival_preempts_the_least_important_running_request():
     first_token = {}
     for index, output in enumerate(outputs):
         for s in output.scheduled:
-            if s.sample:
+            if s.samples_token:
                 first_token.setdefault(s.request_id, index)
     assert first_token["urgent"] < first_token["extra-low"]
     assert all(r.num_output_tokens == 3 for r in low), "low-priority requests still all finish"

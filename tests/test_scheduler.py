@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.kv import PagedKVCacheManager
-from conveyor.request import FinishReason, Request, RequestStatus
-from conveyor.sampling import SamplingParams
-from conveyor.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from conveyor.core.kv import PagedKVCacheManager
+from conveyor.core.request import FinishReason, Request, RequestStatus
+from conveyor.core.sampling import SamplingParams
+from conveyor.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 0
 TokenFn = Callable[[str, int], int]
@@ -76,7 +76,7 @@ class FakeExecutor:
             expected = self.expected_tokens(item.request_id, item.start_position, item.context_len)
             assert item.token_ids == expected, f"{item.request_id}: wrong token ids"
             self.cached[item.request_id] = item.context_len
-            if item.sample:
+            if item.samples_token:
                 # The token drawn after ``context_len`` tokens sits at position ``context_len``.
                 sampled[item.request_id] = self.token_fn(item.request_id, item.context_len)
         return sampled
@@ -127,11 +127,11 @@ def request_from_spec(spec: RequestSpec, request_id: str, arrival: float) -> Req
 
 def chunks(output: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
     """(request_id, start_position, num_tokens, sample) per scheduled request: what a step did, at a glance."""
-    return [(s.request_id, s.start_position, s.num_tokens, s.sample) for s in output.scheduled]
+    return [(s.request_id, s.start_position, s.num_scheduled_tokens, s.samples_token) for s in output.scheduled]
 
 
 def owned_blocks(scheduler: Scheduler) -> list[int]:
-    return [block for table in scheduler.kv.block_tables.values() for block in table]
+    return [block for table in scheduler.kv_manager.block_tables.values() for block in table]
 
 
 @dataclass
@@ -351,14 +351,14 @@ class Simulation:
                 if live:
                     self.aborted.add(request_id)
                     assert result.finish_reason is FinishReason.ABORT
-                    assert request_id not in self.scheduler.kv.block_tables
+                    assert request_id not in self.scheduler.kv_manager.block_tables
                 self.check_kv()
 
     # ----- checks -----------------------------------------------------------
 
     def check_kv(self) -> None:
         """No block has two owners, none is lost, and only running requests hold any."""
-        kv = self.scheduler.kv
+        kv = self.scheduler.kv_manager
         owned = owned_blocks(self.scheduler)
         assert len(owned) == len(set(owned)), "a block is owned twice"
         assert kv.num_free_blocks + len(owned) == kv.num_blocks
@@ -366,7 +366,7 @@ class Simulation:
         assert set(kv.block_tables) == {r.request_id for r in self.scheduler.running}
 
     def schedule_and_check(self) -> SchedulerOutput:
-        sched, kv, config = self.scheduler, self.scheduler.kv, self.scheduler.config
+        sched, kv, config = self.scheduler, self.scheduler.kv_manager, self.scheduler.config
         running_before = [r.request_id for r in sched.running]
         waiting_before = [r.request_id for r in sched.waiting]
         had_work = sched.has_unfinished_requests()
@@ -388,10 +388,10 @@ class Simulation:
 
         for item in output.scheduled:
             computed, total = before[item.request_id]
-            assert item.num_tokens >= 1
+            assert item.num_scheduled_tokens >= 1
             assert item.start_position == computed
             assert item.context_len <= total
-            assert item.sample == (item.context_len == total)
+            assert item.samples_token == (item.context_len == total)
             assert item.block_ids == kv.block_ids(item.request_id)
             assert len(item.block_ids) * kv.block_size >= item.context_len, "block table too short"
             if item.request_id not in self.first_seen:
@@ -442,7 +442,7 @@ class Simulation:
             return
         head = sched.waiting[0]
         num_new = min(head.num_tokens - head.num_computed_tokens, budget)
-        assert not sched.kv.can_admit(head.request_id, head.num_computed_tokens + num_new, bool(sched.running))
+        assert not sched.kv_manager.can_admit(head.request_id, head.num_computed_tokens + num_new, bool(sched.running))
 
     def check_state(self) -> None:
         """After update: every running request has KV slots for what it computed and still has work."""
@@ -453,7 +453,8 @@ class Simulation:
         assert order == sorted(order), "running list out of arrival order"
         for request in sched.running:
             assert request.status is RequestStatus.RUNNING
-            assert len(sched.kv.block_ids(request.request_id)) * sched.kv.block_size >= request.num_computed_tokens
+            kv = sched.kv_manager
+            assert len(kv.block_ids(request.request_id)) * kv.block_size >= request.num_computed_tokens
             assert request.num_computed_tokens < request.num_tokens <= sched.config.max_model_len
         for request in sched.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -463,8 +464,8 @@ class Simulation:
         sched = self.scheduler
         assert sched.requests == {}
         assert not sched.running and not sched.waiting
-        assert sched.kv.num_free_blocks == sched.kv.num_blocks
-        assert sched.kv.block_tables == {}
+        assert sched.kv_manager.num_free_blocks == sched.kv_manager.num_blocks
+        assert sched.kv_manager.block_tables == {}
         assert dict(self.finished_reported) == dict.fromkeys(self.all_requests, 1), "not finished exactly once"
         assert sched.num_preemptions == sum(self.preempted_reported.values())
         for request_id, request in self.all_requests.items():
@@ -572,8 +573,8 @@ def test_finished_request_frees_blocks_at_once_and_waiting_joins_next_step() -> 
     step1 = h.step()
     assert chunks(step1) == [("r0", 0, 7, True)]  # r1 waits: r0 holds both blocks
     assert first.is_finished and first.finish_reason is FinishReason.LENGTH
-    assert h.scheduler.kv.num_free_blocks == 2
-    assert "r0" not in h.scheduler.kv.block_tables and "r0" not in h.scheduler.requests
+    assert h.scheduler.kv_manager.num_free_blocks == 2
+    assert "r0" not in h.scheduler.kv_manager.block_tables and "r0" not in h.scheduler.requests
     step2 = h.step()
     assert chunks(step2) == [("r1", 0, 3, True)]
     assert step2.finished_request_ids == ["r0"]
@@ -585,7 +586,7 @@ def preemption_setup() -> Harness:
     h.add("r0", 2, max_tokens=10)
     h.add("r1", 4, max_tokens=10)
     assert chunks(h.step()) == [("r0", 0, 2, True), ("r1", 0, 4, True)]
-    assert h.scheduler.kv.num_free_blocks == 0
+    assert h.scheduler.kv_manager.num_free_blocks == 0
     return h
 
 
@@ -601,7 +602,7 @@ def test_preemption_evicts_the_most_recent_arrival_to_the_front_of_waiting() -> 
     assert victim.num_computed_tokens == 0
     assert victim.num_preemptions == 1 and h.scheduler.num_preemptions == 1
     assert victim.num_output_tokens == 1  # output survives; only its KV is recomputed
-    assert "r1" not in h.scheduler.kv.block_tables
+    assert "r1" not in h.scheduler.kv_manager.block_tables
 
 
 def test_no_admission_in_a_step_that_preempted() -> None:
@@ -610,8 +611,8 @@ def test_no_admission_in_a_step_that_preempted() -> None:
     h.add("r2", 1)
     step2 = h.step()
     assert step2.preempted_request_ids == ["r1"]
-    assert h.scheduler.kv.num_free_blocks == 1
-    assert h.scheduler.kv.can_admit("r2", 1)
+    assert h.scheduler.kv_manager.num_free_blocks == 1
+    assert h.scheduler.kv_manager.can_admit("r2", 1)
     assert [s.request_id for s in step2.scheduled] == ["r0"]
 
 
@@ -733,11 +734,11 @@ def test_abort_of_waiting_request() -> None:
     h.add("r0", 2)
     waiting = h.add("r1", 2)
     h.step()
-    free_before = h.scheduler.kv.num_free_blocks
+    free_before = h.scheduler.kv_manager.num_free_blocks
     assert h.scheduler.abort_request("r1") is waiting
     assert waiting.finish_reason is FinishReason.ABORT and waiting.is_finished
     assert not h.scheduler.waiting and "r1" not in h.scheduler.requests
-    assert h.scheduler.kv.num_free_blocks == free_before
+    assert h.scheduler.kv_manager.num_free_blocks == free_before
     assert h.scheduler.abort_request("r1") is None
     assert h.step().finished_request_ids == ["r1"]
 
@@ -747,9 +748,9 @@ def test_abort_of_running_request_frees_its_blocks() -> None:
     running = h.add("r0", 5)
     h.add("r1", 3)
     h.step()
-    assert len(h.scheduler.kv.block_ids("r0")) == 3
+    assert len(h.scheduler.kv_manager.block_ids("r0")) == 3
     assert h.scheduler.abort_request("r0") is running
-    assert h.scheduler.kv.num_free_blocks == 4 and h.scheduler.kv.block_tables == {}
+    assert h.scheduler.kv_manager.num_free_blocks == 4 and h.scheduler.kv_manager.block_tables == {}
     assert not h.scheduler.running
     step2 = h.step()
     assert step2.finished_request_ids == ["r0"]
@@ -763,7 +764,7 @@ def test_abort_of_preempted_request() -> None:
     assert aborted is not None and aborted.finish_reason is FinishReason.ABORT
     assert aborted.num_preemptions == 1
     h.run_to_end()
-    assert h.scheduler.kv.num_free_blocks == 3
+    assert h.scheduler.kv_manager.num_free_blocks == 3
 
 
 def test_abort_while_the_step_runs_drops_the_sampled_token() -> None:
@@ -774,7 +775,7 @@ def test_abort_while_the_step_runs_drops_the_sampled_token() -> None:
     h.scheduler.abort_request("r0")
     assert h.scheduler.update(output, sampled) == []
     assert request.num_output_tokens == 0 and request.finish_reason is FinishReason.ABORT
-    assert h.scheduler.kv.num_free_blocks == 4
+    assert h.scheduler.kv_manager.num_free_blocks == 4
 
 
 def test_request_id_reused_while_the_step_runs_does_not_take_the_old_result() -> None:
@@ -799,7 +800,7 @@ def test_finish_request_from_outside_frees_blocks() -> None:
     h.step()
     h.scheduler.finish_request("r0", FinishReason.STOP, "###")
     assert (request.finish_reason, request.stop_reason) == (FinishReason.STOP, "###")
-    assert h.scheduler.kv.num_free_blocks == 4 and not h.scheduler.running
+    assert h.scheduler.kv_manager.num_free_blocks == 4 and not h.scheduler.running
     assert h.step().finished_request_ids == ["r0"]
 
 

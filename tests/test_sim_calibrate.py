@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from conveyor.config import EngineConfig
-from conveyor.sim.calibrate import Measurement, calibrate, fit, validate
+from conveyor.bench.calibrate import Measurement, calibrate, fit, validate
+from conveyor.core.config import EngineConfig
 from conveyor.sim.cost import CostModel, StepWork, chunk_attention_pairs
 from conveyor.sim.hardware import HardwareSpec, load_hardware, load_model_config
 

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from conveyor.executor.simulated import SimulatedExecutor, VirtualClock
-from conveyor.sampling import SamplingParams
-from conveyor.scheduler import ScheduledRequest, SchedulerOutput
+from conveyor.core.sampling import SamplingParams
+from conveyor.core.scheduler import ScheduledRequest, SchedulerOutput
 from conveyor.sim.cost import CostModel, StepWork, chunk_attention_pairs, total_params
+from conveyor.sim.executor import SimulatedExecutor, VirtualClock
 from conveyor.sim.hardware import load_hardware, load_model_config
 from conveyor.sim.simulator import device_kv_cache_memory
 
@@ -90,8 +90,8 @@ def test_kv_memory_is_device_memory_less_weights():
     assert device_kv_cache_memory(CostModel(load_model_config("Llama-2-70B"), A100, "float16", 2)) > 0
 
 
-def _item(request_id: str, start: int, num_tokens: int, sample: bool, num_steps: int = 1) -> ScheduledRequest:
-    return ScheduledRequest(request_id, start, [0] * num_tokens, [], SamplingParams(), sample, 0, num_steps)
+def _item(request_id: str, start: int, num_tokens: int, samples_token: bool) -> ScheduledRequest:
+    return ScheduledRequest(request_id, start, [0] * num_tokens, [], SamplingParams(), samples_token, 0)
 
 
 def test_simulated_executor_prices_a_mixed_step_and_advances_the_clock():
@@ -103,16 +103,3 @@ def test_simulated_executor_prices_a_mixed_step_and_advances_the_clock():
     work = StepWork(num_seqs=2, num_tokens=51, num_sampled=1, attention_pairs=100 + 50 * 51 // 2,
                     kv_tokens_read=100 + 50)
     assert clock.now == pytest.approx(5.0 + cost.step_time(work))
-
-
-def test_a_multi_step_window_prices_each_decode_step_as_the_requests_drop_out():
-    cost = CostModel(LLAMA_7B, A100, "float16")
-    clock = VirtualClock()
-    executor = SimulatedExecutor(cost, clock, block_size=16, num_scheduler_steps=4)
-    output = SchedulerOutput(step=1, scheduled=[_item("long", 99, 1, True, 4), _item("short", 9, 1, True, 2)])
-    assert executor.execute(output) == {"long": [0] * 4, "short": [0] * 2}
-    first = cost.step_time(StepWork(2, 2, 2, 110, 110))
-    # Step 2 runs both (contexts 101 and 11), steps 3 and 4 only the long one (102, 103).
-    expected = first + cost.decode_time(2, 112) + cost.decode_time(1, 102) + cost.decode_time(1, 103)
-    assert clock.now == pytest.approx(expected)
-    assert (executor.num_model_steps, executor.num_busy_slot_steps) == (4, 2 + 2 + 1 + 1)

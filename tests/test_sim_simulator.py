@@ -11,14 +11,14 @@ from collections import Counter
 
 import pytest
 
-from conveyor.config import EngineConfig
+from conveyor.core.config import EngineConfig
+from conveyor.core.scheduler import SchedulerOutput
+from conveyor.core.trace import Trace
 from conveyor.entrypoints.cli import build_parser, main
-from conveyor.scheduler import SchedulerOutput
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import load_hardware, load_model_config
 from conveyor.sim.simulator import Simulation, device_kv_cache_memory, simulate
 from conveyor.sim.workload import WorkloadRequest, parse_lengths, synthetic_workload
-from conveyor.trace import Trace
 
 A100 = load_hardware("A100-80GB")
 SMALL = CostModel(load_model_config("SmolLM2-135M"), A100, "float16")
@@ -35,21 +35,20 @@ def _mixed_workload(num: int, seed: int) -> list[WorkloadRequest]:
 
 
 COMBOS = list(itertools.product(["continuous", "static"], ["fcfs", "priority"], ["recompute", "swap"],
-                                ["paged", "contiguous"], [1, 4]))
+                                ["paged", "contiguous"]))
 
 
-@pytest.mark.parametrize(("scheduler", "policy", "preemption", "layout", "steps"), COMBOS,
+@pytest.mark.parametrize(("scheduler", "policy", "preemption", "layout"), COMBOS,
                          ids=["-".join(map(str, c)) for c in COMBOS])
-def test_every_request_arrives_runs_and_finishes_once_within_the_limits(scheduler, policy, preemption, layout,
-                                                                        steps):
+def test_every_request_arrives_runs_and_finishes_once_within_the_limits(scheduler, policy, preemption, layout):
     config = EngineConfig(
         scheduler=scheduler, scheduling_policy=policy, preemption_mode=preemption, kv_layout=layout,
-        num_scheduler_steps=steps, max_num_seqs=6, max_num_batched_tokens=64, block_size=8,
+        max_num_seqs=6, max_num_batched_tokens=64, block_size=8,
         num_kv_blocks=48, max_model_len=192, swap_space=12 * 8 * SMALL.kv_bytes_per_token,
     )
     workload = _mixed_workload(40, seed=7)
     simulation = Simulation(config, SMALL, workload, record_trace=True)
-    kv, num_blocks = simulation.core.kv_manager, config.num_kv_blocks
+    num_blocks = config.num_kv_blocks
     execute = simulation.executor.execute
 
     def checked(output: SchedulerOutput):
@@ -58,9 +57,8 @@ def test_every_request_arrives_runs_and_finishes_once_within_the_limits(schedule
         owned = [block for item in output.scheduled for block in item.block_ids]
         assert len(owned) == len(set(owned)) and all(0 <= b < num_blocks for b in owned)
         for item in output.scheduled:
-            last = item.context_len + item.num_steps - 1  # slots the window writes
-            assert last <= len(item.block_ids) * config.block_size and last <= config.max_model_len
-            assert item.num_steps == 1 or item.sample
+            assert item.context_len <= len(item.block_ids) * config.block_size
+            assert item.context_len <= config.max_model_len
         return execute(output)
 
     simulation.executor.execute = checked
@@ -76,9 +74,10 @@ def test_every_request_arrives_runs_and_finishes_once_within_the_limits(schedule
         assert figures["swaps_out"] > 0 or preemption == "recompute"
     expected_tokens = sum(min(w.output_len, config.max_model_len - w.prompt_len) for w in workload)
     assert figures["output_tokens"] == expected_tokens
-    assert kv.num_free_blocks == num_blocks and not kv.block_tables, "every block is back in the pool"
-    assert kv.num_free_cpu_blocks == (kv.cpu_pool.num_blocks if kv.cpu_pool else 0)
-    assert not simulation.core.scheduler.requests
+    stats = simulation.core.stats()
+    assert stats.num_free_kv_blocks == num_blocks, "every block is back in the pool"
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+    assert stats.num_unfinished == 0 and not simulation.core.has_unfinished_requests()
     assert all(step.num_running <= config.max_num_seqs for step in simulation.trace.steps)
     assert all(b >= a for a, b in itertools.pairwise(s.end for s in simulation.trace.steps)), "time moves forward"
 
@@ -121,18 +120,6 @@ def test_paged_kv_admits_more_requests_at_once_than_contiguous_in_the_same_memor
     assert paged["peak_running"] >= 4 * contiguous["peak_running"]
     assert contiguous["kv_waste_fraction"] > 0.5 > 0.05 > paged["kv_waste_fraction"]
     assert paged["output_tokens_per_s"] > 1.5 * contiguous["output_tokens_per_s"]
-
-
-def test_multi_step_scheduling_keeps_the_throughput_and_costs_a_little_latency():
-    workload = synthetic_workload(400, 4.0, *SHAREGPT, seed=0)
-    kv = device_kv_cache_memory(LLAMA_13B)
-    one, _ = simulate(EngineConfig(kv_cache_memory=kv), LLAMA_13B, workload)
-    eight, _ = simulate(EngineConfig(kv_cache_memory=kv, num_scheduler_steps=8), LLAMA_13B, workload)
-    assert eight["steps"] * 6 < one["steps"]
-    assert eight["output_tokens"] == one["output_tokens"]
-    assert eight["completion_rate"] == pytest.approx(one["completion_rate"], rel=0.05)
-    assert one["ttft_mean_s"] < eight["ttft_mean_s"]
-    assert eight["latency_mean_s"] == pytest.approx(one["latency_mean_s"], rel=0.1)
 
 
 def test_the_simulator_runs_without_torch():

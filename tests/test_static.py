@@ -7,9 +7,9 @@ import random
 import pytest
 
 from conveyor import LLM, SamplingParams
+from conveyor.core.scheduler.output import SchedulerOutput
+from conveyor.core.trace import Trace
 from conveyor.entrypoints.cli import main
-from conveyor.scheduler.output import SchedulerOutput
-from conveyor.trace import Trace
 
 
 def _workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.kv import PagedKVCacheManager
-from conveyor.request import RequestStatus
-from conveyor.scheduler import Scheduler, SchedulerConfig
-from conveyor.scheduler.output import SchedulerOutput
+from conveyor.core.kv import PagedKVCacheManager
+from conveyor.core.request import RequestStatus
+from conveyor.core.scheduler import Scheduler, SchedulerConfig
+from conveyor.core.scheduler.output import SchedulerOutput
 from tests.test_scheduler import FakeClock, FakeExecutor, Harness
 
 
@@ -54,9 +54,9 @@ def test_swapped_request_keeps_its_progress_and_resumes_before_new_admissions():
     assert resumed <= late_admitted, "the swapped request comes back before a new one is admitted"
     # No recompute: after the swap-in, the request continues from where it stopped.
     [again] = [s for s in outputs[resumed].scheduled if s.request_id == "second"]
-    assert again.start_position == progress and again.num_tokens == 1
+    assert again.start_position == progress and again.num_scheduled_tokens == 1
     assert first.num_output_tokens == second.num_output_tokens == 6
-    assert h.scheduler.kv.num_free_blocks == 4 and h.scheduler.kv.num_free_cpu_blocks == 8
+    assert h.scheduler.kv_manager.num_free_blocks == 4 and h.scheduler.kv_manager.num_free_cpu_blocks == 8
 
 
 def test_full_swap_space_falls_back_to_recompute():
@@ -99,9 +99,8 @@ def test_swap_gives_the_same_tokens_as_recompute(tiny_model_dir, swap_space):
               preemption_mode="swap", swap_space=swap_space)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
-    scheduler = llm.engine.scheduler
-    assert scheduler.num_swaps_out > 0
+    stats = llm.engine.stats()
+    assert stats.num_swaps_out > 0
     if swap_space == 30_000:
-        assert scheduler.num_swap_fallbacks > 0
-    kv = llm.engine.kv_manager
-    assert kv.num_free_blocks == kv.num_blocks and kv.num_free_cpu_blocks == kv.cpu_pool.num_blocks
+        assert stats.num_swap_fallbacks > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_free_cpu_blocks == stats.num_cpu_blocks

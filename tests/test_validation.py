@@ -63,7 +63,7 @@ def serve_two(llm: LLM, bad_calls: list[BadCall]) -> dict[str, RequestOutput]:
     for prompt, params, request_id in bad_calls:
         with pytest.raises(ValueError):
             engine.add_request(prompt, params, request_id=request_id)
-    assert engine.scheduler.num_running + engine.scheduler.num_waiting == 2
+    assert engine.stats().num_unfinished == 2
     return run_to_completion(llm)
 
 
@@ -141,7 +141,7 @@ def test_one_bad_prompt_refuses_the_whole_call(llm: LLM, reference: list[list[in
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([GOOD_A, [1000, VOCAB_SIZE + 5], GOOD_B], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.num_waiting == 0 and llm.engine.scheduler.num_running == 0
+    assert llm.engine.stats().num_unfinished == 0
     assert [o.token_ids for o in llm.generate([GOOD_A, GOOD_B], GREEDY, use_tqdm=False)] == reference
 
 

@@ -23,9 +23,10 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from conveyor.bench.report import format_table, percentile
+from conveyor.bench.report import format_table
 from conveyor.bench.throughput import run_all_at_once
 from conveyor.bench.workload import AT_ONCE, ONE_AT_A_TIME, SyntheticRequest, Workload
+from conveyor.core.figures import percentile
 from conveyor.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -279,7 +280,7 @@ def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | N
     """Conveyor with its default configuration; the workloads come from its tokenizer. Returns them, its
     result and the model's EOS id. The engine is dropped on return: its memory is free before the peers start."""
     from conveyor.bench.workload import comparison_workloads
-    from conveyor.config import EngineConfig
+    from conveyor.core.config import EngineConfig
 
     engine = Engine(EngineConfig())
     workloads = comparison_workloads(engine.tokenizer, engine.model_config.vocab_size, w1_single, names)

@@ -10,8 +10,8 @@ import random
 import time
 
 from conveyor.bench.report import format_table
+from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
-from conveyor.sampling import SamplingParams
 
 
 def measure_decode(engine: Engine, batch_size: int, prompt_len: int, steps: int, seed: int) -> float:
@@ -26,21 +26,24 @@ def measure_decode(engine: Engine, batch_size: int, prompt_len: int, steps: int,
     for request_id in ids:
         engine.add_request([rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)], params, request_id)
     # Prefill (it may take several steps under the token budget), then a couple of warm-up decodes.
-    while engine.scheduler.num_waiting or any(r.num_output_tokens < warmup for r in engine.scheduler.running):
-        engine.step()
-    before = _output_tokens(engine)
+    produced = dict.fromkeys(ids, 0)  # output tokens per request, as the step outputs report them
+    while engine.stats().num_waiting or min(produced.values()) < warmup:
+        _count_tokens(engine, produced)
+    before = sum(produced.values())
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        _count_tokens(engine, produced)
     elapsed = time.perf_counter() - start
-    produced = _output_tokens(engine) - before  # counted, not assumed: a preempted request produces nothing
+    num_tokens = sum(produced.values()) - before  # counted, not assumed: a preempted request produces nothing
     for request_id in ids:
         engine.abort_request(request_id)
-    return produced / elapsed
+    return num_tokens / elapsed
 
 
-def _output_tokens(engine: Engine) -> int:
-    return sum(request.num_output_tokens for request in engine.scheduler.requests.values())
+def _count_tokens(engine: Engine, produced: dict[str, int]) -> None:
+    """One step; record each request's output length."""
+    for output in engine.step():
+        produced[output.request_id] = len(output.token_ids)
 
 
 def run_decode(engine: Engine, batch_sizes: list[int], prompt_len: int, steps: int, seed: int) -> list[list]:

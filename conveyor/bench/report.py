@@ -1,23 +1,8 @@
-"""Plain-text tables and summary statistics shared by the benchmarks and the CLI."""
+"""Plain-text tables shared by the benchmarks and the CLI (the figures themselves: :mod:`conveyor.core.figures`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, ``q`` in [0, 100]."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from conveyor.bench.decode import measure_decode
 from conveyor.bench.machine import MachineFigures
 from conveyor.bench.report import format_table
+from conveyor.core.model_config import ModelConfig
 from conveyor.engine import Engine
-from conveyor.model.config import ModelConfig
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import HardwareSpec
 

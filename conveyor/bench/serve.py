@@ -20,8 +20,9 @@ from typing import Any
 
 import httpx
 
-from conveyor.bench.report import format_table, mean, percentile
+from conveyor.bench.report import format_table
 from conveyor.bench.workload import SyntheticRequest, long_tail_workload
+from conveyor.core.figures import mean, percentile
 
 
 @dataclass(slots=True)

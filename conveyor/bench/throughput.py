@@ -6,11 +6,11 @@ import json
 import time
 from typing import Any
 
-from conveyor.bench.report import format_table, mean, percentile
+from conveyor.bench.report import format_table
 from conveyor.bench.workload import SyntheticRequest, long_tail_workload
-from conveyor.config import EngineConfig
+from conveyor.core.figures import config_figures, request_figures
+from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
-from conveyor.sampling import SamplingParams
 
 
 def run_all_at_once(engine: Engine, requests: list[SyntheticRequest]) -> tuple[list[RequestOutput], int]:
@@ -43,6 +43,7 @@ def run_throughput(
     finished, steps = run_all_at_once(engine, workload)
     elapsed = time.monotonic() - start
     _, idle_fraction = trace.slot_fill()
+    stats = engine.stats()
     return {
         **config_figures(engine.config),
         "seed": seed,
@@ -55,58 +56,14 @@ def run_throughput(
             steps,
         ),
         "preemptions": sum(o.metrics.num_preemptions for o in finished),
-        "swaps_out": engine.scheduler.num_swaps_out,
-        "swap_fallbacks_to_recompute": engine.scheduler.num_swap_fallbacks,
+        "swaps_out": stats.num_swaps_out,
+        "swap_fallbacks_to_recompute": stats.num_swap_fallbacks,
         "peak_running": trace.peak_running(),
         "kv_waste_fraction": trace.mean_kv_waste(),
         "idle_slot_fraction": idle_fraction,
     }
 
 
-def config_figures(config: EngineConfig) -> dict[str, Any]:
-    return {
-        "scheduler": config.scheduler,
-        "scheduling_policy": config.scheduling_policy,
-        "preemption_mode": config.preemption_mode,
-        "kv_layout": config.kv_layout,
-        "max_num_seqs": config.max_num_seqs,
-    }
-
-
-def request_figures(
-    prompt_lens: list[int],
-    output_lens: list[int],
-    ttft: list[float],
-    latency: list[float],
-    elapsed: float,
-    steps: int,
-) -> dict[str, Any]:
-    """Throughput and latency figures from per-request numbers: what the benchmark and the simulator both print."""
-    prompt_tokens, output_tokens = sum(prompt_lens), sum(output_lens)
-    # Time per output token after the first, and the vLLM paper's normalized latency (latency per output token).
-    tpot = [(lat - first) / (n - 1) for lat, first, n in zip(latency, ttft, output_lens) if n > 1]
-    normalized = [lat / n for lat, n in zip(latency, output_lens)]
-    return {
-        "num_requests": len(latency),
-        "elapsed_s": elapsed,
-        "steps": steps,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "requests_per_s": len(latency) / elapsed,
-        "output_tokens_per_s": output_tokens / elapsed,
-        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
-        "ttft_mean_s": mean(ttft),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p90_s": percentile(ttft, 90),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_mean_s": mean(tpot),
-        "tpot_p50_s": percentile(tpot, 50),
-        "latency_mean_s": mean(latency),
-        "latency_p50_s": percentile(latency, 50),
-        "latency_p90_s": percentile(latency, 90),
-        "latency_p99_s": percentile(latency, 99),
-        "normalized_latency_mean_s": mean(normalized),
-    }
 
 
 def print_throughput(result: dict[str, Any]) -> None:

@@ -10,8 +10,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from conveyor.config import EngineConfig
-from conveyor.sampling import SamplingParams
+from conveyor.core.config import EngineConfig
+from conveyor.core.sampling import SamplingParams
+from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
 
 EXAMPLE_CHATS = [
     "What is the capital of France?",
@@ -23,54 +24,6 @@ EXAMPLE_CHATS = [
 ]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1, ...")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
-    g.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="model steps per scheduling decision: decodes run on for up to this many steps")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", default="2GiB", help="KV pool size in bytes, e.g. 2GiB, 512MB")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
-    g.add_argument("--seed", type=int, default=0, help="seed of unseeded random sampling")
-    g.add_argument("--scheduler", default="continuous", choices=["continuous", "static"],
-                   help="continuous: iteration-level batching; static: request-level batches (the baseline)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="priority: lower value first, preempting less important running requests")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="what happens to a preempted request's KV: dropped and recomputed, or swapped to CPU")
-    g.add_argument("--swap-space", default="4GiB", help="CPU memory for swapped KV (with --preemption-mode swap)")
-    g.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"],
-                   help="paged: blocks on demand; contiguous: a --max-model-len slab reserved per request")
-    g.add_argument("--kernels", default="native", choices=["native", "torch"],
-                   help="native: the decoder stack in C++ on packed weights (float32 CPU); "
-                   "torch: plain PyTorch ops, the reference")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_scheduler_steps=args.num_scheduler_steps,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        scheduler=args.scheduler,
-        scheduling_policy=args.scheduling_policy,
-        preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space,
-        kv_layout=args.kv_layout,
-        kernels=args.kernels,
-    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,7 +165,7 @@ def _generate(args: argparse.Namespace, config: EngineConfig) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
-    llm = LLM(**_as_options(config))
+    llm = LLM(**as_options(config))
     prompts = args.prompt or EXAMPLE_CHATS
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
@@ -232,8 +185,8 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
     from conveyor.bench.throughput import print_comparison, print_throughput, run_throughput, write_json
     from conveyor.engine import Engine
 
-    output_range = _int_pair(args.output_len, "--output-len")
-    prompt_range = _int_pair(args.prompt_len, "--prompt-len")
+    output_range = int_pair(args.output_len, "--output-len")
+    prompt_range = int_pair(args.prompt_len, "--prompt-len")
     if not args.compare:
         engine = Engine(config)
         result = run_throughput(engine, args.num_prompts, args.workload_seed, output_range, prompt_range)
@@ -242,7 +195,7 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
         if args.trace:
             engine.trace.write(args.trace)
         return 0
-    configs = [_with_overrides(config, spec) for spec in args.compare]  # all checked before any run
+    configs = [with_overrides(config, spec) for spec in args.compare]  # all checked before any run
     results = []
     for spec, variant in zip(args.compare, configs):
         print(f"running {spec} ...", file=sys.stderr, flush=True)
@@ -257,31 +210,11 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-def _with_overrides(config: EngineConfig, spec: str) -> EngineConfig:
-    """``"scheduler=static,max_num_seqs=32"`` applied to a copy of ``config`` (option names as in EngineConfig)."""
-    options = _as_options(config)
-    for item in spec.split(","):
-        name, sep, value = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not sep or name not in options:
-            raise ValueError(f"--compare: {item!r} is not OPTION=VALUE with a known option ({', '.join(options)})")
-        options[name] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
-    return EngineConfig(**options)
-
-
-def _int_pair(text: str, flag: str) -> tuple[int, int]:
-    try:
-        low, high = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag} must be two integers like 8,512, got {text!r}") from None
-    if not 1 <= low <= high:
-        raise ValueError(f"{flag} must satisfy 1 <= min <= max, got {text!r}")
-    return low, high
 
 
 def _read_traces(paths: list[str], describe: str) -> tuple[list, list[str]]:
     """Traces and their labels: the file name, and the config fields that ``describe`` names."""
-    from conveyor.trace import Trace
+    from conveyor.core.trace import Trace
 
     traces = [Trace.read(path) for path in paths]
     labels = [f"{Path(p).stem} ({describe.format_map(defaultdict(str, t.config))})" for p, t in zip(paths, traces)]
@@ -316,7 +249,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     if args.request_rate <= 0 or args.num_prompts < 1:
         raise ValueError("--request-rate must be > 0 and --num-prompts >= 1")
     result = bench_serve(args.base_url, args.model, args.num_prompts, args.request_rate, args.seed,
-                         _int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
+                         int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
                          args.api_key)
     print_serve(result)
     write_json(result, args.json)
@@ -364,9 +297,6 @@ def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
                args.json)
     return 0
 
-
-def _as_options(config: EngineConfig) -> dict:
-    return dataclasses.asdict(config)
 
 
 if __name__ == "__main__":

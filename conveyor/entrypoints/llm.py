@@ -7,9 +7,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from conveyor.config import EngineConfig
+from conveyor.core.config import EngineConfig
+from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
-from conveyor.sampling import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from conveyor.engine import Engine, RequestOutput
+from conveyor.core.stats import EngineStats
+from conveyor.engine import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
@@ -40,18 +41,16 @@ class EngineMetrics:
         self._preemptions_seen = 0
         self._tokens_seen: dict[str, int] = {}  # output tokens counted per unfinished request
 
-    def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
-        """Called by the engine thread after each step."""
+    def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
+        """Called by the engine thread after each step, with the step's snapshot and outputs."""
         m = self._model
-        scheduler = engine.scheduler
-        self.running.labels(m).set(scheduler.num_running)
-        self.waiting.labels(m).set(scheduler.num_waiting)
-        self.swapped.labels(m).set(scheduler.num_swapped)
-        self.kv_usage.labels(m).set(engine.kv_manager.usage)
-        self.preemptions.labels(m).inc(scheduler.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = scheduler.num_preemptions
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.swapped.labels(m).set(stats.num_swapped)
+        self.kv_usage.labels(m).set(stats.kv_usage)
+        self.preemptions.labels(m).inc(stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = stats.num_preemptions
         for output in outputs:
-            # A step brings one token per request, or several with multi-step scheduling.
             seen = self._tokens_seen.pop(output.request_id, 0)
             self.generation_tokens.labels(m).inc(len(output.token_ids) - seen)
             if seen == 0:
@@ -60,7 +59,7 @@ class EngineMetrics:
                 self._on_finish(output)
             else:
                 self._tokens_seen[output.request_id] = len(output.token_ids)
-        if not engine.has_unfinished_requests():
+        if not stats.num_unfinished:
             self._tokens_seen.clear()  # what is left belongs to aborted requests
 
     def _on_finish(self, output: RequestOutput) -> None:

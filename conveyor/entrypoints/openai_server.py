@@ -23,8 +23,9 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import conveyor
-from conveyor.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from conveyor.engine import RequestOutput
+from conveyor.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from conveyor.entrypoints.metrics import EngineMetrics
 from conveyor.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -98,11 +99,11 @@ class _TooLarge(Exception):
     pass
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
     app = FastAPI(title="Conveyor", version=conveyor.__version__)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
-    tokenizer = engine.engine.tokenizer
-    max_model_len = engine.engine.max_model_len
+    tokenizer = engine.tokenizer
+    max_model_len = engine.max_model_len
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -146,7 +147,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
             raise APIError(400, problem, "invalid_request_error", problem.split("=")[0].split(":")[0])
         try:
             params = body.sampling_params(settings.default_max_tokens)
-            request = engine.engine.make_request(prompt, params, f"{kind}-{uuid.uuid4().hex}",
+            request = engine.make_request(prompt, params, f"{kind}-{uuid.uuid4().hex}",
                                                  priority=body.priority)
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", str(error).split(":")[0].split(" ")[0]) from None
@@ -168,8 +169,8 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         return {"version": conveyor.__version__}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(app.state.metrics.registry).decode(),
+    async def prometheus_metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -195,7 +196,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}

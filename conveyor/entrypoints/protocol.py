@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from conveyor.sampling import SamplingParams
+from conveyor.core.sampling import SamplingParams
 
 
 class StreamOptions(BaseModel):

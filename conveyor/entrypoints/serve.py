@@ -8,9 +8,8 @@ from pathlib import Path
 
 import uvicorn
 
-from conveyor.async_engine import AsyncEngine
-from conveyor.config import EngineConfig
-from conveyor.engine import Engine
+from conveyor.core.config import EngineConfig
+from conveyor.engine import AsyncEngine, Engine
 from conveyor.entrypoints.metrics import EngineMetrics
 from conveyor.entrypoints.openai_server import ServerSettings, build_app
 
@@ -24,8 +23,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     metrics = EngineMetrics(name)
     async_engine = AsyncEngine(engine, args.max_waiting_requests, on_step=metrics.on_step)
     settings = ServerSettings(name, args.api_key, args.max_request_bytes)
-    app = build_app(async_engine, settings)
-    app.state.metrics = metrics
+    app = build_app(async_engine, settings, metrics)
     async_engine.start()
     print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models)",
           flush=True)

@@ -6,10 +6,6 @@ the benchmark's figures for each configuration and rate, writes the same
 trace format, and with ``--sweep`` draws latency against request rate and
 names each configuration's max sustainable rate (see :mod:`conveyor.sim.sweep`).
 ``conveyor simulate calibrate`` fits ``cpu-local`` to the real engine.
-
-The simulator's own cost is the scheduler's, per request and step; with
-``--num-scheduler-steps 8`` a decision covers eight model steps, which is
-what makes 100,000 requests a matter of seconds rather than minutes.
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.bench.report import format_table
-from conveyor.config import EngineConfig
-from conveyor.entrypoints.cli import _int_pair, _with_overrides, add_engine_args, engine_config
+from conveyor.core.config import EngineConfig
+from conveyor.entrypoints.args import add_engine_args, engine_config, int_pair, with_overrides
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import hardware_names, load_hardware, load_model_config, model_names
 from conveyor.sim.simulator import device_kv_cache_memory, simulate
@@ -103,7 +99,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     args.kv_cache_memory = args.kv_cache_memory or "2GiB"  # replaced below when kv_auto
     base = engine_config(args)
     specs = args.compare or [_describe(base)]
-    configs = [_with_overrides(base, spec) if args.compare else base for spec in specs]  # all checked before any run
+    configs = [with_overrides(base, spec) if args.compare else base for spec in specs]  # all checked before any run
     rates, workloads = _workloads(args)
     results: dict[str, list[dict[str, Any]]] = {}
     several = len(configs) * len(rates) > 1
@@ -231,16 +227,16 @@ def _sweep(args: argparse.Namespace, rates: list[float], results: dict[str, list
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from conveyor.sim.calibrate import calibrate, validate
+    from conveyor.bench.calibrate import calibrate, validate
 
     config = engine_config(args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    long_context = _int_pair(args.long_context, "--long-context")
+    long_context = int_pair(args.long_context, "--long-context")
     calibrate(config, batch_sizes, args.prompt_len, args.steps, args.prefill_len, long_context)
     if args.validate:
         print(f"\nvalidation: {args.num_prompts} long-tailed requests, max_num_seqs {config.max_num_seqs}, "
               "real engine then simulator ...", flush=True)
-        result = validate(config, args.num_prompts, args.workload_seed, _int_pair(args.output_len, "--output-len"))
+        result = validate(config, args.num_prompts, args.workload_seed, int_pair(args.output_len, "--output-len"))
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             result["measured_trace"].write(Path(args.trace) / "real-engine.jsonl")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.sampling import SamplingParams
+from conveyor.core.sampling import SamplingParams
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -12,10 +12,10 @@ import itertools
 
 import torch
 
+from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.executor.sampler import Sampler
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, NativeRows, PrefillChunk
 from conveyor.model.llama import LlamaModel
-from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
 
 
 class TorchExecutor:
@@ -87,11 +87,11 @@ class TorchExecutor:
             positions.extend(range(start, end))
             table = item.block_ids
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if item.sample:
+            if item.samples_token:
                 sample_rows.append((len(input_ids) - 1, item))
         positions_tensor = self._tensor(positions)
         if self.model.native is not None:  # the model runs as one native stack (LlamaModel.use_native_kernels)
-            row_seq = [seq for seq, item in enumerate(batch) for _ in range(item.num_tokens)]
+            row_seq = [seq for seq, item in enumerate(batch) for _ in range(item.num_scheduled_tokens)]
             native = NativeRows(self._padded_tables(batch), self._tensor(row_seq), positions_tensor + 1)
             meta = AttentionMetadata(slot_mapping=self._tensor(slots), decodes=[], prefills=[], native=native)
         else:
@@ -100,9 +100,11 @@ class TorchExecutor:
 
     def _torch_metadata(self, batch: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:
         """Decode rows in groups of similar context, and one causal chunk per prompt (see model/attention.py)."""
-        num_decodes = sum(1 for s in batch if s.num_tokens == 1)
-        first_rows = itertools.accumulate((item.num_tokens for item in batch), initial=0)
-        prefills = [self._prefill_chunk(item, row) for item, row in zip(batch, first_rows) if item.num_tokens > 1]
+        num_decodes = sum(1 for s in batch if s.num_scheduled_tokens == 1)
+        first_rows = itertools.accumulate((item.num_scheduled_tokens for item in batch), initial=0)
+        prefills = [
+            self._prefill_chunk(item, row) for item, row in zip(batch, first_rows) if item.num_scheduled_tokens > 1
+        ]
         return AttentionMetadata(
             slot_mapping=self._tensor(slots), decodes=self._decode_groups(batch[:num_decodes]), prefills=prefills
         )
@@ -129,7 +131,7 @@ class TorchExecutor:
         return DecodeGroup(row_start, row_start + len(rows), tables, mask)
 
     def _prefill_chunk(self, item: ScheduledRequest, row: int) -> PrefillChunk:
-        start, n = item.start_position, item.num_tokens
+        start, n = item.start_position, item.num_scheduled_tokens
         mask = None
         if start > 0:
             query_pos = torch.arange(start, start + n, device=self.device)
@@ -152,4 +154,4 @@ def _bucket(item: ScheduledRequest) -> int:
 
 def _row_order(item: ScheduledRequest) -> tuple[int, int]:
     """Decode rows first, grouped by context-length bucket; prompt chunks after."""
-    return (0, _bucket(item)) if item.num_tokens == 1 else (1, 0)
+    return (0, _bucket(item)) if item.num_scheduled_tokens == 1 else (1, 0)

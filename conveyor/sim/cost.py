@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.model.config import ModelConfig
+from conveyor.core.model_config import ModelConfig
 from conveyor.sim.hardware import DTYPE_BYTES, HardwareSpec
 
 
@@ -125,7 +125,7 @@ class CostModel:
     def decode_time(self, num_seqs: int, context_tokens: int) -> float:
         """A step of ``num_seqs`` single-token decodes attending to ``context_tokens`` keys in all.
 
-        The same sum as :meth:`step_time`, written out: a multi-step window prices its decode steps here.
+        The same sum as :meth:`step_time`, written out for the roofline's decode steps.
         """
         hw = self.hardware
         dense = max(

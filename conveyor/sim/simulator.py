@@ -1,6 +1,6 @@
 """Run a workload through the real scheduler on a virtual clock, and report the benchmark's figures.
 
-The loop is the engine's own (:class:`conveyor.engine_core.EngineCore`); the
+The loop is the engine's own (:class:`conveyor.core.engine_core.EngineCore`); the
 simulator only adds requests when the clock passes their arrival time, jumps
 the clock over idle gaps, and keeps a few running sums instead of every
 request, so that 100,000 requests fit in memory and in a minute.
@@ -14,16 +14,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.bench.throughput import config_figures, request_figures
-from conveyor.config import EngineConfig
-from conveyor.engine_core import EngineCore, plan_kv_cache
-from conveyor.executor.simulated import SimulatedExecutor, VirtualClock
-from conveyor.request import Request
-from conveyor.sampling import SamplingParams
-from conveyor.scheduler import Scheduler, SchedulerOutput
+from conveyor.core.config import EngineConfig
+from conveyor.core.engine_core import EngineCore, plan_kv_cache
+from conveyor.core.figures import config_figures, request_figures
+from conveyor.core.request import Request
+from conveyor.core.sampling import SamplingParams
+from conveyor.core.scheduler import SchedulerOutput
+from conveyor.core.trace import Trace
 from conveyor.sim.cost import CostModel
+from conveyor.sim.executor import SimulatedExecutor, VirtualClock
 from conveyor.sim.workload import WorkloadRequest
-from conveyor.trace import Trace
 
 MAX_IDLE_STEPS = 1000  # steps in a row that schedule nothing: the scheduler is stuck
 
@@ -93,7 +93,7 @@ class Simulation:
         self.cost = cost
         self.clock = VirtualClock()
         self.plan = plan_kv_cache(config, cost.kv_bytes_per_token, cost.model.max_position_embeddings)
-        self.executor = SimulatedExecutor(cost, self.clock, config.block_size, config.num_scheduler_steps)
+        self.executor = SimulatedExecutor(cost, self.clock, config.block_size)
         self.core = EngineCore(config, self.plan, self.executor, self.clock)
         self.trace = self.core.start_trace() if record_trace else None
         self.arrivals = sorted(workload, key=lambda r: r.arrival_time)
@@ -102,14 +102,13 @@ class Simulation:
         """Run to the last finish; the figures of ``conveyor bench throughput`` and a few more."""
         wall_start = time.perf_counter()
         clock, core, arrivals = self.clock, self.core, self.arrivals
-        scheduler = core.scheduler
         finished, sums = _Finished(), _StepSums()
         next_index, idle_steps = 0, 0
-        while next_index < len(arrivals) or scheduler.has_unfinished_requests():
+        while next_index < len(arrivals) or core.has_unfinished_requests():
             while next_index < len(arrivals) and arrivals[next_index].arrival_time <= clock.now:
-                scheduler.add_request(_request(arrivals[next_index], next_index, self.plan.max_model_len))
+                core.add_request(_request(arrivals[next_index], next_index, self.plan.max_model_len))
                 next_index += 1
-            if not scheduler.has_unfinished_requests():
+            if not core.has_unfinished_requests():
                 clock.now = arrivals[next_index].arrival_time  # nothing to do until the next arrival
                 continue
             for request in core.step():
@@ -119,7 +118,7 @@ class Simulation:
             idle_steps = idle_steps + 1 if core.last_output.is_empty else 0
             if idle_steps > MAX_IDLE_STEPS:
                 raise RuntimeError(f"the scheduler scheduled nothing for {MAX_IDLE_STEPS} steps in a row")
-        figures = _figures(self.config, self.cost, finished, sums, self.executor, clock.now, scheduler)
+        figures = _figures(self.config, self.cost, finished, sums, self.executor, clock.now, core)
         figures["simulation_wall_s"] = time.perf_counter() - wall_start
         return figures
 
@@ -150,25 +149,25 @@ def _figures(
     sums: _StepSums,
     executor: SimulatedExecutor,
     end: float,
-    scheduler: Scheduler,
+    core: EngineCore,
 ) -> dict[str, Any]:
     start = min(finished.arrivals, default=0.0)
+    stats = core.stats()
     slot_steps = config.max_num_seqs * executor.num_model_steps
     return {
         "hardware": cost.hardware.name,
         "dtype": cost.dtype,
         "tensor_parallel_size": cost.tensor_parallel_size,
         **config_figures(config),
-        "num_scheduler_steps": config.num_scheduler_steps,
-        "num_kv_blocks": scheduler.kv.num_blocks,
-        "max_model_len": scheduler.config.max_model_len,
+        "num_kv_blocks": stats.num_kv_blocks,
+        "max_model_len": core.max_model_len,
         **request_figures(
             finished.prompt_lens, finished.output_lens, finished.ttft, finished.latency, end - start, sums.steps
         ),
         "model_steps": executor.num_model_steps,
         "preemptions": finished.preemptions,
-        "swaps_out": scheduler.num_swaps_out,
-        "swap_fallbacks_to_recompute": scheduler.num_swap_fallbacks,
+        "swaps_out": stats.num_swaps_out,
+        "swap_fallbacks_to_recompute": stats.num_swap_fallbacks,
         "peak_running": sums.peak_running,
         "kv_waste_fraction": sums.waste_sum / sums.waste_steps if sums.waste_steps else 0.0,
         "idle_slot_fraction": 1 - executor.num_busy_slot_steps / slot_steps if slot_steps else 0.0,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conveyor.trace import Trace
+from conveyor.core.trace import Trace
 
 BUSY, HELD_IDLE, EMPTY = 2, 1, 0
 

@@ -1,6 +1,6 @@
 """The step loop: schedule, execute, update, and turn tokens into text.
 
-The loop itself is :class:`conveyor.engine_core.EngineCore`, which the
+The loop itself is :class:`conveyor.core.engine_core.EngineCore`, which the
 simulator runs too; everything here is building the parts, checking what
 callers hand in (so that a bad request is refused before it can disturb the
 others), and text.
@@ -11,55 +11,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from conveyor.config import EngineConfig
-from conveyor.engine_core import EngineCore, plan_kv_cache
-from conveyor.model.config import ModelConfig
-from conveyor.request import FinishReason, Request
-from conveyor.sampling import SamplingParams
-from conveyor.tokenizer import IncrementalDetokenizer, Tokenizer
-from conveyor.trace import Trace
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None
-    first_token_time: float | None
-    finish_time: float | None
-    num_preemptions: int
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def latency(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    delta_text: str  # text added by this step, for streaming
-    finished: bool
-    finish_reason: str | None
-    stop_reason: str | int | None
-    metrics: RequestMetrics
-
-
-@dataclass(slots=True)
-class _TextState:
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    num_sent: int = 0  # characters already handed out as deltas
-    num_tokens: int = 0  # output tokens already turned into text
+from conveyor.core.config import EngineConfig
+from conveyor.core.engine_core import EngineCore, plan_kv_cache
+from conveyor.core.model_config import ModelConfig
+from conveyor.core.request import FinishReason, Request, check_prompt_length
+from conveyor.core.sampling import SamplingParams
+from conveyor.core.stats import EngineStats
+from conveyor.core.trace import Trace
+from conveyor.engine.output import RequestMetrics, RequestOutput, TextState
+from conveyor.engine.tokenizer import Tokenizer
 
 
 class Engine:
@@ -93,9 +54,7 @@ class Engine:
         self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks)
         # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too.
         self.core = EngineCore(config, plan, self.executor, clock)
-        self.scheduler = self.core.scheduler
-        self.kv_manager = self.core.kv_manager
-        self._text: dict[str, _TextState] = {}
+        self._text: dict[str, TextState] = {}
         self._ids = itertools.count()
 
     @property
@@ -118,7 +77,7 @@ class Engine:
             model.use_native_kernels(kernels)
 
     def start_trace(self) -> Trace:
-        """Record every step from now on (see :mod:`conveyor.trace`)."""
+        """Record every step from now on (see :mod:`conveyor.core.trace`)."""
         return self.core.start_trace()
 
     # ----- requests ---------------------------------------------------------
@@ -134,11 +93,7 @@ class Engine:
         """Tokenize and check a request without touching the engine; raises ValueError naming the field."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         token_ids = self._prompt_ids(prompt)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens, but max_model_len is {self.max_model_len}, "
-                "which leaves no room for output"
-            )
+        check_prompt_length(len(token_ids), self.max_model_len)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = Request(
             request_id=request_id,
@@ -176,54 +131,49 @@ class Engine:
         request = prompt if isinstance(prompt, Request) else self.make_request(
             prompt, sampling_params, request_id, arrival_time, priority
         )
-        self.scheduler.add_request(request)
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.sampling_params.skip_special_tokens
-        )
-        self._text[request.request_id] = _TextState(request.prompt_text, detokenizer)
+        self.core.add_request(request)
+        self._text[request.request_id] = TextState(request, self.tokenizer)
         return request.request_id
 
     def abort_request(self, request_id: str) -> bool:
         self._text.pop(request_id, None)
-        return self.scheduler.abort_request(request_id) is not None
+        return self.core.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        """The queues, KV pools and counters after the latest step (see :class:`conveyor.core.stats.EngineStats`)."""
+        return self.core.stats()
 
     # ----- the loop ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One iteration: every running request advances; finished ones leave; waiting ones join."""
-        return self.core.step(lambda touched: [self._output(request) for request in touched])
+        return self.core.step(lambda updated: [self._output(request) for request in updated])
 
     def _output(self, request: Request) -> RequestOutput:
         state = self._text[request.request_id]
-        stop = request.sampling_params.stop
-        # One new token, or several after a multi-step window.
-        for index in range(state.num_tokens, request.num_output_tokens):
-            before = len(state.text)
-            state.text += state.detokenizer.add(request.output_token_ids[index])
-            if stop and self._check_stop_strings(request, state, before):
-                del request.output_token_ids[index + 1 :]  # drawn past the stop string in the same window
-                break
-        state.num_tokens = request.num_output_tokens
-        if request.is_finished:
+        finish_reason = request.finish_reason.value if request.finish_reason else None
+        stop_reason = request.stop_reason
+        if state.add_tokens(request.output_token_ids):
+            # A stop string ends the request; when the same token also reached a length limit, it wins.
+            if not request.is_finished:
+                self.core.finish_request(request.request_id, FinishReason.STOP, state.stop_string)
+            finish_reason, stop_reason = FinishReason.STOP.value, state.stop_string
+        finished = request.is_finished
+        if finished:
             del self._text[request.request_id]
-            sendable = len(state.text)
-        else:
-            # Hold back a tail that may be the start of a stop string, so a stream never shows one.
-            sendable = max(len(state.text) - max((len(s) for s in stop), default=1) + 1, state.num_sent)
-        delta, state.num_sent = state.text[state.num_sent : sendable], sendable
         return RequestOutput(
             request_id=request.request_id,
             prompt=state.prompt,
             prompt_token_ids=request.prompt_token_ids,
             text=state.text,
             token_ids=list(request.output_token_ids),
-            delta_text=delta,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason.value if request.finish_reason else None,
-            stop_reason=request.stop_reason,
+            delta_text=state.delta(finished),
+            finished=finished,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
             metrics=RequestMetrics(
                 request.arrival_time,
                 request.first_scheduled_time,
@@ -232,19 +182,3 @@ class Engine:
                 request.num_preemptions,
             ),
         )
-
-    def _check_stop_strings(self, request: Request, state: _TextState, before: int) -> bool:
-        """End the request at the first stop string; the text keeps what came before it. True if it ended."""
-        longest = max(len(s) for s in request.sampling_params.stop)
-        search_from = max(before - longest + 1, 0)
-        hits = [(state.text.find(s, search_from), s) for s in request.sampling_params.stop]
-        hits = [(at, s) for at, s in hits if at >= 0]
-        if not hits:
-            return False
-        at, stop = min(hits)
-        state.text = state.text[:at]
-        if request.is_finished:  # the same token also reached a length limit: the stop string wins
-            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
-        else:
-            self.scheduler.finish_request(request.request_id, FinishReason.STOP, stop)
-        return True

@@ -10,7 +10,7 @@ filled) and external fragmentation (free slots in holes too small for a slab).
 
 from __future__ import annotations
 
-from conveyor.kv.paged import PagedKVCacheManager, blocks_for_tokens
+from conveyor.core.kv.paged import PagedKVCacheManager, blocks_for_tokens
 
 
 class ContiguousBlockPool:

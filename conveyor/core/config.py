@@ -28,7 +28,6 @@ class EngineConfig:
     device: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    num_scheduler_steps: int = 1  # model steps per scheduling decision (vLLM's multi-step scheduling)
     block_size: int = 16
     kv_cache_memory: int | str = "2GiB"
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -47,7 +46,7 @@ class EngineConfig:
                 setattr(self, name, parse_bytes(getattr(self, name)))
             except ValueError as error:
                 raise ValueError(f"{name}: {error}") from None
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "block_size", "num_kv_blocks",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                      "max_model_len", "seed"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
@@ -64,7 +63,7 @@ class EngineConfig:
             raise ValueError(f"kernels must be native or torch, got {self.kernels!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps", "block_size", "kv_cache_memory"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_kv_blocks", "max_model_len"):

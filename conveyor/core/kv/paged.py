@@ -148,6 +148,10 @@ class PagedKVCacheManager:
     # ----- swap ---------------------------------------------------------------
 
     @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu_pool.num_blocks if self.cpu_pool else 0
+
+    @property
     def num_free_cpu_blocks(self) -> int:
         return self.cpu_pool.num_free if self.cpu_pool else 0
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.scheduler.output import SchedulerOutput
+from conveyor.core.scheduler.output import SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -20,7 +20,7 @@ class StepRecord:
     step: int
     start: float  # seconds since the trace began
     end: float
-    scheduled: dict[str, int]  # request id -> tokens computed this step (all model steps of a multi-step window)
+    scheduled: dict[str, int]  # request id -> tokens computed this step
     slots: list[str]  # requests holding a batch slot during the step, busy or idle
     finished: list[str]
     preempted: list[str]
@@ -60,7 +60,7 @@ class Trace:
                 step=output.step,
                 start=start - self.origin,
                 end=end - self.origin,
-                scheduled={s.request_id: s.num_tokens + s.num_steps - 1 for s in output.scheduled},
+                scheduled={s.request_id: s.num_scheduled_tokens for s in output.scheduled},
                 slots=slots,
                 finished=finished,
                 preempted=list(output.preempted_request_ids),

@@ -11,10 +11,10 @@ scheduler, so a difference in the figures comes from the policy alone.
 
 from __future__ import annotations
 
-from conveyor.kv import blocks_for_tokens
-from conveyor.request import FinishReason, Request, RequestStatus
-from conveyor.scheduler.continuous import Scheduler
-from conveyor.scheduler.output import SchedulerOutput
+from conveyor.core.kv import blocks_for_tokens
+from conveyor.core.request import FinishReason, Request, RequestStatus
+from conveyor.core.scheduler.continuous import Scheduler
+from conveyor.core.scheduler.output import SchedulerOutput
 
 
 class StaticScheduler(Scheduler):
@@ -46,18 +46,18 @@ class StaticScheduler(Scheduler):
 
     def _form_batch(self) -> None:
         """Take the head of the queue, up to max_num_seqs, while their prompts fit in free blocks."""
-        free = self.kv.num_free_blocks
+        free = self.kv_manager.num_free_blocks
         for request in self.waiting:
-            need = blocks_for_tokens(request.num_tokens + 1, self.kv.block_size)
+            need = blocks_for_tokens(request.num_tokens + 1, self.kv_manager.block_size)
             if len(self._members) == self.config.max_num_seqs or (need > free and self._members):
                 break
             free -= need
             self._members.add(request.request_id)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        touched = super().update(output, sampled_token_ids)
-        delivered = [r for r in touched if not r.is_finished]
-        self._held.extend(r for r in touched if r.is_finished)
+        updated = super().update(output, sampled_token_ids)
+        delivered = [r for r in updated if not r.is_finished]
+        self._held.extend(r for r in updated if r.is_finished)
         if not self._members and self._held:
             now = self.clock()
             for request in self._held:

@@ -17,10 +17,13 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from conveyor.engine import Engine, RequestOutput
-from conveyor.request import Request
+from conveyor.core.request import Request
+from conveyor.core.stats import EngineStats
+from conveyor.engine.llm_engine import Engine
+from conveyor.engine.output import RequestOutput
+from conveyor.engine.tokenizer import Tokenizer
 
-logger = logging.getLogger("conveyor.async_engine")
+logger = logging.getLogger("conveyor.engine.async_engine")
 
 
 class EngineOverloaded(Exception):
@@ -42,9 +45,9 @@ class AsyncEngine:
         self,
         engine: Engine,
         max_waiting_requests: int = 1024,
-        on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
+        on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
     ) -> None:
-        self.engine = engine
+        self._engine = engine
         self.max_waiting_requests = max_waiting_requests
         self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -55,6 +58,7 @@ class AsyncEngine:
         self._stopping = False
         self.draining = False  # shutting down: no new requests
         self.error: BaseException | None = None
+        self._stats = engine.stats()  # published by the loop thread between steps; read from any thread
         self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
 
     def start(self) -> None:
@@ -69,6 +73,28 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    # ----- what the server may use: fixed at start-up, or a frozen snapshot ----
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.model_config.vocab_size
+
+    def make_request(self, *args, **kwargs) -> Request:
+        """Tokenize and check a request (see ``Engine.make_request``); touches no engine state."""
+        return self._engine.make_request(*args, **kwargs)
+
+    def stats(self) -> EngineStats:
+        """The engine's state as of the latest step, without waiting for the loop thread."""
+        return self._stats
+
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` (already checked by ``Engine.make_request``) and yield its outputs as they come."""
         if self.error is not None:
@@ -76,7 +102,7 @@ class AsyncEngine:
         if self.draining:
             raise EngineOverloaded("the server is shutting down")
         with self._lock:
-            waiting = self.engine.scheduler.num_waiting + self._num_pending
+            waiting = self._stats.num_waiting + self._num_pending
             if waiting >= self.max_waiting_requests:
                 raise EngineOverloaded(f"{waiting} requests are waiting, the limit is {self.max_waiting_requests}")
             self._num_pending += 1
@@ -113,17 +139,18 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._apply_commands()
-                if not self.engine.has_unfinished_requests():
+                if not self._engine.has_unfinished_requests():
                     if self._on_step is not None:
-                        self._on_step(self.engine, [])  # let gauges settle after aborts
+                        self._on_step(self._stats, [])  # let gauges settle after aborts
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                outputs = self.engine.step()
+                outputs = self._engine.step()
+                self._stats = self._engine.stats()
                 for output in outputs:
                     self._deliver(output.request_id, output)
                 if self._on_step is not None:
-                    self._on_step(self.engine, outputs)
+                    self._on_step(self._stats, outputs)
         except BaseException as error:  # the loop must report whatever stopped it
             logger.exception("the engine loop stopped")
             self.error = error
@@ -131,25 +158,29 @@ class AsyncEngine:
                 self._deliver(request_id, EngineDead(f"the engine stopped: {error!r}"))
 
     def _apply_commands(self) -> None:
+        num_added = 0
         while True:
             try:
                 command, value = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if command == "add":
-                with self._lock:
-                    self._num_pending -= 1
+                num_added += 1
                 try:
-                    self.engine.add_request(value)
+                    self._engine.add_request(value)
                 except ValueError as error:  # e.g. a request id already in use
                     self._deliver(value.request_id, error)
             elif command == "abort":
-                self.engine.abort_request(value)
+                self._engine.abort_request(value)
                 self._streams.pop(value, None)
             else:  # fail_all: the shutdown timeout passed
                 for request_id in list(self._streams):
-                    self.engine.abort_request(request_id)
+                    self._engine.abort_request(request_id)
                     self._deliver(request_id, EngineDead("the server is shutting down"))
+        # One lock for both: a caller never sees a request counted twice (pending and waiting) or not at all.
+        with self._lock:
+            self._num_pending -= num_added
+            self._stats = self._engine.stats()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -14,20 +14,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from conveyor.config import EngineConfig
-from conveyor.kv import ContiguousKVCacheManager, PagedKVCacheManager
-from conveyor.request import Request
-from conveyor.scheduler import SCHEDULERS, ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from conveyor.trace import Trace
+from conveyor.core.config import EngineConfig
+from conveyor.core.kv import ContiguousKVCacheManager, PagedKVCacheManager
+from conveyor.core.request import FinishReason, Request
+from conveyor.core.scheduler import SCHEDULERS, Scheduler, SchedulerConfig, SchedulerOutput
+from conveyor.core.stats import EngineStats
+from conveyor.core.trace import Trace
 
 logger = logging.getLogger("conveyor")
 T = TypeVar("T")
 
 
 class Executor(Protocol):
-    """Carries out a SchedulerOutput: a token per sampling request, or a list of them with ``num_steps`` > 1."""
+    """Carries out a SchedulerOutput (the real model, or a cost model on a virtual clock).
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int] | dict[str, list[int]]: ...
+    Returns the token drawn for each scheduled request whose chunk samples (``samples_token``).
+    """
+
+    def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +74,7 @@ def _max_model_len(wanted: int | None, model_limit: int, capacity: int) -> int:
 
 
 def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[], float]) -> Scheduler:
-    """The KV manager the config's layout names, and the scheduler over it (``scheduler.kv``)."""
+    """The KV manager the config's layout names, and the scheduler over it (``scheduler.kv_manager``)."""
     if config.kv_layout == "contiguous":
         kv: PagedKVCacheManager = ContiguousKVCacheManager(
             plan.num_blocks, config.block_size, plan.max_model_len, plan.num_cpu_blocks
@@ -83,7 +87,6 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         plan.max_model_len,
         config.scheduling_policy,
         config.preemption_mode,
-        config.num_scheduler_steps,
     )
     return SCHEDULERS[config.scheduler](scheduler_config, kv, clock)
 
@@ -102,15 +105,36 @@ class EngineCore:
         self.plan = plan
         self.clock = clock
         self.scheduler = build_scheduler(config, plan, clock)
-        self.kv_manager = self.scheduler.kv
         self.executor = executor
-        # An executor that runs one model step per call gets multi-step outputs one step at a time.
-        self._runs_multi_step = getattr(executor, "runs_multi_step", False)
         self.trace: Trace | None = None
         self.last_output: SchedulerOutput | None = None  # the latest step's decision, for running figures
 
+    # ----- the public face of the core: requests in, stats and steps out -----
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError (naming the field) if it cannot be served."""
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """End a request wherever it is (its blocks return at once); False if it is not in the engine."""
+        return self.scheduler.abort_request(request_id) is not None
+
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """End a running request for a reason found outside the core (a stop string in its text)."""
+        self.scheduler.finish_request(request_id, reason, stop_reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.plan.max_model_len
+
     def start_trace(self) -> Trace:
-        """Record every step from now on (see :mod:`conveyor.trace`)."""
+        """Record every step from now on (see :mod:`conveyor.core.trace`)."""
         config = self.config
         header = {
             "scheduler": config.scheduler,
@@ -121,7 +145,6 @@ class EngineCore:
             "max_model_len": self.plan.max_model_len,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
-            "num_scheduler_steps": config.num_scheduler_steps,
         }
         self.trace = Trace(header, self.clock())
         return self.trace
@@ -135,43 +158,11 @@ class EngineCore:
         start = self.clock()
         output = self.last_output = self.scheduler.schedule()
         slots = self.scheduler.slot_holders() if self.trace is not None else []
-        if self._runs_multi_step or self.config.num_scheduler_steps == 1:
-            sampled = self.executor.execute(output)
-        else:
-            sampled = execute_step_by_step(self.executor, output)
-        touched = self.scheduler.update(output, sampled)
-        result = postprocess(touched) if postprocess is not None else touched
+        sampled = self.executor.execute(output)
+        updated = self.scheduler.update(output, sampled)
+        result = postprocess(updated) if postprocess is not None else updated
         if self.trace is not None:
-            finished = [r.request_id for r in touched if r.is_finished]
+            finished = [r.request_id for r in updated if r.is_finished]
             self.trace.record(output, slots, finished, start, self.clock())
         return result
 
-
-def execute_step_by_step(executor: Executor, output: SchedulerOutput) -> dict[str, int | list[int]]:
-    """Carry out a multi-step output on an executor that runs one model step per call.
-
-    The first call runs the output as scheduled; each later call is a decode
-    step that feeds every continuing request the token it has just drawn, in
-    the slots the scheduler allocated ahead for it.
-    """
-    sampled: dict[str, int | list[int]] = dict(executor.execute(output))
-    continuing = [s for s in output.scheduled if s.sample and s.num_steps > 1]
-    tokens = {s.request_id: [sampled[s.request_id]] for s in continuing}
-    for index in range(1, max((s.num_steps for s in continuing), default=1)):
-        decodes = [
-            ScheduledRequest(
-                request_id=s.request_id,
-                start_position=s.context_len + index - 1,
-                token_ids=[tokens[s.request_id][-1]],
-                block_ids=s.block_ids,
-                sampling_params=s.sampling_params,
-                sample=True,
-                num_output_tokens=s.num_output_tokens + index,
-            )
-            for s in continuing
-            if s.num_steps > index
-        ]
-        for request_id, token in executor.execute(SchedulerOutput(step=output.step, scheduled=decodes)).items():
-            tokens[request_id].append(token)
-    sampled.update(tokens)
-    return sampled

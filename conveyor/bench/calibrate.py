@@ -27,10 +27,10 @@ from conveyor.bench.decode import measure_decode
 from conveyor.bench.report import format_table
 from conveyor.bench.throughput import run_throughput
 from conveyor.bench.workload import long_tail_workload
-from conveyor.config import EngineConfig
+from conveyor.core.config import EngineConfig
+from conveyor.core.model_config import ModelConfig
+from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
-from conveyor.model.config import ModelConfig
-from conveyor.sampling import SamplingParams
 from conveyor.sim.cost import CostModel, StepWork, chunk_attention_pairs
 from conveyor.sim.hardware import CALIBRATED_FIELDS, HardwareSpec, calibration_file, load_hardware, machine_file
 from conveyor.sim.simulator import simulate

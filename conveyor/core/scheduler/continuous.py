@@ -13,12 +13,6 @@ goes back to the front of the waiting queue, to be prefilled again later
 it waits in the swapped queue, which is resumed before anyone new is admitted;
 when the CPU pool is full, that victim falls back to recompute.
 
-With ``num_scheduler_steps`` > 1 (vLLM's multi-step scheduling), one decision
-covers several model steps: every request whose chunk ends at its last token
-goes on decoding for up to that many steps, in KV slots allocated ahead, and
-the tokens come back together. The scheduler's own cost is then paid once per
-window instead of once per token, at the price of newcomers and freed slots
-waiting for the window to end.
 """
 
 from __future__ import annotations
@@ -29,13 +23,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.kv import PagedKVCacheManager
-from conveyor.request import FinishReason, Request, RequestStatus
-from conveyor.scheduler.output import ScheduledRequest, SchedulerOutput
+from conveyor.core.kv import PagedKVCacheManager
+from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
+from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
+from conveyor.core.stats import EngineStats
 
 POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
-logger = logging.getLogger("conveyor.scheduler")
+logger = logging.getLogger("conveyor.core.scheduler")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +40,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # or "priority": lower value first, and may preempt less important requests
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
-    num_scheduler_steps: int = 1  # model steps per scheduling decision
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.policy not in POLICIES:
@@ -81,7 +75,7 @@ class Scheduler:
                 f"({kv_manager.capacity_tokens} tokens)"
             )
         self.config = config
-        self.kv = kv_manager
+        self.kv_manager = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
         # Both queues are kept sorted by the policy's order (arrival, or priority then arrival):
@@ -104,11 +98,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
-        if request.num_tokens >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt: {request.num_tokens} tokens, but max_model_len is {self.config.max_model_len}, "
-                "which leaves no room for output"
-            )
+        check_prompt_length(request.num_tokens, self.config.max_model_len)
         request.arrival_order = self._num_added
         self._num_added += 1
         self.requests[request.request_id] = request
@@ -127,8 +117,10 @@ class Scheduler:
         return request
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        """End a running request for a reason found outside the scheduler (a stop string)."""
-        request = self.requests[request_id]
+        """End a running request for a reason found outside the scheduler (a stop string in its text)."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not running")
         self.running.remove(request)
         self._finish(request, reason, stop_reason)
 
@@ -139,17 +131,23 @@ class Scheduler:
         """Requests that occupy a batch slot now (running ones); the trace draws them."""
         return [r.request_id for r in self.running]
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_swapped(self) -> int:
-        return len(self.swapped)
+    def stats(self) -> EngineStats:
+        """The queues, the KV pools and the counters, as a frozen snapshot."""
+        kv = self.kv_manager
+        return EngineStats(
+            step=self.step_index,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_swapped=len(self.swapped),
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            num_cpu_blocks=kv.num_cpu_blocks,
+            num_free_cpu_blocks=kv.num_free_cpu_blocks,
+            num_preemptions=self.num_preemptions,
+            num_swaps_out=self.num_swaps_out,
+            num_swap_fallbacks=self.num_swap_fallbacks,
+        )
 
     # ----- one step ---------------------------------------------------------
 
@@ -163,10 +161,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new, num_steps = self._share(request, budget)
-            if not self._make_room(request, request.num_computed_tokens + num_new + num_steps - 1):
+            num_new = self._num_new_tokens(request, budget)
+            if not self._make_room(request, request.num_computed_tokens + num_new):
                 break  # the request preempted itself: it was the most recent arrival
-            scheduled.append(self._schedule(request, num_new, num_steps))
+            scheduled.append(self._scheduled_request(request, num_new))
             budget -= num_new
             index += 1
 
@@ -188,15 +186,15 @@ class Scheduler:
             num_waiting=len(self.waiting),
             num_running=len(self.running),
             num_swapped=len(self.swapped),
-            kv_usage=self.kv.usage,
-            memory=self.kv.memory_report(),
+            kv_usage=self.kv_manager.usage,
+            memory=self.kv_manager.memory_report(),
         )
         self._finished_since_last_step = []
         return output
 
     def _make_room(self, request: Request, num_tokens: int) -> bool:
         """Allocate slots for ``request``, preempting later arrivals until they fit."""
-        while not self.kv.allocate_slots(request.request_id, num_tokens):
+        while not self.kv_manager.allocate_slots(request.request_id, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
@@ -206,16 +204,16 @@ class Scheduler:
     def _resume_swapped(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            num_new, num_steps = self._share(request, budget)
-            end = request.num_computed_tokens + num_new + num_steps - 1
-            if not self.kv.can_swap_in(request.request_id, end, keep_watermark=bool(self.running)):
+            num_new = self._num_new_tokens(request, budget)
+            end = request.num_computed_tokens + num_new
+            if not self.kv_manager.can_swap_in(request.request_id, end, keep_watermark=bool(self.running)):
                 break
-            swap_in.extend(self.kv.swap_in(request.request_id))
-            self.kv.allocate_slots(request.request_id, end)
+            swap_in.extend(self.kv_manager.swap_in(request.request_id))
+            self.kv_manager.allocate_slots(request.request_id, end)
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order)
-            scheduled.append(self._schedule(request, num_new, num_steps))
+            scheduled.append(self._scheduled_request(request, num_new))
             budget -= num_new
         return budget
 
@@ -227,21 +225,21 @@ class Scheduler:
         while budget > 0 and (request := self._next_to_admit()) is not None:
             if self.swapped and self._order(self.swapped[0]) < self._order(request):
                 break  # a swapped request that ranks first is resumed first
-            num_new, num_steps = self._share(request, budget)
-            end = request.num_computed_tokens + num_new + num_steps - 1
+            num_new = self._num_new_tokens(request, budget)
+            end = request.num_computed_tokens + num_new
             if not self._fits(request, end):
                 refund = self._preempt_for(request, scheduled)
                 if refund is None:
                     break  # nobody overtakes the head of the queue
                 budget += refund
                 continue
-            self.kv.allocate_slots(request.request_id, end)
+            self.kv_manager.allocate_slots(request.request_id, end)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
             bisect.insort(self.running, request, key=self._order)
-            scheduled.append(self._schedule(request, num_new, num_steps))
+            scheduled.append(self._scheduled_request(request, num_new))
             budget -= num_new
         return budget
 
@@ -249,7 +247,7 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         # The watermark only matters when someone else could be preempted for it.
-        return self.kv.can_admit(request.request_id, num_slots, bool(self.running))
+        return self.kv_manager.can_admit(request.request_id, num_slots, bool(self.running))
 
     def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
         """Priority policy: preempt the least important running request if it ranks strictly below ``request``.
@@ -267,32 +265,19 @@ class Scheduler:
         refund = 0
         for i, item in enumerate(scheduled):
             if item.request_id == victim.request_id:
-                refund = scheduled.pop(i).num_tokens
+                refund = scheduled.pop(i).num_scheduled_tokens
                 break
         self._preempt(victim)
         victim.last_preempted_by = (request.request_id, self.step_index)
         return refund
 
-    def _share(self, request: Request, budget: int) -> tuple[int, int]:
-        """The request's share of this step: tokens to compute (what it lacks, within ``budget``), and model steps.
+    @staticmethod
+    def _num_new_tokens(request: Request, budget: int) -> int:
+        """The tokens the request lacks (prompt, chunk, recompute or one decode), within ``budget``."""
+        return min(request.num_tokens - request.num_computed_tokens, budget)
 
-        One model step, unless multi-step scheduling is on and the chunk samples; then as many as the
-        window has, but never past the token at which ``max_tokens`` or ``max_model_len`` ends the
-        request, so no slot is allocated beyond its end.
-        """
-        num_tokens = request.num_tokens
-        num_new = min(num_tokens - request.num_computed_tokens, budget)
-        steps = self.config.num_scheduler_steps
-        if steps == 1 or request.num_computed_tokens + num_new < num_tokens:
-            return num_new, 1
-        left = min(
-            steps,
-            request.sampling_params.max_tokens - len(request.output_token_ids),
-            self.config.max_model_len - num_tokens,
-        )
-        return num_new, left if left > 1 else 1
-
-    def _schedule(self, request: Request, num_new: int, num_steps: int = 1) -> ScheduledRequest:
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The plain-data record of the request's share of this step."""
         start = request.num_computed_tokens
         end = start + num_new
         # Positional arguments, in field order: this runs for every request in every step.
@@ -300,11 +285,10 @@ class Scheduler:
             request.request_id,
             start,
             request.token_ids(start, end),
-            self.kv.block_ids(request.request_id),  # not copied: tables are replaced, never changed in place
+            self.kv_manager.block_ids(request.request_id),  # not copied: tables are replaced, never changed in place
             request.sampling_params,
-            end == request.num_tokens,  # sample
+            end == request.num_tokens,  # samples_token
             len(request.output_token_ids),
-            num_steps,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -313,7 +297,7 @@ class Scheduler:
         self.num_preemptions += 1
         self._preempted_this_step.append(request.request_id)
         if self.config.preemption_mode == "swap":
-            pairs = self.kv.swap_out(request.request_id)
+            pairs = self.kv_manager.swap_out(request.request_id)
             if pairs is not None:
                 self._swap_out.extend(pairs)
                 self.num_swaps_out += 1
@@ -322,59 +306,38 @@ class Scheduler:
                 return
             self.num_swap_fallbacks += 1
             logger.warning("swap space full: request %s is preempted by recompute instead", request.request_id)
-        self.kv.free(request.request_id)
+        self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, request, key=self._order)
 
     # ----- after the executor ran the step ----------------------------------
 
-    def update(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int] | dict[str, list[int]]
-    ) -> list[Request]:
-        """Record computed tokens and sampled tokens; end the requests that are done.
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Record computed tokens and the token drawn for each sampling request; end the requests that are done.
 
-        ``sampled_token_ids`` holds a token per sampling request, or, for a request
-        scheduled with ``num_steps`` > 1, the list of tokens its steps drew.
         Returns the requests that received a token this step, finished or not.
         """
         now = self.clock()
-        touched: list[Request] = []
+        updated: list[Request] = []
         running = RequestStatus.RUNNING
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
-            if not item.sample:
+            if not item.samples_token:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
-            touched.append(request)
-            if item.num_steps == 1:
-                token = sampled_token_ids[item.request_id]
-                request.output_token_ids.append(token)
-                reason, stop_reason = self._check_stop(request, token)
-            else:
-                reason, stop_reason = self._append_tokens(request, sampled_token_ids[item.request_id])
+            updated.append(request)
+            token = sampled_token_ids[item.request_id]
+            request.output_token_ids.append(token)
+            reason, stop_reason = self._check_stop(request, token)
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason, stop_reason)
-        return touched
-
-    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[FinishReason | None, int | None]:
-        """Take a multi-step window's tokens up to the first that ends the request; drop those after it."""
-        params = request.sampling_params
-        keep = len(tokens)
-        if params.stop_token_ids or (request.eos_token_id is not None and not params.ignore_eos):
-            ends = set(params.stop_token_ids)
-            if request.eos_token_id is not None and not params.ignore_eos:
-                ends.add(request.eos_token_id)
-            keep = next((i + 1 for i, token in enumerate(tokens) if token in ends), keep)
-        request.output_token_ids.extend(tokens if keep == len(tokens) else tokens[:keep])
-        # The last kept token was drawn, not fed back: its KV is not computed yet.
-        request.num_computed_tokens += keep - 1
-        return self._check_stop(request, tokens[keep - 1])
+        return updated
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params
@@ -387,7 +350,7 @@ class Scheduler:
         return None, None
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        self.kv.free(request.request_id)
+        self.kv_manager.free(request.request_id)
         request.finish(reason, self.clock(), stop_reason)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)

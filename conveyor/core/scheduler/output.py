@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.kv import MemoryReport
-from conveyor.sampling import SamplingParams
+from conveyor.core.kv import MemoryReport
+from conveyor.core.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -20,14 +20,12 @@ class ScheduledRequest:
     token_ids: list[int]
     block_ids: list[int]
     sampling_params: SamplingParams
-    sample: bool  # the chunk reaches the request's last known token, so a new one is drawn
+    samples_token: bool  # the chunk reaches the request's last known token, so a new one is drawn
     num_output_tokens: int  # output tokens before this step; seeds the request's random stream
-    # Model steps in this scheduler step (multi-step scheduling): the chunk, then num_steps - 1 decode
-    # steps, each fed the token just drawn, in slots allocated ahead; only when ``sample`` is true.
-    num_steps: int = 1
 
     @property
-    def num_tokens(self) -> int:
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed for this request in this step (vLLM's name): a prompt chunk, or 1 for a decode."""
         return len(self.token_ids)
 
     @property

@@ -1,0 +1,31 @@
+"""A snapshot of the engine's state between steps: what callers outside the core may read.
+
+Servers, metrics, benchmarks and the simulator read these figures instead of
+the scheduler's queues or the KV manager's tables. A snapshot is frozen, so
+the loop thread can publish one after each step and any other thread can read
+the latest without a lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    step: int  # scheduler steps taken so far
+    num_waiting: int  # requests waiting to be admitted (new or preempted by recompute)
+    num_running: int  # requests in the running batch
+    num_swapped: int  # requests whose KV is swapped out to CPU memory
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_usage: float  # share of KV blocks held by requests, 0..1
+    num_cpu_blocks: int  # swap space, in blocks
+    num_free_cpu_blocks: int
+    num_preemptions: int  # since start, recompute and swap
+    num_swaps_out: int
+    num_swap_fallbacks: int  # swaps that found the CPU pool full and recomputed instead
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_waiting + self.num_running + self.num_swapped
