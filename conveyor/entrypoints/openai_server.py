@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import conveyor
+from conveyor.core.request import Request as EngineRequest
 from conveyor.engine import RequestOutput
 from conveyor.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from conveyor.entrypoints.metrics import EngineMetrics
@@ -100,10 +101,20 @@ class _TooLarge(Exception):
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
+    """The FastAPI app: error shapes, auth, and the routes, each group added by its own function."""
     app = FastAPI(title="Conveyor", version=conveyor.__version__)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
-    tokenizer = engine.tokenizer
-    max_model_len = engine.max_model_len
+    _add_error_handlers(app)
+    _add_auth(app, settings)
+    serving = _Serving(engine, settings)
+    _add_info_routes(app, serving, metrics)
+    _add_token_routes(app, serving)
+    _add_generation_routes(app, serving)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape; an unexpected one is logged and answered without its trace."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -122,11 +133,19 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
 
+    @app.exception_handler(EngineOverloaded)
+    async def _overloaded(_: Request, error: EngineOverloaded) -> JSONResponse:
+        overloaded = APIError(503, f"server overloaded: {error}; retry later", "server_overloaded",
+                              code="server_overloaded")
+        return _error_response(overloaded, headers={"Retry-After": "1"})
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return JSONResponse(error_body("internal server error", "internal_server_error"), status_code=500)
 
+
+def _add_auth(app: FastAPI, settings: ServerSettings) -> None:
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         protected = settings.api_key and request.url.path.startswith("/v1")
@@ -135,22 +154,32 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
                                             code="invalid_api_key"))
         return await call_next(request)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != settings.model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {settings.model_name!r}",
+
+class _Serving:
+    """What the routes share: the engine's public face, the settings, and turning a body into a request."""
+
+    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.settings.model_name!r}",
                            "not_found_error", "model", "model_not_found")
 
-    def make_request(body: SamplingRequest, prompt: str | list[int], kind: str):
-        check_model(body.model)
+    def make_request(self, body: SamplingRequest, prompt: str | list[int], kind: str) -> EngineRequest:
+        self.check_model(body.model)
         problem = body.unsupported()
         if problem:
             raise APIError(400, problem, "invalid_request_error", problem.split("=")[0].split(":")[0])
         try:
-            params = body.sampling_params(settings.default_max_tokens)
-            request = engine.make_request(prompt, params, f"{kind}-{uuid.uuid4().hex}",
-                                                 priority=body.priority)
+            params = body.sampling_params(self.settings.default_max_tokens)
+            request = self.engine.make_request(prompt, params, f"{kind}-{uuid.uuid4().hex}", priority=body.priority)
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", str(error).split(":")[0].split(" ")[0]) from None
+        max_model_len = self.max_model_len
         if request.num_prompt_tokens + params.max_tokens > max_model_len:
             params_max = max_model_len - request.num_prompt_tokens
             raise APIError(400, f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) "
@@ -158,65 +187,9 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
                            "invalid_request_error", "max_tokens")
         return request
 
-    @app.get("/health")
-    async def health() -> Response:
-        if engine.error is not None:
-            return JSONResponse(error_body("engine stopped", "internal_server_error"), status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": conveyor.__version__}
-
-    @app.get("/metrics")
-    async def prometheus_metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(metrics.registry).decode(),
-                                 media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "conveyor",
-                "max_model_len": max_model_len}
-        return {"object": "list", "data": [card]}
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", "invalid_request_error", "prompt")
-        try:
-            if body.prompt is not None:
-                tokens = tokenizer.encode(body.prompt)
-            else:
-                tokens = tokenizer.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt)
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "messages") from None
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        check_model(body.model)
-        vocab = engine.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        request = make_request(body, body.single_prompt(), "cmpl")
-        return await respond(body, request, _CompletionFormat(request.request_id, settings.model_name))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        try:
-            prompt = tokenizer.apply_chat_template(body.message_dicts())
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "messages") from None
-        request = make_request(body, prompt, "chatcmpl")
-        return await respond(body, request, _ChatFormat(request.request_id, settings.model_name))
-
-    async def respond(body: SamplingRequest, request, fmt: _Format):
-        outputs = engine.generate(request)
+    async def respond(self, body: SamplingRequest, request: EngineRequest, fmt: _Format):
+        """Stream the request's outputs as server-sent events, or wait for the last and answer it whole."""
+        outputs = self.engine.generate(request)
         try:
             first = await anext(outputs)  # EngineOverloaded goes to its handler: 503 with Retry-After
         except EngineDead as error:
@@ -232,13 +205,72 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
             raise APIError(503, str(error), "internal_server_error") from None
         return fmt.full(final)
 
-    @app.exception_handler(EngineOverloaded)
-    async def _overloaded(_: Request, error: EngineOverloaded) -> JSONResponse:
-        overloaded = APIError(503, f"server overloaded: {error}; retry later", "server_overloaded",
-                              code="server_overloaded")
-        return _error_response(overloaded, headers={"Retry-After": "1"})
 
-    return app
+def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        if serving.engine.error is not None:
+            return JSONResponse(error_body("engine stopped", "internal_server_error"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": conveyor.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": serving.settings.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "conveyor", "max_model_len": serving.max_model_len}
+        return {"object": "list", "data": [card]}
+
+
+def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
+    tokenizer = serving.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", "invalid_request_error", "prompt")
+        try:
+            if body.prompt is not None:
+                tokens = tokenizer.encode(body.prompt)
+            else:
+                tokens = tokenizer.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "messages") from None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        serving.check_model(body.model)
+        vocab = serving.engine.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
+    model_name = serving.settings.model_name
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        request = serving.make_request(body, body.single_prompt(), "cmpl")
+        return await serving.respond(body, request, _CompletionFormat(request.request_id, model_name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        try:
+            prompt = serving.tokenizer.apply_chat_template(body.message_dicts())
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "messages") from None
+        request = serving.make_request(body, prompt, "chatcmpl")
+        return await serving.respond(body, request, _ChatFormat(request.request_id, model_name))
 
 
 async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput], fmt: _Format, include_usage: bool):
