@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
+
+from conveyor.sim.workload import LengthDistribution
 
 
 @dataclass(frozen=True, slots=True)
 class SyntheticRequest:
     prompt_token_ids: list[int]
     output_len: int
-
-
-def long_tail_length(rng: random.Random, low: int, high: int, median: int) -> int:
-    """A log-normal length clipped to [low, high]: most short, a few near ``high``."""
-    value = rng.lognormvariate(math.log(median), 0.9)
-    return int(min(max(value, low), high))
 
 
 def long_tail_workload(
@@ -28,12 +23,15 @@ def long_tail_workload(
     prompt_median: int = 128,
     output_median: int = 64,
 ) -> list[SyntheticRequest]:
-    """Random-token prompts (ids from the upper part of the vocabulary, away from special tokens)."""
+    """Random-token prompts (ids from the upper part of the vocabulary, away from special tokens), lengths from
+    the simulator's ``clipped`` long tail (:class:`conveyor.sim.workload.LengthDistribution`)."""
     rng = random.Random(seed)
+    prompt_lengths = LengthDistribution.clipped(*prompt_range, prompt_median)
+    output_lengths = LengthDistribution.clipped(*output_range, output_median)
     requests = []
     for _ in range(num_requests):
-        prompt_len = long_tail_length(rng, *prompt_range, prompt_median)
-        output_len = long_tail_length(rng, *output_range, output_median)
+        prompt_len = prompt_lengths.sample(rng)
+        output_len = output_lengths.sample(rng)
         prompt = [rng.randrange(vocab_size // 8, vocab_size) for _ in range(prompt_len)]
         requests.append(SyntheticRequest(prompt, output_len))
     return requests

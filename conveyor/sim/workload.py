@@ -33,20 +33,37 @@ class WorkloadRequest:
 
 @dataclass(frozen=True, slots=True)
 class LengthDistribution:
-    """``fixed`` (low), ``uniform`` (low..high inclusive) or ``longtail`` (log-normal with ``mean``)."""
+    """How long prompts or outputs are; every synthetic workload (simulator and benchmarks) draws from one.
+
+    - ``fixed``: always ``low``;
+    - ``uniform``: ``low..high`` inclusive;
+    - ``longtail``: log-normal whose *mean* is ``mean`` (shape ``sigma``), rounded, at least 1: the
+      simulator's ShareGPT- and Alpaca-like presets, which are given by their means;
+    - ``clipped``: log-normal whose *median* is ``median`` (shape ``sigma``), clipped to ``low..high`` and
+      truncated: the benchmarks' workloads (``bench throughput``, ``bench serve``, W2), bounded so a real
+      engine on this machine finishes them.
+    """
 
     kind: str
     low: int = 1
     high: int = 1
     mean: float = 1.0
+    median: float = 1.0
+    sigma: float = LONG_TAIL_SIGMA
+
+    @classmethod
+    def clipped(cls, low: int, high: int, median: float, sigma: float = 0.9) -> LengthDistribution:
+        return cls("clipped", low=low, high=high, median=median, sigma=sigma)
 
     def sample(self, rng: random.Random) -> int:
         if self.kind == "fixed":
             return self.low
         if self.kind == "uniform":
             return rng.randint(self.low, self.high)
-        mu = math.log(self.mean) - LONG_TAIL_SIGMA**2 / 2  # so that the mean, not the median, is ``mean``
-        return max(round(rng.lognormvariate(mu, LONG_TAIL_SIGMA)), 1)
+        if self.kind == "clipped":
+            return int(min(max(rng.lognormvariate(math.log(self.median), self.sigma), self.low), self.high))
+        mu = math.log(self.mean) - self.sigma**2 / 2  # so that the mean, not the median, is ``mean``
+        return max(round(rng.lognormvariate(mu, self.sigma)), 1)
 
 
 def parse_lengths(spec: str) -> LengthDistribution:
