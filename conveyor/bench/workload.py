@@ -1,4 +1,5 @@
-"""Seeded synthetic workloads whose lengths have a long tail, as real chat traffic does."""
+"""Seeded synthetic workloads: long-tailed lengths as in real chat traffic, shared prefixes, multi-turn chats,
+and the fixed workloads engines are compared on."""
 
 from __future__ import annotations
 
@@ -35,6 +36,68 @@ def long_tail_workload(
         prompt = [rng.randrange(vocab_size // 8, vocab_size) for _ in range(prompt_len)]
         requests.append(SyntheticRequest(prompt, output_len))
     return requests
+
+
+def _random_tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(vocab_size // 8, vocab_size) for _ in range(n)]
+
+
+def shared_prefix_workload(
+    num_requests: int,
+    seed: int,
+    vocab_size: int,
+    num_prefixes: int = 8,
+    prefix_range: tuple[int, int] = (400, 800),
+    question_range: tuple[int, int] = (16, 48),
+    output_len: int = 64,
+) -> list[SyntheticRequest]:
+    """Requests over a few long shared prefixes (system prompts, few-shot preambles), each with its own short
+    question: the traffic prefix caching is for. Request ``i`` uses prefix ``i % num_prefixes``."""
+    rng = random.Random(f"{seed}:shared-prefix")
+    prefixes = [_random_tokens(rng, rng.randint(*prefix_range), vocab_size) for _ in range(num_prefixes)]
+    return [
+        SyntheticRequest(prefixes[i % num_prefixes] + _random_tokens(rng, rng.randint(*question_range), vocab_size),
+                         output_len)
+        for i in range(num_requests)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A chat of several turns: each turn resends the whole history (system prompt, every earlier question and
+    answer) followed by its new question, as chat clients do."""
+
+    system_prompt: list[int]
+    questions: list[list[int]]
+    output_len: int
+
+    def prompt(self, turn: int, answers: list[list[int]]) -> list[int]:
+        """The token ids sent at ``turn`` (0-based), given the answers of the turns before it."""
+        history = list(self.system_prompt)
+        for question, answer in zip(self.questions[:turn], answers):
+            history += question + answer
+        return history + self.questions[turn]
+
+
+def multi_turn_workload(
+    num_conversations: int,
+    seed: int,
+    vocab_size: int,
+    num_turns: int = 4,
+    system_range: tuple[int, int] = (200, 400),
+    question_range: tuple[int, int] = (32, 96),
+    output_len: int = 64,
+) -> list[Conversation]:
+    """Conversations with their own system prompts and questions (random token ids, seeded)."""
+    rng = random.Random(f"{seed}:multi-turn")
+    return [
+        Conversation(
+            _random_tokens(rng, rng.randint(*system_range), vocab_size),
+            [_random_tokens(rng, rng.randint(*question_range), vocab_size) for _ in range(num_turns)],
+            output_len,
+        )
+        for _ in range(num_conversations)
+    ]
 
 
 # ----- the fixed workloads that engines are compared on (``conveyor bench compare``) -----------------
