@@ -1,10 +1,21 @@
-"""Engine options, named as vLLM's flags where the meaning is the same."""
+"""Engine options, named as vLLM's flags where the meaning is the same.
+
+``EngineConfig`` is the one place an option is written: its default, help text,
+choices and minimum live in the field, and from them come the validation here,
+the command-line flags (:mod:`conveyor.entrypoints.args`) and the check of
+README's flag table (tests/test_flags.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass
+from typing import Any
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
@@ -21,51 +32,121 @@ def parse_bytes(value: str | int) -> int:
     return int(number)
 
 
+def _option(default: Any, help: str, *, choices: tuple[str, ...] = (), minimum: int | None = None,
+            size: bool = False, unset: str | None = None) -> Any:
+    """A field of EngineConfig: ``size``: bytes, given as an int or a string like ``"2GiB"``;
+    ``unset``: what the default ``None`` means, for help text and README."""
+    metadata = {"help": help, "choices": choices, "minimum": minimum, "size": size, "unset": unset}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # HF folder or .gguf file; None = the default model
-    dtype: str = "float32"
-    device: str = "auto"
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    kv_cache_memory: int | str = "2GiB"
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    max_model_len: int | None = None  # None = the model's own limit
-    seed: int = 0
-    scheduler: str = "continuous"  # or "static": request-level batching, the baseline
-    scheduling_policy: str = "fcfs"  # or "priority": lower value first; may preempt less important requests
-    preemption_mode: str = "recompute"  # or "swap": a victim's KV goes to CPU memory and comes back
-    swap_space: int | str = "4GiB"  # CPU memory for swapped KV blocks (preemption_mode="swap")
-    kv_layout: str = "paged"  # or "contiguous": a max_model_len slab reserved per request
-    kernels: str = "native"  # or "torch": plain PyTorch ops (the reference; also used off float32 CPU)
+    model: str | None = _option(None, "HF model folder or .gguf file", unset="SmolLM2-135M-Instruct")
+    dtype: str = _option("float32", "dtype of the weights, activations and KV cache",
+                         choices=("float32", "bfloat16", "float16"))
+    device: str = _option("auto", "auto (CUDA when present), cpu, cuda, cuda:1, ...")
+    max_num_seqs: int = _option(128, "most requests in one batch", minimum=1)
+    max_num_batched_tokens: int = _option(2048, "token budget of one step", minimum=1)
+    block_size: int = _option(16, "tokens per KV block", minimum=1)
+    kv_cache_memory: int | str = _option("2GiB", "KV pool size in bytes, e.g. 2GiB, 512MB", minimum=1, size=True)
+    num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides memory)", minimum=1)
+    max_model_len: int | None = _option(None, "longest prompt + output", minimum=1,
+                                        unset="the model's, capped by the pool")
+    seed: int = _option(0, "seed of unseeded random sampling")
+    scheduler: str = _option("continuous", "continuous: iteration-level batching; static: request-level batches "
+                             "(the baseline)", choices=("continuous", "static"))
+    scheduling_policy: str = _option("fcfs", "priority: lower value first, preempting less important running "
+                                     "requests", choices=("fcfs", "priority"))
+    preemption_mode: str = _option("recompute", "what happens to a preempted request's KV: dropped and recomputed, "
+                                   "or swapped to CPU", choices=("recompute", "swap"))
+    swap_space: int | str = _option("4GiB", "CPU memory for swapped KV (with --preemption-mode swap)", minimum=0,
+                                    size=True)
+    kv_layout: str = _option("paged", "paged: blocks on demand; contiguous: a --max-model-len slab reserved per "
+                             "request", choices=("paged", "contiguous"))
+    kernels: str = _option("native", "native: the decoder stack in C++ on packed weights (float32 CPU); "
+                           "torch: plain PyTorch ops, the reference", choices=("native", "torch"))
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_memory", "swap_space"):
-            try:
-                setattr(self, name, parse_bytes(getattr(self, name)))
-            except ValueError as error:
-                raise ValueError(f"{name}: {error}") from None
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                     "max_model_len", "seed"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-        if self.scheduler not in ("continuous", "static"):
-            raise ValueError(f"scheduler must be continuous or static, got {self.scheduler!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        if self.kv_layout not in ("paged", "contiguous"):
-            raise ValueError(f"kv_layout must be paged or contiguous, got {self.kv_layout!r}")
-        if self.kernels not in ("native", "torch"):
-            raise ValueError(f"kernels must be native or torch, got {self.kernels!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_kv_blocks", "max_model_len"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for option in engine_options():
+            setattr(self, option.name, check_option(option.name, getattr(self, option.name)))
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One EngineConfig field, as the command line, the validation and the docs see it."""
+
+    name: str
+    default: Any
+    help: str
+    type: type  # what a command-line value becomes: int, or str (sizes in bytes stay text until checked)
+    optional: bool  # None is allowed
+    choices: tuple[str, ...]
+    minimum: int | None
+    size: bool
+    unset: str | None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@functools.cache
+def engine_options() -> tuple[Option, ...]:
+    """EngineConfig's fields, in order."""
+    hints = typing.get_type_hints(EngineConfig)
+    options = []
+    for field in dataclasses.fields(EngineConfig):
+        kinds = typing.get_args(hints[field.name]) if isinstance(hints[field.name], types.UnionType) else ()
+        kinds = kinds or (hints[field.name],)
+        meta = field.metadata
+        options.append(Option(
+            name=field.name, default=field.default, help=meta["help"],
+            type=int if int in kinds and not meta["size"] else str, optional=type(None) in kinds,
+            choices=meta["choices"], minimum=meta["minimum"], size=meta["size"], unset=meta["unset"],
+        ))
+    return tuple(options)
+
+
+def engine_option(name: str) -> Option:
+    for option in engine_options():
+        if option.name == name:
+            return option
+    raise KeyError(name)
+
+
+def check_option(name: str, value: Any) -> Any:
+    """``value`` checked against the rules of EngineConfig's field ``name``; sizes in bytes come back as ints."""
+    option = engine_option(name)
+    if value is None and option.optional:
+        return None
+    if option.size:
+        try:
+            value = parse_bytes(value)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+    if option.type is int and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if option.choices and value not in option.choices:
+        raise ValueError(f"{name} must be {_one_of(option.choices)}, got {value!r}")
+    if option.minimum is not None and value < option.minimum:
+        raise ValueError(f"{name} must be >= {option.minimum}, got {value}")
+    return value
+
+
+def option_from_text(name: str, text: str) -> Any:
+    """A command-line value (``"32"``, ``"static"``, ``"2GiB"``, ``"none"``) as EngineConfig's field ``name`` wants."""
+    option = engine_option(name)
+    text = text.strip()
+    if option.optional and text.lower() in ("", "none"):
+        return None
+    if option.type is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer, got {text!r}") from None
+    return text
+
+
+def _one_of(choices: tuple[str, ...]) -> str:
+    return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"

@@ -22,14 +22,30 @@ EXAMPLE_CHATS = [
     "What does a compiler do?",
     "Name the planets of the solar system.",
 ]
-
-
+Commands = argparse._SubParsersAction  # what add_subparsers returns
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_generate(commands)
+    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    _add_bench_throughput(bench)
+    _add_bench_decode(bench)
+    _add_bench_compare(bench)
+    _add_bench_serve(bench)
+    _add_export_hf(commands)
+    _add_serve(commands)
+    _add_roofline(commands)
+    _add_plot(commands)
 
+    from conveyor.entrypoints.simulate import add_simulate_parser
+
+    add_simulate_parser(commands)
+    return parser
+
+
+def _add_generate(commands: Commands) -> None:
     gen = commands.add_parser("generate", help="generate for a few prompts and print a per-request table")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable); default: built-in example chats")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
@@ -42,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
 
-    bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+
+def _add_bench_throughput(bench: Commands) -> None:
     thr = bench.add_parser("throughput", help="N long-tailed requests at once; requests/s, tokens/s, TTFT, latency")
     thr.add_argument("--num-prompts", type=int, default=128)
     thr.add_argument("--workload-seed", type=int, default=0)
@@ -54,11 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     thr.add_argument("--compare", nargs="+", metavar="OPTION=VALUE[,OPTION=VALUE]",
                      help="run the same workload under each configuration, e.g. scheduler=static scheduler=continuous")
     add_engine_args(thr)
+
+
+def _add_bench_decode(bench: Commands) -> None:
     dec = bench.add_parser("decode", help="steady-state decode tokens/s per batch size")
     dec.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     dec.add_argument("--prompt-len", type=int, default=64)
     dec.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     add_engine_args(dec)
+
+
+def _add_bench_compare(bench: Commands) -> None:
     cmp = bench.add_parser("compare", help="Conveyor and the peers set up under .peers/ on the same fixed workloads")
     cmp.add_argument("--workloads", default="W1@1,W1@64,W2",
                      help="W1@1: W1 prompts one at a time; W1@64: all 64 at once; W2: 256 long-tailed at once")
@@ -68,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--limit", type=int, default=None, help="first N requests of each workload (a quick check)")
     cmp.add_argument("--max-output-len", type=int, default=None, help="cap output lengths (a quick check)")
     cmp.add_argument("-o", "--output", default=None, help="write machine, figures and agreement as JSON")
+
+
+def _add_bench_serve(bench: Commands) -> None:
     srv = bench.add_parser("serve", help="Poisson arrivals of streaming requests against an OpenAI-compatible server")
     srv.add_argument("--base-url", default="http://127.0.0.1:8000")
     srv.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
@@ -81,10 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token, for goodput")
     srv.add_argument("--json", default=None)
 
+
+def _add_export_hf(commands: Commands) -> None:
     export = commands.add_parser("export-hf", help="write the model as a float32 Hugging Face folder for other engines")
     export.add_argument("output", help="the folder to write (new, or empty)")
     export.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
 
+
+def _add_serve(commands: Commands) -> None:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -97,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     add_engine_args(serve)
 
+
+def _add_roofline(commands: Commands) -> None:
     roof = commands.add_parser("roofline", help="this machine's bandwidth and GEMM limits vs the engine's decode")
     roof.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     roof.add_argument("--context-lens", default="128,512,2048", help="contexts for the bound table")
@@ -107,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--json", default=None, help="also write the table here")
     add_engine_args(roof)
 
+
+def _add_plot(commands: Commands) -> None:
     plot = commands.add_parser("plot", help="pictures from traces").add_subparsers(dest="plot", required=True)
     timeline = plot.add_parser("timeline", help="batch slots x steps, busy or idle, one panel per trace")
     timeline.add_argument("traces", nargs="+")
@@ -114,11 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     memory = plot.add_parser("memory", help="KV slots reserved vs used over time, and running requests")
     memory.add_argument("traces", nargs="+")
     memory.add_argument("-o", "--output", default="memory.png")
-
-    from conveyor.entrypoints.simulate import add_simulate_parser
-
-    add_simulate_parser(commands)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,8 +239,6 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-
-
 def _read_traces(paths: list[str], describe: str) -> tuple[list, list[str]]:
     """Traces and their labels: the file name, and the config fields that ``describe`` names."""
     from conveyor.core.trace import Trace
@@ -296,7 +323,6 @@ def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     write_json({"machine": dataclasses.asdict(machine), "points": [dataclasses.asdict(p) for p in points]},
                args.json)
     return 0
-
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from conveyor.core.config import check_option, engine_option
 from conveyor.core.kv import PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.core.stats import EngineStats
 
-POLICIES = ("fcfs", "priority")
-PREEMPTION_MODES = ("recompute", "swap")
+POLICIES = engine_option("scheduling_policy").choices
+PREEMPTION_MODES = engine_option("preemption_mode").choices
 logger = logging.getLogger("conveyor.core.scheduler")
 
 
@@ -42,13 +43,10 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        """The rules of EngineConfig's fields of the same names (``policy`` is its ``scheduling_policy``)."""
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode"):
+            check_option(name, getattr(self, name))
+        check_option("scheduling_policy", self.policy)
 
 
 def _arrival_order(request: Request) -> tuple[float, int]:

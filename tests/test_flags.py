@@ -1,0 +1,158 @@
+"""Engine flags are written once, in EngineConfig: the parser, README's flag table and the checks follow from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from conveyor.core.config import EngineConfig, check_option, engine_options
+from conveyor.core.scheduler import SchedulerConfig
+from conveyor.entrypoints.args import add_engine_args, engine_config, with_overrides
+from conveyor.entrypoints.cli import build_parser
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+ROW = re.compile(r"^\| `(--[a-z0-9-]+)` \|(.*)\|(.*)\|$")
+
+
+def readme_engine_flags() -> dict[str, list[tuple[str, str]]]:
+    """The flag table under README's "### Offline": flag -> [(meaning, default)], one entry per row."""
+    section = README.read_text().split("\n### Offline\n", 1)[1].split("\n### ", 1)[0]
+    lines = section.splitlines()
+    start = lines.index("| flag | meaning | default |")
+    rows: dict[str, list[tuple[str, str]]] = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        match = ROW.match(line)
+        assert match, f"README flag table: cannot read the row {line!r}"
+        rows.setdefault(match.group(1), []).append((match.group(2).strip(), match.group(3).strip()))
+    return rows
+
+
+def shown_default(option) -> str:
+    """How README writes a default: an int as it is, text in backticks, None as what it means (or nothing)."""
+    if option.default is None:
+        return option.unset or ""
+    return str(option.default) if isinstance(option.default, int) else f"`{option.default}`"
+
+
+def test_readme_flag_table_matches_engine_config() -> None:
+    rows = readme_engine_flags()
+    flags = {option.flag: option for option in engine_options()}
+    assert sorted(set(rows) - set(flags)) == [], "README names flags the engine does not have"
+    assert sorted(set(flags) - set(rows)) == [], "engine flags missing from README's table"
+    for flag, option in flags.items():
+        assert len(rows[flag]) == 1, f"{flag} appears {len(rows[flag])} times in README's table"
+        meaning, default = rows[flag][0]
+        assert default == shown_default(option), f"{flag}: README's default {default!r}"
+        for choice in option.choices:
+            assert f"`{choice}`" in meaning, f"{flag}: README's meaning does not name the choice {choice!r}"
+
+
+def test_every_field_has_help_and_valid_default() -> None:
+    for option in engine_options():
+        assert option.help, option.name
+        assert not option.choices or option.default in option.choices, option.name
+    EngineConfig()  # the defaults pass their own checks
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_parser_has_one_option_per_field_with_its_default() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    assert list(actions) == [f.name for f in dataclasses.fields(EngineConfig)]
+    for option in engine_options():
+        action = actions[option.name]
+        assert action.option_strings == [option.flag]
+        assert action.default == option.default
+        assert tuple(action.choices or ()) == option.choices
+        assert option.help in action.help
+    assert engine_config(parse([])) == EngineConfig()
+
+
+def test_engine_config_round_trips_through_the_flags() -> None:
+    argv = ["--model", "m.gguf", "--dtype", "bfloat16", "--device", "cpu", "--max-num-seqs", "7",
+            "--max-num-batched-tokens", "99", "--block-size", "8", "--kv-cache-memory", "1GiB",
+            "--num-kv-blocks", "12", "--max-model-len", "64", "--seed", "3", "--scheduler", "static",
+            "--scheduling-policy", "priority", "--preemption-mode", "swap", "--swap-space", "512MB",
+            "--kv-layout", "contiguous", "--kernels", "torch"]
+    assert len(argv) == 2 * len(engine_options())
+    assert engine_config(parse(argv)) == EngineConfig(
+        model="m.gguf", dtype="bfloat16", device="cpu", max_num_seqs=7, max_num_batched_tokens=99, block_size=8,
+        kv_cache_memory=2**30, num_kv_blocks=12, max_model_len=64, seed=3, scheduler="static",
+        scheduling_policy="priority", preemption_mode="swap", swap_space=512 * 10**6, kv_layout="contiguous",
+        kernels="torch",
+    )
+
+
+def test_parser_refuses_a_bad_choice_or_integer() -> None:
+    for argv in (["--dtype", "int8"], ["--max-num-seqs", "many"]):
+        with pytest.raises(SystemExit):
+            parse(argv)
+
+
+def test_simulate_keeps_its_unset_defaults() -> None:
+    """``conveyor simulate`` fills dtype and the KV size from the hardware when they are not given."""
+    args = build_parser().parse_args(["simulate"])
+    assert args.dtype is None and args.kv_cache_memory is None and args.max_num_seqs == 128
+    assert build_parser().parse_args(["simulate", "calibrate"]).max_num_seqs == 16
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"max_model_len": 0}, "max_model_len must be >= 1"),
+        ({"scheduler": "dynamic"}, "scheduler must be continuous or static"),
+        ({"dtype": "int8"}, "dtype must be float32, bfloat16 or float16"),
+        ({"kv_cache_memory": "lots"}, "kv_cache_memory: not a size in bytes"),
+        ({"swap_space": -1}, "swap_space must be >= 0"),
+        ({"seed": "42"}, "seed must be an integer"),
+        ({"block_size": True}, "block_size must be an integer"),
+    ],
+)
+def test_engine_config_checks_name_the_field(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineConfig(**options)
+
+
+def test_sizes_become_bytes() -> None:
+    config = EngineConfig(kv_cache_memory="2GiB", swap_space=1000)
+    assert (config.kv_cache_memory, config.swap_space) == (2 * 2**30, 1000)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
+        ({"policy": "lifo"}, "scheduling_policy must be fcfs or priority"),
+        ({"preemption_mode": "drop"}, "preemption_mode must be recompute or swap"),
+    ],
+)
+def test_scheduler_config_uses_the_same_rules(options: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**options)
+    name = "scheduling_policy" if "policy" in options else next(iter(options))
+    with pytest.raises(ValueError, match=message):
+        check_option(name, next(iter(options.values())))
+
+
+def test_compare_overrides_convert_by_field_type() -> None:
+    base = EngineConfig()
+    variant = with_overrides(base, "scheduler=static,max_num_seqs=32,num_kv_blocks=none,model=123,swap-space=1GiB")
+    assert (variant.scheduler, variant.max_num_seqs, variant.num_kv_blocks) == ("static", 32, None)
+    assert variant.model == "123" and variant.swap_space == 2**30
+    with pytest.raises(ValueError, match="--compare: max_num_seqs must be an integer"):
+        with_overrides(base, "max_num_seqs=lots")
+    with pytest.raises(ValueError, match="--compare"):
+        with_overrides(base, "no_such_option=1")
