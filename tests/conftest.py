@@ -61,18 +61,3 @@ def tiny_hf_model(tiny_model_dir: Path):
 
     return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
-
-def hf_greedy(hf_model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy ``generate``: up to ``max_new_tokens`` tokens, EOS included if it comes."""
-    import torch
-
-    ids = torch.tensor([prompt_token_ids])
-    with torch.no_grad():
-        out = hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt_token_ids):].tolist()

@@ -37,7 +37,7 @@ from conveyor.bench.workload import (
 )
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.entrypoints.cli import main
-from tests.conftest import hf_greedy
+from tests.harness import hf_greedy
 
 PEERS_DIR = ROOT / "bench" / "peers"
 

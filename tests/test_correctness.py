@@ -14,7 +14,7 @@ import random
 import pytest
 
 from conveyor import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.harness import hf_greedy
 
 GREEDY_16 = SamplingParams(temperature=0.0, max_tokens=16)
 

@@ -10,20 +10,13 @@ from __future__ import annotations
 import pytest
 
 from conveyor.core.kv import BlockPool, PagedKVCacheManager, blocks_for_tokens
-
-
-def owned_blocks(kv: PagedKVCacheManager) -> list[int]:
-    """Every block id held by some request, duplicates kept, so a double owner shows up."""
-    return [block for table in kv.block_tables.values() for block in table]
+from tests.harness import check_pool
 
 
 def assert_conserved(kv: PagedKVCacheManager) -> None:
     """No block is lost or shared: free + owned is the whole pool, each id once."""
-    owned = owned_blocks(kv)
-    assert len(owned) == len(set(owned))
-    assert kv.num_free_blocks + len(owned) == kv.num_blocks
-    assert set(owned).isdisjoint(kv.pool._free)
-    assert set(owned) | set(kv.pool._free) == set(range(kv.num_blocks))
+    check_pool(kv.pool, kv.block_tables, "device")
+    assert kv.num_free_blocks + sum(len(table) for table in kv.block_tables.values()) == kv.num_blocks
 
 
 # ----- blocks_for_tokens -----------------------------------------------------
@@ -150,7 +143,7 @@ def test_free_returns_blocks_at_once() -> None:
     assert "b" not in kv.block_tables
     assert kv.block_ids("b") == []
     assert kv.num_free_blocks == 3
-    assert b_blocks <= set(kv.pool._free)
+    assert b_blocks <= set(kv.pool.free_block_ids())
     assert_conserved(kv)
     kv.free("a")
     assert kv.num_free_blocks == 6
@@ -165,7 +158,7 @@ def test_free_of_unknown_or_twice_is_harmless() -> None:
     kv.free("a")
     kv.free("a")
     assert kv.num_free_blocks == 3
-    assert sorted(kv.pool._free) == [0, 1, 2]
+    assert sorted(kv.pool.free_block_ids()) == [0, 1, 2]
 
 
 def test_usage_is_fraction_of_blocks_held() -> None:

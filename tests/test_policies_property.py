@@ -21,36 +21,25 @@ workloads are random and the invariants are checked after every call:
   with the output a lone run would give, within a step bound.
 
 A second run of the same workload must make the same decisions: the
-scheduler may not depend on anything but its inputs.
+scheduler may not depend on anything but its inputs. The loop is
+``tests/harness.py``'s ``StepDriver``; ``PolicyDriver`` checks in its hooks.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from conveyor.core.kv import BlockPool, ContiguousBlockPool, ContiguousKVCacheManager, PagedKVCacheManager
+from conveyor.core.kv import ContiguousKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus
-from conveyor.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, StaticScheduler
+from conveyor.core.scheduler import Scheduler, SchedulerOutput, StaticScheduler
 from conveyor.core.scheduler.continuous import POLICIES, PREEMPTION_MODES
-from tests.test_scheduler import (
-    Abort,
-    FakeClock,
-    RequestSpec,
-    TokenFn,
-    Workload,
-    hashed_token,
-    reference_output,
-    request_from_spec,
-    workloads,
-)
-from tests.test_swap import SwapAwareExecutor
+from tests.harness import Abort, KVShadow, RequestSpec, StepDriver, Workload, check_pool, make_scheduler, workloads
 
 SCHEDULER_CLASSES: dict[str, type[Scheduler]] = {"continuous": Scheduler, "static": StaticScheduler}
 LAYOUTS = ("paged", "contiguous")
@@ -151,19 +140,19 @@ def policy_workloads(draw: st.DrawFn) -> PolicyWorkload:
 
 def build_scheduler(combo: Combo, workload: PolicyWorkload) -> Scheduler:
     w = workload.base
-    kv: PagedKVCacheManager
-    if combo.layout == "paged":
-        kv = PagedKVCacheManager(w.num_blocks, w.block_size, w.watermark, workload.num_cpu_blocks)
-    else:
-        kv = ContiguousKVCacheManager(w.num_blocks, w.block_size, w.max_model_len, workload.num_cpu_blocks)
-    config = SchedulerConfig(
-        w.max_num_seqs,
-        w.max_num_batched_tokens,
-        w.max_model_len,
+    return make_scheduler(
+        w.num_blocks,
+        w.block_size,
+        max_num_seqs=w.max_num_seqs,
+        max_num_batched_tokens=w.max_num_batched_tokens,
+        max_model_len=w.max_model_len,
+        watermark=w.watermark,
+        num_cpu_blocks=workload.num_cpu_blocks,
+        layout=combo.layout,
+        scheduler_class=SCHEDULER_CLASSES[combo.scheduler],
         policy=combo.policy,
         preemption_mode=combo.preemption_mode,
     )
-    return SCHEDULER_CLASSES[combo.scheduler](config, kv, clock=FakeClock())
 
 
 def step_limit(workload: Workload) -> int:
@@ -172,92 +161,39 @@ def step_limit(workload: Workload) -> int:
     return 100 + 10 * tokens
 
 
-# ----- pool and table checks -------------------------------------------------
-
-
-def free_block_ids(pool: BlockPool | ContiguousBlockPool) -> list[int]:
-    """The pool's free list as ids, whatever its representation (deque or bitmap)."""
-    if isinstance(pool, ContiguousBlockPool):
-        return [block for block, free in enumerate(pool._free) if free]
-    return list(pool._free)
-
-
-def check_pool(pool: BlockPool | ContiguousBlockPool | None, tables: Mapping[str, list[int]], name: str) -> None:
-    """One owner per block, no block both free and owned, none lost or invented."""
-    if pool is None:
-        assert not tables, f"{name} blocks held without a {name} pool"
-        return
-    owned = [block for table in tables.values() for block in table]
-    free = free_block_ids(pool)
-    assert len(owned) == len(set(owned)), f"a {name} block is owned twice: {dict(tables)}"
-    assert len(free) == len(set(free)) == pool.num_free, f"{name} free list is inconsistent"
-    assert set(owned).isdisjoint(free), f"a {name} block is both free and owned"
-    assert sorted(owned + free) == list(range(pool.num_blocks)), f"{name}: free + owned != total"
-
-
 def is_slab(table: list[int], slab_blocks: int) -> bool:
     return len(table) == slab_blocks and table == list(range(table[0], table[0] + slab_blocks))
-
-
-def copy_block(source: dict[int, tuple[str, int]], src: int, dest: dict[int, tuple[str, int]], dst: int) -> None:
-    """Copy one block's label; a block nobody wrote (a slab's tail, a fresh victim's) copies as garbage."""
-    if src in source:
-        dest[dst] = source[src]
-    else:
-        dest.pop(dst, None)
-
-
-class KVShadow:
-    """What each device and CPU block holds, as (request, logical block) labels, moved as the executor moves KV.
-
-    The fake executor trusts the block tables; this catches swap pairs that copy the right number of
-    blocks to the wrong places (a swapped request that comes back with another block's KV).
-    """
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self.device: dict[int, tuple[str, int]] = {}
-        self.cpu: dict[int, tuple[str, int]] = {}
-
-    def run_step(self, output: SchedulerOutput) -> None:
-        # The order the executor copies in: swap-ins first, then swap-outs.
-        for cpu, device in output.blocks_to_swap_in:
-            copy_block(self.cpu, cpu, self.device, device)
-        for device, cpu in output.blocks_to_swap_out:
-            copy_block(self.device, device, self.cpu, cpu)
-        for item in output.scheduled:
-            cached_blocks = -(-item.start_position // self.block_size)
-            for index in range(cached_blocks):
-                held = self.device.get(item.block_ids[index])
-                assert held == (item.request_id, index), f"{item.request_id} block {index} holds {held}'s KV"
-            for index in range(item.start_position // self.block_size, -(-item.context_len // self.block_size)):
-                self.device[item.block_ids[index]] = (item.request_id, index)
 
 
 # ----- the driver -------------------------------------------------------------
 
 
-class PolicySimulation:
+@dataclass(frozen=True)
+class BeforeStep:
+    """What the checks of a step need to know of the state before ``schedule``."""
+
+    had_work: bool
+    waiting: set[str]
+    running: set[str]
+    cpu_tables: dict[str, list[int]]  # the swapped requests' CPU block tables
+    device_free: set[int]  # free device block ids
+
+
+class PolicyDriver(StepDriver):
     """Runs one workload through one combination, checking the contract around every call.
 
     With ``checked=False`` it only drives the loop and records the decisions, for the determinism check.
     """
 
     def __init__(self, combo: Combo, workload: PolicyWorkload, checked: bool = True) -> None:
+        super().__init__(
+            workload.base, build_scheduler(combo, workload), max_steps=step_limit(workload.base), swap_aware=True
+        )
         self.combo = combo
-        self.workload = workload
-        self.w = workload.base
+        self.policy_workload = workload
         self.checked = checked
-        self.scheduler = build_scheduler(combo, workload)
         self.kv = self.scheduler.kv_manager
-        self.token_fn: TokenFn = lambda rid, pos: hashed_token(rid, pos, self.w.vocab)
-        # Also right for recompute: it forgets every victim that is not SWAPPED, i.e. all of them.
-        self.executor = SwapAwareExecutor(self.scheduler)
-        self.executor.token_fn = self.token_fn
-        self.all_requests: dict[str, Request] = {}
-        self.aborted: set[str] = set()
         self.delivered: Counter[str] = Counter()  # finished requests handed back by update()
-        self.finished_reported: Counter[str] = Counter()  # finished_request_ids of the step outputs
         self.batch: set[str] | None = None  # the static scheduler's current batch, as seen from outside
         self.records: list[StepRecord] = []
         self.shadow = KVShadow(self.kv.block_size)
@@ -267,41 +203,16 @@ class PolicySimulation:
     def is_static(self) -> bool:
         return isinstance(self.scheduler, StaticScheduler)
 
-    def run(self) -> list[StepRecord]:
-        step = 0
-        limit = step_limit(self.w)
-        pending = sorted(range(len(self.w.requests)), key=lambda i: self.w.requests[i].arrival_step)
-        while pending or self.scheduler.has_unfinished_requests():
-            while pending and self.w.requests[pending[0]].arrival_step <= step:
-                self.add(pending.pop(0))
-            self.abort_at(step, mid_step=False)
-            output = self.schedule_and_check()
-            sampled = self.executor.execute(output)
-            if self.checked:
-                self.shadow.run_step(output)
-            self.abort_at(step, mid_step=True)
-            self.update_and_check(output, sampled)
-            step += 1
-            assert step <= limit, f"not drained after {limit} steps: the scheduler livelocks"
-        if self.checked:
-            self.finished_reported.update(self.scheduler.schedule().finished_request_ids)
-            self.check_end()
-        return self.records
+    # ----- hooks ------------------------------------------------------------
 
-    def add(self, index: int) -> None:
-        spec = self.w.requests[index]
-        request_id = f"r{index}"
-        request = request_from_spec(spec, request_id, arrival=float(len(self.all_requests)))
-        request.priority = self.workload.priorities[index]
-        self.all_requests[request_id] = request
-        self.executor.prompts[request_id] = request.prompt_token_ids
-        self.scheduler.add_request(request)
+    def new_request(self, index: int) -> Request:
+        request = super().new_request(index)
+        request.priority = self.policy_workload.priorities[index]
+        return request
 
-    def abort_at(self, step: int, mid_step: bool) -> None:
-        for abort in self.w.aborts:
-            if abort.step == step and abort.mid_step == mid_step:
-                self.abort(f"r{abort.index}")
-        for index, targeted in enumerate(self.workload.targeted_aborts):
+    def after_aborts(self, mid_step: bool) -> None:
+        """The targeted aborts, then the static batch closes if they ended it."""
+        for index, targeted in enumerate(self.policy_workload.targeted_aborts):
             queue: list[Request] = getattr(self.scheduler, targeted.queue)
             if targeted.mid_step != mid_step or not queue:
                 continue
@@ -310,29 +221,37 @@ class PolicySimulation:
             self.sightings[index] += 1
         self.close_finished_batch()
 
-    def abort(self, request_id: str) -> None:
-        live = request_id in self.scheduler.requests
-        result = self.scheduler.abort_request(request_id)
-        assert (result is not None) == live, "abort must find exactly the live requests"
-        if result is not None:
-            self.aborted.add(request_id)
-            assert result.finish_reason is FinishReason.ABORT and result.is_finished
-            assert request_id not in self.kv.block_tables and request_id not in self.kv.cpu_block_tables
+    def after_abort(self, request_id: str) -> None:
         if self.checked:
             self.check_state()
 
+    def after_execute(self, output: SchedulerOutput) -> None:
+        if self.checked:
+            self.shadow.run_step(output)
+
+    def at_end(self) -> None:
+        if self.checked:
+            self.collect_last_finishes()
+            self.check_end()
+
+    def decisions(self) -> list[StepRecord]:
+        """Run the workload; what each step decided."""
+        self.run()
+        return self.records
+
     # ----- one step ---------------------------------------------------------
 
-    def schedule_and_check(self) -> SchedulerOutput:
+    def before_schedule(self) -> BeforeStep:
         sched = self.scheduler
-        had_work = sched.has_unfinished_requests()
-        waiting_before = {r.request_id for r in sched.waiting}
-        running_before = {r.request_id for r in sched.running}
-        cpu_before = {rid: list(table) for rid, table in self.kv.cpu_block_tables.items()}
-        device_free_before = set(free_block_ids(self.kv.pool))
+        return BeforeStep(
+            had_work=sched.has_unfinished_requests(),
+            waiting={r.request_id for r in sched.waiting},
+            running={r.request_id for r in sched.running},
+            cpu_tables={rid: list(table) for rid, table in self.kv.cpu_block_tables.items()},
+            device_free=set(self.kv.pool.free_block_ids()),
+        )
 
-        output = sched.schedule()
-
+    def after_schedule(self, output: SchedulerOutput, before: BeforeStep) -> None:
         self.records.append(
             (
                 tuple((s.request_id, s.start_position, s.num_scheduled_tokens) for s in output.scheduled),
@@ -342,24 +261,23 @@ class PolicySimulation:
             )
         )
         if not self.checked:
-            return output
+            return
         self.finished_reported.update(output.finished_request_ids)
-        self.check_scheduled(output, running_before)
+        self.check_scheduled(output, before.running)
         self.check_state()
-        self.check_swaps(output, cpu_before, device_free_before)
+        self.check_swaps(output, before.cpu_tables, before.device_free)
         assert output.memory == self.kv.memory_report()
         if self.is_static:
-            self.check_static_batch(output, waiting_before)
-        if had_work and not output.scheduled:
+            self.check_static_batch(output, before.waiting)
+        if before.had_work and not output.scheduled:
             # Legitimate only for request-level batching, in the step that hands back a batch whose
             # last unfinished member was aborted: everything that still holds a slot is finished.
             assert self.is_static, "a step with unfinished requests scheduled nothing"
-            holders = sched.slot_holders()
+            holders = self.scheduler.slot_holders()
             assert all(self.all_requests[rid].is_finished for rid in holders), (
                 f"stalled: nothing scheduled, yet {holders} hold slots and waiting is "
-                f"{[r.request_id for r in sched.waiting]}"
+                f"{[r.request_id for r in self.scheduler.waiting]}"
             )
-        return output
 
     def check_scheduled(self, output: SchedulerOutput, running_before: set[str]) -> None:
         sched, kv, config = self.scheduler, self.kv, self.scheduler.config
@@ -385,7 +303,7 @@ class PolicySimulation:
     ) -> None:
         """Swap-ins read CPU blocks the swapped held into free device blocks; swap-outs are the victims' tables."""
         num_blocks = self.kv.num_blocks
-        num_cpu = self.kv.cpu_pool.num_blocks if self.kv.cpu_pool else 0
+        num_cpu = self.kv.num_cpu_blocks
         swap_in, swap_out = output.blocks_to_swap_in, output.blocks_to_swap_out
         if self.combo.preemption_mode == "recompute":
             assert not swap_in and not swap_out, "recompute mode swapped"
@@ -425,8 +343,7 @@ class PolicySimulation:
         outside = scheduled - (self.batch or set())
         assert not outside, f"{outside} scheduled outside the current batch {self.batch}"
 
-    def update_and_check(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
-        returned = self.scheduler.update(output, sampled)
+    def after_update(self, output: SchedulerOutput, returned: list[Request]) -> None:
         finished = [r for r in returned if r.is_finished]
         for request in finished:
             self.delivered[request.request_id] += 1
@@ -502,27 +419,12 @@ class PolicySimulation:
         assert not sched.running and not sched.waiting and not sched.swapped
         assert kv.block_tables == {} and kv.cpu_block_tables == {}
         assert kv.num_free_blocks == kv.num_blocks, "device blocks leaked"
-        if kv.cpu_pool is not None:
-            assert kv.num_free_cpu_blocks == kv.cpu_pool.num_blocks, "CPU blocks leaked"
-        assert dict(self.finished_reported) == dict.fromkeys(self.all_requests, 1), "not reported finished once"
+        assert kv.num_free_cpu_blocks == kv.num_cpu_blocks, "CPU blocks leaked"
+        self.check_reported_once()
         for request_id, request in self.all_requests.items():
             ends = self.delivered[request_id] + (request_id in self.aborted)
             assert ends == 1, f"{request_id} ended {ends} times (delivered or aborted)"
             self.check_output(request)
-
-    def check_output(self, request: Request) -> None:
-        """The output a lone run gives: batching, preemption and swap must not change a token."""
-        max_model_len = self.scheduler.config.max_model_len
-        assert request.status is RequestStatus.FINISHED and request.finish_reason is not None
-        assert request.num_output_tokens <= request.sampling_params.max_tokens
-        assert request.num_tokens <= max_model_len
-        expected, reason, stop_reason = reference_output(request, max_model_len, self.token_fn)
-        if request.request_id in self.aborted:
-            assert request.finish_reason is FinishReason.ABORT
-            assert request.output_token_ids == expected[: request.num_output_tokens]
-        else:
-            assert request.output_token_ids == expected
-            assert (request.finish_reason, request.stop_reason) == (reason, stop_reason)
 
 
 # ----- the tests ----------------------------------------------------------------
@@ -532,8 +434,8 @@ class PolicySimulation:
 @settings(max_examples=60, deadline=None, phases=PHASES, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=policy_workloads())
 def test_every_policy_keeps_the_contract_and_is_deterministic(combo: Combo, workload: PolicyWorkload) -> None:
-    records = PolicySimulation(combo, workload).run()
-    assert PolicySimulation(combo, workload, checked=False).run() == records, "same workload, other decisions"
+    records = PolicyDriver(combo, workload).decisions()
+    assert PolicyDriver(combo, workload, checked=False).decisions() == records, "same workload, other decisions"
 
 
 def one_token_request(arrival_step: int) -> RequestSpec:
@@ -564,5 +466,5 @@ def test_static_batch_member_is_not_starved_by_a_more_important_newcomer(combo: 
         requests=(one_token_request(0), one_token_request(0), one_token_request(1)),
         aborts=(),
     )
-    records = PolicySimulation(combo, PolicyWorkload(workload, priorities=(0, 0, -1), num_cpu_blocks=0)).run()
+    records = PolicyDriver(combo, PolicyWorkload(workload, priorities=(0, 0, -1), num_cpu_blocks=0)).decisions()
     assert [scheduled for scheduled, *_ in records] == [(("r0", 0, 1),), (("r1", 0, 1),), (("r2", 0, 1),)]

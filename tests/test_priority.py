@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from conveyor.core.kv import PagedKVCacheManager
-from conveyor.core.scheduler import Scheduler, SchedulerConfig
-from tests.test_scheduler import FakeClock, Harness, make_request
+from tests.harness import Harness, make_scheduler
 
 
 def priority_harness(num_blocks: int, block_size: int, max_num_seqs: int = 8) -> Harness:
-    kv = PagedKVCacheManager(num_blocks, block_size, watermark=0.0)
-    config = SchedulerConfig(max_num_seqs, 64, kv.capacity_tokens, policy="priority")
-    return Harness(Scheduler(config, kv, clock=FakeClock()))
+    return Harness(make_scheduler(num_blocks, block_size, max_num_seqs=max_num_seqs, policy="priority"))
 
 
 def add(h: Harness, request_id: str, prompt_len: int, priority: int, max_tokens: int = 8):
-    request = make_request(request_id, prompt_len, arrival=float(h.arrivals), max_tokens=max_tokens, ignore_eos=True)
-    request.priority = priority
-    h.arrivals += 1
-    h.scheduler.add_request(request)
-    h.executor.prompts[request_id] = request.prompt_token_ids
-    return request
+    return h.add(request_id, prompt_len, max_tokens=max_tokens, ignore_eos=True, priority=priority)
 
 
 def test_waiting_requests_are_admitted_in_priority_order():

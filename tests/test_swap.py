@@ -2,37 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.core.kv import PagedKVCacheManager
 from conveyor.core.request import RequestStatus
-from conveyor.core.scheduler import Scheduler, SchedulerConfig
 from conveyor.core.scheduler.output import SchedulerOutput
-from tests.test_scheduler import FakeClock, FakeExecutor, Harness
-
-
-class SwapAwareExecutor(FakeExecutor):
-    """The fake executor, except that a swapped-out request keeps its KV (the real one copies it)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        super().__init__()
-        self.scheduler = scheduler
-
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        requests = self.scheduler.requests
-        dropped = [i for i in output.preempted_request_ids if requests[i].status is not RequestStatus.SWAPPED]
-        return super().execute(dataclasses.replace(output, preempted_request_ids=dropped))
+from tests.harness import Harness, SwapAwareExecutor, make_scheduler
 
 
 def swap_harness(num_blocks: int, block_size: int, num_cpu_blocks: int) -> Harness:
-    kv = PagedKVCacheManager(num_blocks, block_size, watermark=0.0, num_cpu_blocks=num_cpu_blocks)
-    config = SchedulerConfig(8, 64, kv.capacity_tokens, preemption_mode="swap")
-    scheduler = Scheduler(config, kv, clock=FakeClock())
+    scheduler = make_scheduler(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, preemption_mode="swap")
     return Harness(scheduler, SwapAwareExecutor(scheduler))
 
 

@@ -29,6 +29,10 @@ class ContiguousBlockPool:
     def num_free(self) -> int:
         return self._num_free
 
+    def free_block_ids(self) -> list[int]:
+        """The free blocks' ids, in ascending order (a copy: for checks and reports)."""
+        return [block for block, free in enumerate(self._free) if free]
+
     def _free_runs(self) -> list[tuple[int, int]]:
         """(start, length) of every maximal run of free blocks."""
         runs, free = [], self._free

@@ -31,6 +31,10 @@ class BlockPool:
     def can_take(self, n: int) -> bool:
         return n <= len(self._free)
 
+    def free_block_ids(self) -> list[int]:
+        """The free blocks' ids, in the order they would be taken (a copy: for checks and reports)."""
+        return list(self._free)
+
     def unusable_free_blocks(self) -> int:
         """Free blocks that no request could use: none, since any block serves any request."""
         return 0
