@@ -73,7 +73,8 @@ def test_parser_has_one_option_per_field_with_its_default() -> None:
     assert list(actions) == [f.name for f in dataclasses.fields(EngineConfig)]
     for option in engine_options():
         action = actions[option.name]
-        assert action.option_strings == [option.flag]
+        expected = [option.flag, option.flag.replace("--", "--no-", 1)] if option.type is bool else [option.flag]
+        assert action.option_strings == expected
         assert action.default == option.default
         assert tuple(action.choices or ()) == option.choices
         assert option.help in action.help
@@ -85,14 +86,25 @@ def test_engine_config_round_trips_through_the_flags() -> None:
             "--max-num-batched-tokens", "99", "--block-size", "8", "--kv-cache-memory", "1GiB",
             "--num-kv-blocks", "12", "--max-model-len", "64", "--seed", "3", "--scheduler", "static",
             "--scheduling-policy", "priority", "--preemption-mode", "swap", "--swap-space", "512MB",
-            "--kv-layout", "contiguous", "--kernels", "torch"]
-    assert len(argv) == 2 * len(engine_options())
+            "--kv-layout", "contiguous", "--no-enable-prefix-caching", "--kernels", "torch"]
+    assert len(argv) == 2 * len(engine_options()) - 1  # the switch takes no value
     assert engine_config(parse(argv)) == EngineConfig(
         model="m.gguf", dtype="bfloat16", device="cpu", max_num_seqs=7, max_num_batched_tokens=99, block_size=8,
         kv_cache_memory=2**30, num_kv_blocks=12, max_model_len=64, seed=3, scheduler="static",
         scheduling_policy="priority", preemption_mode="swap", swap_space=512 * 10**6, kv_layout="contiguous",
-        kernels="torch",
+        enable_prefix_caching=False, kernels="torch",
     )
+
+
+def test_prefix_caching_is_on_by_default_for_paged_blocks_only() -> None:
+    assert EngineConfig().prefix_caching and not EngineConfig(kv_layout="contiguous").prefix_caching
+    assert not EngineConfig(enable_prefix_caching=False).prefix_caching
+    assert engine_config(parse(["--enable-prefix-caching"])).enable_prefix_caching is True
+    with pytest.raises(ValueError, match="contiguous layout cannot share blocks"):
+        EngineConfig(kv_layout="contiguous", enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="enable_prefix_caching must be true or false"):
+        EngineConfig(enable_prefix_caching="yes")
+    assert with_overrides(EngineConfig(), "enable_prefix_caching=off").prefix_caching is False
 
 
 def test_parser_refuses_a_bad_choice_or_integer() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from conveyor.bench.decode import measure_decode
 from conveyor.bench.report import format_table
-from conveyor.bench.throughput import run_throughput
+from conveyor.bench.throughput import WorkloadSpec, run_throughput
 from conveyor.bench.workload import long_tail_workload
 from conveyor.core.config import EngineConfig
 from conveyor.core.model_config import ModelConfig
@@ -214,7 +214,7 @@ def validate(config: EngineConfig, num_prompts: int, seed: int, output_range: tu
     the same decisions in both, so the traces differ only in how long each step took.
     """
     engine = Engine(config)
-    measured = run_throughput(engine, num_prompts, seed, output_range)
+    measured = run_throughput(engine, WorkloadSpec(num_prompts=num_prompts, seed=seed, output_range=output_range))
     synthetic = long_tail_workload(num_prompts, seed, engine.model_config.vocab_size, output_range=output_range)
     workload = [WorkloadRequest(0.0, len(r.prompt_token_ids), r.output_len) for r in synthetic]
     cost = CostModel(engine.model_config, load_hardware("cpu-local"), config.dtype)

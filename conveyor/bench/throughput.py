@@ -1,13 +1,22 @@
-"""``conveyor bench throughput``: many requests at once, long-tailed lengths, exact (ignore_eos)."""
+"""``conveyor bench throughput``: a seeded workload run to the end, lengths exact (ignore_eos): long-tailed
+requests at once, requests over shared prefixes, or multi-turn conversations."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from conveyor.bench.report import format_table
-from conveyor.bench.workload import SyntheticRequest, long_tail_workload
+from conveyor.bench.workload import (
+    WORKLOADS,
+    Conversation,
+    SyntheticRequest,
+    long_tail_workload,
+    multi_turn_workload,
+    shared_prefix_workload,
+)
 from conveyor.core.figures import config_figures, request_figures
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
@@ -27,26 +36,51 @@ def run_all_at_once(engine: Engine, requests: list[SyntheticRequest]) -> tuple[l
     return [done[i] for i in ids], steps
 
 
-def run_throughput(
-    engine: Engine,
-    num_prompts: int,
-    seed: int,
-    output_range: tuple[int, int] = (8, 512),
-    prompt_range: tuple[int, int] = (16, 512),
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """Which seeded workload ``bench throughput`` runs, and its shape.
+
+    ``longtail``: ``num_prompts`` requests at once, long-tailed prompt and output lengths.
+    ``shared-prefix``: ``num_prompts`` requests at once over ``num_prefixes`` shared prefixes of
+    ``prefix_range`` tokens, each with a short question of its own and ``output_range[1]`` output tokens.
+    ``multi-turn``: ``num_prompts`` conversations of ``num_turns`` turns, all started at once; each turn is sent
+    when the previous one is answered and resends the whole history (system prompt, questions, answers).
+    """
+
+    kind: str = "longtail"
+    num_prompts: int = 128
+    seed: int = 0
+    output_range: tuple[int, int] = (8, 512)
+    prompt_range: tuple[int, int] = (16, 512)
+    num_prefixes: int = 8
+    prefix_range: tuple[int, int] = (400, 800)
+    num_turns: int = 6
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {', '.join(WORKLOADS)}, got {self.kind!r}")
+        if self.num_prompts < 1 or self.num_prefixes < 1 or self.num_turns < 1:
+            raise ValueError("--num-prompts, --num-prefixes and --num-turns must be >= 1")
+
+
+def run_throughput(engine: Engine, spec: WorkloadSpec) -> dict[str, Any]:
     """Run the workload to the end; the engine's trace is recorded too (``engine.trace``)."""
-    workload = long_tail_workload(
-        num_prompts, seed, engine.model_config.vocab_size, prompt_range=prompt_range, output_range=output_range
-    )
+    vocab = engine.model_config.vocab_size
     trace = engine.start_trace()
     start = time.monotonic()
-    finished, steps = run_all_at_once(engine, workload)
+    if spec.kind == "multi-turn":
+        conversations = multi_turn_workload(spec.num_prompts, spec.seed, vocab, spec.num_turns,
+                                            output_len=spec.output_range[1])
+        finished, steps = run_conversations(engine, conversations)
+    else:
+        finished, steps = run_all_at_once(engine, _requests(spec, vocab))
     elapsed = time.monotonic() - start
     _, idle_fraction = trace.slot_fill()
     stats = engine.stats()
     return {
         **config_figures(engine.config),
-        "seed": seed,
+        "workload": spec.kind,
+        "seed": spec.seed,
         **request_figures(
             [len(o.prompt_token_ids) for o in finished],
             [len(o.token_ids) for o in finished],
@@ -55,6 +89,7 @@ def run_throughput(
             elapsed,
             steps,
         ),
+        **_prefix_cache_figures(finished),
         "preemptions": sum(o.metrics.num_preemptions for o in finished),
         "swaps_out": stats.num_swaps_out,
         "swap_fallbacks_to_recompute": stats.num_swap_fallbacks,
@@ -64,6 +99,49 @@ def run_throughput(
     }
 
 
+def _requests(spec: WorkloadSpec, vocab_size: int) -> list[SyntheticRequest]:
+    if spec.kind == "shared-prefix":
+        return shared_prefix_workload(spec.num_prompts, spec.seed, vocab_size, spec.num_prefixes, spec.prefix_range,
+                                      output_len=spec.output_range[1])
+    return long_tail_workload(spec.num_prompts, spec.seed, vocab_size, prompt_range=spec.prompt_range,
+                              output_range=spec.output_range)
+
+
+def _prefix_cache_figures(finished: list[RequestOutput]) -> dict[str, Any]:
+    """Prompt tokens sent, and how many of them were computed (the rest came from the prefix cache)."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)
+    cached = sum(o.num_cached_tokens for o in finished)
+    return {
+        "prompt_tokens_computed": prompt_tokens - cached,
+        "prefix_cache_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+    }
+
+
+def run_conversations(engine: Engine, conversations: list[Conversation]) -> tuple[list[RequestOutput], int]:
+    """Start every conversation at once; send each next turn as soon as the previous one is answered (no think
+    time), with the answer's tokens in its history. Returns every turn's output and the number of steps."""
+    answers: list[list[list[int]]] = [[] for _ in conversations]
+    owner: dict[str, int] = {}
+
+    def send(index: int) -> None:
+        conversation = conversations[index]
+        prompt = conversation.prompt(len(answers[index]), answers[index])
+        params = SamplingParams(temperature=0.0, max_tokens=conversation.output_len, ignore_eos=True)
+        owner[engine.add_request(prompt, params)] = index
+
+    for index in range(len(conversations)):
+        send(index)
+    finished, steps = [], 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished.append(output)
+                index = owner.pop(output.request_id)
+                answers[index].append(output.token_ids)
+                if len(answers[index]) < len(conversations[index].questions):
+                    send(index)
+        steps += 1
+    return finished, steps
 
 
 def print_throughput(result: dict[str, Any]) -> None:
@@ -75,8 +153,10 @@ COMPARE_COLUMNS = {
     "req/s": "requests_per_s",
     "mean latency s": "latency_mean_s",
     "p99 latency s": "latency_p99_s",
+    "mean TTFT s": "ttft_mean_s",
     "p50 TTFT s": "ttft_p50_s",
     "p99 TTFT s": "ttft_p99_s",
+    "prompt tokens computed": "prompt_tokens_computed",
     "idle slots": "idle_slot_fraction",
     "preemptions": "preemptions",
     "swaps": "swaps_out",

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from conveyor.sim.workload import LengthDistribution
 
+WORKLOADS = ("longtail", "shared-prefix", "multi-turn")  # what ``bench throughput --workload`` offers
+
 
 @dataclass(frozen=True, slots=True)
 class SyntheticRequest:

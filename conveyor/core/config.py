@@ -64,12 +64,23 @@ class EngineConfig:
                                     size=True)
     kv_layout: str = _option("paged", "paged: blocks on demand; contiguous: a --max-model-len slab reserved per "
                              "request", choices=("paged", "contiguous"))
+    enable_prefix_caching: bool | None = _option(
+        None, "keep the KV of full blocks after their requests end, found again by content, so a shared prompt "
+        "prefix is computed once", unset="on for the paged layout")
     kernels: str = _option("native", "native: the decoder stack in C++ on packed weights (float32 CPU); "
                            "torch: plain PyTorch ops, the reference", choices=("native", "torch"))
 
     def __post_init__(self) -> None:
         for option in engine_options():
             setattr(self, option.name, check_option(option.name, getattr(self, option.name)))
+        if self.enable_prefix_caching and self.kv_layout == "contiguous":
+            raise ValueError("enable_prefix_caching: the contiguous layout cannot share blocks; "
+                             "use kv_layout paged, or leave prefix caching off")
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on: as asked, or by default wherever the layout allows it (paged)."""
+        return self.kv_layout == "paged" if self.enable_prefix_caching is None else self.enable_prefix_caching
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +90,7 @@ class Option:
     name: str
     default: Any
     help: str
-    type: type  # what a command-line value becomes: int, or str (sizes in bytes stay text until checked)
+    type: type  # what a command-line value becomes: int, bool, or str (sizes in bytes stay text until checked)
     optional: bool  # None is allowed
     choices: tuple[str, ...]
     minimum: int | None
@@ -102,10 +113,16 @@ def engine_options() -> tuple[Option, ...]:
         meta = field.metadata
         options.append(Option(
             name=field.name, default=field.default, help=meta["help"],
-            type=int if int in kinds and not meta["size"] else str, optional=type(None) in kinds,
+            type=_value_type(kinds, meta["size"]), optional=type(None) in kinds,
             choices=meta["choices"], minimum=meta["minimum"], size=meta["size"], unset=meta["unset"],
         ))
     return tuple(options)
+
+
+def _value_type(kinds: tuple[type, ...], size: bool) -> type:
+    if bool in kinds:
+        return bool
+    return int if int in kinds and not size else str
 
 
 def engine_option(name: str) -> Option:
@@ -127,6 +144,8 @@ def check_option(name: str, value: Any) -> Any:
             raise ValueError(f"{name}: {error}") from None
     if option.type is int and (not isinstance(value, int) or isinstance(value, bool)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if option.type is bool and not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
     if option.choices and value not in option.choices:
         raise ValueError(f"{name} must be {_one_of(option.choices)}, got {value!r}")
     if option.minimum is not None and value < option.minimum:
@@ -140,12 +159,19 @@ def option_from_text(name: str, text: str) -> Any:
     text = text.strip()
     if option.optional and text.lower() in ("", "none"):
         return None
+    if option.type is bool:
+        if text.lower() not in _BOOLEANS:
+            raise ValueError(f"{name} must be true or false, got {text!r}")
+        return _BOOLEANS[text.lower()]
     if option.type is int:
         try:
             return int(text)
         except ValueError:
             raise ValueError(f"{name} must be an integer, got {text!r}") from None
     return text
+
+
+_BOOLEANS = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
 
 
 def _one_of(choices: tuple[str, ...]) -> str:

@@ -51,6 +51,7 @@ class Request:
     prompt_text: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (OpenAI's cached_tokens)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None

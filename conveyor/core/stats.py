@@ -25,6 +25,9 @@ class EngineStats:
     num_preemptions: int  # since start, recompute and swap
     num_swaps_out: int
     num_swap_fallbacks: int  # swaps that found the CPU pool full and recomputed instead
+    num_cached_free_kv_blocks: int = 0  # free blocks that still hold a cached prefix (part of num_free_kv_blocks)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start (vLLM's name)
+    prefix_cache_hits: int = 0  # of those, tokens found: their KV was not computed again
 
     @property
     def num_unfinished(self) -> int:

@@ -181,4 +181,5 @@ class Engine:
                 request.finish_time,
                 request.num_preemptions,
             ),
+            num_cached_tokens=request.num_cached_tokens,
         )

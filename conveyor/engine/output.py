@@ -42,6 +42,7 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: str | int | None
     metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class TextState:

@@ -13,8 +13,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     for option in engine_options():
         help_text = f"{option.help} (default: {option.unset})" if option.unset else option.help
-        g.add_argument(option.flag, type=option.type, default=option.default, choices=option.choices or None,
-                       help=help_text)
+        if option.type is bool:  # --flag and --no-flag, as vLLM's --enable-prefix-caching
+            g.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=option.default, help=help_text)
+        else:
+            g.add_argument(option.flag, type=option.type, default=option.default,
+                           choices=option.choices or None, help=help_text)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

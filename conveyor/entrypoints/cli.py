@@ -10,6 +10,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from conveyor.bench.workload import WORKLOADS
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
@@ -60,11 +61,18 @@ def _add_generate(commands: Commands) -> None:
 
 
 def _add_bench_throughput(bench: Commands) -> None:
-    thr = bench.add_parser("throughput", help="N long-tailed requests at once; requests/s, tokens/s, TTFT, latency")
-    thr.add_argument("--num-prompts", type=int, default=128)
+    thr = bench.add_parser("throughput", help="a seeded workload run to the end; requests/s, tokens/s, TTFT, latency")
+    thr.add_argument("--workload", default="longtail", choices=WORKLOADS,
+                     help="longtail: long-tailed requests at once; shared-prefix: requests over a few shared "
+                     "prefixes, at once; multi-turn: conversations whose turns resend their history")
+    thr.add_argument("--num-prompts", type=int, default=128, help="requests (conversations, for multi-turn)")
     thr.add_argument("--workload-seed", type=int, default=0)
-    thr.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between)")
+    thr.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between); "
+                     "shared-prefix and multi-turn use max")
     thr.add_argument("--prompt-len", default="16,512", help="min,max prompt tokens (long-tailed between)")
+    thr.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: how many shared prefixes")
+    thr.add_argument("--prefix-len", default="400,800", help="shared-prefix: min,max tokens of a shared prefix")
+    thr.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
     thr.add_argument("--json", default=None, help="also write the figures to this file")
     thr.add_argument("--trace", default=None,
                      help="write the scheduler trace (JSON lines); with --compare, a folder for one trace each")
@@ -211,14 +219,15 @@ def _generate(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
-    from conveyor.bench.throughput import print_comparison, print_throughput, run_throughput, write_json
+    from conveyor.bench.throughput import WorkloadSpec, print_comparison, print_throughput, run_throughput, write_json
     from conveyor.engine import Engine
 
-    output_range = int_pair(args.output_len, "--output-len")
-    prompt_range = int_pair(args.prompt_len, "--prompt-len")
+    spec = WorkloadSpec(args.workload, args.num_prompts, args.workload_seed, int_pair(args.output_len, "--output-len"),
+                        int_pair(args.prompt_len, "--prompt-len"), args.num_prefixes,
+                        int_pair(args.prefix_len, "--prefix-len"), args.num_turns)
     if not args.compare:
         engine = Engine(config)
-        result = run_throughput(engine, args.num_prompts, args.workload_seed, output_range, prompt_range)
+        result = run_throughput(engine, spec)
         print_throughput(result)
         write_json(result, args.json)
         if args.trace:
@@ -229,7 +238,7 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
     for spec, variant in zip(args.compare, configs):
         print(f"running {spec} ...", file=sys.stderr, flush=True)
         engine = Engine(variant)
-        results.append(run_throughput(engine, args.num_prompts, args.workload_seed, output_range, prompt_range))
+        results.append(run_throughput(engine, spec))
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             engine.trace.write(Path(args.trace) / f"{spec.replace(',', '_').replace('=', '-')}.jsonl")

@@ -28,7 +28,11 @@ class EngineMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be admitted")
         self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out to CPU")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests, 0..1")
+        self.kv_cached_free = gauge("kv_cache_cached_free_perc",
+                                    "Fraction of KV blocks free but still holding a cached prefix, 0..1")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache")
         self.preemptions = counter("num_preemptions", "Preemptions (recompute or swap)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
@@ -38,7 +42,7 @@ class EngineMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled")
         self._model = model_name
-        self._preemptions_seen = 0
+        self._counted: dict[str, int] = {}  # the engine's running totals, as last added to the counters
         self._tokens_seen: dict[str, int] = {}  # output tokens counted per unfinished request
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
@@ -48,8 +52,10 @@ class EngineMetrics:
         self.waiting.labels(m).set(stats.num_waiting)
         self.swapped.labels(m).set(stats.num_swapped)
         self.kv_usage.labels(m).set(stats.kv_usage)
-        self.preemptions.labels(m).inc(stats.num_preemptions - self._preemptions_seen)
-        self._preemptions_seen = stats.num_preemptions
+        self.kv_cached_free.labels(m).set(stats.num_cached_free_kv_blocks / stats.num_kv_blocks)
+        self._count(self.preemptions, "num_preemptions", stats.num_preemptions)
+        self._count(self.prefix_queries, "prefix_cache_queries", stats.prefix_cache_queries)
+        self._count(self.prefix_hits, "prefix_cache_hits", stats.prefix_cache_hits)
         for output in outputs:
             seen = self._tokens_seen.pop(output.request_id, 0)
             self.generation_tokens.labels(m).inc(len(output.token_ids) - seen)
@@ -61,6 +67,11 @@ class EngineMetrics:
                 self._tokens_seen[output.request_id] = len(output.token_ids)
         if not stats.num_unfinished:
             self._tokens_seen.clear()  # what is left belongs to aborted requests
+
+    def _count(self, counter: Counter, name: str, total: int) -> None:
+        """Advance a Prometheus counter to the engine's running total."""
+        counter.labels(self._model).inc(total - self._counted.get(name, 0))
+        self._counted[name] = total
 
     def _on_finish(self, output: RequestOutput) -> None:
         m, metrics = self._model, output.metrics

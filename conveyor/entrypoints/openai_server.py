@@ -292,7 +292,8 @@ async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput], fmt: _F
 
 def _usage(output: RequestOutput) -> dict[str, int]:
     prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
 
 
 class _Format:
