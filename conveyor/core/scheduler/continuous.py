@@ -66,18 +66,22 @@ def _num_new_tokens(request: Request, budget: int) -> int:
 
 
 def _scheduled_request(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
-    """The plain-data record of the request's share of this step; ``block_ids`` is its block table,
-    not copied (tables are replaced, never changed in place)."""
+    """The plain-data record of the request's share of this step.
+
+    Built for every running request in every step, so it reads each list length once and gives a
+    decode its one token without slicing through prompt + output. ``block_ids`` is the request's
+    block table itself, not a copy: tables are replaced, never changed in place.
+    """
     start = request.num_computed_tokens
     output_ids = request.output_token_ids
     num_output = len(output_ids)
     in_output = start - len(request.prompt_token_ids)  # where the chunk starts in the output; < 0: in the prompt
-    if num_new == 1 and in_output >= 0:  # a decode: one output token, no slicing through prompt + output
+    if num_new == 1 and in_output >= 0:
         token_ids = [output_ids[in_output]]
     else:
         token_ids = request.token_ids(start, start + num_new)
-    # Positional arguments, in field order: this runs for every request in every step.
     samples_token = in_output + num_new == num_output  # the chunk reaches the last known token
+    # Positional arguments, in field order.
     return ScheduledRequest(
         request.request_id, start, token_ids, block_ids, request.sampling_params, samples_token, num_output
     )
@@ -208,8 +212,8 @@ class Scheduler:
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int]:
         """Serve the running requests, oldest first, each with the tokens it lacks; the budget left.
 
-        This loop runs for every running request in every step, so it does the least it can per
-        request: most are decodes that need one token and, 15 steps in 16, no new block.
+        The one loop over every running request in every step, so a visit costs little: most are
+        decodes that need one token and no new block, for which ``grow_table`` only checks a length.
         """
         scheduled: list[ScheduledRequest] = []
         grow_table = self.kv_manager.grow_table
@@ -219,15 +223,17 @@ class Scheduler:
             num_new = _num_new_tokens(request, budget)
             end = request.num_computed_tokens + num_new
             block_ids = grow_table(request.request_id, end)
-            if block_ids is None and (block_ids := self._make_room(request, end)) is None:
-                break  # the request preempted itself: it was the most recent arrival
+            if block_ids is None:  # the pool is short
+                block_ids = self._make_room(request, end)
+                if block_ids is None:
+                    break  # the request preempted itself: it was the most recent arrival
             scheduled.append(_scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return scheduled, budget
 
     def _make_room(self, request: Request, num_tokens: int) -> list[int] | None:
-        """Grow the request's block table, preempting later arrivals until it fits; the table, or None if
-        the request had to preempt itself."""
+        """Grow the request's block table, preempting later arrivals until it fits; the table, or None
+        if the request had to preempt itself."""
         while (block_ids := self.kv_manager.grow_table(request.request_id, num_tokens)) is None:
             victim = self.running[-1]
             self._preempt(victim)
