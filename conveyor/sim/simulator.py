@@ -17,7 +17,7 @@ from typing import Any
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
 from conveyor.core.figures import config_figures, request_figures
-from conveyor.core.request import Request
+from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.scheduler import SchedulerOutput
 from conveyor.core.trace import Trace
@@ -25,6 +25,7 @@ from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock
 from conveyor.sim.workload import WorkloadRequest
 
+FINISHED = RequestStatus.FINISHED
 MAX_IDLE_STEPS = 1000  # steps in a row that schedule nothing: the scheduler is stuck
 
 
@@ -112,7 +113,7 @@ class Simulation:
                 clock.now = arrivals[next_index].arrival_time  # nothing to do until the next arrival
                 continue
             for request in core.step():
-                if request.is_finished:
+                if request.status is FINISHED:  # is_finished, without a property call per request and step
                     finished.add(request)
             sums.add(core.last_output)
             idle_steps = idle_steps + 1 if core.last_output.is_empty else 0

@@ -84,7 +84,10 @@ class PagedKVCacheManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.cpu_block_tables: dict[str, list[int]] = {}
-        self._num_tokens: dict[str, int] = {}  # slots each request fills, for the waste report
+        # Slots each request fills (kept while it is swapped out), and their sum over the device tables:
+        # kept as the tables change, so the waste report costs nothing per request.
+        self._num_tokens: dict[str, int] = {}
+        self._used_slots = 0
 
     @property
     def num_blocks(self) -> int:
@@ -117,20 +120,47 @@ class PagedKVCacheManager:
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's block table to hold ``num_tokens`` tokens; False if the pool is short."""
+        return self.grow_table(request_id, num_tokens) is not None
+
+    def grow_table(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Grow the request's block table to hold ``num_tokens`` tokens; the table, or None if the pool is short.
+
+        The scheduler calls this for every running request in every step, and most calls (a decode
+        inside its last block) find the table big enough already: a length check, no pool.
+        """
+        table = self.block_tables.get(request_id)
+        if table is None or num_tokens > len(table) * self.block_size:
+            return self._grow(request_id, num_tokens)
+        self._used_slots += num_tokens - self._num_tokens[request_id]
+        self._num_tokens[request_id] = num_tokens
+        return table
+
+    def _grow(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """``grow_table`` when the table lacks blocks (or the request has none): take them from the pool."""
+        held = request_id in self.block_tables
+        counted = self._num_tokens.get(request_id, 0) if held else 0  # its used slots so far
+        table = self.block_tables.get(request_id, [])
         extra = self._extra_blocks(request_id, num_tokens)
         if extra:
             if not self.pool.can_take(extra):
-                return False
+                return None
             # A new list, never the old one grown in place: a step's output can hold a table uncopied.
-            self.block_tables[request_id] = self.block_tables.get(request_id, []) + self.pool.take(extra)
-        elif request_id not in self.block_tables:
-            self.block_tables[request_id] = []
+            table = table + self.pool.take(extra)
+        self.block_tables[request_id] = table
+        self._used_slots += num_tokens - counted
         self._num_tokens[request_id] = num_tokens
-        return True
+        return table
+
+    def _drop_table(self, request_id: str) -> list[int] | None:
+        """Remove the request's device table, and its tokens from the used slots; the table, if any."""
+        table = self.block_tables.pop(request_id, None)
+        if table is not None:
+            self._used_slots -= self._num_tokens.get(request_id, 0)
+        return table
 
     def free(self, request_id: str) -> None:
+        table = self._drop_table(request_id)
         self._num_tokens.pop(request_id, None)
-        table = self.block_tables.pop(request_id, None)
         if table:
             self.pool.give_back(table)
         cpu_table = self.cpu_block_tables.pop(request_id, None)
@@ -139,12 +169,10 @@ class PagedKVCacheManager:
 
     def memory_report(self) -> MemoryReport:
         """Token slots reserved vs holding real KV, and free slots no request could use."""
-        reserved = (self.pool.num_blocks - self.pool.num_free) * self.block_size
-        used = sum(map(self._num_tokens.__getitem__, self.block_tables))  # not the swapped-out requests
         return MemoryReport(
             capacity_slots=self.capacity_tokens,
-            reserved_slots=reserved,
-            used_slots=used,
+            reserved_slots=(self.pool.num_blocks - self.pool.num_free) * self.block_size,
+            used_slots=self._used_slots,
             unusable_free_slots=self.pool.unusable_free_blocks() * self.block_size,
             num_requests=len(self.block_tables),
         )
@@ -165,7 +193,7 @@ class PagedKVCacheManager:
         if self.cpu_pool is None or len(table) > self.cpu_pool.num_free:
             return None
         cpu_table = self.cpu_pool.take(len(table))
-        self.pool.give_back(self.block_tables.pop(request_id, []))
+        self.pool.give_back(self._drop_table(request_id) or [])
         self.cpu_block_tables[request_id] = cpu_table
         return list(zip(table, cpu_table))
 
@@ -182,4 +210,5 @@ class PagedKVCacheManager:
         table = self.pool.take(len(cpu_table))
         self.cpu_pool.give_back(cpu_table)
         self.block_tables[request_id] = table
+        self._used_slots += self._num_tokens.get(request_id, 0)
         return list(zip(cpu_table, table))

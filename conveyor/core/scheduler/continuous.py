@@ -57,6 +57,34 @@ def _priority_order(request: Request) -> tuple[int, float, int]:
     return (request.priority, request.arrival_time, request.arrival_order)
 
 
+def _num_new_tokens(request: Request, budget: int) -> int:
+    """The tokens the request lacks (prompt, chunk, recompute or one decode), within ``budget``."""
+    lacking = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
+    return lacking if lacking < budget else budget
+
+
+def _scheduled_request(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
+    """The plain-data record of the request's share of this step.
+
+    Built for every running request in every step, so it reads each list length once and gives a
+    decode its one token without slicing through prompt + output. ``block_ids`` is the request's
+    block table itself, not a copy: tables are replaced, never changed in place.
+    """
+    start = request.num_computed_tokens
+    output_ids = request.output_token_ids
+    num_output = len(output_ids)
+    in_output = start - len(request.prompt_token_ids)  # where the chunk starts in the output; < 0: in the prompt
+    if num_new == 1 and in_output >= 0:
+        token_ids = [output_ids[in_output]]
+    else:
+        token_ids = request.token_ids(start, start + num_new)
+    samples_token = in_output + num_new == num_output  # the chunk reaches the last known token
+    # Positional arguments, in field order.
+    return ScheduledRequest(
+        request.request_id, start, token_ids, block_ids, request.sampling_params, samples_token, num_output
+    )
+
+
 class Scheduler:
     """Decides, step by step, which requests run and how many tokens each computes."""
 
@@ -150,21 +178,10 @@ class Scheduler:
     # ----- one step ---------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
         self._preempted_this_step = preempted = []
         self._swap_out = []
         swap_in: list[tuple[int, int]] = []
-
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._num_new_tokens(request, budget)
-            if not self._make_room(request, request.num_computed_tokens + num_new):
-                break  # the request preempted itself: it was the most recent arrival
-            scheduled.append(self._scheduled_request(request, num_new))
-            budget -= num_new
-            index += 1
+        scheduled, budget = self._schedule_running(self.config.max_num_batched_tokens)
 
         # vLLM's rule: admit nobody in a step that had to preempt for memory, or
         # the newcomer would take the blocks just freed and cause the next preemption.
@@ -190,28 +207,51 @@ class Scheduler:
         self._finished_since_last_step = []
         return output
 
-    def _make_room(self, request: Request, num_tokens: int) -> bool:
-        """Allocate slots for ``request``, preempting later arrivals until they fit."""
-        while not self.kv_manager.allocate_slots(request.request_id, num_tokens):
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int]:
+        """Serve the running requests, oldest first, each with the tokens it lacks; the budget left.
+
+        The one loop over every running request in every step, so a visit costs little: most are
+        decodes that need one token and no new block, for which ``grow_table`` only checks a length.
+        """
+        scheduled: list[ScheduledRequest] = []
+        grow_table = self.kv_manager.grow_table
+        for request in self.running:  # preemption takes from the back: the loop never meets a preempted request
+            if budget <= 0:
+                break
+            num_new = _num_new_tokens(request, budget)
+            end = request.num_computed_tokens + num_new
+            block_ids = grow_table(request.request_id, end)
+            if block_ids is None:  # the pool is short
+                block_ids = self._make_room(request, end)
+                if block_ids is None:
+                    break  # the request preempted itself: it was the most recent arrival
+            scheduled.append(_scheduled_request(request, num_new, block_ids))
+            budget -= num_new
+        return scheduled, budget
+
+    def _make_room(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Grow the request's block table, preempting later arrivals until it fits; the table, or None
+        if the request had to preempt itself."""
+        while (block_ids := self.kv_manager.grow_table(request.request_id, num_tokens)) is None:
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
-                return False
-        return True
+                return None
+        return block_ids
 
     def _resume_swapped(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = _num_new_tokens(request, budget)
             end = request.num_computed_tokens + num_new
             if not self.kv_manager.can_swap_in(request.request_id, end, keep_watermark=bool(self.running)):
                 break
             swap_in.extend(self.kv_manager.swap_in(request.request_id))
-            self.kv_manager.allocate_slots(request.request_id, end)
+            block_ids = self.kv_manager.grow_table(request.request_id, end)
             self.swapped.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._order)
-            scheduled.append(self._scheduled_request(request, num_new))
+            scheduled.append(_scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return budget
 
@@ -223,7 +263,7 @@ class Scheduler:
         while budget > 0 and (request := self._next_to_admit()) is not None:
             if self.swapped and self._order(self.swapped[0]) < self._order(request):
                 break  # a swapped request that ranks first is resumed first
-            num_new = self._num_new_tokens(request, budget)
+            num_new = _num_new_tokens(request, budget)
             end = request.num_computed_tokens + num_new
             if not self._fits(request, end):
                 refund = self._preempt_for(request, scheduled)
@@ -231,13 +271,13 @@ class Scheduler:
                     break  # nobody overtakes the head of the queue
                 budget += refund
                 continue
-            self.kv_manager.allocate_slots(request.request_id, end)
+            block_ids = self.kv_manager.grow_table(request.request_id, end)
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
             bisect.insort(self.running, request, key=self._order)
-            scheduled.append(self._scheduled_request(request, num_new))
+            scheduled.append(_scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return budget
 
@@ -269,26 +309,6 @@ class Scheduler:
         victim.last_preempted_by = (request.request_id, self.step_index)
         return refund
 
-    @staticmethod
-    def _num_new_tokens(request: Request, budget: int) -> int:
-        """The tokens the request lacks (prompt, chunk, recompute or one decode), within ``budget``."""
-        return min(request.num_tokens - request.num_computed_tokens, budget)
-
-    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
-        """The plain-data record of the request's share of this step."""
-        start = request.num_computed_tokens
-        end = start + num_new
-        # Positional arguments, in field order: this runs for every request in every step.
-        return ScheduledRequest(
-            request.request_id,
-            start,
-            request.token_ids(start, end),
-            self.kv_manager.block_ids(request.request_id),  # not copied: tables are replaced, never changed in place
-            request.sampling_params,
-            end == request.num_tokens,  # samples_token
-            len(request.output_token_ids),
-        )
-
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         request.num_preemptions += 1
@@ -318,9 +338,9 @@ class Scheduler:
         """
         now = self.clock()
         updated: list[Request] = []
-        running = RequestStatus.RUNNING
+        requests, running = self.requests, RequestStatus.RUNNING
         for item in output.scheduled:
-            request = self.requests.get(item.request_id)
+            request = requests.get(item.request_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
@@ -343,7 +363,8 @@ class Scheduler:
             return FinishReason.STOP, None
         if token in params.stop_token_ids:
             return FinishReason.STOP, token
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.max_tokens or len(request.prompt_token_ids) + num_output >= self.config.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
 

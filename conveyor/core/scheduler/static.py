@@ -37,6 +37,8 @@ class StaticScheduler(Scheduler):
         """The first waiting member of the current batch (forming a new batch when the last one is done)."""
         if not self._members and not self._held:
             self._form_batch()
+        if len(self._members) == len(self.running) + len(self.swapped):
+            return None  # only members run or are swapped out, so none waits: no need to look through them
         # The queue is sorted by the policy's order, so its first member is the member first in that order.
         return min(self._members_in(RequestStatus.WAITING, RequestStatus.PREEMPTED), key=self._order, default=None)
 
@@ -55,9 +57,12 @@ class StaticScheduler(Scheduler):
             self._members.add(request.request_id)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        updated = super().update(output, sampled_token_ids)
-        delivered = [r for r in updated if not r.is_finished]
-        self._held.extend(r for r in updated if r.is_finished)
+        delivered: list[Request] = []
+        for request in super().update(output, sampled_token_ids):
+            if request.is_finished:
+                self._held.append(request)  # held back until the batch completes
+            else:
+                delivered.append(request)
         if not self._members and self._held:
             now = self.clock()
             for request in self._held:
