@@ -233,15 +233,15 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
         if args.trace:
             engine.trace.write(args.trace)
         return 0
-    configs = [with_overrides(config, spec) for spec in args.compare]  # all checked before any run
+    configs = [with_overrides(config, label) for label in args.compare]  # all checked before any run
     results = []
-    for spec, variant in zip(args.compare, configs):
-        print(f"running {spec} ...", file=sys.stderr, flush=True)
+    for label, variant in zip(args.compare, configs):
+        print(f"running {label} ...", file=sys.stderr, flush=True)
         engine = Engine(variant)
         results.append(run_throughput(engine, spec))
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
-            engine.trace.write(Path(args.trace) / f"{spec.replace(',', '_').replace('=', '-')}.jsonl")
+            engine.trace.write(Path(args.trace) / f"{label.replace(',', '_').replace('=', '-')}.jsonl")
         del engine
     print_comparison(args.compare, results)
     write_json(dict(zip(args.compare, results)), args.json)
