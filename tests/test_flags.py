@@ -147,7 +147,7 @@ def test_sizes_become_bytes() -> None:
     ("options", "message"),
     [
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
-        ({"policy": "lifo"}, "scheduling_policy must be fcfs or priority"),
+        ({"policy": "lifo"}, "scheduling_policy must be fcfs, priority or lpm"),
         ({"preemption_mode": "drop"}, "preemption_mode must be recompute or swap"),
     ],
 )

@@ -1,10 +1,13 @@
-"""The reference-counted block pool and its content index (conveyor/core/kv/prefix_cache.py)."""
+"""The reference-counted block pool, its content index, and the prefix-caching KV manager (core/kv/prefix_cache.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from conveyor.core.kv import NO_PREFIX, PrefixCachingKVCacheManager
 from conveyor.core.kv.prefix_cache import RefCountedBlockPool
+from conveyor.core.request import Request
+from conveyor.core.sampling import SamplingParams
 
 
 def test_a_cached_block_is_found_by_its_content_and_its_parent_only() -> None:
@@ -57,3 +60,41 @@ def test_registering_content_that_is_already_cached_keeps_the_first_block() -> N
     assert pool.register(b, None, (7, 7)) is node
     pool.give_back([b])
     assert pool.num_cached_free == 0 and pool.num_free == 2, "the duplicate is a plain free block"
+
+
+def _request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens, SamplingParams(max_tokens=4), arrival_time=0.0)
+
+
+def test_a_finished_sequence_stays_cached_and_its_tail_is_evicted_first() -> None:
+    kv = PrefixCachingKVCacheManager(num_blocks=4, block_size=2, watermark=0.0)
+    first = _request("a", [1, 2, 3, 4, 5, 6, 7])
+    kv.admit(first, 7)
+    first.num_computed_tokens = 7
+    kv.commit_computed(first)  # blocks 0-2 are full: indexed; block 3 holds one token
+    table = kv.block_tables["a"]
+    kv.free("a")
+    assert kv.pool.free_block_ids() == [table[3], table[2], table[1], table[0]], "the tail is evicted first"
+    assert kv.num_cached_free_blocks == 3
+    prefix = kv.cached_prefix(_request("b", [1, 2, 3, 4, 9, 9]))
+    assert prefix.block_ids == (table[0], table[1]) and prefix.num_tokens == 4
+    assert kv.cached_prefix(_request("c", [1, 2, 3, 4])).num_tokens == 2, "the last token is always computed"
+    assert kv.cached_prefix(_request("d", [2, 1, 3, 4, 5])) is NO_PREFIX
+
+
+def test_admission_counts_a_free_cached_block_it_reuses() -> None:
+    kv = PrefixCachingKVCacheManager(num_blocks=3, block_size=2, watermark=0.0)
+    first = _request("a", [1, 2, 3, 4, 5])
+    kv.admit(first, 5)
+    first.num_computed_tokens = 5
+    kv.commit_computed(first)
+    kv.free("a")
+    second = _request("b", [1, 2, 3, 4, 8, 8, 8])
+    prefix = kv.cached_prefix(second)
+    assert prefix.num_tokens == 4
+    # 7 tokens need 4 blocks: 2 found (free, so they count against the pool) + 2 new > 3 blocks.
+    assert not kv.can_admit("b", 7, prefix=prefix)
+    assert kv.can_admit("b", 6, prefix=prefix)
+    kv.admit(second, 6, prefix)
+    assert kv.block_tables["b"][:2] == list(prefix.block_ids) and kv.num_free_blocks == 0
+    assert (kv.num_queries, kv.num_hits) == (5 + 7, 4)

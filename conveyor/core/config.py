@@ -57,7 +57,9 @@ class EngineConfig:
     scheduler: str = _option("continuous", "continuous: iteration-level batching; static: request-level batches "
                              "(the baseline)", choices=("continuous", "static"))
     scheduling_policy: str = _option("fcfs", "priority: lower value first, preempting less important running "
-                                     "requests", choices=("fcfs", "priority"))
+                                     "requests; lpm: longest cached prefix first (SGLang's cache-aware order), "
+                                     "first come first served when the queue is long",
+                                     choices=("fcfs", "priority", "lpm"))
     preemption_mode: str = _option("recompute", "what happens to a preempted request's KV: dropped and recomputed, "
                                    "or swapped to CPU", choices=("recompute", "swap"))
     swap_space: int | str = _option("4GiB", "CPU memory for swapped KV (with --preemption-mode swap)", minimum=0,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from conveyor.core.config import EngineConfig
-from conveyor.core.kv import ContiguousKVCacheManager, PagedKVCacheManager
+from conveyor.core.kv import ContiguousKVCacheManager, PagedKVCacheManager, PrefixCachingKVCacheManager
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import SCHEDULERS, Scheduler, SchedulerConfig, SchedulerOutput
 from conveyor.core.stats import EngineStats
@@ -79,6 +79,8 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         kv: PagedKVCacheManager = ContiguousKVCacheManager(
             plan.num_blocks, config.block_size, plan.max_model_len, plan.num_cpu_blocks
         )
+    elif config.prefix_caching:
+        kv = PrefixCachingKVCacheManager(plan.num_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks)
     else:
         kv = PagedKVCacheManager(plan.num_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks)
     scheduler_config = SchedulerConfig(
@@ -141,6 +143,7 @@ class EngineCore:
             "scheduling_policy": config.scheduling_policy,
             "preemption_mode": config.preemption_mode,
             "kv_layout": config.kv_layout,
+            "enable_prefix_caching": config.prefix_caching,
             "block_size": config.block_size,
             "max_model_len": self.plan.max_model_len,
             "max_num_seqs": config.max_num_seqs,

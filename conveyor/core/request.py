@@ -49,6 +49,7 @@ class Request:
     priority: int = 0
     arrival_order: int = 0  # set by the scheduler; breaks ties between equal arrival times
     prompt_text: str | None = None
+    cache_salt: str | None = None  # prefix caching shares blocks only between requests with the same salt
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (OpenAI's cached_tokens)

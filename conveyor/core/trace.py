@@ -33,6 +33,9 @@ class StepRecord:
     kv_reserved_slots: int = 0
     kv_used_slots: int = 0
     kv_unusable_free_slots: int = 0
+    kv_shared_slots: int = 0  # slots that prefix caching's shared blocks save
+    kv_cached_free_slots: int = 0  # free slots still holding a cached prefix
+    cached: dict[str, int] = field(default_factory=dict)  # admitted this step with cached tokens: id -> tokens
 
 
 def _memory_fields(output: SchedulerOutput) -> dict[str, int]:
@@ -43,6 +46,8 @@ def _memory_fields(output: SchedulerOutput) -> dict[str, int]:
         "kv_reserved_slots": memory.reserved_slots,
         "kv_used_slots": memory.used_slots,
         "kv_unusable_free_slots": memory.unusable_free_slots,
+        "kv_shared_slots": memory.shared_slots,
+        "kv_cached_free_slots": memory.cached_free_slots,
     }
 
 
@@ -70,6 +75,7 @@ class Trace:
                 blocks_swapped_in=len(output.blocks_to_swap_in),
                 blocks_swapped_out=len(output.blocks_to_swap_out),
                 kv_usage=round(output.kv_usage, 5),
+                cached=dict(output.cached_tokens),
                 **_memory_fields(output),
             )
         )

@@ -26,6 +26,7 @@ from conveyor.sim.executor import SimulatedExecutor, VirtualClock
 from conveyor.sim.workload import WorkloadRequest
 
 FINISHED = RequestStatus.FINISHED
+SHARED_PREFIX_TOKEN = 1 << 40  # stand-in ids of shared prefixes, far from any request's own
 MAX_IDLE_STEPS = 1000  # steps in a row that schedule nothing: the scheduler is stuck
 
 
@@ -136,11 +137,18 @@ def _request(item: WorkloadRequest, index: int, max_model_len: int) -> Request:
     prompt_len = min(item.prompt_len, max_model_len - 1)
     return Request(
         request_id=f"sim-{index}",
-        prompt_token_ids=[0] * prompt_len,
+        prompt_token_ids=prompt_token_ids(item, index, prompt_len),
         sampling_params=SamplingParams(max_tokens=item.output_len, ignore_eos=True),
         arrival_time=item.arrival_time,
         priority=item.priority,
     )
+
+
+def prompt_token_ids(item: WorkloadRequest, index: int, prompt_len: int) -> list[int]:
+    """Stand-in token ids that the prefix cache sees as the workload means them: a shared prefix is the same
+    ids in every request that shares it, the rest is the request's own (no model reads these ids)."""
+    shared = min(item.shared_prefix_len, prompt_len)
+    return [SHARED_PREFIX_TOKEN + item.shared_prefix_id] * shared + [-(index + 1)] * (prompt_len - shared)
 
 
 def _figures(

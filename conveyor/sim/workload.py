@@ -29,6 +29,8 @@ class WorkloadRequest:
     prompt_len: int
     output_len: int
     priority: int = 0  # for --scheduling-policy priority: lower first
+    shared_prefix_id: int = 0  # requests with the same id and shared_prefix_len > 0 start with the same tokens
+    shared_prefix_len: int = 0  # leading prompt tokens shared with the others of its shared_prefix_id
 
 
 @dataclass(frozen=True, slots=True)

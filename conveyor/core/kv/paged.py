@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from conveyor.core.request import Request
+
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -51,14 +53,32 @@ class BlockPool:
 @dataclass(frozen=True, slots=True)
 class MemoryReport:
     capacity_slots: int
-    reserved_slots: int  # slots held by requests
+    reserved_slots: int  # slots held by requests (a block shared by several counts once)
     used_slots: int  # slots that hold a token's K/V
     unusable_free_slots: int  # external fragmentation: free, but in holes too small for any request
     num_requests: int
+    shared_slots: int = 0  # slots that sharing saves: block references beyond the first, times the block size
+    cached_free_slots: int = 0  # free slots whose blocks still hold a cached prefix
 
     @property
     def internal_waste_slots(self) -> int:
         return self.reserved_slots - self.used_slots
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """The leading full blocks of a request found in the prefix cache: their ids, and how many tokens they hold.
+
+    ``keys`` are the content keys of those blocks (see :mod:`conveyor.core.kv.prefix_cache`); the manager
+    chains the request's next blocks on the last one.
+    """
+
+    block_ids: tuple[int, ...] = ()
+    keys: tuple = ()
+    num_tokens: int = 0
+
+
+NO_PREFIX = CachedPrefix()
 
 
 class PagedKVCacheManager:
@@ -102,6 +122,11 @@ class PagedKVCacheManager:
         """Fraction of blocks held by requests, 0..1."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
+    # Prefix caching's figures: none here (see PrefixCachingKVCacheManager).
+    num_queries = 0
+    num_hits = 0
+    num_cached_free_blocks = 0
+
     @property
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
@@ -113,10 +138,25 @@ class PagedKVCacheManager:
         extra = blocks_for_tokens(num_tokens, self.block_size) - len(self.block_tables.get(request_id, ()))
         return extra if extra > 0 else 0
 
-    def can_admit(self, request_id: str, num_tokens: int, keep_watermark: bool = True) -> bool:
-        """Whether a waiting request could get slots for ``num_tokens`` tokens."""
+    # ----- admission: where prefix caching (a subclass) hooks in ------------------
+
+    def cached_prefix(self, request: Request) -> CachedPrefix:
+        """The request's leading blocks already in the cache: none here (no prefix caching)."""
+        return NO_PREFIX
+
+    def can_admit(
+        self, request_id: str, num_tokens: int, keep_watermark: bool = True, prefix: CachedPrefix = NO_PREFIX
+    ) -> bool:
+        """Whether a waiting request could get slots for ``num_tokens`` tokens (``prefix`` of them cached)."""
         reserve = self.watermark_blocks if keep_watermark else 0
         return self.pool.can_take(self._extra_blocks(request_id, num_tokens) + reserve)
+
+    def admit(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> list[int] | None:
+        """A waiting request's table for ``num_tokens`` tokens, after ``can_admit`` said yes."""
+        return self.grow_table(request.request_id, num_tokens)
+
+    def commit_computed(self, request: Request) -> None:
+        """Called after each step the request computed tokens in: nothing to do without prefix caching."""
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's block table to hold ``num_tokens`` tokens; False if the pool is short."""

@@ -14,8 +14,12 @@ of a conversation is found again as long as memory allows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+
+from conveyor.core.kv.paged import NO_PREFIX, CachedPrefix, MemoryReport, PagedKVCacheManager, blocks_for_tokens
+from conveyor.core.request import Request
 
 
 class BlockKey:
@@ -51,6 +55,7 @@ class RefCountedBlockPool:
         self._key_of: dict[int, tuple[BlockKey | None, tuple[int, ...]]] = {}  # block -> its content key
         self._node_of: dict[int, BlockKey] = {}
         self.num_evictions = 0
+        self.num_shared_refs = 0  # references beyond the first, over all blocks: the sharing prefix caching buys
 
     # ----- the plain pool ----------------------------------------------------
 
@@ -71,6 +76,10 @@ class RefCountedBlockPool:
 
     def can_take(self, n: int) -> bool:
         return n <= self.num_free
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks' ids, in the order they would be taken (a copy: for checks and reports)."""
+        return [*self._free, *self._evictable]
 
     def unusable_free_blocks(self) -> int:
         """Free blocks that no request could use: none, since any block serves any request."""
@@ -98,6 +107,7 @@ class RefCountedBlockPool:
         for block in block_ids:
             ref_counts[block] -= 1
             if ref_counts[block]:
+                self.num_shared_refs -= 1
                 continue
             if block in cached:
                 self._evictable[block] = None
@@ -111,12 +121,18 @@ class RefCountedBlockPool:
         block = self._index.get((parent, token_ids))
         return None if block is None else (block, self._node_of[block])
 
+    def is_cached(self, block: int) -> bool:
+        """Whether the block's content is indexed (it may be found by a later request)."""
+        return block in self._key_of
+
     def acquire(self, block_ids: Sequence[int]) -> None:
         """One more reference to each of these cached blocks (a cache hit); an unreferenced one stops being
         evictable."""
         for block in block_ids:
             if self.ref_counts[block] == 0:
                 del self._evictable[block]
+            else:
+                self.num_shared_refs += 1
             self.ref_counts[block] += 1
 
     def num_unreferenced(self, block_ids: Sequence[int]) -> int:
@@ -144,3 +160,110 @@ class RefCountedBlockPool:
         key = self._key_of.pop(block)
         del self._index[key]
         del self._node_of[block]
+
+
+class PrefixCachingKVCacheManager(PagedKVCacheManager):
+    """The paged KV manager with prefix caching: full blocks are indexed by content and shared by reference.
+
+    - Admission asks :meth:`cached_prefix` for the request's longest run of cached leading blocks, at most
+      up to its last token (which is always computed, so that there are logits to sample from); the
+      request starts with those blocks and ``num_computed_tokens`` at their end.
+    - After each step, :meth:`commit_computed` indexes the blocks the request has just filled.
+    - A finished or preempted request gives its blocks back tail first: they stay cached, and the tail of a
+      sequence is the first to be evicted. Re-admitted after preemption by recompute, a request finds its
+      own blocks again if memory allowed them to stay.
+    - Swapping a request out copies all its blocks, shared ones included, and drops its references; swapped
+      back in, it gets blocks of its own.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0) -> None:
+        super().__init__(num_blocks, block_size, watermark, num_cpu_blocks)
+        self.pool: RefCountedBlockPool = RefCountedBlockPool(num_blocks)
+        self._chains: dict[str, list[BlockKey]] = {}  # per running request: the keys of its indexed full blocks
+        self._roots: dict[str, BlockKey] = {}  # one root per cache salt: salted prefixes are never shared
+        self.num_queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries)
+        self.num_hits = 0  # tokens found
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free
+
+    def _root(self, request: Request) -> BlockKey | None:
+        salt = request.cache_salt
+        if salt is None:
+            return None
+        return self._roots.setdefault(salt, BlockKey(None, ()))
+
+    def cached_prefix(self, request: Request) -> CachedPrefix:
+        bs = self.block_size
+        limit = (request.num_tokens - 1) // bs  # whole blocks, and never the last token
+        if limit <= 0:
+            return NO_PREFIX
+        tokens = request.token_ids(0, limit * bs)
+        parent, block_ids, keys = self._root(request), [], []
+        for start in range(0, limit * bs, bs):
+            hit = self.pool.lookup(parent, tuple(tokens[start : start + bs]))
+            if hit is None:
+                break
+            block, parent = hit
+            block_ids.append(block)
+            keys.append(parent)
+        if not block_ids:
+            return NO_PREFIX
+        return CachedPrefix(tuple(block_ids), tuple(keys), len(block_ids) * bs)
+
+    def can_admit(
+        self, request_id: str, num_tokens: int, keep_watermark: bool = True, prefix: CachedPrefix = NO_PREFIX
+    ) -> bool:
+        reserve = self.watermark_blocks if keep_watermark else 0
+        new_blocks = blocks_for_tokens(num_tokens, self.block_size) - len(prefix.block_ids)
+        # A hit on a cached block that nobody holds takes it out of the free count, as a new block would.
+        return self.pool.can_take(max(new_blocks, 0) + self.pool.num_unreferenced(prefix.block_ids) + reserve)
+
+    def admit(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> list[int] | None:
+        request_id = request.request_id
+        self.num_queries += request.num_tokens
+        self.num_hits += prefix.num_tokens
+        if prefix.block_ids:
+            self.pool.acquire(prefix.block_ids)
+            self.block_tables[request_id] = list(prefix.block_ids)
+            self._num_tokens[request_id] = prefix.num_tokens
+            self._used_slots += prefix.num_tokens
+        self._chains[request_id] = list(prefix.keys)
+        return self.grow_table(request_id, num_tokens)
+
+    def commit_computed(self, request: Request) -> None:
+        """Index the full blocks the request has computed since the last call."""
+        bs = self.block_size
+        chain = self._chains.get(request.request_id)
+        full = request.num_computed_tokens // bs
+        if chain is None or full <= len(chain):
+            return
+        table = self.block_tables[request.request_id]
+        done = len(chain)
+        tokens = request.token_ids(done * bs, full * bs)
+        parent = chain[-1] if chain else self._root(request)
+        for index in range(done, full):
+            offset = (index - done) * bs
+            parent = self.pool.register(table[index], parent, tuple(tokens[offset : offset + bs]))
+            chain.append(parent)
+
+    def free(self, request_id: str) -> None:
+        self._chains.pop(request_id, None)
+        table = self._drop_table(request_id)
+        self._num_tokens.pop(request_id, None)
+        if table:
+            self.pool.give_back(reversed(table))  # the tail first into the eviction queue
+        cpu_table = self.cpu_block_tables.pop(request_id, None)
+        if cpu_table:
+            self.cpu_pool.give_back(cpu_table)
+
+    def memory_report(self) -> MemoryReport:
+        report = super().memory_report()
+        shared = self.pool.num_shared_refs * self.block_size
+        return dataclasses.replace(
+            report,
+            used_slots=report.used_slots - shared,  # a shared block's tokens are held once
+            shared_slots=shared,
+            cached_free_slots=self.pool.num_cached_free * self.block_size,
+        )

@@ -24,12 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.core.config import check_option, engine_option
-from conveyor.core.kv import PagedKVCacheManager
+from conveyor.core.kv import CachedPrefix, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.core.stats import EngineStats
 
 POLICIES = engine_option("scheduling_policy").choices
+LPM_QUEUE_LIMIT = 128  # past this many waiting requests, lpm falls back to FCFS (SGLang's threshold)
 PREEMPTION_MODES = engine_option("preemption_mode").choices
 logger = logging.getLogger("conveyor.core.scheduler")
 
@@ -111,6 +112,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self._finished_since_last_step: list[str] = []
+        self._cached_this_step: dict[str, int] = {}  # admitted this step with a prefix-cache hit: tokens
+        self._lpm_order: list[Request] | None = None  # lpm's admission order for the current step
         self._preempted_this_step: list[str] = []
         self._swap_out: list[tuple[int, int]] = []
         self.step_index = 0
@@ -173,6 +176,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_swaps_out=self.num_swaps_out,
             num_swap_fallbacks=self.num_swap_fallbacks,
+            num_cached_free_kv_blocks=kv.num_cached_free_blocks,
+            prefix_cache_queries=kv.num_queries,
+            prefix_cache_hits=kv.num_hits,
         )
 
     # ----- one step ---------------------------------------------------------
@@ -188,6 +194,7 @@ class Scheduler:
         # Swapped requests come back before anyone new is admitted.
         if not preempted:
             budget = self._resume_swapped(budget, scheduled, swap_in)
+            self._lpm_order = None  # computed on first use, once per step
             budget = self._admit_waiting(budget, scheduled)
 
         self.step_index += 1
@@ -203,8 +210,10 @@ class Scheduler:
             num_swapped=len(self.swapped),
             kv_usage=self.kv_manager.usage,
             memory=self.kv_manager.memory_report(),
+            cached_tokens=self._cached_this_step,
         )
         self._finished_since_last_step = []
+        self._cached_this_step = {}
         return output
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int]:
@@ -256,36 +265,67 @@ class Scheduler:
         return budget
 
     def _next_to_admit(self) -> Request | None:
-        """Policy hook: the waiting request admission considers next (the head of the queue)."""
-        return self.waiting[0] if self.waiting else None
+        """Policy hook: the waiting request admission considers next (the head of the queue, or for ``lpm``
+        the one with the longest cached prefix, in this step's order)."""
+        if not self.waiting:
+            return None
+        if self.config.policy == "lpm" and self._lpm_order is None:
+            self._lpm_order = self._longest_prefix_first()
+        if self._lpm_order:
+            while self._lpm_order[0].status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self._lpm_order.pop(0)  # admitted earlier in this step
+            return self._lpm_order[0]
+        return self.waiting[0]
+
+    def _longest_prefix_first(self) -> list[Request]:
+        """The waiting queue by cached prefix, longest first (arrival breaks ties), as SGLang's ``lpm``.
+
+        Requests that share a cached prefix then run together while it is still cached. Looking up every
+        waiting request costs a lookup per block each step, and a request with nothing cached could wait
+        behind others indefinitely, so past ``LPM_QUEUE_LIMIT`` waiting requests the order is arrival (FCFS).
+        """
+        if len(self.waiting) > LPM_QUEUE_LIMIT:
+            return []
+        cached = {id(r): self.kv_manager.cached_prefix(r).num_tokens for r in self.waiting}
+        return sorted(self.waiting, key=lambda r: (-cached[id(r)], *self._order(r)))
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         while budget > 0 and (request := self._next_to_admit()) is not None:
             if self.swapped and self._order(self.swapped[0]) < self._order(request):
                 break  # a swapped request that ranks first is resumed first
-            num_new = _num_new_tokens(request, budget)
-            end = request.num_computed_tokens + num_new
-            if not self._fits(request, end):
+            prefix = self.kv_manager.cached_prefix(request)  # its leading blocks already in the prefix cache
+            num_new = min(request.num_tokens - prefix.num_tokens, budget)
+            end = prefix.num_tokens + num_new
+            if not self._fits(request, end, prefix):
                 refund = self._preempt_for(request, scheduled)
                 if refund is None:
                     break  # nobody overtakes the head of the queue
                 budget += refund
                 continue
-            block_ids = self.kv_manager.grow_table(request.request_id, end)
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = self.clock()
-            bisect.insort(self.running, request, key=self._order)
+            block_ids = self._admit(request, end, prefix)
             scheduled.append(_scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return budget
 
-    def _fits(self, request: Request, num_slots: int) -> bool:
+    def _fits(self, request: Request, num_slots: int, prefix: CachedPrefix) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
             return False
         # The watermark only matters when someone else could be preempted for it.
-        return self.kv_manager.can_admit(request.request_id, num_slots, bool(self.running))
+        return self.kv_manager.can_admit(request.request_id, num_slots, bool(self.running), prefix)
+
+    def _admit(self, request: Request, num_tokens: int, prefix: CachedPrefix) -> list[int]:
+        """Move a waiting request to running with slots for ``num_tokens`` tokens, the cached ``prefix`` first."""
+        block_ids = self.kv_manager.admit(request, num_tokens, prefix)
+        request.num_computed_tokens = prefix.num_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+            request.num_cached_tokens = prefix.num_tokens
+        if prefix.num_tokens:
+            self._cached_this_step[request.request_id] = prefix.num_tokens
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._order)
+        return block_ids
 
     def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
         """Priority policy: preempt the least important running request if it ranks strictly below ``request``.
@@ -339,11 +379,13 @@ class Scheduler:
         now = self.clock()
         updated: list[Request] = []
         requests, running = self.requests, RequestStatus.RUNNING
+        commit_computed = self.kv_manager.commit_computed
         for item in output.scheduled:
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(item.token_ids)
+            commit_computed(request)  # prefix caching indexes the blocks this step filled
             if not item.samples_token:
                 continue
             if request.first_token_time is None:

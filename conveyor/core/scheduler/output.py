@@ -50,6 +50,8 @@ class SchedulerOutput:
     num_swapped: int = 0
     kv_usage: float = 0.0
     memory: MemoryReport | None = None  # after this step's allocations
+    # Requests admitted in this step whose leading blocks came from the prefix cache: request id -> tokens.
+    cached_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
