@@ -210,3 +210,47 @@ def test_watermark_is_rounded_down_to_whole_blocks() -> None:
     assert PagedKVCacheManager(num_blocks=99, block_size=1).watermark_blocks == 0  # 0.99 blocks
     assert PagedKVCacheManager(num_blocks=100, block_size=1).watermark_blocks == 1
     assert PagedKVCacheManager(num_blocks=100, block_size=1, watermark=0.0).watermark_blocks == 0
+
+
+# ----- memory report ------------------------------------------------------------
+
+
+def test_grow_table_returns_the_table_and_grows_only_past_its_last_block() -> None:
+    kv = PagedKVCacheManager(num_blocks=8, block_size=4, watermark=0.0)
+    table = kv.grow_table("a", 3)
+    assert table == kv.block_ids("a") and len(table) == 1
+    assert kv.grow_table("a", 4) is table, "room in the last block: the same table"
+    grown = kv.grow_table("a", 5)
+    assert grown is not table and grown[:1] == table and len(grown) == 2
+    assert kv.grow_table("b", 4 * 7) is None and "b" not in kv.block_tables, "short pool: nothing taken"
+
+
+def test_used_slots_follow_allocation_swap_and_free() -> None:
+    """The used-slot sum is kept as tables change; it always equals the tokens of the device-resident requests."""
+    kv = PagedKVCacheManager(num_blocks=16, block_size=4, watermark=0.0, num_cpu_blocks=8)
+    filled = {}
+
+    def check() -> None:
+        report = kv.memory_report()
+        assert report.used_slots == sum(filled[r] for r in kv.block_tables)
+        assert report.reserved_slots == len(owned_blocks(kv)) * kv.block_size
+
+    for request_id, num_tokens in [("a", 5), ("b", 1), ("a", 6), ("c", 9), ("b", 4), ("b", 5)]:
+        assert kv.allocate_slots(request_id, num_tokens)
+        filled[request_id] = num_tokens
+        check()
+    assert kv.swap_out("a") is not None
+    check()
+    assert kv.memory_report().used_slots == filled["b"] + filled["c"]
+    kv.swap_in("a")
+    check()
+    kv.grow_table("a", 7)
+    filled["a"] = 7
+    check()
+    kv.free("c")
+    check()
+    kv.swap_out("b")
+    kv.free("b")  # freed while swapped out: its slots had already left the sum
+    check()
+    kv.free("a")
+    assert kv.memory_report().used_slots == 0 and kv.memory_report().reserved_slots == 0

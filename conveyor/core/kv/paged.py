@@ -177,8 +177,7 @@ class PagedKVCacheManager:
 
     def _grow(self, request_id: str, num_tokens: int) -> list[int] | None:
         """``grow_table`` when the table lacks blocks (or the request has none): take them from the pool."""
-        held = request_id in self.block_tables
-        counted = self._num_tokens.get(request_id, 0) if held else 0  # its used slots so far
+        counted = self._num_tokens.get(request_id, 0) if request_id in self.block_tables else 0  # used slots so far
         table = self.block_tables.get(request_id, [])
         extra = self._extra_blocks(request_id, num_tokens)
         if extra:
