@@ -123,6 +123,7 @@ class PagedKVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     # Prefix caching's figures: none here (see PrefixCachingKVCacheManager).
+    caches_prefixes = False
     num_queries = 0
     num_hits = 0
     num_cached_free_blocks = 0

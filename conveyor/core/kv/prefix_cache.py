@@ -14,7 +14,6 @@ of a conversation is found again as long as memory allows.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
@@ -23,17 +22,18 @@ from conveyor.core.request import Request
 
 
 class BlockKey:
-    """The identity of one full block's content: the node before it and its token ids.
+    """The identity of one full block's content: the node before it and its token ids; and the block holding it.
 
     Nodes are compared by identity; a child's key holds its parent node, so a
     parent stays alive (and its identity unique) as long as any child key does.
     """
 
-    __slots__ = ("parent", "token_ids")
+    __slots__ = ("block", "parent", "token_ids")
 
-    def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...]) -> None:
+    def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...], block: int = -1) -> None:
         self.parent = parent
         self.token_ids = token_ids
+        self.block = block
 
 
 class RefCountedBlockPool:
@@ -51,9 +51,8 @@ class RefCountedBlockPool:
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
-        self._index: dict[tuple[BlockKey | None, tuple[int, ...]], int] = {}  # content -> block
-        self._key_of: dict[int, tuple[BlockKey | None, tuple[int, ...]]] = {}  # block -> its content key
-        self._node_of: dict[int, BlockKey] = {}
+        self._index: dict[tuple[BlockKey | None, tuple[int, ...]], BlockKey] = {}  # content -> its node
+        self._node_of: dict[int, BlockKey] = {}  # cached block -> the node of its content
         self.num_evictions = 0
         self.num_shared_refs = 0  # references beyond the first, over all blocks: the sharing prefix caching buys
 
@@ -89,21 +88,21 @@ class RefCountedBlockPool:
         """``n`` blocks with a reference each: never-cached blocks first, then the least recently used cached."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
-        blocks = []
-        for _ in range(n):
-            if self._free:
-                block = self._free.popleft()
-            else:
-                block, _ = self._evictable.popitem(last=False)
-                self._forget(block)
-                self.num_evictions += 1
-            self.ref_counts[block] = 1
+        free, ref_counts = self._free, self.ref_counts
+        blocks = [free.popleft() for _ in range(min(n, len(free)))]
+        num_evicted = n - len(blocks)
+        for _ in range(num_evicted):
+            block, _ = self._evictable.popitem(last=False)
+            self._forget(block)
             blocks.append(block)
+        self.num_evictions += num_evicted
+        for block in blocks:
+            ref_counts[block] = 1
         return blocks
 
     def give_back(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block, in the order given: the first to reach zero is evicted first."""
-        ref_counts, cached = self.ref_counts, self._key_of
+        ref_counts, cached = self.ref_counts, self._node_of
         for block in block_ids:
             ref_counts[block] -= 1
             if ref_counts[block]:
@@ -118,12 +117,12 @@ class RefCountedBlockPool:
 
     def lookup(self, parent: BlockKey | None, token_ids: tuple[int, ...]) -> tuple[int, BlockKey] | None:
         """The cached block holding ``token_ids`` after ``parent``, and its node; None on a miss."""
-        block = self._index.get((parent, token_ids))
-        return None if block is None else (block, self._node_of[block])
+        node = self._index.get((parent, token_ids))
+        return None if node is None else (node.block, node)
 
     def is_cached(self, block: int) -> bool:
         """Whether the block's content is indexed (it may be found by a later request)."""
-        return block in self._key_of
+        return block in self._node_of
 
     def acquire(self, block_ids: Sequence[int]) -> None:
         """One more reference to each of these cached blocks (a cache hit); an unreferenced one stops being
@@ -147,19 +146,14 @@ class RefCountedBlockPool:
         the content, not the block, is what later keys chain on.
         """
         key = (parent, token_ids)
-        existing = self._index.get(key)
-        if existing is not None:
-            return self._node_of[existing]
-        node = BlockKey(parent, token_ids)
-        self._index[key] = block
-        self._key_of[block] = key
-        self._node_of[block] = node
+        node = self._index.get(key)
+        if node is None:
+            self._index[key] = self._node_of[block] = node = BlockKey(parent, token_ids, block)
         return node
 
     def _forget(self, block: int) -> None:
-        key = self._key_of.pop(block)
-        del self._index[key]
-        del self._node_of[block]
+        node = self._node_of.pop(block)
+        del self._index[(node.parent, node.token_ids)]
 
 
 class PrefixCachingKVCacheManager(PagedKVCacheManager):
@@ -179,6 +173,7 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0) -> None:
         super().__init__(num_blocks, block_size, watermark, num_cpu_blocks)
         self.pool: RefCountedBlockPool = RefCountedBlockPool(num_blocks)
+        self.caches_prefixes = True
         self._chains: dict[str, list[BlockKey]] = {}  # per running request: the keys of its indexed full blocks
         self._roots: dict[str, BlockKey] = {}  # one root per cache salt: salted prefixes are never shared
         self.num_queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries)
@@ -259,11 +254,14 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
             self.cpu_pool.give_back(cpu_table)
 
     def memory_report(self) -> MemoryReport:
-        report = super().memory_report()
-        shared = self.pool.num_shared_refs * self.block_size
-        return dataclasses.replace(
-            report,
-            used_slots=report.used_slots - shared,  # a shared block's tokens are held once
+        pool, block_size = self.pool, self.block_size
+        shared = pool.num_shared_refs * block_size
+        return MemoryReport(
+            capacity_slots=self.capacity_tokens,
+            reserved_slots=(pool.num_blocks - pool.num_free) * block_size,
+            used_slots=self._used_slots - shared,  # a shared block's tokens are held once
+            unusable_free_slots=0,
+            num_requests=len(self.block_tables),
             shared_slots=shared,
-            cached_free_slots=self.pool.num_cached_free * self.block_size,
+            cached_free_slots=pool.num_cached_free * block_size,
         )

@@ -379,13 +379,18 @@ class Scheduler:
         now = self.clock()
         updated: list[Request] = []
         requests, running = self.requests, RequestStatus.RUNNING
-        commit_computed = self.kv_manager.commit_computed
+        kv = self.kv_manager
+        # Prefix caching indexes the blocks a step filled; most decodes fill none, so only a chunk that
+        # crosses a block boundary calls it.
+        commit, block_size = (kv.commit_computed, kv.block_size) if kv.caches_prefixes else (None, 0)
         for item in output.scheduled:
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(item.token_ids)
-            commit_computed(request)  # prefix caching indexes the blocks this step filled
+            start = request.num_computed_tokens
+            request.num_computed_tokens = end = start + len(item.token_ids)
+            if commit is not None and end // block_size != start // block_size:
+                commit(request)
             if not item.samples_token:
                 continue
             if request.first_token_time is None:
