@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -18,7 +19,13 @@ from conveyor.entrypoints.cli import build_parser, main
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import load_hardware, load_model_config
 from conveyor.sim.simulator import Simulation, device_kv_cache_memory, simulate
-from conveyor.sim.workload import WorkloadRequest, parse_lengths, synthetic_workload
+from conveyor.sim.workload import (
+    WorkloadRequest,
+    multi_turn_shapes,
+    parse_lengths,
+    shared_prefix_requests,
+    synthetic_workload,
+)
 
 A100 = load_hardware("A100-80GB")
 SMALL = CostModel(load_model_config("SmolLM2-135M"), A100, "float16")
@@ -190,3 +197,30 @@ def test_cpu_local_names_how_to_measure_this_machine_and_user_catalogs_extend_th
     assert load_model_config(str(tmp_path)).num_layers == 2
     with pytest.raises(ValueError, match="Llama-2-13B"):
         load_model_config("no-such-model")
+
+
+def test_multi_turn_conversations_resend_their_history_and_hit_the_prefix_cache():
+    shapes = multi_turn_shapes(4, seed=0, num_turns=3, output_len=8)
+    config = EngineConfig(num_kv_blocks=512, block_size=16)
+    runs = {caching: simulate(dataclasses.replace(config, enable_prefix_caching=caching), SMALL, [],
+                              conversations=shapes)[0] for caching in (False, True)}
+    for figures in runs.values():
+        assert figures["num_requests"] == 12 and figures["output_tokens"] == 12 * 8
+    history = [s.system_len + sum(s.question_lens[:t + 1]) + 8 * t for s in shapes for t in range(3)]
+    assert runs[False]["prompt_tokens"] == runs[True]["prompt_tokens"] == sum(history)
+    assert runs[False]["prompt_tokens_computed"] == sum(history)
+    # Later turns find every earlier full block: only the last partial block and the new question are computed.
+    assert runs[True]["prompt_tokens_computed"] < 0.5 * sum(history)
+    assert runs[True]["elapsed_s"] < runs[False]["elapsed_s"]
+
+
+def test_shared_prefixes_are_computed_once_per_prefix_in_the_simulator():
+    workload = shared_prefix_requests(32, seed=1, num_prefixes=4)
+    results = {caching: simulate(EngineConfig(num_kv_blocks=4096, enable_prefix_caching=caching), SMALL,
+                                 workload)[0] for caching in (False, True)}
+    prefix_tokens = sum(r.shared_prefix_len for r in workload)
+    saved = results[False]["prompt_tokens_computed"] - results[True]["prompt_tokens_computed"]
+    # A prefix is computed by the first request to reach it, and by any admitted in that same step (the blocks
+    # are indexed once computed): most of the shared tokens are saved, never more.
+    assert prefix_tokens / 2 < saved <= prefix_tokens
+    assert results[True]["ttft_mean_s"] < results[False]["ttft_mean_s"]

@@ -69,8 +69,7 @@ def run_throughput(engine: Engine, spec: WorkloadSpec) -> dict[str, Any]:
     trace = engine.start_trace()
     start = time.monotonic()
     if spec.kind == "multi-turn":
-        conversations = multi_turn_workload(spec.num_prompts, spec.seed, vocab, spec.num_turns,
-                                            output_len=spec.output_range[1])
+        conversations = multi_turn_workload(spec.num_prompts, spec.seed, vocab, spec.num_turns, spec.output_range[1])
         finished, steps = run_conversations(engine, conversations)
     else:
         finished, steps = run_all_at_once(engine, _requests(spec, vocab))
@@ -102,7 +101,7 @@ def run_throughput(engine: Engine, spec: WorkloadSpec) -> dict[str, Any]:
 def _requests(spec: WorkloadSpec, vocab_size: int) -> list[SyntheticRequest]:
     if spec.kind == "shared-prefix":
         return shared_prefix_workload(spec.num_prompts, spec.seed, vocab_size, spec.num_prefixes, spec.prefix_range,
-                                      output_len=spec.output_range[1])
+                                      spec.output_range[1])
     return long_tail_workload(spec.num_prompts, spec.seed, vocab_size, prompt_range=spec.prompt_range,
                               output_range=spec.output_range)
 

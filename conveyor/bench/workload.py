@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from conveyor.sim.workload import LengthDistribution
+from conveyor.sim.workload import LengthDistribution, multi_turn_shapes, shared_prefix_requests
 
 WORKLOADS = ("longtail", "shared-prefix", "multi-turn")  # what ``bench throughput --workload`` offers
 
@@ -50,18 +50,20 @@ def shared_prefix_workload(
     vocab_size: int,
     num_prefixes: int = 8,
     prefix_range: tuple[int, int] = (400, 800),
-    question_range: tuple[int, int] = (16, 48),
     output_len: int = 64,
 ) -> list[SyntheticRequest]:
     """Requests over a few long shared prefixes (system prompts, few-shot preambles), each with its own short
-    question: the traffic prefix caching is for. Request ``i`` uses prefix ``i % num_prefixes``."""
-    rng = random.Random(f"{seed}:shared-prefix")
-    prefixes = [_random_tokens(rng, rng.randint(*prefix_range), vocab_size) for _ in range(num_prefixes)]
-    return [
-        SyntheticRequest(prefixes[i % num_prefixes] + _random_tokens(rng, rng.randint(*question_range), vocab_size),
-                         output_len)
-        for i in range(num_requests)
-    ]
+    question: the traffic prefix caching is for. Lengths are the simulator's (``shared_prefix_requests``)."""
+    shapes = shared_prefix_requests(num_requests, seed, num_prefixes, prefix_range, output_len=output_len)
+    rng = random.Random(f"{seed}:shared-prefix-tokens")
+    prefixes: dict[int, list[int]] = {}
+    requests = []
+    for shape in shapes:
+        if shape.shared_prefix_id not in prefixes:
+            prefixes[shape.shared_prefix_id] = _random_tokens(rng, shape.shared_prefix_len, vocab_size)
+        question = _random_tokens(rng, shape.prompt_len - shape.shared_prefix_len, vocab_size)
+        requests.append(SyntheticRequest(prefixes[shape.shared_prefix_id] + question, shape.output_len))
+    return requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,24 +83,15 @@ class Conversation:
         return history + self.questions[turn]
 
 
-def multi_turn_workload(
-    num_conversations: int,
-    seed: int,
-    vocab_size: int,
-    num_turns: int = 4,
-    system_range: tuple[int, int] = (200, 400),
-    question_range: tuple[int, int] = (32, 96),
-    output_len: int = 64,
-) -> list[Conversation]:
-    """Conversations with their own system prompts and questions (random token ids, seeded)."""
-    rng = random.Random(f"{seed}:multi-turn")
+def multi_turn_workload(num_conversations: int, seed: int, vocab_size: int, num_turns: int = 6,
+                        output_len: int = 64) -> list[Conversation]:
+    """Conversations with their own system prompts and questions (random token ids, seeded); lengths are the
+    simulator's (``multi_turn_shapes``), so it can predict the same workload."""
+    rng = random.Random(f"{seed}:multi-turn-tokens")
     return [
-        Conversation(
-            _random_tokens(rng, rng.randint(*system_range), vocab_size),
-            [_random_tokens(rng, rng.randint(*question_range), vocab_size) for _ in range(num_turns)],
-            output_len,
-        )
-        for _ in range(num_conversations)
+        Conversation(_random_tokens(rng, shape.system_len, vocab_size),
+                     [_random_tokens(rng, n, vocab_size) for n in shape.question_lens], shape.output_len)
+        for shape in multi_turn_shapes(num_conversations, seed, num_turns, output_len=output_len)
     ]
 
 

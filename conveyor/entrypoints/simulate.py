@@ -26,9 +26,12 @@ from conveyor.sim.simulator import device_kv_cache_memory, simulate
 from conveyor.sim.sweep import DEFAULT_LATENCY_BOUND, is_sustainable, max_sustainable_rate
 from conveyor.sim.workload import (
     LENGTH_PRESETS,
+    ConversationShape,
     WorkloadRequest,
+    multi_turn_shapes,
     parse_lengths,
     read_trace_file,
+    shared_prefix_requests,
     synthetic_workload,
 )
 
@@ -48,8 +51,13 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of device memory for weights and KV, when --kv-cache-memory is not given")
     g.add_argument("--workload", default="sharegpt",
-                   help=f"{', '.join(LENGTH_PRESETS)} (long-tailed lengths of those means), or a CSV/JSONL "
-                   "file of arrival_time, prompt_tokens, output_tokens")
+                   help=f"{', '.join(LENGTH_PRESETS)} (long-tailed lengths of those means); shared-prefix "
+                   "(requests over --num-prefixes shared prefixes of 400-800 tokens, questions of 16-48, 64 output "
+                   "tokens, all at once); multi-turn (--num-requests conversations of --num-turns turns, each "
+                   "resending its history, as bench throughput's); or a CSV/JSONL file of arrival_time, "
+                   "prompt_tokens, output_tokens")
+    g.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: how many shared prefixes")
+    g.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
     g.add_argument("--prompt-len", default=None, help="N, uniform:LOW,HIGH or longtail:MEAN (overrides --workload)")
     g.add_argument("--output-len", default=None, help="N, uniform:LOW,HIGH or longtail:MEAN (overrides --workload)")
     g.add_argument("--num-requests", type=int, default=None, help=f"default {DEFAULT_NUM_REQUESTS}; a file: all")
@@ -101,6 +109,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     specs = args.compare or [_describe(base)]
     configs = [with_overrides(base, spec) if args.compare else base for spec in specs]  # all checked before any run
     rates, workloads = _workloads(args)
+    conversations = _conversations(args)
     results: dict[str, list[dict[str, Any]]] = {}
     several = len(configs) * len(rates) > 1
     for spec, config in zip(specs, configs):
@@ -111,7 +120,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         results[spec] = []
         for rate, workload in zip(rates, workloads):
             print(f"simulating {spec} at {_rate(rate)} ...", file=sys.stderr, flush=True)
-            result, trace = simulate(config, cost, workload, record_trace=bool(args.trace))
+            result, trace = simulate(config, cost, workload, bool(args.trace), conversations)
             result = {"configuration": spec, "request_rate": rate, **result}
             results[spec].append(result)
             if trace is not None:
@@ -124,8 +133,21 @@ def _describe(config: EngineConfig) -> str:
     return f"scheduler={config.scheduler},kv_layout={config.kv_layout}"
 
 
+def _conversations(args: argparse.Namespace) -> list[ConversationShape]:
+    if args.workload != "multi-turn":
+        return []
+    return multi_turn_shapes(args.num_requests or 16, args.workload_seed, args.num_turns)
+
+
 def _workloads(args: argparse.Namespace) -> tuple[list[float], list[list[WorkloadRequest]]]:
     """The request rates, and the workload at each (one workload, replayed as it is, for a trace file)."""
+    if args.workload in ("shared-prefix", "multi-turn"):
+        if args.request_rates or args.prompt_len or args.output_len:
+            raise ValueError(f"--workload {args.workload}: all at once, with its own lengths; drop --request-rates, "
+                             "--prompt-len and --output-len")
+        if args.workload == "multi-turn":
+            return [math.inf], [[]]  # the conversations (_conversations) are the workload
+        return [math.inf], [shared_prefix_requests(args.num_requests or 128, args.workload_seed, args.num_prefixes)]
     if args.workload not in LENGTH_PRESETS:
         if args.request_rates or args.prompt_len or args.output_len:
             raise ValueError("--workload FILE: the file sets arrival times and lengths; drop --request-rates, "

@@ -23,7 +23,7 @@ from conveyor.core.scheduler import SchedulerOutput
 from conveyor.core.trace import Trace
 from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock
-from conveyor.sim.workload import WorkloadRequest
+from conveyor.sim.workload import ConversationShape, WorkloadRequest
 
 FINISHED = RequestStatus.FINISHED
 SHARED_PREFIX_TOKEN = 1 << 40  # stand-in ids of shared prefixes, far from any request's own
@@ -54,6 +54,7 @@ class _Finished:
     arrivals: list[float] = field(default_factory=list)
     finishes: list[float] = field(default_factory=list)
     preemptions: int = 0
+    cached_tokens: int = 0
 
     def add(self, request: Request) -> None:
         self.prompt_lens.append(request.num_prompt_tokens)
@@ -63,6 +64,7 @@ class _Finished:
         self.arrivals.append(request.arrival_time)
         self.finishes.append(request.finish_time)
         self.preemptions += request.num_preemptions
+        self.cached_tokens += request.num_cached_tokens
 
 
 @dataclass(slots=True)
@@ -89,7 +91,12 @@ class Simulation:
     """
 
     def __init__(
-        self, config: EngineConfig, cost: CostModel, workload: list[WorkloadRequest], record_trace: bool = False
+        self,
+        config: EngineConfig,
+        cost: CostModel,
+        workload: list[WorkloadRequest],
+        record_trace: bool = False,
+        conversations: list[ConversationShape] | None = None,
     ) -> None:
         self.config = config
         self.cost = cost
@@ -99,13 +106,16 @@ class Simulation:
         self.core = EngineCore(config, self.plan, self.executor, self.clock)
         self.trace = self.core.start_trace() if record_trace else None
         self.arrivals = sorted(workload, key=lambda r: r.arrival_time)
+        self.conversations = ConversationFeed(conversations or [], self.plan.max_model_len)
 
     def run(self) -> dict[str, Any]:
         """Run to the last finish; the figures of ``conveyor bench throughput`` and a few more."""
         wall_start = time.perf_counter()
-        clock, core, arrivals = self.clock, self.core, self.arrivals
+        clock, core, arrivals, conversations = self.clock, self.core, self.arrivals, self.conversations
         finished, sums = _Finished(), _StepSums()
         next_index, idle_steps = 0, 0
+        for request in conversations.first_turns():
+            core.add_request(request)
         while next_index < len(arrivals) or core.has_unfinished_requests():
             while next_index < len(arrivals) and arrivals[next_index].arrival_time <= clock.now:
                 core.add_request(_request(arrivals[next_index], next_index, self.plan.max_model_len))
@@ -116,6 +126,8 @@ class Simulation:
             for request in core.step():
                 if request.status is FINISHED:  # is_finished, without a property call per request and step
                     finished.add(request)
+                    if conversations and (next_turn := conversations.next_turn(request, clock.now)) is not None:
+                        core.add_request(next_turn)
             sums.add(core.last_output)
             idle_steps = idle_steps + 1 if core.last_output.is_empty else 0
             if idle_steps > MAX_IDLE_STEPS:
@@ -126,11 +138,59 @@ class Simulation:
 
 
 def simulate(
-    config: EngineConfig, cost: CostModel, workload: list[WorkloadRequest], record_trace: bool = False
+    config: EngineConfig,
+    cost: CostModel,
+    workload: list[WorkloadRequest],
+    record_trace: bool = False,
+    conversations: list[ConversationShape] | None = None,
 ) -> tuple[dict[str, Any], Trace | None]:
-    """Run ``workload`` to the end; its figures, and its trace if asked for."""
-    simulation = Simulation(config, cost, workload, record_trace)
+    """Run ``workload`` (and ``conversations``) to the end; its figures, and its trace if asked for."""
+    simulation = Simulation(config, cost, workload, record_trace, conversations)
     return simulation.run(), simulation.trace
+
+
+class ConversationFeed:
+    """Multi-turn conversations, closed loop: a conversation's next turn arrives when its answer is complete.
+
+    A turn's prompt is the conversation's history (system prompt, earlier questions, and the answers as the
+    simulated engine produced them) and its new question, so the prefix cache sees what a chat client sends.
+    Stand-in ids: the system prompt and questions of conversation ``c`` use ids no other conversation uses.
+    """
+
+    def __init__(self, shapes: list[ConversationShape], max_model_len: int) -> None:
+        self.shapes = shapes
+        self.max_model_len = max_model_len
+        self.histories: list[list[int]] = [[] for _ in shapes]  # prompt + answer of the latest turn
+        self.turns = [0] * len(shapes)
+
+    def __bool__(self) -> bool:
+        return bool(self.shapes)
+
+    def first_turns(self) -> list[Request]:
+        return [self._turn(index, shape.arrival_time) for index, shape in enumerate(self.shapes)]
+
+    def next_turn(self, finished: Request, now: float) -> Request | None:
+        """The next turn of the conversation ``finished`` belongs to, arriving ``now``; None when it is over."""
+        if not finished.request_id.startswith("conv-"):
+            return None
+        index = int(finished.request_id.split("-")[1])
+        self.histories[index] = finished.prompt_token_ids + finished.output_token_ids
+        self.turns[index] += 1
+        if self.turns[index] == len(self.shapes[index].question_lens):
+            return None
+        return self._turn(index, now)
+
+    def _turn(self, index: int, now: float) -> Request:
+        shape, turn = self.shapes[index], self.turns[index]
+        system = [] if turn else [-(index * 1000 + 1)] * shape.system_len
+        prompt = self.histories[index] + system + [-(index * 1000 + turn + 2)] * shape.question_lens[turn]
+        prompt = prompt[: self.max_model_len - 1]
+        return Request(
+            request_id=f"conv-{index}-{turn}",
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=shape.output_len, ignore_eos=True),
+            arrival_time=now,
+        )
 
 
 def _request(item: WorkloadRequest, index: int, max_model_len: int) -> Request:
@@ -174,6 +234,8 @@ def _figures(
             finished.prompt_lens, finished.output_lens, finished.ttft, finished.latency, end - start, sums.steps
         ),
         "model_steps": executor.num_model_steps,
+        "prompt_tokens_computed": sum(finished.prompt_lens) - finished.cached_tokens,
+        "prefix_cache_hit_rate": finished.cached_tokens / max(sum(finished.prompt_lens), 1),
         "preemptions": finished.preemptions,
         "swaps_out": stats.num_swaps_out,
         "swap_fallbacks_to_recompute": stats.num_swap_fallbacks,

@@ -116,6 +116,55 @@ def synthetic_workload(
     ]
 
 
+def shared_prefix_requests(
+    num_requests: int,
+    seed: int,
+    num_prefixes: int = 8,
+    prefix_range: tuple[int, int] = (400, 800),
+    question_range: tuple[int, int] = (16, 48),
+    output_len: int = 64,
+) -> list[WorkloadRequest]:
+    """Requests at once over ``num_prefixes`` shared prefixes (request ``i`` uses prefix ``i % num_prefixes``),
+    each with a question of its own: the shape of ``bench throughput --workload shared-prefix``."""
+    rng = random.Random(f"{seed}:shared-prefix-lengths")
+    prefix_lens = [rng.randint(*prefix_range) for _ in range(num_prefixes)]
+    requests = []
+    for i in range(num_requests):
+        prefix = i % num_prefixes
+        prompt_len = prefix_lens[prefix] + rng.randint(*question_range)
+        requests.append(WorkloadRequest(0.0, prompt_len, output_len, shared_prefix_id=prefix,
+                                        shared_prefix_len=prefix_lens[prefix]))
+    return requests
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationShape:
+    """A multi-turn chat's lengths: each turn resends the system prompt and every earlier question and answer,
+    then its own question; the next turn is sent when the answer is complete."""
+
+    system_len: int
+    question_lens: tuple[int, ...]
+    output_len: int
+    arrival_time: float = 0.0
+
+
+def multi_turn_shapes(
+    num_conversations: int,
+    seed: int,
+    num_turns: int = 6,
+    system_range: tuple[int, int] = (200, 400),
+    question_range: tuple[int, int] = (32, 96),
+    output_len: int = 64,
+) -> list[ConversationShape]:
+    """Conversations all starting at once: the shape of ``bench throughput --workload multi-turn``."""
+    rng = random.Random(f"{seed}:multi-turn-lengths")
+    return [
+        ConversationShape(rng.randint(*system_range), tuple(rng.randint(*question_range) for _ in range(num_turns)),
+                          output_len)
+        for _ in range(num_conversations)
+    ]
+
+
 def read_trace_file(path: str | Path) -> list[WorkloadRequest]:
     """A CSV (with a header row) or JSON-lines file of arrival_time, prompt_tokens, output_tokens and optionally
     priority; sorted by time."""
