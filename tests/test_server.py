@@ -126,6 +126,23 @@ def _metric(base: str, name: str) -> float:
     raise AssertionError(f"metric {name} not found")
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens_and_the_counters_move(client, server):
+    rng = random.Random(11)
+    prompt = [rng.randrange(1000, 40000) for _ in range(70)]  # 4 full blocks of 16, and 6 tokens more
+    before = _metric(server, "prefix_cache_hits_total")
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    assert again.choices[0].text == first.choices[0].text
+    deadline = time.monotonic() + 5  # the gauges and counters move after the step that answered
+    while _metric(server, "prefix_cache_hits_total") < before + 64:
+        assert time.monotonic() < deadline, "prefix_cache_hits_total did not move"
+        time.sleep(0.05)
+    assert _metric(server, "prefix_cache_hits_total") == before + 64
+    assert _metric(server, "prefix_cache_queries_total") >= 2 * 70
+
+
 def test_disconnected_streams_are_aborted_and_free_their_blocks(server):
     async def drop_after_two_chunks(client: httpx.AsyncClient, i: int):
         body = {"model": "tiny", "prompt": [1000 + i] * 30, "max_tokens": 400, "temperature": 0,

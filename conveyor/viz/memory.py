@@ -1,8 +1,11 @@
 """KV memory over time: slots reserved vs slots holding real K/V, and how many requests that bought.
 
-Drawn for several traces of the same workload (contiguous vs paged), so the
-gap between the reserved and used curves (internal waste) and the running
-request counts can be compared directly.
+Drawn for several traces of the same workload (contiguous vs paged, prefix
+caching on or off), so the gap between the reserved and used curves
+(internal waste) and the running request counts can be compared directly.
+With prefix caching, two more curves: the slots shared blocks save (a block
+held by several requests counts once in "reserved") and the free slots that
+still hold a cached prefix, waiting to be found again or evicted.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ def plot_memory(traces: list[Trace], labels: list[str], out: str | Path) -> list
         top.plot(steps, [s.kv_reserved_slots for s in trace.steps], color=colour, label=f"{label}: reserved")
         top.plot(steps, [s.kv_used_slots for s in trace.steps], color=colour, linestyle="--",
                  label=f"{label}: holding K/V")
+        if any(s.kv_shared_slots or s.kv_cached_free_slots for s in trace.steps):
+            top.plot(steps, [s.kv_shared_slots for s in trace.steps], color=colour, linestyle=":",
+                     label=f"{label}: saved by shared blocks")
+            top.plot(steps, [s.kv_cached_free_slots for s in trace.steps], color=colour, linestyle="-.",
+                     label=f"{label}: free, still cached")
         bottom.plot(steps, [s.num_running for s in trace.steps], color=colour, label=label)
         summaries.append({"mean_waste": trace.mean_kv_waste(), "peak_running": trace.peak_running()})
     top.set_ylabel("KV token slots")
