@@ -63,8 +63,9 @@ class WorkloadSpec:
             raise ValueError("--num-prompts, --num-prefixes and --num-turns must be >= 1")
 
 
-def run_throughput(engine: Engine, spec: WorkloadSpec) -> dict[str, Any]:
-    """Run the workload to the end; the engine's trace is recorded too (``engine.trace``)."""
+def run_throughput(engine: Engine, spec: WorkloadSpec, outputs: list[list[int]] | None = None) -> dict[str, Any]:
+    """Run the workload to the end; the engine's trace is recorded too (``engine.trace``). ``outputs``, if given,
+    receives every request's output token ids, in the workload's order (to compare configurations)."""
     vocab = engine.model_config.vocab_size
     trace = engine.start_trace()
     start = time.monotonic()
@@ -74,6 +75,8 @@ def run_throughput(engine: Engine, spec: WorkloadSpec) -> dict[str, Any]:
     else:
         finished, steps = run_all_at_once(engine, _requests(spec, vocab))
     elapsed = time.monotonic() - start
+    if outputs is not None:
+        outputs.extend(o.token_ids for o in finished)
     _, idle_fraction = trace.slot_fill()
     stats = engine.stats()
     return {
@@ -118,15 +121,18 @@ def _prefix_cache_figures(finished: list[RequestOutput]) -> dict[str, Any]:
 
 def run_conversations(engine: Engine, conversations: list[Conversation]) -> tuple[list[RequestOutput], int]:
     """Start every conversation at once; send each next turn as soon as the previous one is answered (no think
-    time), with the answer's tokens in its history. Returns every turn's output and the number of steps."""
+    time), with the answer's tokens in its history. Returns every turn's output (conversation by conversation,
+    turn by turn) and the number of steps."""
     answers: list[list[list[int]]] = [[] for _ in conversations]
     owner: dict[str, int] = {}
+    place: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
 
     def send(index: int) -> None:
         conversation = conversations[index]
         prompt = conversation.prompt(len(answers[index]), answers[index])
         params = SamplingParams(temperature=0.0, max_tokens=conversation.output_len, ignore_eos=True)
-        owner[engine.add_request(prompt, params)] = index
+        request_id = engine.add_request(prompt, params)
+        owner[request_id], place[request_id] = index, (index, len(answers[index]))
 
     for index in range(len(conversations)):
         send(index)
@@ -140,7 +146,7 @@ def run_conversations(engine: Engine, conversations: list[Conversation]) -> tupl
                 if len(answers[index]) < len(conversations[index].questions):
                     send(index)
         steps += 1
-    return finished, steps
+    return sorted(finished, key=lambda o: place[o.request_id]), steps
 
 
 def print_throughput(result: dict[str, Any]) -> None:
@@ -164,7 +170,7 @@ COMPARE_COLUMNS = {
 }
 
 
-def print_comparison(labels: list[str], results: list[dict[str, Any]]) -> None:
+def print_comparison(labels: list[str], results: list[dict[str, Any]], outputs: list[list[list[int]]]) -> None:
     """One row per configuration, and each one's output tokens/s relative to the first."""
     base = results[0]["output_tokens_per_s"]
     rows = [
@@ -172,6 +178,9 @@ def print_comparison(labels: list[str], results: list[dict[str, Any]]) -> None:
         for label, result in zip(labels, results)
     ]
     print(format_table(["configuration", *COMPARE_COLUMNS, "vs first"], rows))
+    for label, run in zip(labels[1:], outputs[1:]):
+        same = sum(a == b for a, b in zip(run, outputs[0]))
+        print(f"{label}: {same} of {len(run)} requests' output tokens equal to {labels[0]}'s")
 
 
 def write_json(results: Any, path: str | None) -> None:

@@ -234,16 +234,17 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
             engine.trace.write(args.trace)
         return 0
     configs = [with_overrides(config, label) for label in args.compare]  # all checked before any run
-    results = []
+    results, outputs = [], []
     for label, variant in zip(args.compare, configs):
         print(f"running {label} ...", file=sys.stderr, flush=True)
         engine = Engine(variant)
-        results.append(run_throughput(engine, spec))
+        outputs.append([])
+        results.append(run_throughput(engine, spec, outputs[-1]))
         if args.trace:
             Path(args.trace).mkdir(parents=True, exist_ok=True)
             engine.trace.write(Path(args.trace) / f"{label.replace(',', '_').replace('=', '-')}.jsonl")
         del engine
-    print_comparison(args.compare, results)
+    print_comparison(args.compare, results, outputs)
     write_json(dict(zip(args.compare, results)), args.json)
     return 0
 
