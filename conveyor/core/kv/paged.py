@@ -202,10 +202,14 @@ class PagedKVCacheManager:
         table = self._drop_table(request_id)
         self._num_tokens.pop(request_id, None)
         if table:
-            self.pool.give_back(table)
+            self._give_back(table)
         cpu_table = self.cpu_block_tables.pop(request_id, None)
         if cpu_table:
             self.cpu_pool.give_back(cpu_table)
+
+    def _give_back(self, table: list[int]) -> None:
+        """Return a request's device blocks to the pool (prefix caching: tail first, see its override)."""
+        self.pool.give_back(table)
 
     def memory_report(self) -> MemoryReport:
         """Token slots reserved vs holding real KV, and free slots no request could use."""
@@ -233,7 +237,7 @@ class PagedKVCacheManager:
         if self.cpu_pool is None or len(table) > self.cpu_pool.num_free:
             return None
         cpu_table = self.cpu_pool.take(len(table))
-        self.pool.give_back(self._drop_table(request_id) or [])
+        self._give_back(self._drop_table(request_id) or [])
         self.cpu_block_tables[request_id] = cpu_table
         return list(zip(table, cpu_table))
 

@@ -245,13 +245,10 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
 
     def free(self, request_id: str) -> None:
         self._chains.pop(request_id, None)
-        table = self._drop_table(request_id)
-        self._num_tokens.pop(request_id, None)
-        if table:
-            self.pool.give_back(reversed(table))  # the tail first into the eviction queue
-        cpu_table = self.cpu_block_tables.pop(request_id, None)
-        if cpu_table:
-            self.cpu_pool.give_back(cpu_table)
+        super().free(request_id)
+
+    def _give_back(self, table: list[int]) -> None:
+        self.pool.give_back(reversed(table))  # the tail first into the eviction queue: evicted first
 
     def memory_report(self) -> MemoryReport:
         pool, block_size = self.pool, self.block_size
