@@ -285,3 +285,15 @@ def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
     assert result["completed"] == 6 and result["failed"] == 0
     assert 0 < result["ttft_p50_s"] <= result["e2e_p50_s"] and result["goodput_requests_per_s"] > 0
     assert "itl_p99_s" in capsys.readouterr().out
+
+
+def test_bench_serve_shared_prefix_counts_the_servers_cached_tokens(server, tmp_path):
+    from conveyor.entrypoints.cli import main
+
+    out = tmp_path / "shared.json"
+    code = main(["bench", "serve", "--base-url", server, "--api-key", API_KEY, "--workload", "shared-prefix",
+                 "--num-prompts", "12", "--request-rate", "20", "--output-len", "2,2", "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 12 and result["workload"] == "shared-prefix"
+    assert 0 < result["prompt_tokens_cached"] < result["prompt_tokens"], "later requests reuse the 8 prefixes"

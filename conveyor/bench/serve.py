@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from conveyor.bench.report import format_table
-from conveyor.bench.workload import SyntheticRequest, long_tail_workload
+from conveyor.bench.workload import SyntheticRequest, long_tail_workload, shared_prefix_workload
 from conveyor.core.figures import mean, percentile
 
 
@@ -29,6 +29,7 @@ from conveyor.core.figures import mean, percentile
 class RequestTiming:
     prompt_tokens: int
     output_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where the server reports it
     ttft: float | None = None
     latency: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -64,7 +65,9 @@ async def _one(client: httpx.AsyncClient, url: str, model: str | None, item: Syn
                 if event.get("choices") and event["choices"][0].get("text"):
                     timing.token_times.append(time.perf_counter() - start)
                 if event.get("usage"):
-                    timing.output_tokens = event["usage"]["completion_tokens"]
+                    usage = event["usage"]
+                    timing.output_tokens = usage["completion_tokens"]
+                    timing.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     except httpx.HTTPError as error:
         timing.error = repr(error)
         return timing
@@ -103,6 +106,8 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
         "elapsed_s": elapsed,
         "requests_per_s": len(done) / elapsed,
         "output_tokens_per_s": sum(t.output_tokens for t in done) / elapsed,
+        "prompt_tokens": sum(t.prompt_tokens for t in done),
+        "prompt_tokens_cached": sum(t.cached_tokens for t in done),
         "goodput_requests_per_s": len(good) / elapsed,
     }
     for name, values in (("ttft", [t.ttft for t in done]), ("tpot", [t.tpot for t in done if t.tpot is not None]),
@@ -118,11 +123,18 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
 
 def bench_serve(base_url: str, model: str | None, num_prompts: int, request_rate: float, seed: int,
                 output_range: tuple[int, int], vocab_size: int, slo_ttft: float | None, slo_tpot: float | None,
-                api_key: str | None) -> dict[str, Any]:
-    workload = long_tail_workload(num_prompts, seed, vocab_size, output_range=output_range)
+                api_key: str | None, workload_kind: str = "longtail") -> dict[str, Any]:
+    """``workload_kind``: ``longtail`` (``bench throughput``'s requests) or ``shared-prefix`` (its shared-prefix
+    requests: 8 prefixes of 400-800 tokens, questions of 16-48, ``output_range[1]`` output tokens)."""
+    if workload_kind == "shared-prefix":
+        workload = shared_prefix_workload(num_prompts, seed, vocab_size, output_len=output_range[1])
+    elif workload_kind == "longtail":
+        workload = long_tail_workload(num_prompts, seed, vocab_size, output_range=output_range)
+    else:
+        raise ValueError(f"--workload must be longtail or shared-prefix, got {workload_kind!r}")
     timings, elapsed = asyncio.run(run_serve_benchmark(base_url, model, workload, request_rate, seed, api_key))
-    return {"request_rate": request_rate, "num_prompts": num_prompts, "seed": seed} | summarize(
-        timings, elapsed, slo_ttft, slo_tpot)
+    return {"workload": workload_kind, "request_rate": request_rate, "num_prompts": num_prompts,
+            "seed": seed} | summarize(timings, elapsed, slo_ttft, slo_tpot)
 
 
 def print_serve(result: dict[str, Any]) -> None:

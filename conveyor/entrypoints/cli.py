@@ -107,9 +107,13 @@ def _add_bench_serve(bench: Commands) -> None:
     srv.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"))
     srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    srv.add_argument("--workload", default="longtail", choices=("longtail", "shared-prefix"),
+                     help="longtail: bench throughput's requests; shared-prefix: its requests over 8 shared "
+                     "prefixes (the server's cached_tokens are summed)")
     srv.add_argument("--num-prompts", type=int, default=64)
     srv.add_argument("--seed", type=int, default=0)
-    srv.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between)")
+    srv.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between); "
+                     "shared-prefix uses max")
     srv.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
     srv.add_argument("--slo-ttft", type=float, default=None, help="seconds; goodput counts requests within it")
     srv.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token, for goodput")
@@ -287,7 +291,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         raise ValueError("--request-rate must be > 0 and --num-prompts >= 1")
     result = bench_serve(args.base_url, args.model, args.num_prompts, args.request_rate, args.seed,
                          int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
-                         args.api_key)
+                         args.api_key, args.workload)
     print_serve(result)
     write_json(result, args.json)
     return 0 if result["completed"] else 1
