@@ -103,3 +103,10 @@ def test_simulated_executor_prices_a_mixed_step_and_advances_the_clock():
     work = StepWork(num_seqs=2, num_tokens=51, num_sampled=1, attention_pairs=100 + 50 * 51 // 2,
                     kv_tokens_read=100 + 50)
     assert clock.now == pytest.approx(5.0 + cost.step_time(work))
+
+
+def test_catalog_names_are_found_whatever_their_case():
+    assert load_model_config("llama-2-13b") == load_model_config("Llama-2-13B")
+    assert load_hardware("a100-80gb").name == "A100-80GB"
+    with pytest.raises(ValueError, match="neither"):
+        load_model_config("llama-2-14b")

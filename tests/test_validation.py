@@ -218,3 +218,9 @@ def test_cli_bad_value_exits_2_with_message(capsys: pytest.CaptureFixture[str], 
     for word in words:
         assert word in captured.err
     assert "Traceback" not in captured.err
+
+
+def test_get_tokenizer_is_the_engines_tokenizer(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.engine.tokenizer
+    assert tokenizer.decode(tokenizer.encode("hello world")) == "hello world"

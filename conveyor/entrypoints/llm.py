@@ -10,6 +10,7 @@ from tqdm import tqdm
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
+from conveyor.engine.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -21,6 +22,10 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.engine = Engine(EngineConfig(model=model, **options))
         self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (vLLM's name): ``encode``, ``decode``, ``apply_chat_template``."""
+        return self.tokenizer
 
     def generate(
         self,

@@ -76,6 +76,13 @@ def _catalog(kind: str) -> dict[str, dict[str, Any]]:
     return entries
 
 
+def _catalog_name(catalog: dict[str, Any], name: str) -> str | None:
+    """The catalog's own spelling of ``name``, matched without regard to case (``llama-2-13b``)."""
+    if name in catalog:
+        return name
+    return next((known for known in catalog if known.lower() == name.lower()), None)
+
+
 def hardware_names() -> list[str]:
     return list(_catalog("hardware"))
 
@@ -87,8 +94,8 @@ def model_names() -> list[str]:
 def load_hardware(name_or_path: str) -> HardwareSpec:
     """A catalog name (``A100-80GB``, ``cpu-local``, ...) or a JSON file holding one spec."""
     catalog = _catalog("hardware")
-    if name_or_path in catalog:
-        name, raw = name_or_path, catalog[name_or_path]
+    if (known := _catalog_name(catalog, name_or_path)) is not None:
+        name, raw = known, catalog[known]
     elif Path(name_or_path).is_file():
         name, raw = Path(name_or_path).stem, json.loads(Path(name_or_path).read_text())
     else:
@@ -141,8 +148,8 @@ def _calibration() -> dict[str, Any]:
 def load_model_config(name_or_path: str) -> ModelConfig:
     """A catalog name (``Llama-2-13B``, ...), a HF ``config.json``, or a folder holding one."""
     catalog = _catalog("models")
-    if name_or_path in catalog:
-        return ModelConfig.from_hf_dict(catalog[name_or_path])
+    if (known := _catalog_name(catalog, name_or_path)) is not None:
+        return ModelConfig.from_hf_dict(catalog[known])
     path = Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"
