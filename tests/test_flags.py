@@ -105,6 +105,8 @@ def test_prefix_caching_is_on_by_default_for_paged_blocks_only() -> None:
     with pytest.raises(ValueError, match="enable_prefix_caching must be true or false"):
         EngineConfig(enable_prefix_caching="yes")
     assert with_overrides(EngineConfig(), "enable_prefix_caching=off").prefix_caching is False
+    with pytest.raises(ValueError, match="lpm orders continuous admission"):
+        EngineConfig(scheduler="static", scheduling_policy="lpm")
 
 
 def test_parser_refuses_a_bad_choice_or_integer() -> None:

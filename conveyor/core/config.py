@@ -75,6 +75,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for option in engine_options():
             setattr(self, option.name, check_option(option.name, getattr(self, option.name)))
+        if self.scheduling_policy == "lpm" and self.scheduler == "static":
+            raise ValueError("scheduling_policy: lpm orders continuous admission; static batches form in arrival "
+                             "order (use fcfs or priority with scheduler static)")
         if self.enable_prefix_caching and self.kv_layout == "contiguous":
             raise ValueError("enable_prefix_caching: the contiguous layout cannot share blocks; "
                              "use kv_layout paged, or leave prefix caching off")
