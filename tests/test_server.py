@@ -143,6 +143,12 @@ def test_a_repeated_prompt_reports_its_cached_tokens_and_the_counters_move(clien
     assert _metric(server, "prefix_cache_queries_total") >= 2 * 70
 
 
+def test_no_max_tokens_means_the_rest_of_the_context(client):
+    prompt = [random.Random(5).randrange(1000, 40000) for _ in range(1000)]  # the tiny model's context is 1024
+    reply = client.completions.create(model="tiny", prompt=prompt, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 1024 - 1000 and reply.choices[0].finish_reason == "length"
+
+
 def test_disconnected_streams_are_aborted_and_free_their_blocks(server):
     async def drop_after_two_chunks(client: httpx.AsyncClient, i: int):
         body = {"model": "tiny", "prompt": [1000 + i] * 30, "max_tokens": 400, "temperature": 0,

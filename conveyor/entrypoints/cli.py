@@ -135,6 +135,8 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--served-model-name", default=None, help="the model name clients use")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="503 beyond this many waiting")
+    serve.add_argument("--default-max-tokens", type=int, default=None,
+                       help="max_tokens of a request that sends none (default: the rest of the model's context)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     add_engine_args(serve)

@@ -8,6 +8,7 @@ request.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -59,7 +60,7 @@ class ServerSettings:
     model_name: str
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
-    default_max_tokens: int = 16
+    default_max_tokens: int | None = None  # a request without max_tokens: None = the rest of the context
 
 
 class BodyLimit:
@@ -175,8 +176,12 @@ class _Serving:
         if problem:
             raise APIError(400, problem, "invalid_request_error", problem.split("=")[0].split(":")[0])
         try:
-            params = body.sampling_params(self.settings.default_max_tokens)
+            params = body.sampling_params(self.settings.default_max_tokens or 1)
             request = self.engine.make_request(prompt, params, f"{kind}-{uuid.uuid4().hex}", priority=body.priority)
+            if body.max_tokens_given() is None and self.settings.default_max_tokens is None:
+                # As vLLM and OpenAI: no max_tokens means up to the model's context, not a short default.
+                room = self.max_model_len - request.num_prompt_tokens
+                params = request.sampling_params = dataclasses.replace(params, max_tokens=max(room, 1))
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", str(error).split(":")[0].split(" ")[0]) from None
         max_model_len = self.max_model_len

@@ -61,7 +61,7 @@ class SamplingRequest(BaseModel):
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
-            max_tokens=self._max_tokens() or default_max_tokens,
+            max_tokens=self.max_tokens_given() or default_max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -71,7 +71,8 @@ class SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos,
         )
 
-    def _max_tokens(self) -> int | None:
+    def max_tokens_given(self) -> int | None:
+        """The client's max_tokens (or max_completion_tokens), None when it sent neither."""
         return self.max_tokens
 
 
@@ -119,7 +120,7 @@ class ChatCompletionRequest(SamplingRequest):
             return "response_format other than text is not supported yet"
         return super().unsupported()
 
-    def _max_tokens(self) -> int | None:
+    def max_tokens_given(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
     def message_dicts(self) -> list[dict[str, Any]]:

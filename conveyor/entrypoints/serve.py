@@ -22,7 +22,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     engine = Engine(config)
     metrics = EngineMetrics(name)
     async_engine = AsyncEngine(engine, args.max_waiting_requests, on_step=metrics.on_step)
-    settings = ServerSettings(name, args.api_key, args.max_request_bytes)
+    settings = ServerSettings(name, args.api_key, args.max_request_bytes, args.default_max_tokens)
     app = build_app(async_engine, settings, metrics)
     async_engine.start()
     print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models)",
