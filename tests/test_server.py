@@ -149,6 +149,26 @@ def test_no_max_tokens_means_the_rest_of_the_context(client):
     assert reply.usage.completion_tokens == 1024 - 1000 and reply.choices[0].finish_reason == "length"
 
 
+def test_n_3_streamed_and_unstreamed_equal_offline(client, offline):
+    prompt = [random.Random(21).randrange(1000, 40000) for _ in range(40)]
+    sampling = dict(temperature=1.0, top_p=0.9, seed=5, max_tokens=8)
+    expected = [o.text for o in offline.generate([prompt], SamplingParams(n=3, **sampling), use_tqdm=False)]
+    full = client.completions.create(model="tiny", prompt=prompt, n=3, **sampling)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    assert [c.text for c in full.choices] == expected
+    assert full.usage.prompt_tokens == 40 and full.usage.completion_tokens == 3 * 8
+    streamed = ["", "", ""]
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3,
+                                            stream=True, **sampling)
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    chat_full = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3,
+                                               **sampling)
+    assert streamed == [c.message.content for c in chat_full.choices]
+    assert len(set(streamed)) > 1, "three seeds, three draws"
+
+
 def test_disconnected_streams_are_aborted_and_free_their_blocks(server):
     async def drop_after_two_chunks(client: httpx.AsyncClient, i: int):
         body = {"model": "tiny", "prompt": [1000 + i] * 30, "max_tokens": 400, "temperature": 0,
@@ -191,7 +211,8 @@ def _assert_error(response: httpx.Response, status: int, param: str | None = Non
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "temperature": -1}, "temperature"),
     ({"prompt": "hi", "top_p": 1.5}, "top_p"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 65}, "n"),
     ({"prompt": "hi", "logprobs": 2}, "logprobs"),
     ({"prompt": "hi", "bogus_field": 1}, "bogus_field"),
     ({"prompt": ""}, "prompt"),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 # Below this temperature, sampling is greedy: dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
+MAX_N = 64  # sequences one request may ask for: each takes a batch slot, so a bound protects the others
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +25,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    n: int = 1  # sequences to draw for the prompt (parallel sampling); they share the prompt's KV blocks
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -45,6 +47,8 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         temperature = self.temperature

@@ -38,6 +38,7 @@ class EngineDead(Exception):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    num_open: int = 1  # sequences not finished yet (n of them, for a request with n > 1)
 
 
 class AsyncEngine:
@@ -106,17 +107,18 @@ class AsyncEngine:
             if waiting >= self.max_waiting_requests:
                 raise EngineOverloaded(f"{waiting} requests are waiting, the limit is {self.max_waiting_requests}")
             self._num_pending += 1
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.sampling_params.n)
         self._streams[request.request_id] = stream
         self._commands.put(("add", request))
         self._wake.set()
-        finished = False
+        num_open, finished = request.sampling_params.n, False
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                num_open -= item.finished
+                finished = num_open == 0
                 yield item
         finally:
             if not finished:  # the caller stopped listening: free the request's slot and memory
@@ -186,6 +188,8 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        if isinstance(item, BaseException) or item.finished:
+        if not isinstance(item, BaseException) and item.finished:
+            stream.num_open -= 1
+        if isinstance(item, BaseException) or stream.num_open == 0:
             del self._streams[request_id]
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -8,6 +8,7 @@ others), and text.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -21,6 +22,17 @@ from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
 from conveyor.engine.output import RequestMetrics, RequestOutput, TextState
 from conveyor.engine.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(slots=True)
+class _Family:
+    """A request with n > 1 (parallel sampling): sequence 0 runs first; the others are added when its prompt is
+    computed, so they find the prompt's blocks in the prefix cache (the last partial block is computed again,
+    which is how each gets a copy it may write)."""
+
+    parent: Request
+    started: bool = False  # sequences 1..n-1 added
+    num_finished: int = 0
 
 
 class Engine:
@@ -54,7 +66,9 @@ class Engine:
         self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks)
         # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too.
         self.core = EngineCore(config, plan, self.executor, clock)
-        self._text: dict[str, TextState] = {}
+        self._text: dict[str, TextState] = {}  # per sequence in the core
+        self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
+        self._families: dict[str, _Family] = {}  # requests with n > 1, by the caller's id
         self._ids = itertools.count()
 
     @property
@@ -131,13 +145,53 @@ class Engine:
         request = prompt if isinstance(prompt, Request) else self.make_request(
             prompt, sampling_params, request_id, arrival_time, priority
         )
-        self.core.add_request(request)
-        self._text[request.request_id] = TextState(request, self.tokenizer)
+        if request.request_id in self._families:
+            raise ValueError(f"request_id {request.request_id!r} is already in the engine")
+        if request.sampling_params.n == 1:
+            self._add_sequence(request, request.request_id, 0)
+        else:
+            self._add_sequence(self._sequence(request, 0), request.request_id, 0)
+            self._families[request.request_id] = _Family(request)
         return request.request_id
 
+    def _add_sequence(self, request: Request, caller_id: str, index: int) -> None:
+        self.core.add_request(request)
+        self._text[request.request_id] = TextState(request, self.tokenizer)
+        self._caller[request.request_id] = (caller_id, index)
+
+    @staticmethod
+    def _sequence(request: Request, index: int) -> Request:
+        """Sequence ``index`` of a request with n > 1: one draw of its own, seeded ``seed + index`` when seeded."""
+        params = request.sampling_params
+        seed = None if params.seed is None else params.seed + index
+        return dataclasses.replace(
+            request, request_id=f"{request.request_id}#{index}", output_token_ids=[],
+            sampling_params=dataclasses.replace(params, n=1, seed=seed),
+        )
+
+    def _start_family(self, caller_id: str, family: _Family) -> None:
+        """Sequence 0's prompt is computed (its blocks are in the prefix cache now): the others join, and find
+        the prompt there instead of each computing it."""
+        family.started = True
+        for index in range(1, family.parent.sampling_params.n):
+            self._add_sequence(self._sequence(family.parent, index), caller_id, index)
+
+    def _sequence_finished(self, caller_id: str, family: _Family | None) -> None:
+        if family is not None:
+            family.num_finished += 1
+            if family.num_finished == family.parent.sampling_params.n:
+                del self._families[caller_id]
+
     def abort_request(self, request_id: str) -> bool:
-        self._text.pop(request_id, None)
-        return self.core.abort_request(request_id)
+        """End a request (every sequence of it, with n > 1); False if it is not in the engine."""
+        family = self._families.pop(request_id, None)
+        ids = [request_id] if family is None else [f"{request_id}#{i}" for i in range(family.parent.sampling_params.n)]
+        found = False
+        for sequence_id in ids:
+            self._text.pop(sequence_id, None)
+            self._caller.pop(sequence_id, None)
+            found |= self.core.abort_request(sequence_id)
+        return found
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -153,6 +207,10 @@ class Engine:
         return self.core.step(lambda updated: [self._output(request) for request in updated])
 
     def _output(self, request: Request) -> RequestOutput:
+        caller_id, index = self._caller[request.request_id]
+        family = self._families.get(caller_id)
+        if family is not None and not family.started:
+            self._start_family(caller_id, family)
         state = self._text[request.request_id]
         finish_reason = request.finish_reason.value if request.finish_reason else None
         stop_reason = request.stop_reason
@@ -164,8 +222,10 @@ class Engine:
         finished = request.is_finished
         if finished:
             del self._text[request.request_id]
+            del self._caller[request.request_id]
+            self._sequence_finished(caller_id, family)
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=caller_id,
             prompt=state.prompt,
             prompt_token_ids=request.prompt_token_ids,
             text=state.text,
@@ -182,4 +242,5 @@ class Engine:
                 request.num_preemptions,
             ),
             num_cached_tokens=request.num_cached_tokens,
+            index=index,
         )

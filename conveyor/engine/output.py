@@ -43,6 +43,7 @@ class RequestOutput:
     stop_reason: str | int | None
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    index: int = 0  # which of the request's ``n`` sequences this is
 
 
 class TextState:

@@ -34,7 +34,10 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """``priority``: one integer per prompt, lower first (with ``scheduling_policy="priority"``)."""
+        """One output per prompt, in order; with ``n`` > 1, n outputs per prompt (``index`` 0..n-1) in a row.
+
+        ``priority``: one integer per prompt, lower first (with ``scheduling_policy="priority"``).
+        """
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
@@ -46,7 +49,7 @@ class LLM:
         ]
         for request in requests:
             self.engine.add_request(request)
-        return self._run([r.request_id for r in requests], use_tqdm)
+        return self._run([(r.request_id, r.sampling_params.n) for r in requests], use_tqdm)
 
     def chat(
         self,
@@ -59,15 +62,17 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="requests", disable=not use_tqdm, unit="req") as bar:
+    def _run(self, requests: list[tuple[str, int]], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every (request id, n) has its n sequences finished; their outputs in order, index by index."""
+        done: dict[tuple[str, int], RequestOutput] = {}
+        total = sum(n for _, n in requests)
+        with tqdm(total=total, desc="sequences", disable=not use_tqdm, unit="seq") as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
-                        done[output.request_id] = output
+                        done[output.request_id, output.index] = output
                         bar.update(1)
-        return [done[i] for i in request_ids]
+        return [done[request_id, index] for request_id, n in requests for index in range(n)]
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

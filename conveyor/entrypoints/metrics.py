@@ -43,7 +43,7 @@ class EngineMetrics:
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled")
         self._model = model_name
         self._counted: dict[str, int] = {}  # the engine's running totals, as last added to the counters
-        self._tokens_seen: dict[str, int] = {}  # output tokens counted per unfinished request
+        self._tokens_seen: dict[tuple[str, int], int] = {}  # output tokens counted per unfinished sequence
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step, with the step's snapshot and outputs."""
@@ -57,14 +57,15 @@ class EngineMetrics:
         self._count(self.prefix_queries, "prefix_cache_queries", stats.prefix_cache_queries)
         self._count(self.prefix_hits, "prefix_cache_hits", stats.prefix_cache_hits)
         for output in outputs:
-            seen = self._tokens_seen.pop(output.request_id, 0)
+            sequence = (output.request_id, output.index)
+            seen = self._tokens_seen.pop(sequence, 0)
             self.generation_tokens.labels(m).inc(len(output.token_ids) - seen)
             if seen == 0:
                 self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
             if output.finished:
                 self._on_finish(output)
             else:
-                self._tokens_seen[output.request_id] = len(output.token_ids)
+                self._tokens_seen[sequence] = len(output.token_ids)
         if not stats.num_unfinished:
             self._tokens_seen.clear()  # what is left belongs to aborted requests
 

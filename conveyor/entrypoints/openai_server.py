@@ -202,13 +202,13 @@ class _Serving:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(first, outputs, fmt, include_usage), media_type="text/event-stream")
-        final = first
+        finals = {first.index: first}  # the latest output of each sequence (n > 1: several)
         try:
             async for output in outputs:
-                final = output
+                finals[output.index] = output
         except EngineDead as error:
             raise APIError(503, str(error), "internal_server_error") from None
-        return fmt.full(final)
+        return fmt.full([finals[index] for index in sorted(finals)])
 
 
 def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) -> None:
@@ -282,23 +282,25 @@ async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput], fmt: _F
     def event(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    last = first
+    latest = {first.index: first}  # per sequence (n > 1: several), for the usage chunk
     try:
         yield event(fmt.chunk(first, is_first=True))
         async for output in rest:
-            last = output
-            yield event(fmt.chunk(output, is_first=False))
+            is_first = output.index not in latest
+            latest[output.index] = output
+            yield event(fmt.chunk(output, is_first))
         if include_usage:
-            yield event(fmt.usage_chunk(last))
+            yield event(fmt.usage_chunk(list(latest.values())))
     except EngineDead as error:
         yield event(error_body(str(error), "internal_server_error"))
     yield "data: [DONE]\n\n"
 
 
-def _usage(output: RequestOutput) -> dict[str, int]:
-    prompt, completion = len(output.prompt_token_ids), len(output.token_ids)
+def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """One request's usage: its prompt once, the completion tokens of all its sequences."""
+    prompt, completion = len(outputs[0].prompt_token_ids), sum(len(o.token_ids) for o in outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": outputs[0].num_cached_tokens}}
 
 
 class _Format:
@@ -312,20 +314,21 @@ class _Format:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
-    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, []) | {"usage": _usage(output)}
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, []) | {"usage": _usage(outputs)}
 
 
 class _CompletionFormat(_Format):
     object_full = object_chunk = "text_completion"
 
-    def full(self, output: RequestOutput) -> dict[str, Any]:
-        choice = {"index": 0, "text": output.text, "finish_reason": output.finish_reason, "logprobs": None,
-                  "stop_reason": output.stop_reason}
-        return self._envelope(self.object_full, [choice]) | {"usage": _usage(output)}
+    def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [{"index": o.index, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None,
+                    "stop_reason": o.stop_reason} for o in outputs]
+        return self._envelope(self.object_full, choices) | {"usage": _usage(outputs)}
 
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
-        choice = {"index": 0, "text": output.delta_text, "finish_reason": output.finish_reason, "logprobs": None}
+        choice = {"index": output.index, "text": output.delta_text, "finish_reason": output.finish_reason,
+                  "logprobs": None}
         return self._envelope(self.object_chunk, [choice])
 
 
@@ -333,12 +336,13 @@ class _ChatFormat(_Format):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def full(self, output: RequestOutput) -> dict[str, Any]:
-        choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-                  "finish_reason": output.finish_reason, "logprobs": None, "stop_reason": output.stop_reason}
-        return self._envelope(self.object_full, [choice]) | {"usage": _usage(output)}
+    def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "finish_reason": o.finish_reason, "logprobs": None, "stop_reason": o.stop_reason}
+                   for o in outputs]
+        return self._envelope(self.object_full, choices) | {"usage": _usage(outputs)}
 
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
         delta = {"role": "assistant", "content": output.delta_text} if is_first else {"content": output.delta_text}
-        choice = {"index": 0, "delta": delta, "finish_reason": output.finish_reason, "logprobs": None}
+        choice = {"index": output.index, "delta": delta, "finish_reason": output.finish_reason, "logprobs": None}
         return self._envelope(self.object_chunk, [choice])

@@ -35,8 +35,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    n: int = 1  # sequences per prompt; they share the prompt's KV blocks (prefix caching)
     # Declared to be refused with a clear message (see unsupported()).
-    n: int = 1
     logprobs: Any = None
     top_logprobs: int | None = None
     presence_penalty: float = 0.0
@@ -46,7 +46,6 @@ class SamplingRequest(BaseModel):
     def unsupported(self) -> str | None:
         """The first field set to something the engine cannot do yet, as an error message."""
         checks = {
-            "n": self.n != 1,
             "logprobs": self.logprobs not in (None, False),
             "top_logprobs": self.top_logprobs not in (None, 0),
             "presence_penalty": self.presence_penalty != 0,
@@ -62,6 +61,7 @@ class SamplingRequest(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         return SamplingParams(
             max_tokens=self.max_tokens_given() or default_max_tokens,
+            n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
