@@ -139,13 +139,39 @@ def test_conveyor_runs_both_modes_to_exact_lengths(tiny_model_dir, tokenizer):
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=128, kernels="torch"))
     workloads = shrink(comparison_workloads(tokenizer, 49152, w1_single=2, names=("W1@1", "W1@64")), 3, 6)
-    result = run_conveyor(engine, workloads)
+    result = run_conveyor({False: engine}, workloads)
     one, together = result.results["W1@1"], result.results["W1@64"]
     assert [len(ids) for ids in one.output_token_ids] == [6, 6]
     assert [len(ids) for ids in together.output_token_ids] == [6, 6, 6]
     assert together.output_token_ids[:2] == one.output_token_ids  # batching does not change greedy output
     assert all(0 < t <= lat for t, lat in zip(together.ttft_s, together.latency_s))
     assert together.output_tokens_per_s == pytest.approx(18 / together.wall_s)
+
+
+def test_peer_io_routes_prefix_caching_workloads_and_skips_them_without_a_cached_mode(tmp_path, capsys):
+    peer_io = _peer_module("peer_io")
+    request = {"prompt_token_ids": [7, 8], "output_len": 2}
+    files = []
+    for name, caching in (("plain", False), ("shared", True)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps({"name": name, "mode": "at-once", "prefix_caching": caching,
+                                         "requests": [request]}))
+    used = []
+
+    def runner(tag):
+        def run(requests):
+            used.append(tag)
+            return [peer_io.record([1] * r["output_len"], 0.1, 0.2) for r in requests]
+        return run
+
+    args = peer_io.argument_parser("test", tmp_path).parse_args([*map(str, files), "--result", str(tmp_path / "r")])
+    peer_io.main("E", "1", args, runner("plain"))
+    assert [r["workload"] for r in json.loads((tmp_path / "r").read_text())["results"]] == ["plain"]
+    assert "shared skipped: this runner has no prefix-caching mode" in capsys.readouterr().out
+    used.clear()
+    peer_io.main("E", "1", args, runner("plain"), runner("cached"))
+    assert [r["workload"] for r in json.loads((tmp_path / "r").read_text())["results"]] == ["plain", "shared"]
+    assert used == ["plain", "cached", "plain", "cached"] or used == ["cached", "plain", "plain", "cached"]
 
 
 def test_peer_io_runs_modes_as_named():

@@ -56,13 +56,25 @@ def run_workload(workload: dict[str, Any], run_together: RunTogether) -> dict[st
     return {"workload": workload["name"], "mode": workload["mode"], "wall_s": wall_s, "requests": records}
 
 
-def main(engine: str, version: str, args: argparse.Namespace, run_together: RunTogether) -> None:
-    """Warm up once (first-call costs are not what is compared), run each workload, write the results."""
+def main(engine: str, version: str, args: argparse.Namespace, run_together: RunTogether,
+         run_cached: RunTogether | None = None) -> None:
+    """Warm up once (first-call costs are not what is compared), run each workload, write the results.
+
+    A workload marked ``prefix_caching`` runs through ``run_cached`` (the engine with its prefix caching on);
+    a runner without one skips it, saying so."""
     workloads = [json.loads(Path(path).read_text()) for path in args.workloads]
     first = workloads[0]["requests"][0]
-    run_together([{"prompt_token_ids": first["prompt_token_ids"], "output_len": WARMUP_TOKENS}])
+    warmup = [{"prompt_token_ids": first["prompt_token_ids"], "output_len": WARMUP_TOKENS}]
+    runners = {False: run_together, True: run_cached}
+    for caching in {bool(w.get("prefix_caching")) for w in workloads}:
+        if runners[caching] is not None:
+            runners[caching](warmup)
     results = []
     for workload in workloads:
-        results.append(run_workload(workload, run_together))
+        runner = runners[bool(workload.get("prefix_caching"))]
+        if runner is None:
+            print(f"{engine}: {workload['name']} skipped: this runner has no prefix-caching mode", flush=True)
+            continue
+        results.append(run_workload(workload, runner))
         print(f"{engine}: {workload['name']} done in {results[-1]['wall_s']:.1f} s", flush=True)
     Path(args.result).write_text(json.dumps({"engine": engine, "version": version, "results": results}))

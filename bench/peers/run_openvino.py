@@ -26,13 +26,14 @@ MAX_NUM_BATCHED_TOKENS = 2048
 CACHE_SIZE_GB = 2
 
 
-def make_pipeline(model_dir: str, kv_cache_precision: str) -> ov_genai.ContinuousBatchingPipeline:
+def make_pipeline(model_dir: str, kv_cache_precision: str,
+                  prefix_caching: bool = False) -> ov_genai.ContinuousBatchingPipeline:
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = CACHE_SIZE_GB
     scheduler.max_num_seqs = MAX_NUM_SEQS
     scheduler.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     scheduler.dynamic_split_fuse = True
-    scheduler.enable_prefix_caching = False  # every engine computes every prompt
+    scheduler.enable_prefix_caching = prefix_caching  # off: every engine computes every prompt (W1, W2)
     properties = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": kv_cache_precision}
     return ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", properties)
 
@@ -69,6 +70,13 @@ if __name__ == "__main__":
     parser = peer_io.argument_parser(__doc__.splitlines()[0], peer_io.PEERS / "openvino" / "model")
     parser.add_argument("--kv-cache-precision", choices=("f32", "u8"), default="f32")
     args = parser.parse_args()
-    pipe = make_pipeline(args.model, args.kv_cache_precision)
+    pipes: dict[bool, ov_genai.ContinuousBatchingPipeline] = {}
+
+    def pipeline(prefix_caching: bool) -> ov_genai.ContinuousBatchingPipeline:
+        if prefix_caching not in pipes:  # built when a workload needs it
+            pipes[prefix_caching] = make_pipeline(args.model, args.kv_cache_precision, prefix_caching)
+        return pipes[prefix_caching]
+
     peer_io.main(f"OpenVINO GenAI ContinuousBatchingPipeline, KV {args.kv_cache_precision}", ov_genai.__version__, args,
-                 lambda requests: run_together(pipe, requests))
+                 lambda requests: run_together(pipeline(False), requests),
+                 lambda requests: run_together(pipeline(True), requests))

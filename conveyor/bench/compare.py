@@ -81,12 +81,17 @@ class WorkloadResult:
     def latency_p50_s(self) -> float:
         return percentile(self.latency_s, 50)
 
+    @property
+    def ttft_mean_s(self) -> float | None:
+        ttft = [t for t in self.ttft_s if t is not None]
+        return sum(ttft) / len(ttft) if ttft else None
+
     def figures(self) -> dict[str, Any]:
         ttft = [t for t in self.ttft_s if t is not None]
         return {"num_requests": len(self.latency_s), "output_tokens": sum(len(i) for i in self.output_token_ids),
                 "wall_s": self.wall_s, "output_tokens_per_s": self.output_tokens_per_s,
                 "latency_p50_s": self.latency_p50_s, "latency_p99_s": percentile(self.latency_s, 99),
-                "ttft_p50_s": percentile(ttft, 50) if ttft else None}
+                "ttft_p50_s": percentile(ttft, 50) if ttft else None, "ttft_mean_s": self.ttft_mean_s}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WorkloadResult:
@@ -125,12 +130,15 @@ def _conveyor_together(engine: Engine, requests: list[SyntheticRequest]) -> list
             for o in outputs]
 
 
-def run_conveyor(engine: Engine, workloads: list[Workload]) -> EngineResult:
-    """The same protocol as the peer runners (bench/peers/peer_io.py): one warm-up, then each workload."""
+def run_conveyor(engines: dict[bool, Engine], workloads: list[Workload]) -> EngineResult:
+    """The same protocol as the peer runners (bench/peers/peer_io.py): one warm-up, then each workload, on the
+    engine with prefix caching on or off as the workload says (``engines[workload.prefix_caching]``)."""
     first = workloads[0].requests[0]
-    _conveyor_together(engine, [SyntheticRequest(first.prompt_token_ids, WARMUP_TOKENS)])
+    for engine in engines.values():
+        _conveyor_together(engine, [SyntheticRequest(first.prompt_token_ids, WARMUP_TOKENS)])
     result = EngineResult("Conveyor", version("conveyor"))
     for workload in workloads:
+        engine = engines[workload.prefix_caching]
         start = time.perf_counter()
         if workload.mode == AT_ONCE:
             records = _conveyor_together(engine, workload.requests)
@@ -207,6 +215,8 @@ COLUMNS = (
     ("W1@64", "output_tokens_per_s", "W1@64 tok/s", "W1@64 Conveyor/peer"),
     ("W2", "output_tokens_per_s", "W2 output tok/s", "W2 Conveyor/peer"),
     ("W2", "latency_p50_s", "W2 p50 latency s", "W2 p50 peer/Conveyor"),
+    ("SP", "output_tokens_per_s", "SP output tok/s", "SP Conveyor/peer"),
+    ("SP", "ttft_mean_s", "SP mean TTFT s", "SP mean TTFT peer/Conveyor"),
 )
 
 
@@ -235,18 +245,24 @@ class Comparison:
     def agreement(self, result: EngineResult) -> tuple[int, int]:
         return agreement(self.conveyor, result, self.eos_token_id)
 
+    def columns(self) -> list[tuple[str, str, str, str]]:
+        """The table's columns: those of the workloads some engine ran."""
+        ran = {name for result in (self.conveyor, *self.peers) for name in result.results}
+        return [column for column in COLUMNS if column[0] in ran]
+
     def rows(self) -> list[list[object]]:
-        rows = []
+        columns, rows = self.columns(), []
         for result in (self.conveyor, *self.peers):
-            figures = [_figure(result, w, a) for w, a, _, _ in COLUMNS]
-            ratios = [_ratio(_figure(self.conveyor, w, a), value, a != "latency_p50_s")
-                      for (w, a, _, _), value in zip(COLUMNS, figures)]
+            figures = [_figure(result, w, a) for w, a, _, _ in columns]
+            ratios = [_ratio(_figure(self.conveyor, w, a), value, a == "output_tokens_per_s")
+                      for (w, a, _, _), value in zip(columns, figures)]
             agree = "reference" if result is self.conveyor else "{}/{}".format(*self.agreement(result))
             rows.append([result.engine, result.version, *("-" if f is None else f for f in figures), *ratios, agree])
         return rows
 
     def table(self) -> str:
-        headers = ["engine", "version", *(c[2] for c in COLUMNS), *(c[3] for c in COLUMNS),
+        columns = self.columns()
+        headers = ["engine", "version", *(c[2] for c in columns), *(c[3] for c in columns),
                    f"first {AGREEMENT_TOKENS} tokens agree"]
         return format_table(headers, self.rows())
 
@@ -282,10 +298,12 @@ def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | N
     from conveyor.bench.workload import comparison_workloads
     from conveyor.core.config import EngineConfig
 
-    engine = Engine(EngineConfig())
+    engine = Engine(EngineConfig(enable_prefix_caching=False))  # as every peer runs W1 and W2
     workloads = comparison_workloads(engine.tokenizer, engine.model_config.vocab_size, w1_single, names)
     workloads = shrink(workloads, limit, max_output_len)
-    return workloads, run_conveyor(engine, workloads), engine.tokenizer.eos_token_id
+    engines = {caching: engine if not caching else Engine(EngineConfig(enable_prefix_caching=True))
+               for caching in {w.prefix_caching for w in workloads}}
+    return workloads, run_conveyor(engines, workloads), engine.tokenizer.eos_token_id
 
 
 def select_peers(names: list[str]) -> list[Peer]:

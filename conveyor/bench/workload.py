@@ -102,6 +102,7 @@ W1_PROMPT_LEN = 41
 W1_OUTPUT_LEN = 128
 W2_NUM_REQUESTS = 256
 W2_SEED = 0
+SP_NUM_REQUESTS = 128  # SP: bench throughput's shared-prefix workload, every engine's prefix caching on
 
 AT_ONCE = "at-once"
 ONE_AT_A_TIME = "one-at-a-time"
@@ -184,10 +185,11 @@ class Workload:
     name: str
     mode: str  # AT_ONCE or ONE_AT_A_TIME
     requests: list[SyntheticRequest]
+    prefix_caching: bool = False  # every engine runs it with its prefix caching on (else off)
 
     def to_json(self) -> dict:
         """What the peer runners read (bench/peers/*)."""
-        return {"name": self.name, "mode": self.mode, "requests": [
+        return {"name": self.name, "mode": self.mode, "prefix_caching": self.prefix_caching, "requests": [
             {"prompt_token_ids": r.prompt_token_ids, "output_len": r.output_len} for r in self.requests]}
 
 
@@ -219,12 +221,15 @@ def w1_requests(tokenizer) -> list[SyntheticRequest]:
 def comparison_workloads(tokenizer, vocab_size: int, w1_single: int = 8,
                          names: tuple[str, ...] = ("W1@1", "W1@64", "W2")) -> list[Workload]:
     """W1@1 (the first ``w1_single`` W1 prompts, one at a time), W1@64 (all 64 at once), W2 (256 long-tailed
-    requests at once, seed fixed): the same token ids for every engine."""
+    requests at once, seed fixed), SP (128 requests over 8 shared prefixes, at once, prefix caching on): the
+    same token ids for every engine."""
     w1 = w1_requests(tokenizer) if {"W1@1", "W1@64"} & set(names) else []
     build = {
         "W1@1": lambda: Workload("W1@1", ONE_AT_A_TIME, w1[:w1_single]),
         "W1@64": lambda: Workload("W1@64", AT_ONCE, w1),
         "W2": lambda: Workload("W2", AT_ONCE, long_tail_workload(W2_NUM_REQUESTS, W2_SEED, vocab_size)),
+        "SP": lambda: Workload("SP", AT_ONCE, shared_prefix_workload(SP_NUM_REQUESTS, W2_SEED, vocab_size),
+                               prefix_caching=True),
     }
     unknown = [n for n in names if n not in build]
     if unknown:

@@ -92,7 +92,8 @@ def _add_bench_decode(bench: Commands) -> None:
 def _add_bench_compare(bench: Commands) -> None:
     cmp = bench.add_parser("compare", help="Conveyor and the peers set up under .peers/ on the same fixed workloads")
     cmp.add_argument("--workloads", default="W1@1,W1@64,W2",
-                     help="W1@1: W1 prompts one at a time; W1@64: all 64 at once; W2: 256 long-tailed at once")
+                     help="W1@1: W1 prompts one at a time; W1@64: all 64 at once; W2: 256 long-tailed at once; "
+                     "SP: 128 requests over 8 shared prefixes at once, every engine's prefix caching on")
     cmp.add_argument("--peers", default="openvino,openvino-u8kv,llamacpp,vllm,transformers",
                      help="peers to run (those not set up are skipped; see bench/peers/)")
     cmp.add_argument("--w1-single", type=int, default=8, help="W1 prompts run one at a time in W1@1")
