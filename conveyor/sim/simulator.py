@@ -162,6 +162,7 @@ class ConversationFeed:
         self.max_model_len = max_model_len
         self.histories: list[list[int]] = [[] for _ in shapes]  # prompt + answer of the latest turn
         self.turns = [0] * len(shapes)
+        self._conversation_of: dict[str, int] = {}  # request id of a turn -> its conversation
 
     def __bool__(self) -> bool:
         return bool(self.shapes)
@@ -171,9 +172,9 @@ class ConversationFeed:
 
     def next_turn(self, finished: Request, now: float) -> Request | None:
         """The next turn of the conversation ``finished`` belongs to, arriving ``now``; None when it is over."""
-        if not finished.request_id.startswith("conv-"):
+        index = self._conversation_of.pop(finished.request_id, None)
+        if index is None:
             return None
-        index = int(finished.request_id.split("-")[1])
         self.histories[index] = finished.prompt_token_ids + finished.output_token_ids
         self.turns[index] += 1
         if self.turns[index] == len(self.shapes[index].question_lens):
@@ -185,6 +186,7 @@ class ConversationFeed:
         system = [] if turn else [-(index * 1000 + 1)] * shape.system_len
         prompt = self.histories[index] + system + [-(index * 1000 + turn + 2)] * shape.question_lens[turn]
         prompt = prompt[: self.max_model_len - 1]
+        self._conversation_of[f"conv-{index}-{turn}"] = index
         return Request(
             request_id=f"conv-{index}-{turn}",
             prompt_token_ids=prompt,

@@ -127,6 +127,7 @@ class PagedKVCacheManager:
     num_queries = 0
     num_hits = 0
     num_cached_free_blocks = 0
+    num_shared_slots = 0  # slots that shared blocks save (block references beyond the first, times block size)
 
     @property
     def capacity_tokens(self) -> int:
@@ -213,12 +214,15 @@ class PagedKVCacheManager:
 
     def memory_report(self) -> MemoryReport:
         """Token slots reserved vs holding real KV, and free slots no request could use."""
+        pool, block_size, shared = self.pool, self.block_size, self.num_shared_slots
         return MemoryReport(
             capacity_slots=self.capacity_tokens,
-            reserved_slots=(self.pool.num_blocks - self.pool.num_free) * self.block_size,
-            used_slots=self._used_slots,
-            unusable_free_slots=self.pool.unusable_free_blocks() * self.block_size,
+            reserved_slots=(pool.num_blocks - pool.num_free) * block_size,
+            used_slots=self._used_slots - shared,  # a shared block's tokens are held once
+            unusable_free_slots=pool.unusable_free_blocks() * block_size,
             num_requests=len(self.block_tables),
+            shared_slots=shared,
+            cached_free_slots=self.num_cached_free_blocks * block_size,
         )
 
     # ----- swap ---------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
-from conveyor.core.kv.paged import NO_PREFIX, CachedPrefix, MemoryReport, PagedKVCacheManager, blocks_for_tokens
+from conveyor.core.kv.paged import NO_PREFIX, CachedPrefix, PagedKVCacheManager, blocks_for_tokens
 from conveyor.core.request import Request
 
 
@@ -170,10 +170,11 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
       back in, it gets blocks of its own.
     """
 
+    caches_prefixes = True
+
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, num_cpu_blocks: int = 0) -> None:
         super().__init__(num_blocks, block_size, watermark, num_cpu_blocks)
         self.pool: RefCountedBlockPool = RefCountedBlockPool(num_blocks)
-        self.caches_prefixes = True
         self._chains: dict[str, list[BlockKey]] = {}  # per running request: the keys of its indexed full blocks
         self._roots: dict[str, BlockKey] = {}  # one root per cache salt: salted prefixes are never shared
         self.num_queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries)
@@ -182,6 +183,10 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
     @property
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free
+
+    @property
+    def num_shared_slots(self) -> int:
+        return self.pool.num_shared_refs * self.block_size
 
     def _root(self, request: Request) -> BlockKey | None:
         salt = request.cache_salt
@@ -249,16 +254,3 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
 
     def _give_back(self, table: list[int]) -> None:
         self.pool.give_back(reversed(table))  # the tail first into the eviction queue: evicted first
-
-    def memory_report(self) -> MemoryReport:
-        pool, block_size = self.pool, self.block_size
-        shared = pool.num_shared_refs * block_size
-        return MemoryReport(
-            capacity_slots=self.capacity_tokens,
-            reserved_slots=(pool.num_blocks - pool.num_free) * block_size,
-            used_slots=self._used_slots - shared,  # a shared block's tokens are held once
-            unusable_free_slots=0,
-            num_requests=len(self.block_tables),
-            shared_slots=shared,
-            cached_free_slots=pool.num_cached_free * block_size,
-        )
