@@ -13,6 +13,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -210,3 +211,17 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_by_arrival() -> Non
         assert outputs == run(work, caching=False)[0]
     assert orders["fcfs"] == ["r0", "r1", "r2", "r3"]
     assert orders["lpm"] == ["r0", "r2", "r3", "r1"]
+
+
+@pytest.mark.parametrize("budget", [64, 8])
+def test_requests_arriving_with_a_prefix_in_flight_wait_for_it_instead_of_computing_it_again(budget: int) -> None:
+    """Four requests on one 16-token prefix arrive together. The first computes it (in one step, or in two chunks
+    of 8); the others are passed over until its blocks are indexed, then find all four blocks cached."""
+    prefix = tuple(range(1, 17))
+    work = Sharing(4, 40, 4, budget, "recompute", "fcfs", (prefix,),
+                   tuple(Spec(0, 2, 3, 0) for _ in range(4)) + (Spec(-1, 5, 3, 0),))
+    outputs, scheduler, order = run(work, caching=True)
+    assert scheduler.stats().prefix_cache_hits == 3 * 16, "the prefix is computed once"
+    if budget == 64:  # room for more in the first step: the request that shares nothing goes ahead
+        assert order == ["r0", "r4", "r1", "r2", "r3"]
+    assert outputs == run(work, caching=False)[0]

@@ -157,6 +157,11 @@ class PagedKVCacheManager:
         """A waiting request's table for ``num_tokens`` tokens, after ``can_admit`` said yes."""
         return self.grow_table(request.request_id, num_tokens)
 
+    def prefix_in_flight(self, request: Request, prefix: CachedPrefix) -> bool:
+        """Whether another running request is computing the block that follows ``prefix`` in this request:
+        never here (no prefix caching)."""
+        return False
+
     def commit_computed(self, request: Request) -> None:
         """Called after each step the request computed tokens in: nothing to do without prefix caching."""
 

@@ -177,6 +177,7 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         self.pool: RefCountedBlockPool = RefCountedBlockPool(num_blocks)
         self._chains: dict[str, list[BlockKey]] = {}  # per running request: the keys of its indexed full blocks
         self._roots: dict[str, BlockKey] = {}  # one root per cache salt: salted prefixes are never shared
+        self._filling: dict[str, Request] = {}  # running requests with full prompt blocks not yet indexed
         self.num_queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries)
         self.num_hits = 0  # tokens found
 
@@ -230,7 +231,39 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
             self._num_tokens[request_id] = prefix.num_tokens
             self._used_slots += prefix.num_tokens
         self._chains[request_id] = list(prefix.keys)
+        if request.num_prompt_tokens // self.block_size > len(prefix.block_ids):
+            self._filling[request_id] = request
         return self.grow_table(request_id, num_tokens)
+
+    def prefix_in_flight(self, request: Request, prefix: CachedPrefix) -> bool:
+        """Whether a running request is computing, now, the block that follows ``prefix`` in this request's
+        prompt: its prompt has the same tokens up to that block's end, and the block is not indexed yet.
+
+        Admitted now, this request would compute that block a second time, in the same step or the next
+        chunk; admitted once the block is indexed, it finds it cached. The scheduler defers it.
+        """
+        end = prefix.num_tokens + self.block_size
+        if end > request.num_tokens - 1:  # no full block left that admission could find cached
+            return False
+        wanted = None
+        for other in self._prompts_filling():
+            indexed = len(self._chains[other.request_id])
+            if other is request or indexed > len(prefix.block_ids) or other.num_prompt_tokens < end:
+                continue  # itself, past that block already (it would be cached), or too short to reach it
+            if other.cache_salt == request.cache_salt:
+                wanted = wanted if wanted is not None else request.token_ids(0, end)
+                if other.token_ids(0, end) == wanted:
+                    return True
+        return False
+
+    def _prompts_filling(self) -> list[Request]:
+        """The requests on the device with full prompt blocks not yet indexed (forgetting those that are done;
+        a swapped-out request computes nothing until it is back)."""
+        for request_id, request in list(self._filling.items()):
+            chain = self._chains.get(request_id)
+            if chain is None or len(chain) >= request.num_prompt_tokens // self.block_size:
+                del self._filling[request_id]  # freed, or every full prompt block indexed
+        return [request for request_id, request in self._filling.items() if request_id in self.block_tables]
 
     def commit_computed(self, request: Request) -> None:
         """Index the full blocks the request has computed since the last call."""

@@ -114,6 +114,7 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._cached_this_step: dict[str, int] = {}  # admitted this step with a prefix-cache hit: tokens
         self._lpm_order: list[Request] | None = None  # lpm's admission order for the current step
+        self._deferred: set[str] = set()  # waiting requests passed over in this step (their prefix is in flight)
         self._preempted_this_step: list[str] = []
         self._swap_out: list[tuple[int, int]] = []
         self.step_index = 0
@@ -195,6 +196,7 @@ class Scheduler:
         if not preempted:
             budget = self._resume_swapped(budget, scheduled, swap_in)
             self._lpm_order = None  # computed on first use, once per step
+            self._deferred = set()
             budget = self._admit_waiting(budget, scheduled)
 
         self.step_index += 1
@@ -271,11 +273,9 @@ class Scheduler:
             return None
         if self.config.policy == "lpm" and self._lpm_order is None:
             self._lpm_order = self._longest_prefix_first()
-        if self._lpm_order:
-            while self._lpm_order[0].status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
-                self._lpm_order.pop(0)  # admitted earlier in this step
-            return self._lpm_order[0]
-        return self.waiting[0]
+        queue = self._lpm_order or self.waiting  # lpm's order holds requests admitted earlier in this step too
+        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        return next((r for r in queue if r.status in waiting and r.request_id not in self._deferred), None)
 
     def _longest_prefix_first(self) -> list[Request]:
         """The waiting queue by cached prefix, longest first (arrival breaks ties), as SGLang's ``lpm``.
@@ -294,6 +294,11 @@ class Scheduler:
             if self.swapped and self._order(self.swapped[0]) < self._order(request):
                 break  # a swapped request that ranks first is resumed first
             prefix = self.kv_manager.cached_prefix(request)  # its leading blocks already in the prefix cache
+            if self.kv_manager.prefix_in_flight(request, prefix):
+                # Another request computes more of this prompt's prefix right now: wait until it is cached
+                # rather than compute it twice. Later requests may be admitted meanwhile.
+                self._deferred.add(request.request_id)
+                continue
             num_new = min(request.num_tokens - prefix.num_tokens, budget)
             end = prefix.num_tokens + num_new
             if not self._fits(request, end, prefix):
