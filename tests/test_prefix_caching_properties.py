@@ -219,7 +219,7 @@ def test_requests_arriving_with_a_prefix_in_flight_wait_for_it_instead_of_comput
     of 8); the others are passed over until its blocks are indexed, then find all four blocks cached."""
     prefix = tuple(range(1, 17))
     work = Sharing(4, 40, 4, budget, "recompute", "fcfs", (prefix,),
-                   tuple(Spec(0, 2, 3, 0) for _ in range(4)) + (Spec(-1, 5, 3, 0),))
+                   (*(Spec(0, 2, 3, 0) for _ in range(4)), Spec(-1, 5, 3, 0)))
     outputs, scheduler, order = run(work, caching=True)
     assert scheduler.stats().prefix_cache_hits == 3 * 16, "the prefix is computed once"
     if budget == 64:  # room for more in the first step: the request that shares nothing goes ahead

@@ -32,11 +32,24 @@ def preload_intel_openmp() -> None:
         os.execv(sys.executable, [sys.executable, *sys.argv])
 
 
-def make_llm(model_dir: str):
+def make_llm(model_dir: str, prefix_caching: bool):
     from vllm import LLM
 
     return LLM(model=model_dir, dtype="float32", max_num_seqs=MAX_NUM_SEQS,
-               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_prefix_caching=False, seed=0)
+               max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, enable_prefix_caching=prefix_caching, seed=0)
+
+
+def run_cached(model_dir: str, requests: list[peer_io.Request]) -> list[peer_io.Record]:
+    """The requests on an engine with vLLM's prefix caching on (made on first use), its cache emptied first:
+    every run starts cold, the warm-up's prompt included."""
+    global _cached_llm
+    if _cached_llm is None:
+        _cached_llm = make_llm(model_dir, prefix_caching=True)
+    _cached_llm.reset_prefix_cache()
+    return run_together(_cached_llm, requests)
+
+
+_cached_llm = None
 
 
 def run_together(llm, requests: list[peer_io.Request]) -> list[peer_io.Record]:
@@ -66,5 +79,6 @@ if __name__ == "__main__":  # vLLM starts worker processes that import this file
     import vllm
 
     args = peer_io.argument_parser(__doc__.splitlines()[0], peer_io.PEERS / "model").parse_args()
-    llm = make_llm(args.model)
-    peer_io.main("vLLM (CPU)", vllm.__version__, args, lambda requests: run_together(llm, requests))
+    llm = make_llm(args.model, prefix_caching=False)  # W1, W2: every engine computes every prompt
+    peer_io.main("vLLM (CPU)", vllm.__version__, args, lambda requests: run_together(llm, requests),
+                 lambda requests: run_cached(args.model, requests))
