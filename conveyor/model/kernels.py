@@ -1,9 +1,14 @@
 """The native CPU kernels (``conveyor/csrc/kernels.cpp``), built on first use and cached.
 
-The build takes about a minute once per machine and source version (the
-build folder lives in Conveyor's cache directory, keyed by the source's
-hash); later starts load it in a fraction of a second. Without a C++
-compiler the engine falls back to plain PyTorch ops, with a warning.
+The build takes about a minute once per machine and source version; later
+starts load it in a fraction of a second. The build folder lives in
+Conveyor's cache directory under a key of everything the binary depends on:
+the source, the instruction set the compiler targets (``-march=native``
+means different code on an AVX2 and an AVX-512 CPU, and a cache shared
+between machines must never hand one the other's binary: that ends in
+SIGILL, which no ``except`` catches), the compiler, torch and the Python
+ABI. Without a C++ compiler the engine falls back to plain PyTorch ops,
+with a warning.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import functools
 import hashlib
 import logging
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -20,29 +28,84 @@ from conveyor.core.cache_dir import cache_dir
 logger = logging.getLogger("conveyor")
 NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # attention is unrolled for these (kernels.cpp, attend_fn)
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LOCK_NAME = "lock"  # torch.utils.cpp_extension's build lock, in the build folder
+STALE_LOCK_S = 600.0  # a build takes one or two minutes; a lock this old was left by a killed one
+
+
+class StaleBuildLock(RuntimeError):
+    """A build lock that nobody releases: the build that took it was killed."""
+
+
+def compiler_target(compiler: str | None = None) -> str:
+    """What ``-march=native`` means to the compiler on this machine: its version and the target options it
+    expands to (the CPU name and every ISA extension), or a note that it could not be asked."""
+    compiler = compiler or os.environ.get("CXX", "c++")  # the compiler torch's extension builder uses
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        # -v prints the cc1 command line, where -march=native has become -march=<cpu> -m<feature> ...
+        expanded = subprocess.run([compiler, *CFLAGS, "-E", "-v", "-x", "c++", "-"], input="", capture_output=True,
+                                  text=True, timeout=30).stderr
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"unknown compiler ({error})"
+    target = [line for line in expanded.splitlines() if "cc1" in line and "-march=" in line]
+    return (version.splitlines() or [""])[0] + "\n" + " ".join(_target_options(target[0] if target else expanded))
+
+
+def _target_options(cc1_line: str) -> list[str]:
+    """The target-specific options of a cc1 command line (-march=..., -mavx2, -mno-avx512f, --param cache sizes)."""
+    return [option for option in cc1_line.split() if option.startswith(("-march=", "-mtune=", "-m"))]
+
+
+def build_key(source: bytes, target: str, torch_version: str, python_abi: str) -> str:
+    """The build folder's name: a digest of everything the compiled binary depends on."""
+    digest = hashlib.sha256()
+    for part in (source, target.encode(), torch_version.encode(), python_abi.encode()):
+        digest.update(hashlib.sha256(part).digest())
+    return digest.hexdigest()[:16]
+
+
+def wait_for_build_lock(build_dir: Path, stale_after_s: float = STALE_LOCK_S, poll_s: float = 1.0) -> None:
+    """Wait while another process builds into ``build_dir``; raise StaleBuildLock for a lock older than
+    ``stale_after_s`` (torch's own wait would spin on it forever)."""
+    lock = build_dir / LOCK_NAME
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_after_s:
+            raise StaleBuildLock(
+                f"the native kernels' build lock {lock} is {age / 60:.0f} minutes old: the build that took it "
+                f"was killed. Delete that file (or the folder {build_dir}) and start again to rebuild."
+            )
+        time.sleep(poll_s)
 
 
 @functools.cache
 def native_kernels() -> ModuleType | None:
     """The compiled extension module, or None when it cannot be built here."""
+    import torch
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    build_dir = cache_dir() / "kernels" / digest
+    key = build_key(SOURCE.read_bytes(), compiler_target(), torch.__version__, sys.implementation.cache_tag)
+    build_dir = cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        logger.info("building native kernels in %s (once, about a minute)", build_dir)
     try:
+        wait_for_build_lock(build_dir)
+        if not any(build_dir.glob("*.so")):
+            # Warning level: the default, and a first start that pauses for a minute should say why.
+            logger.warning("building the native kernels for this CPU in %s (once, about a minute)", build_dir)
         return load(
-            name=f"conveyor_kernels_{digest}",
+            name=f"conveyor_kernels_{key}",
             sources=[str(SOURCE)],
             # -fopenmp: ATen's parallel_for is OpenMP pragmas in a header, so without it the kernels run
             # on one thread. The library it links is torch's own libgomp, already loaded under that name.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=list(CFLAGS),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=os.environ.get("CONVEYOR_VERBOSE_BUILD") == "1",
         )
-    except Exception as error:  # no compiler, no ninja, unsupported platform: run on torch ops instead
+    except Exception as error:  # no compiler, no ninja, a stale lock, unsupported platform: run on torch ops
         logger.warning("native kernels unavailable (%s); using PyTorch ops", error)
         return None

@@ -1,0 +1,56 @@
+"""The native kernels' build cache: keyed by what the binary depends on, and never waiting on a dead build."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.model.kernels import LOCK_NAME, StaleBuildLock, build_key, compiler_target, wait_for_build_lock
+
+AVX2 = "c++ 12.2.0\n-march=znver3 -mavx2 -mfma -mno-avx512f"
+AVX512 = "c++ 12.2.0\n-march=znver3 -mavx2 -mfma -mavx512f -mavx512bw"
+
+
+def test_the_key_changes_with_the_target_isa_and_with_everything_else_the_binary_depends_on() -> None:
+    base = build_key(b"source", AVX2, "2.13.0", "cpython-311")
+    assert build_key(b"source", AVX512, "2.13.0", "cpython-311") != base, "an AVX-512 build must not serve AVX2"
+    assert build_key(b"source", AVX2.replace("12.2.0", "13.1.0"), "2.13.0", "cpython-311") != base
+    assert build_key(b"source!", AVX2, "2.13.0", "cpython-311") != base
+    assert build_key(b"source", AVX2, "2.14.0", "cpython-311") != base
+    assert build_key(b"source", AVX2, "2.13.0", "cpython-312") != base
+    assert build_key(b"source", AVX2, "2.13.0", "cpython-311") == base
+
+
+def test_the_compiler_target_names_this_cpus_instruction_set() -> None:
+    target = compiler_target()
+    assert "-march=" in target, target
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if "avx2" in flags:
+        assert "-mavx2" in target.split()
+    if flags and "avx512f" not in flags:
+        assert "-mavx512f" not in target.split(), "a CPU without AVX-512 gets no AVX-512 code"
+
+
+def test_a_planted_stale_lock_is_reported_not_waited_on(tmp_path: Path) -> None:
+    lock = tmp_path / LOCK_NAME
+    lock.touch()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    started = time.monotonic()
+    with pytest.raises(StaleBuildLock, match=r"60 minutes old.*killed.*Delete"):
+        wait_for_build_lock(tmp_path, stale_after_s=600)
+    assert time.monotonic() - started < 5
+
+
+def test_a_fresh_lock_is_waited_on_until_the_build_releases_it(tmp_path: Path) -> None:
+    lock = tmp_path / LOCK_NAME
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()
+    started = time.monotonic()
+    wait_for_build_lock(tmp_path, stale_after_s=600, poll_s=0.05)
+    assert 0.25 < time.monotonic() - started < 5
+    wait_for_build_lock(tmp_path)  # no lock: returns at once
