@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,8 @@ class GrammarBackend:
         try:
             compiled = self._compile(spec)
         except RuntimeError as error:  # xgrammar reports a bad schema or regex as a RuntimeError
-            reason = str(error).strip().splitlines()[-1]
+            # Drop xgrammar's "[time] source-file:line: " prefix: the client needs the reason only.
+            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(error).strip().splitlines()[0])
             raise ValueError(f"structured_output.{spec.kind}: cannot be compiled: {reason}") from None
         with self._lock:
             self._compiled[key] = compiled
