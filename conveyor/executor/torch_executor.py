@@ -86,7 +86,7 @@ class TorchExecutor:
         for item in batch:
             num_prompt, start = len(item.prompt_token_ids), item.start_position
             wanted = item.sampling_params.prompt_logprobs
-            targets = item.prompt_token_ids[start + 1 : min(item.context_len, num_prompt)]
+            targets = item.prompt_token_ids[start + 1 : min(item.context_len + 1, num_prompt)]
             if wanted is not None and targets:
                 rows = torch.arange(first_row, first_row + len(targets), device=self.device)
                 found = token_logprobs(self.model.compute_logits(hidden[rows]), targets, [wanted] * len(targets))
