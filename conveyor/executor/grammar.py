@@ -35,6 +35,9 @@ class _Matcher:
             self.matcher.rollback(self.num_accepted - len(output_token_ids))
             self.num_accepted = len(output_token_ids)
         for token in output_token_ids[self.num_accepted :]:
+            if self.matcher.is_terminated():  # the grammar is complete (ignore_eos goes on past its end)
+                self.num_accepted = len(output_token_ids)
+                return
             if not self.matcher.accept_token(token):
                 logger.warning("request %s: token %d breaks its grammar; no longer constrained", request_id, token)
                 self.broken = True
