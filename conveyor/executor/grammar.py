@@ -23,6 +23,11 @@ from conveyor.core.structured import StructuredOutput
 
 logger = logging.getLogger("conveyor.grammar")
 
+# The characters of a JSON string as xgrammar writes them in EBNF: for a string with a maxLength, and for
+# one without (which, as JSON requires, excludes the control characters U+0000-U+001F).
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
 
 @dataclass(slots=True)
 class _Matcher:
@@ -80,10 +85,12 @@ class GrammarBackend:
 
     def _compile(self, spec: StructuredOutput) -> Any:
         kind, compiler = spec.kind, self._compiler
-        if kind == "json":
-            return compiler.compile_json_schema(json.dumps(spec.json), any_whitespace=False)
-        if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind in ("json", "json_object"):
+            schema = json.dumps(spec.json) if kind == "json" else '{"type": "object"}'
+            grammar = str(self._xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+            # xgrammar lets a string with a maxLength hold raw control characters (its unbounded strings do
+            # not), which JSON forbids; its character class gets the same exclusion as the unbounded one's.
+            return compiler.compile_grammar(grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
         if kind == "regex":
             return compiler.compile_regex(spec.regex)
         alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice or ())
