@@ -114,9 +114,10 @@ def test_openai_client_response_format_and_guided_fields(client, offline):
     parsed = client.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
                                            response_format=Answer).choices[0].message.parsed
     assert isinstance(parsed, Answer) and parsed.colour in ("red", "green", "blue")
-    closing = offline.get_tokenizer().encode("}")[-1]  # a bias towards "}" closes the object at once
+    tokenizer = offline.get_tokenizer()  # a bias towards "{" and "}" makes the random model's object "{}"
+    bias = {str(tokenizer.encode(brace)[-1]): 10.0 for brace in "{}"}
     obj = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
-                                         logit_bias={str(closing): 10.0}, response_format={"type": "json_object"})
+                                         logit_bias=bias, response_format={"type": "json_object"})
     assert json.loads(obj.choices[0].message.content) == {}
     choice = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=10, temperature=1.0, seed=3,
                                        extra_body={"guided_choice": ["left", "right"]})

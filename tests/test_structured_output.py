@@ -62,10 +62,11 @@ def test_json_object_regex_and_choice_hold(tiny_model_dir: Path) -> None:
             assert re.fullmatch(r"[A-Z][a-z]{2,5}-\d{3}", out.text), out.text
         else:
             assert out.text in ("yes", "no", "maybe so")
-    # Any JSON object: a random model could write a string forever, so a bias towards "}" ends it at once
-    # (after "{" the grammar allows only '"' and "}"); the bias alone, unconstrained, never writes "{".
-    closing = llm.get_tokenizer().encode("}")[-1]
-    params = SamplingParams(temperature=0.0, max_tokens=20, logit_bias={closing: 8.0},
+    # Any JSON object: a random model could write a string forever, so a bias towards "{" and "}" (as
+    # tokens of their own: the grammar also allows '{"') makes it "{}" at once.
+    tokenizer = llm.get_tokenizer()
+    bias = {tokenizer.encode("{")[-1]: 8.0, tokenizer.encode("}")[-1]: 8.0}
+    params = SamplingParams(temperature=0.0, max_tokens=20, logit_bias=bias,
                             structured_output=StructuredOutput(json_object=True))
     out = llm.generate(_prompts(1), params, use_tqdm=False)[0]
     assert (out.text, out.finish_reason) == ("{}", "stop")
