@@ -79,7 +79,7 @@ def test_completion_logprobs_and_echo_streamed_equal_unstreamed(client):
 
 
 def test_several_prompts_index_choices_prompt_by_prompt(client):
-    prompts = ["The quick brown fox", "Once upon a time", [1000, 2000, 3000]]
+    prompts = ["The quick brown fox", "Once upon a time", "Rivers flow"]
     response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
     assert [c.index for c in response.choices] == list(range(6))
     for i, prompt in enumerate(prompts):
@@ -92,6 +92,12 @@ def test_several_prompts_index_choices_prompt_by_prompt(client):
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
     assert [texts[i] for i in range(3)] == [response.choices[2 * i].text for i in range(3)]
+    token_prompts = [[1000, 2000, 3000], [4000, 5000]]
+    by_ids = client.completions.create(model=MODEL, prompt=token_prompts, max_tokens=5, temperature=0)
+    assert [c.text for c in by_ids.choices] == [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0].text
+        for p in token_prompts]
+    assert by_ids.usage.prompt_tokens == 5
 
 
 def test_penalties_bias_and_min_tokens_reach_the_sampler(client, offline):
@@ -148,7 +154,7 @@ def test_openai_client_response_format_and_guided_fields(client, offline):
     ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "nonsense"}}, "guided_json"),
     ("/v1/completions", {"prompt": "hi", "guided_json": "{not json"}, "guided_json"),
     ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice"),
-    ("/v1/completions", {"prompt": "hi", "guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
