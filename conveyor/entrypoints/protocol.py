@@ -95,7 +95,7 @@ class SamplingRequest(BaseModel):
         structured = self.structured_output()
         logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(
-            max_tokens=self.max_tokens_given() or default_max_tokens,
+            max_tokens=self.max_tokens_given() or max(default_max_tokens, self.min_tokens),
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,

@@ -75,7 +75,7 @@ class GrammarBackend:
             return compiled
         try:
             compiled = self._compile(spec)
-        except RuntimeError as error:  # xgrammar reports a bad schema or regex as a RuntimeError
+        except Exception as error:  # xgrammar reports a bad schema or regex as a RuntimeError (or a ValueError)
             # Drop xgrammar's "[time] source-file:line: " prefix: the client needs the reason only.
             reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(error).strip().splitlines()[0])
             raise ValueError(f"structured_output.{spec.kind}: cannot be compiled: {reason}") from None
