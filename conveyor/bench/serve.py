@@ -42,11 +42,36 @@ class RequestTiming:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
+@dataclass(frozen=True, slots=True)
+class ExtraBody:
+    """Fields added to a share of the requests (logprobs, penalties, a JSON schema...): what they cost is the
+    difference to the same run without them."""
+
+    fields: dict[str, Any]
+    fraction: float = 1.0
+
+    def applies_to(self, index: int) -> bool:
+        """Spread evenly: request ``index`` gets the fields when the running share crosses a whole number."""
+        return int((index + 1) * self.fraction) > int(index * self.fraction)
+
+
+def parse_extra_body(text: str | None, fraction: float) -> ExtraBody | None:
+    if text is None:
+        return None
+    fields = json.loads(text)
+    if not isinstance(fields, dict):
+        raise ValueError(f"--extra-body must be a JSON object, got {text!r}")
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"--extra-body-fraction must be in [0, 1], got {fraction}")
+    return ExtraBody(fields, fraction)
+
+
 async def _one(client: httpx.AsyncClient, url: str, model: str | None, item: SyntheticRequest,
-               headers: dict[str, str]) -> RequestTiming:
+               headers: dict[str, str], extra: dict[str, Any] | None = None) -> RequestTiming:
     timing = RequestTiming(len(item.prompt_token_ids))
     body: dict[str, Any] = {"prompt": item.prompt_token_ids, "max_tokens": item.output_len, "temperature": 0,
                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body |= extra or {}
     if model:
         body["model"] = model
     start = time.perf_counter()
@@ -77,8 +102,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str | None, item: Syn
 
 
 async def run_serve_benchmark(base_url: str, model: str | None, workload: list[SyntheticRequest],
-                              request_rate: float, seed: int, api_key: str | None) -> tuple[list[RequestTiming],
-                                                                                             float]:
+                              request_rate: float, seed: int, api_key: str | None,
+                              extra: ExtraBody | None = None) -> tuple[list[RequestTiming], float]:
     rng = random.Random(seed)
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -86,8 +111,9 @@ async def run_serve_benchmark(base_url: str, model: str | None, workload: list[S
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         tasks = []
         start = time.perf_counter()
-        for item in workload:
-            tasks.append(asyncio.create_task(_one(client, url, model, item, headers)))
+        for index, item in enumerate(workload):
+            fields = extra.fields if extra is not None and extra.applies_to(index) else None
+            tasks.append(asyncio.create_task(_one(client, url, model, item, headers, fields)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         timings = await asyncio.gather(*tasks)
@@ -123,7 +149,7 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
 
 def bench_serve(base_url: str, model: str | None, num_prompts: int, request_rate: float, seed: int,
                 output_range: tuple[int, int], vocab_size: int, slo_ttft: float | None, slo_tpot: float | None,
-                api_key: str | None, workload_kind: str = "longtail") -> dict[str, Any]:
+                api_key: str | None, workload_kind: str = "longtail", extra: ExtraBody | None = None) -> dict[str, Any]:
     """``workload_kind``: ``longtail`` (``bench throughput``'s requests) or ``shared-prefix`` (its shared-prefix
     requests: 8 prefixes of 400-800 tokens, questions of 16-48, ``output_range[1]`` output tokens)."""
     if workload_kind == "shared-prefix":
@@ -132,9 +158,11 @@ def bench_serve(base_url: str, model: str | None, num_prompts: int, request_rate
         workload = long_tail_workload(num_prompts, seed, vocab_size, output_range=output_range)
     else:
         raise ValueError(f"--workload must be longtail or shared-prefix, got {workload_kind!r}")
-    timings, elapsed = asyncio.run(run_serve_benchmark(base_url, model, workload, request_rate, seed, api_key))
+    timings, elapsed = asyncio.run(run_serve_benchmark(base_url, model, workload, request_rate, seed, api_key,
+                                                       extra))
+    extra_fields = {} if extra is None else {"extra_body": json.dumps(extra.fields), "extra_fraction": extra.fraction}
     return {"workload": workload_kind, "request_rate": request_rate, "num_prompts": num_prompts,
-            "seed": seed} | summarize(timings, elapsed, slo_ttft, slo_tpot)
+            "seed": seed} | extra_fields | summarize(timings, elapsed, slo_ttft, slo_tpot)
 
 
 def print_serve(result: dict[str, Any]) -> None:

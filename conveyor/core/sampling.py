@@ -7,11 +7,16 @@ before it touches the engine and the other requests never see it.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from conveyor.core.structured import StructuredOutput
 
 # Below this temperature, sampling is greedy: dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
 MAX_N = 64  # sequences one request may ask for: each takes a batch slot, so a bound protects the others
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 forces it
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +27,15 @@ class SamplingParams:
     ``top_p == 1`` disables nucleus sampling. A ``seed`` makes the request's
     random draws its own: the same seed gives the same tokens whatever else
     is in the batch.
+
+    Penalties follow OpenAI and vLLM: ``presence_penalty`` and ``frequency_penalty`` subtract from the
+    logits of tokens already in the output (once, and once per occurrence); ``repetition_penalty`` divides
+    positive (multiplies negative) logits of tokens in the prompt or output. ``logit_bias`` adds to
+    chosen tokens' logits; ``min_tokens`` masks EOS and ``stop_token_ids`` until that many tokens are out.
+    ``logprobs`` (0-20) returns each chosen token's log-probability and that many alternatives,
+    ``prompt_logprobs`` the same for every prompt token after the first; both are computed from the raw
+    model distribution, before penalties, bias, temperature or constraints (as vLLM does by default).
+    ``structured_output`` constrains the text to a JSON schema, any JSON object, a regex or a choice.
     """
 
     max_tokens: int = 16
@@ -34,6 +48,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a dict is accepted
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string or any iterable for the tuple fields.
@@ -44,7 +66,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        else:
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias or ()))
         self._validate()
+        self._validate_processing()
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
@@ -65,7 +92,43 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
+    def _validate_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be a number in (0, 100], got {self.repetition_penalty!r}")
+        for pair in self.logit_bias:
+            if len(pair) != 2 or not _is_index(pair[0]) or not _is_number(pair[1]) or abs(pair[1]) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
+        if not _is_index(self.min_tokens) or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens, got {self.min_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_index(value) or value > MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes this request's logits before sampling (a plain request skips it all)."""
+        return bool(self.has_penalties or self.logit_bias or self.min_tokens or self.structured_output)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_index(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

@@ -20,7 +20,7 @@ from conveyor.core.request import FinishReason, Request, check_prompt_length
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
-from conveyor.engine.output import RequestMetrics, RequestOutput, TextState
+from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
 from conveyor.engine.tokenizer import Tokenizer
 
 
@@ -41,6 +41,7 @@ class Engine:
         # parts stay importable without it.
         import torch
 
+        from conveyor.executor.grammar import LazyGrammarBackend
         from conveyor.executor.torch_executor import TorchExecutor
         from conveyor.model.loader import DTYPES, load_model, resolve_model
 
@@ -63,10 +64,16 @@ class Engine:
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
         model = load_model(folder, dtype, device, self.max_model_len)
         self._use_native_kernels(model, dtype, device)
-        self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks)
+        vocab_size = self.model_config.vocab_size
+        self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
+        self.executor = TorchExecutor(
+            model, num_blocks, config.block_size, config.seed, num_cpu_blocks,
+            constrain=self.grammars.constrain, forget=self.grammars.forget,
+        )
         # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too.
         self.core = EngineCore(config, plan, self.executor, clock)
         self._text: dict[str, TextState] = {}  # per sequence in the core
+        self._logprobs: dict[str, LogprobState] = {}  # per sequence that asked for logprobs or prompt_logprobs
         self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
         self._families: dict[str, _Family] = {}  # requests with n > 1, by the caller's id
         self._ids = itertools.count()
@@ -106,6 +113,7 @@ class Engine:
     ) -> Request:
         """Tokenize and check a request without touching the engine; raises ValueError naming the field."""
         params = sampling_params if sampling_params is not None else SamplingParams()
+        self._check_params(params)
         token_ids = self._prompt_ids(prompt)
         check_prompt_length(len(token_ids), self.max_model_len)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -119,6 +127,16 @@ class Engine:
             prompt_text=prompt if isinstance(prompt, str) else None,
         )
         return request
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against the vocabulary, and that a constraint
+        compiles (compiled here, once per constraint, so a bad one is refused before it reaches the engine)."""
+        vocab = self.model_config.vocab_size
+        bad = [token for token, _ in params.logit_bias if token >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token ids must be below the vocabulary size {vocab}, got {bad[:5]}")
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -155,6 +173,13 @@ class Engine:
         return request.request_id
 
     def _add_sequence(self, request: Request, caller_id: str, index: int) -> None:
+        params = request.sampling_params
+        if params.prompt_logprobs is not None:
+            # Every prompt token must be computed to have its logprobs: a salt of its own keeps the
+            # sequence from finding its prompt in the prefix cache.
+            request.cache_salt = f"prompt-logprobs:{request.request_id}"
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._logprobs[request.request_id] = LogprobState([] if params.logprobs is not None else None)
         self.core.add_request(request)
         self._text[request.request_id] = TextState(request, self.tokenizer)
         self._caller[request.request_id] = (caller_id, index)
@@ -189,6 +214,7 @@ class Engine:
         found = False
         for sequence_id in ids:
             self._text.pop(sequence_id, None)
+            self._logprobs.pop(sequence_id, None)
             self._caller.pop(sequence_id, None)
             found |= self.core.abort_request(sequence_id)
         return found
@@ -204,7 +230,23 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration: every running request advances; finished ones leave; waiting ones join."""
-        return self.core.step(lambda updated: [self._output(request) for request in updated])
+        return self.core.step(self._outputs)
+
+    def _outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        if self._logprobs:
+            self._collect_logprobs()
+        return [self._output(request) for request in updated]
+
+    def _collect_logprobs(self) -> None:
+        """The executor's logprobs of the step that just ran, added to each sequence's."""
+        for request_id, (first, found) in self.executor.last_prompt_logprobs.items():
+            state = self._logprobs.get(request_id)
+            if state is not None:
+                state.prompt.update(zip(range(first, first + len(found)), found))
+        for request_id, found in self.executor.last_logprobs.items():
+            state = self._logprobs.get(request_id)
+            if state is not None and state.sampled is not None:
+                state.sampled.append(found)
 
     def _output(self, request: Request) -> RequestOutput:
         caller_id, index = self._caller[request.request_id]
@@ -220,7 +262,9 @@ class Engine:
                 self.core.finish_request(request.request_id, FinishReason.STOP, state.stop_string)
             finish_reason, stop_reason = FinishReason.STOP.value, state.stop_string
         finished = request.is_finished
+        logprobs = self._logprobs.get(request.request_id)
         if finished:
+            self._logprobs.pop(request.request_id, None)
             del self._text[request.request_id]
             del self._caller[request.request_id]
             self._sequence_finished(caller_id, family)
@@ -243,4 +287,6 @@ class Engine:
             ),
             num_cached_tokens=request.num_cached_tokens,
             index=index,
+            logprobs=None if logprobs is None or logprobs.sampled is None else list(logprobs.sampled),
+            prompt_logprobs=None if logprobs is None else logprobs.prompt_list(request.num_prompt_tokens),
         )

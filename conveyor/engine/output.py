@@ -7,8 +7,9 @@ string starts, and the engine then asks the core to end the request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from conveyor.core.logprobs import TokenLogprob
 from conveyor.core.request import Request
 from conveyor.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -44,6 +45,25 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     index: int = 0  # which of the request's ``n`` sequences this is
+    # One per output token (with SamplingParams.logprobs), and one per prompt token, None for the first
+    # (with prompt_logprobs, once the prompt is computed); None when not asked for.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass(slots=True)
+class LogprobState:
+    """One sequence's logprobs so far: the sampled tokens', and the prompt's by position (a prompt
+    computed again after preemption overwrites the same positions)."""
+
+    sampled: list[TokenLogprob] | None = None
+    prompt: dict[int, TokenLogprob] = field(default_factory=dict)
+
+    def prompt_list(self, num_prompt_tokens: int) -> list[TokenLogprob | None] | None:
+        """None for the first prompt token, then each one's; None until all are computed."""
+        if len(self.prompt) < num_prompt_tokens - 1:
+            return None
+        return [None, *(self.prompt[position] for position in range(1, num_prompt_tokens))]
 
 
 class TextState:

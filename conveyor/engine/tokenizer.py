@@ -23,6 +23,11 @@ class Tokenizer:
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (xgrammar builds its token table from it)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=True)
 

@@ -118,6 +118,10 @@ def _add_bench_serve(bench: Commands) -> None:
     srv.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
     srv.add_argument("--slo-ttft", type=float, default=None, help="seconds; goodput counts requests within it")
     srv.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token, for goodput")
+    srv.add_argument("--extra-body", default=None, help="JSON object merged into the requests' bodies (e.g. "
+                     "logprobs, penalties, guided_json), to measure what those parameters cost")
+    srv.add_argument("--extra-body-fraction", type=float, default=1.0, help="share of the requests, spread "
+                     "evenly, that get --extra-body")
     srv.add_argument("--json", default=None)
 
 
@@ -287,14 +291,14 @@ def _plot_timeline(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from conveyor.bench.serve import bench_serve, print_serve
+    from conveyor.bench.serve import bench_serve, parse_extra_body, print_serve
     from conveyor.bench.throughput import write_json
 
     if args.request_rate <= 0 or args.num_prompts < 1:
         raise ValueError("--request-rate must be > 0 and --num-prompts >= 1")
     result = bench_serve(args.base_url, args.model, args.num_prompts, args.request_rate, args.seed,
                          int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
-                         args.api_key, args.workload)
+                         args.api_key, args.workload, parse_extra_body(args.extra_body, args.extra_body_fraction))
     print_serve(result)
     write_json(result, args.json)
     return 0 if result["completed"] else 1

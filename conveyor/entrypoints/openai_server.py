@@ -27,6 +27,8 @@ import conveyor
 from conveyor.core.request import Request as EngineRequest
 from conveyor.engine import RequestOutput
 from conveyor.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from conveyor.entrypoints.choices import merged_outputs
+from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.metrics import EngineMetrics
 from conveyor.entrypoints.protocol import (
     ChatCompletionRequest,
@@ -183,7 +185,8 @@ class _Serving:
                 room = self.max_model_len - request.num_prompt_tokens
                 params = request.sampling_params = dataclasses.replace(params, max_tokens=max(room, 1))
         except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", str(error).split(":")[0].split(" ")[0]) from None
+            param, message = body.field_error(str(error))
+            raise APIError(400, message, "invalid_request_error", param) from None
         max_model_len = self.max_model_len
         if request.num_prompt_tokens + params.max_tokens > max_model_len:
             params_max = max_model_len - request.num_prompt_tokens
@@ -192,9 +195,9 @@ class _Serving:
                            "invalid_request_error", "max_tokens")
         return request
 
-    async def respond(self, body: SamplingRequest, request: EngineRequest, fmt: _Format):
-        """Stream the request's outputs as server-sent events, or wait for the last and answer it whole."""
-        outputs = self.engine.generate(request)
+    async def respond(self, body: SamplingRequest, requests: list[EngineRequest], fmt: _Format):
+        """Stream the requests' outputs as server-sent events, or wait for the last and answer it whole."""
+        outputs = merged_outputs(self.engine, requests)
         try:
             first = await anext(outputs)  # EngineOverloaded goes to its handler: 503 with Retry-After
         except EngineDead as error:
@@ -202,7 +205,7 @@ class _Serving:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_sse(first, outputs, fmt, include_usage), media_type="text/event-stream")
-        finals = {first.index: first}  # the latest output of each sequence (n > 1: several)
+        finals = {first.index: first}  # the latest output of each choice (n > 1 or several prompts: several)
         try:
             async for output in outputs:
                 finals[output.index] = output
@@ -265,8 +268,13 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        request = serving.make_request(body, body.single_prompt(), "cmpl")
-        return await serving.respond(body, request, _CompletionFormat(request.request_id, model_name))
+        try:
+            prompts = body.prompts()
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "prompt") from None
+        requests = [serving.make_request(body, prompt, "cmpl") for prompt in prompts]
+        fmt = _CompletionFormat(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo)
+        return await serving.respond(body, requests, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest):
@@ -275,7 +283,8 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", "messages") from None
         request = serving.make_request(body, prompt, "chatcmpl")
-        return await serving.respond(body, request, _ChatFormat(request.request_id, model_name))
+        fmt = _ChatFormat(request.request_id, model_name, LogprobFormatter(serving.tokenizer))
+        return await serving.respond(body, [request], fmt)
 
 
 async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput], fmt: _Format, include_usage: bool):
@@ -297,18 +306,33 @@ async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput], fmt: _F
 
 
 def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    """One request's usage: its prompt once, the completion tokens of all its sequences."""
-    prompt, completion = len(outputs[0].prompt_token_ids), sum(len(o.token_ids) for o in outputs)
+    """A response's usage: each prompt once, the completion tokens of all its choices."""
+    prompts = {o.request_id: o for o in outputs}.values()
+    prompt = sum(len(o.prompt_token_ids) for o in prompts)
+    completion = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in prompts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": outputs[0].num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class _Format:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, request_id: str, model: str) -> None:
+    def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echo: bool = False) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.logprobs, self.echo = logprobs, echo
+        self._echoed: set[int] = set()  # choices whose stream has sent the prompt (echo)
+
+    def echoed_text(self, output: RequestOutput, text: str) -> str:
+        """``text`` after the prompt, with echo, in a full answer or a choice's first chunk."""
+        if not self.echo or output.index in self._echoed:
+            return text
+        self._echoed.add(output.index)
+        prompt = output.prompt
+        if prompt is None:
+            prompt = self.logprobs.tokenizer_decode(output.prompt_token_ids)
+        return prompt + text
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
@@ -322,13 +346,14 @@ class _CompletionFormat(_Format):
     object_full = object_chunk = "text_completion"
 
     def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": o.index, "text": o.text, "finish_reason": o.finish_reason, "logprobs": None,
-                    "stop_reason": o.stop_reason} for o in outputs]
+        choices = [{"index": o.index, "text": self.echoed_text(o, o.text), "finish_reason": o.finish_reason,
+                    "logprobs": self.logprobs.completion_full(o, self.echo), "stop_reason": o.stop_reason}
+                   for o in outputs]
         return self._envelope(self.object_full, choices) | {"usage": _usage(outputs)}
 
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
-        choice = {"index": output.index, "text": output.delta_text, "finish_reason": output.finish_reason,
-                  "logprobs": None}
+        choice = {"index": output.index, "text": self.echoed_text(output, output.delta_text),
+                  "finish_reason": output.finish_reason, "logprobs": self.logprobs.completion_delta(output, self.echo)}
         return self._envelope(self.object_chunk, [choice])
 
 
@@ -338,11 +363,13 @@ class _ChatFormat(_Format):
 
     def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "finish_reason": o.finish_reason, "logprobs": None, "stop_reason": o.stop_reason}
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    "logprobs": None if o.logprobs is None else self.logprobs.chat(o.logprobs)}
                    for o in outputs]
         return self._envelope(self.object_full, choices) | {"usage": _usage(outputs)}
 
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
         delta = {"role": "assistant", "content": output.delta_text} if is_first else {"content": output.delta_text}
-        choice = {"index": output.index, "delta": delta, "finish_reason": output.finish_reason, "logprobs": None}
+        choice = {"index": output.index, "delta": delta, "finish_reason": output.finish_reason,
+                  "logprobs": self.logprobs.chat_delta(output)}
         return self._envelope(self.object_chunk, [choice])

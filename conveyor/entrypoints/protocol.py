@@ -2,7 +2,9 @@
 
 Fields the engine does not support yet are declared so that a request using
 them gets a 400 that says so, rather than being silently ignored; fields
-nobody declared are refused too.
+nobody declared are refused too. vLLM's extra fields (``repetition_penalty``,
+``min_tokens``, ``prompt_logprobs``, ``guided_json`` / ``guided_regex`` /
+``guided_choice``) are accepted as vLLM accepts them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from conveyor.core.sampling import SamplingParams
+from conveyor.core.sampling import MAX_LOGPROBS, SamplingParams
+from conveyor.core.structured import StructuredOutput
 
 
 class StreamOptions(BaseModel):
@@ -36,31 +39,63 @@ class SamplingRequest(BaseModel):
     priority: int = 0
     user: str | None = None
     n: int = 1  # sequences per prompt; they share the prompt's KV blocks (prefix caching)
-    # Declared to be refused with a clear message (see unsupported()).
-    logprobs: Any = None
-    top_logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     def unsupported(self) -> str | None:
         """The first field set to something the engine cannot do yet, as an error message."""
-        checks = {
-            "logprobs": self.logprobs not in (None, False),
-            "top_logprobs": self.top_logprobs not in (None, 0),
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "logit_bias": bool(self.logit_bias),
-        }
-        for name, bad in checks.items():
-            if bad:
-                return f"{name}={getattr(self, name)!r} is not supported yet"
         return None
+
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """The constraint the body asks for, with the name of the field that asked (for a 400 naming it)."""
+        given = [(name, value) for name, value in (
+            ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+            ("guided_choice", self.guided_choice)) if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1][0]}: give only one of guided_json, guided_regex, guided_choice")
+        if not given:
+            return None
+        name, value = given[0]
+        try:
+            if name == "guided_json":
+                return name, StructuredOutput(json=value)
+            if name == "guided_regex":
+                return name, StructuredOutput(regex=value)
+            return name, StructuredOutput(choice=tuple(value))
+        except ValueError as error:
+            raise ValueError(f"{name}: {str(error).split(': ', 1)[-1]}") from None
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) as SamplingParams takes them; the endpoints read ``logprobs`` differently."""
+        return None, None
+
+    def field_error(self, message: str) -> tuple[str, str]:
+        """(param, message) of a ValueError raised while making the request: a constraint that does not
+        compile is named by the field the client used for it (``response_format``, ``guided_json``, ...)."""
+        if message.startswith("structured_output"):
+            structured = self.structured_output()
+            name = structured[0] if structured else "structured_output"
+            return name, f"{name}: {message.split(': ', 1)[-1]}"
+        return message.split(":")[0].split(" ")[0], message
+
+    def _logit_bias(self) -> dict[int, float]:
+        try:
+            return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise ValueError(f"logit_bias: keys must be token ids, got {list(self.logit_bias or {})[:5]}") from None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        structured = self.structured_output()
+        logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(
-            max_tokens=self.max_tokens_given() or default_max_tokens,
+            max_tokens=self.max_tokens_given() or max(default_max_tokens, self.min_tokens),
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -69,6 +104,14 @@ class SamplingRequest(BaseModel):
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_output=None if structured is None else structured[1],
         )
 
     def max_tokens_given(self) -> int | None:
@@ -76,29 +119,66 @@ class SamplingRequest(BaseModel):
         return self.max_tokens
 
 
+MAX_PROMPTS = 64  # prompts in one /v1/completions request: each becomes a request of its own
+
+
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token (legacy API)
 
     def unsupported(self) -> str | None:
-        several = isinstance(self.prompt, list) and len(self.prompt) > 1 and not isinstance(self.prompt[0], int)
-        if several:
-            return "prompt: a list of several prompts is not supported yet; send one prompt per request"
-        if self.echo:
-            return "echo=true is not supported yet"
         if self.suffix:
             return "suffix is not supported yet"
         if self.best_of not in (None, 1):
             return "best_of is not supported yet"
         return super().unsupported()
 
-    def single_prompt(self) -> str | list[int]:
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        # echo with logprobs returns the prompt's logprobs too, as OpenAI's legacy API does.
+        return self.logprobs, self.logprobs if self.echo else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token list, or a list of several (choices are indexed prompt by prompt)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            return prompt[0]
-        return prompt
+        several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+        prompts = list(prompt) if several else [prompt]
+        if not prompts:
+            raise ValueError("prompt: empty list of prompts")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
+        return prompts
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object), or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput(json_object=True)
+        if self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema field")
+        schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+        try:
+            return StructuredOutput(json=schema)
+        except ValueError as error:
+            raise ValueError(f"response_format: {str(error).split(': ', 1)[-1]}") from None
 
 
 class ChatMessage(BaseModel):
@@ -111,14 +191,26 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools are not supported yet"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format other than text is not supported yet"
         return super().unsupported()
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
+
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        guided = super().structured_output()
+        wanted = self.response_format.structured_output() if self.response_format else None
+        if guided is not None and wanted is not None:
+            raise ValueError(f"{guided[0]}: give either response_format or {guided[0]}, not both")
+        return guided or (None if wanted is None else ("response_format", wanted))
 
     def max_tokens_given(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

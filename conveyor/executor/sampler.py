@@ -1,16 +1,26 @@
-"""Turning a step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds.
+"""Turning a step's logits into tokens: constraints, penalties, bias, then greedy, temperature, top-k, top-p.
 
 Random draws use the exponential race (argmax of p / E with E ~ Exp(1)),
 which samples from p exactly. A seeded request draws from a generator
 seeded by (seed, index of the token), so its tokens do not depend on what
-else shares the batch, nor on preemption and recompute.
+else shares the batch, nor on preemption and recompute. A batch of plain
+greedy requests (no penalties, bias, constraints or logprobs) is one argmax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from conveyor.core.logprobs import TokenLogprob
 from conveyor.core.sampling import SamplingParams
+from conveyor.core.scheduler.output import ScheduledRequest
+from conveyor.executor.logits_processors import apply_processors
+from conveyor.executor.logprobs import token_logprobs
+
+# Masks the rows of constrained requests to the tokens their grammar allows (see executor/grammar.py).
+Constrain = Callable[[torch.Tensor, list[ScheduledRequest]], None]
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -31,6 +41,25 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._unseeded = torch.Generator().manual_seed(seed)
         self._seeded = torch.Generator()
+
+    def sample_batch(
+        self, logits: torch.Tensor, batch: list[ScheduledRequest], constrain: Constrain | None = None
+    ) -> tuple[list[int], dict[int, TokenLogprob]]:
+        """The token of each row of ``logits`` [len(batch), vocab], and the logprobs of the rows that asked
+        (row -> TokenLogprob), taken from the logits before anything changed them."""
+        params = [item.sampling_params for item in batch]
+        logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+        raw = logits[torch.tensor(logprob_rows, dtype=torch.long, device=logits.device)] if logprob_rows else None
+        if any(p.processes_logits for p in params):
+            if constrain is not None and any(p.structured_output is not None for p in params):
+                constrain(logits, batch)
+            apply_processors(logits, batch)
+        tokens = self.sample(logits, params, [item.num_output_tokens for item in batch])
+        if raw is None:
+            return tokens, {}
+        num_top = [params[row].logprobs or 0 for row in logprob_rows]
+        found = token_logprobs(raw, [tokens[row] for row in logprob_rows], num_top)
+        return tokens, dict(zip(logprob_rows, found))
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> list[int]:
         """``logits`` [n, vocab] float32; ``token_indices[i]`` = how many tokens row i's request already output."""

@@ -9,11 +9,14 @@ computes logits only for rows that sample, and samples.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 
+from conveyor.core.logprobs import TokenLogprob
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
-from conveyor.executor.sampler import Sampler
+from conveyor.executor.logprobs import token_logprobs
+from conveyor.executor.sampler import Constrain, Sampler
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, NativeRows, PrefillChunk
 from conveyor.model.llama import LlamaModel
 
@@ -26,7 +29,11 @@ class TorchExecutor:
         block_size: int,
         seed: int = 0,
         num_cpu_blocks: int = 0,
+        constrain: Constrain | None = None,
+        forget: Callable[[list[str]], None] | None = None,
     ) -> None:
+        """``constrain`` masks constrained rows to what their grammars allow; ``forget`` is told which requests
+        ended, so whatever keeps per-request state (the grammar matchers) can drop it."""
         config = model.config
         param = model.embed_tokens.weight
         self.model = model
@@ -45,24 +52,46 @@ class TorchExecutor:
             pin_memory=self.device.type == "cuda" and num_cpu_blocks > 0,
         )
         self.sampler = Sampler(seed)
+        self._constrain, self._forget = constrain, forget
+        # The latest step's logprobs, for the engine to read after execute(): request id -> the sampled
+        # token's, and request id -> (position of the first, prompt tokens' logprobs) for prompt_logprobs.
+        self.last_logprobs: dict[str, TokenLogprob] = {}
+        self.last_prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the token sampled for each request whose chunk ended at its last token."""
         self._swap(output)
+        self.last_logprobs, self.last_prompt_logprobs = {}, {}
+        if self._forget is not None and output.finished_request_ids:
+            self._forget(output.finished_request_ids)
         if output.is_empty:
             return {}
         batch = sorted(output.scheduled, key=_row_order)
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        self._prompt_logprobs(batch, hidden)
         if not sample_rows:
             return {}
         rows, sampled = zip(*sample_rows)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens = self.sampler.sample(
-            logits, [s.sampling_params for s in sampled], [s.num_output_tokens for s in sampled]
-        )
+        tokens, logprobs = self.sampler.sample_batch(logits, list(sampled), self._constrain)
+        self.last_logprobs = {sampled[row].request_id: found for row, found in logprobs.items()}
         return {s.request_id: t for s, t in zip(sampled, tokens)}
+
+    def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """For chunks of requests with prompt_logprobs: row j of a chunk at ``start`` predicts the prompt token
+        at ``start + j + 1``; the LM head runs on those rows only."""
+        first_row = 0
+        for item in batch:
+            num_prompt, start = len(item.prompt_token_ids), item.start_position
+            wanted = item.sampling_params.prompt_logprobs
+            targets = item.prompt_token_ids[start + 1 : min(item.context_len + 1, num_prompt)]
+            if wanted is not None and targets:
+                rows = torch.arange(first_row, first_row + len(targets), device=self.device)
+                found = token_logprobs(self.model.compute_logits(hidden[rows]), targets, [wanted] * len(targets))
+                self.last_prompt_logprobs[item.request_id] = (start + 1, found)
+            first_row += item.num_scheduled_tokens
 
     def _swap(self, output: SchedulerOutput) -> None:
         """Copy swapped blocks, all layers at once; swap-ins first (see SchedulerOutput)."""

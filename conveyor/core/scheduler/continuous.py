@@ -82,7 +82,8 @@ def _scheduled_request(request: Request, num_new: int, block_ids: list[int]) -> 
     samples_token = in_output + num_new == num_output  # the chunk reaches the last known token
     # Positional arguments, in field order.
     return ScheduledRequest(
-        request.request_id, start, token_ids, block_ids, request.sampling_params, samples_token, num_output
+        request.request_id, start, token_ids, block_ids, request.sampling_params, samples_token, num_output,
+        request.prompt_token_ids, output_ids, request.eos_token_id,
     )
 
 

@@ -22,6 +22,11 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     samples_token: bool  # the chunk reaches the request's last known token, so a new one is drawn
     num_output_tokens: int  # output tokens before this step; seeds the request's random stream
+    # The request's own lists (references, not copies), read by the sampler for penalties, min_tokens and
+    # constraints, which look at the whole history; the executor must not change them.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -1,0 +1,168 @@
+"""The OpenAI parameters beyond max_tokens and temperature, through a real server and the official client:
+logprobs in both endpoints' shapes (streamed chunks add up to the whole answer), echo, several prompts in
+one completion request, penalties, response_format and vLLM's guided_* fields; bad values get a 400 naming
+the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from conveyor import LLM, SamplingParams
+from tests.test_server import running_server
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", MODEL) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    return LLM(str(tiny_model_dir), num_kv_blocks=1024)
+
+
+MESSAGES = [{"role": "user", "content": "Name three rivers."}]
+
+
+def test_chat_logprobs_streamed_equal_unstreamed_equal_offline(client, offline):
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 8
+    assert "".join(entry.token for entry in content) == full.choices[0].message.content
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs),
+                                                                 reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and entry.bytes == list(entry.token.encode())
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [entry for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    prompt = offline.get_tokenizer().apply_chat_template(MESSAGES)
+    out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)[0]
+    assert [e.logprob for e in content] == pytest.approx([e.logprob for e in out.logprobs], abs=1e-5)
+
+
+def test_completion_logprobs_and_echo_streamed_equal_unstreamed(client):
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0, logprobs=2, echo=True)
+    full = client.completions.create(**kwargs).choices[0]
+    assert full.text.startswith("The quick brown fox")
+    logprobs = full.logprobs
+    num_prompt = len(logprobs.tokens) - 6
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None and num_prompt > 1
+    assert all(isinstance(v, float) for v in logprobs.token_logprobs[1:])
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    chunks = list(client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [x for s in streamed for x in s.tokens] == logprobs.tokens
+    assert [x for s in streamed for x in s.token_logprobs] == logprobs.token_logprobs
+    assert [x for s in streamed for x in s.text_offset] == logprobs.text_offset
+    plain = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None and full.text == "The quick brown fox" + plain.choices[0].text
+
+
+def test_several_prompts_index_choices_prompt_by_prompt(client):
+    prompts = ["The quick brown fox", "Once upon a time", "Rivers flow"]
+    response = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in response.choices] == list(range(6))
+    for i, prompt in enumerate(prompts):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0).choices[0].text
+        assert response.choices[2 * i].text == response.choices[2 * i + 1].text == alone
+    assert response.usage.completion_tokens == 30
+    stream = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, temperature=0, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(3)] == [response.choices[2 * i].text for i in range(3)]
+    token_prompts = [[1000, 2000, 3000], [4000, 5000]]
+    by_ids = client.completions.create(model=MODEL, prompt=token_prompts, max_tokens=5, temperature=0)
+    assert [c.text for c in by_ids.choices] == [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0].text
+        for p in token_prompts]
+    assert by_ids.usage.prompt_tokens == 5
+
+
+def test_penalties_bias_and_min_tokens_reach_the_sampler(client, offline):
+    prompt = [1000 + 7 * i for i in range(10)]
+    extra = {"repetition_penalty": 1.5, "min_tokens": 4}
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, presence_penalty=1.0,
+                                    frequency_penalty=0.5, logit_bias={"4321": 5.0}, extra_body=extra)
+    params = SamplingParams(temperature=0, max_tokens=8, presence_penalty=1.0, frequency_penalty=0.5,
+                            logit_bias={4321: 5.0}, repetition_penalty=1.5, min_tokens=4)
+    assert got.choices[0].text == offline.generate([prompt], params, use_tqdm=False)[0].text
+
+
+class Answer(BaseModel):
+    verdict: bool
+    colour: str = Field(json_schema_extra={"enum": ["red", "green", "blue"]})
+    score: int = Field(ge=0, le=9)
+
+
+def test_openai_client_response_format_and_guided_fields(client, offline):
+    parsed = client.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0,
+                                           response_format=Answer).choices[0].message.parsed
+    assert isinstance(parsed, Answer) and parsed.colour in ("red", "green", "blue")
+    tokenizer = offline.get_tokenizer()  # a bias towards "{" and "}" makes the random model's object "{}"
+    bias = {str(tokenizer.encode(brace)[-1]): 10.0 for brace in "{}"}
+    obj = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0,
+                                         logit_bias=bias, response_format={"type": "json_object"})
+    assert json.loads(obj.choices[0].message.content) == {}
+    choice = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=10, temperature=1.0, seed=3,
+                                       extra_body={"guided_choice": ["left", "right"]})
+    assert choice.choices[0].text in ("left", "right")
+    regex = client.completions.create(model=MODEL, prompt="Code:", max_tokens=10, temperature=1.0, seed=3,
+                                      extra_body={"guided_regex": r"[a-f]{4}\d"})
+    assert re.fullmatch(r"[a-f]{4}\d", regex.choices[0].text)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": "yes please"}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "echo": "sure"}, "echo"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "(ab"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "nonsense"}}, "guided_json"),
+    ("/v1/completions", {"prompt": "hi", "guided_json": "{not json"}, "guided_json"),
+    ("/v1/completions", {"prompt": "hi", "guided_choice": []}, "guided_choice"),
+    ("/v1/completions", {"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+])
+def test_bad_values_get_400_naming_the_field(server, path, body, param):
+    response = httpx.post(f"{server}{path}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    assert "Traceback" not in response.text and "/project/" not in error["message"]
