@@ -14,6 +14,7 @@ from conveyor.bench.workload import WORKLOADS
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
+from conveyor.router import POLICY_NAMES
 
 EXAMPLE_CHATS = [
     "What is the capital of France?",
@@ -138,9 +139,24 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="503 beyond this many waiting")
     serve.add_argument("--default-max-tokens", type=int, default=None,
                        help="max_tokens of a request that sends none (default: the rest of the model's context)")
+    _add_replica_args(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     add_engine_args(serve)
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    """Data-parallel replicas on Ray (``pip install conveyor[ray]``), and the router in front of them."""
+    g = parser.add_argument_group("replicas")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, each a Ray actor with its own KV pool; 1: one engine in this process")
+    g.add_argument("--router-policy", default="cache-aware", choices=POLICY_NAMES,
+                   help="how requests are spread over the replicas")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (and Ray CPUs) per replica (default: this machine's cores / replicas)")
+    g.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster (auto, or host:port); default: start Ray on this machine")
+    g.add_argument("--max-replica-restarts", type=int, default=3, help="times Ray restarts a replica that dies")
 
 
 def _add_roofline(commands: Commands) -> None:
