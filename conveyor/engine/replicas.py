@@ -131,8 +131,9 @@ class ReplicaSet:
         first = described[0]
         self.tokenizer = Tokenizer(first["model_path"])
         self.max_model_len, self.vocab_size = first["max_model_len"], first["vocab_size"]
-        for health, info in zip(self.health, described):
+        for index, (health, info) in enumerate(zip(self.health, described)):
             health.healthy, health.pid, health.host = True, info["pid"], info["host"]
+            self._report(index)
         self._monitor.start()
 
     def _threads_per_replica(self) -> int:
