@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from conveyor import LLM, SamplingParams
+from conveyor.entrypoints.cli import main
 
 pytest.importorskip("ray", reason="the replica tests need the ray extra: pip install 'conveyor[ray]'")
 
@@ -141,6 +142,16 @@ def test_disconnected_streams_are_aborted_on_their_replicas(server):
     while any(r["num_requests_running"] or r["num_requests_waiting"] for r in _health(server)["replicas"]):
         assert time.monotonic() < deadline, "aborted requests still run on a replica"
         time.sleep(0.3)
+
+
+def test_bench_serve_multi_turn_chats_find_their_history_cached(server, tmp_path):
+    out = tmp_path / "multi-turn.json"
+    code = main(["bench", "serve", "--base-url", server, "--workload", "multi-turn", "--num-prompts", "4",
+                 "--num-turns", "3", "--output-len", "1,8", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["completed"] == 4 * 3 and result["failed"] == 0
+    # Turns 2 and 3 resend their history; cache-aware routing sends each to the replica that holds it.
+    assert result["prefix_cache_hit_rate"] > 0.4
 
 
 @dataclass

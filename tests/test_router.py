@@ -92,13 +92,15 @@ def test_cache_aware_falls_back_to_least_loaded_under_imbalance():
     assert router.route(conversation_prompt(0, 2)) == other
 
 
-def test_a_replica_that_went_down_loses_its_prefixes():
+def test_a_replica_down_is_routed_around_and_a_restarted_one_is_forgotten():
     router = Router(2, "cache-aware", block_size=BLOCK)
     home = router.route(conversation_prompt(0, 0))
     router.set_healthy(home, False)
     assert router.route(conversation_prompt(0, 1)) == 1 - home
-    router.set_healthy(home, True)
-    assert router.indexes[home].match_length(block_hashes(conversation_prompt(0, 1), BLOCK), now=0) == 0
+    router.set_healthy(home, True)  # back without a restart (it was only slow): its cache is still there
+    assert router.indexes[home].match_length(block_hashes(conversation_prompt(0, 0), BLOCK), now=0) == 3
+    router.forget(home)
+    assert router.indexes[home].match_length(block_hashes(conversation_prompt(0, 0), BLOCK), now=0) == 0
 
 
 def test_no_healthy_replica_is_a_clear_error():

@@ -11,6 +11,7 @@ puts it back when it answers again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -34,7 +35,8 @@ from conveyor.router import NoHealthyReplica, Router
 
 logger = logging.getLogger("conveyor.replicas")
 POLL_INTERVAL_S = 0.5
-POLL_TIMEOUT_S = 2.0
+POLL_TIMEOUT_S = 5.0
+MISSED_POLLS_DOWN = 3  # polls in a row without an answer before a live but silent replica counts as down
 START_TIMEOUT_S = 600.0
 
 
@@ -56,6 +58,7 @@ class ReplicaHealth:
     pid: int | None = None
     host: str | None = None
     restarts: int = 0  # times it came back in a new process
+    missed_polls: int = 0  # in a row: a busy replica may answer late, a dead one raises at once
     down_since: float | None = None
     last_recovery_s: float | None = None  # from seen down to serving again, the latest time
     stats: EngineStats | None = None
@@ -110,6 +113,9 @@ class ReplicaSet:
 
         threads = self._threads_per_replica()
         if not ray.is_initialized():
+            # Ray runs its workers at nice 15 by default, as background jobs; replicas are the service itself
+            # and must not yield their cores to every other process on the machine.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             if self.settings.ray_address:
                 ray.init(address=self.settings.ray_address, log_to_driver=False)
             else:
@@ -270,7 +276,10 @@ class ReplicaSet:
             with self._lock:
                 self.router.finished(replica)
             if not finished:
-                ray.cancel(stream)  # the replica's generator is cancelled, and its cleanup aborts the request
+                # The replica's generator is cancelled, and its cleanup aborts the request there; a dead
+                # replica has nothing left to cancel.
+                with contextlib.suppress(*_ray_errors()):
+                    ray.cancel(stream)
 
     def _count(self, what: str, replica: int) -> None:
         with self._lock:
@@ -301,7 +310,13 @@ class ReplicaSet:
         try:
             stats = ray.get(actor.stats.remote(), timeout=POLL_TIMEOUT_S)
             info = ray.get(actor.describe.remote(), timeout=POLL_TIMEOUT_S) if not self.health[index].healthy else None
-        except (GetTimeoutError, *_ray_errors()):
+        except GetTimeoutError:
+            self.health[index].missed_polls += 1
+            if self.health[index].missed_polls >= MISSED_POLLS_DOWN:
+                self._mark_down(index)
+            self._report(index)
+            return
+        except _ray_errors():
             self._mark_down(index)
             self._report(index)
             return
@@ -312,9 +327,11 @@ class ReplicaSet:
             return
         with self._lock:
             health = self.health[index]
-            health.stats = stats
+            health.stats, health.missed_polls = stats, 0
             if info is not None:
-                health.restarts += info["pid"] != health.pid
+                if info["pid"] != health.pid:
+                    health.restarts += 1
+                    self.router.forget(index)
                 health.pid, health.host, health.healthy = info["pid"], info["host"], True
                 if health.down_since is not None:
                     health.last_recovery_s = time.monotonic() - health.down_since

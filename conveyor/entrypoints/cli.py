@@ -109,9 +109,11 @@ def _add_bench_serve(bench: Commands) -> None:
     srv.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"))
     srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    srv.add_argument("--workload", default="longtail", choices=("longtail", "shared-prefix"),
+    srv.add_argument("--workload", default="longtail", choices=("longtail", "shared-prefix", "multi-turn"),
                      help="longtail: bench throughput's requests; shared-prefix: its requests over 8 shared "
-                     "prefixes (the server's cached_tokens are summed)")
+                     "prefixes (the server's cached_tokens are summed); multi-turn: --num-prompts conversations "
+                     "of --num-turns turns, each resending its history when the previous answer is complete")
+    srv.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
     srv.add_argument("--num-prompts", type=int, default=64)
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between); "
@@ -310,7 +312,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
         raise ValueError("--request-rate must be > 0 and --num-prompts >= 1")
     result = bench_serve(args.base_url, args.model, args.num_prompts, args.request_rate, args.seed,
                          int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
-                         args.api_key, args.workload)
+                         args.api_key, args.workload, args.num_turns)
     print_serve(result)
     write_json(result, args.json)
     return 0 if result["completed"] else 1

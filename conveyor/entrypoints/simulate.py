@@ -63,8 +63,7 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     g.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: how many shared prefixes")
     g.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
     g.add_argument("--num-tenants", type=int, default=150, help="multi-tenant: tenants, each with its own context")
-    g.add_argument("--num-replicas", type=int, default=1,
-                   help="engine replicas (each with --tensor-parallel-size devices) behind one router")
+    g.add_argument("--num-replicas", type=int, default=1, help="engine replicas behind one router")
     g.add_argument("--router-policy", default="cache-aware",
                    help=f"with --num-replicas > 1: {', '.join(POLICY_NAMES)}; comma-separated to compare several")
     g.add_argument("--prompt-len", default=None, help="N, uniform:LOW,HIGH or longtail:MEAN (overrides --workload)")

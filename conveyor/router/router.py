@@ -104,14 +104,18 @@ class Router:
             self.indexes[replica].resize(num_kv_blocks)
 
     def set_healthy(self, replica: int, healthy: bool) -> None:
-        """Take a replica out of routing, or back; one that went down lost its cache, so its index is cleared."""
+        """Take a replica out of routing, or back. A replica that is only slow to answer keeps its cache, and
+        so its index; one that restarted is :meth:`forget` first."""
         state = self.replicas[replica]
         if not healthy:
-            self.indexes[replica].clear()
             state.in_flight = 0
             state.num_waiting = state.num_running = 0
             state.kv_usage = 0.0
         state.healthy = healthy
+
+    def forget(self, replica: int) -> None:
+        """The replica restarted with an empty cache: nothing routed there before is cached any more."""
+        self.indexes[replica].clear()
 
     def healthy_replicas(self) -> list[int]:
         return [i for i, state in enumerate(self.replicas) if state.healthy]
