@@ -36,7 +36,6 @@ from conveyor.router import NoHealthyReplica, Router
 logger = logging.getLogger("conveyor.replicas")
 POLL_INTERVAL_S = 0.5
 POLL_TIMEOUT_S = 5.0
-MISSED_POLLS_DOWN = 3  # polls in a row without an answer before a live but silent replica counts as down
 START_TIMEOUT_S = 600.0
 
 
@@ -58,7 +57,7 @@ class ReplicaHealth:
     pid: int | None = None
     host: str | None = None
     restarts: int = 0  # times it came back in a new process
-    missed_polls: int = 0  # in a row: a busy replica may answer late, a dead one raises at once
+    missed_polls: int = 0  # in a row; a slow replica stays in routing (a dead one raises, and is taken out)
     down_since: float | None = None
     last_recovery_s: float | None = None  # from seen down to serving again, the latest time
     stats: EngineStats | None = None
@@ -210,6 +209,7 @@ class ReplicaSet:
         with self._lock:
             replicas = [
                 {"replica": index, "healthy": h.healthy, "pid": h.pid, "host": h.host, "restarts": h.restarts,
+                 "missed_polls": h.missed_polls,
                  "last_recovery_s": h.last_recovery_s,
                  "num_requests_running": h.stats.num_running if h.stats else None,
                  "num_requests_waiting": h.stats.num_waiting if h.stats else None}
@@ -311,9 +311,9 @@ class ReplicaSet:
             stats = ray.get(actor.stats.remote(), timeout=POLL_TIMEOUT_S)
             info = ray.get(actor.describe.remote(), timeout=POLL_TIMEOUT_S) if not self.health[index].healthy else None
         except GetTimeoutError:
+            # Slow, not dead: an overloaded machine (or a replica compiling its kernels) answers late, and
+            # taking it out of routing would only move its load elsewhere and drop its cache affinity.
             self.health[index].missed_polls += 1
-            if self.health[index].missed_polls >= MISSED_POLLS_DOWN:
-                self._mark_down(index)
             self._report(index)
             return
         except _ray_errors():
