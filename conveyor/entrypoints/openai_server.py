@@ -217,9 +217,11 @@ class _Serving:
 def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) -> None:
     @app.get("/health")
     async def health() -> Response:
+        replicas = serving.engine.health_report()  # None for one engine; each replica's state behind a router
         if serving.engine.error is not None:
-            return JSONResponse(error_body("engine stopped", "internal_server_error"), status_code=503)
-        return Response(status_code=200)
+            body = error_body("engine stopped", "internal_server_error") | (replicas or {})
+            return JSONResponse(body, status_code=503)
+        return Response(status_code=200) if replicas is None else JSONResponse(replicas)
 
     @app.get("/version")
     async def version() -> dict:

@@ -10,8 +10,10 @@ import uvicorn
 
 from conveyor.core.config import EngineConfig
 from conveyor.engine import AsyncEngine, Engine
+from conveyor.engine.replicas import ReplicaSet, ReplicaSettings
 from conveyor.entrypoints.metrics import EngineMetrics
 from conveyor.entrypoints.openai_server import ServerSettings, build_app
+from conveyor.entrypoints.replica_metrics import ReplicaMetrics
 
 logger = logging.getLogger("conveyor.server")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -19,12 +21,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     name = args.served_model_name or (Path(config.model).stem if config.model else DEFAULT_MODEL_NAME)
-    engine = Engine(config)
-    metrics = EngineMetrics(name)
-    async_engine = AsyncEngine(engine, args.max_waiting_requests, on_step=metrics.on_step)
     settings = ServerSettings(name, args.api_key, args.max_request_bytes, args.default_max_tokens)
+    if args.data_parallel_size > 1 or args.ray_address:
+        async_engine, metrics = _replicas(args, config, name)
+    else:
+        metrics = EngineMetrics(name)
+        async_engine = AsyncEngine(Engine(config), args.max_waiting_requests, on_step=metrics.on_step)
+    async_engine.start()  # replicas: Ray starts them here, and they report the tokenizer and limits
     app = build_app(async_engine, settings, metrics)
-    async_engine.start()
     print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models)",
           flush=True)
     server = _GracefulServer(uvicorn.Config(
@@ -38,6 +42,17 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     finally:
         async_engine.stop()
     return 0
+
+
+def _replicas(args: argparse.Namespace, config: EngineConfig, name: str) -> tuple[ReplicaSet, ReplicaMetrics]:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("--data-parallel-size > 1 runs replicas on Ray: pip install 'conveyor[ray]'") from None
+    metrics = ReplicaMetrics(name)
+    replica_settings = ReplicaSettings(args.data_parallel_size, args.router_policy, args.num_threads,
+                                       args.ray_address, args.max_replica_restarts, args.max_waiting_requests)
+    return ReplicaSet(config, replica_settings, on_poll=metrics.on_poll), metrics
 
 
 class _GracefulServer(uvicorn.Server):

@@ -20,6 +20,8 @@ from typing import Any
 from conveyor.bench.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.entrypoints.args import add_engine_args, engine_config, int_pair, with_overrides
+from conveyor.router import POLICY_NAMES
+from conveyor.sim.cluster import simulate_cluster
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import hardware_names, load_hardware, load_model_config, model_names
 from conveyor.sim.simulator import device_kv_cache_memory, simulate
@@ -28,6 +30,7 @@ from conveyor.sim.workload import (
     LENGTH_PRESETS,
     ConversationShape,
     WorkloadRequest,
+    multi_tenant_requests,
     multi_turn_shapes,
     parse_lengths,
     read_trace_file,
@@ -54,10 +57,15 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
                    help=f"{', '.join(LENGTH_PRESETS)} (long-tailed lengths of those means); shared-prefix "
                    "(requests over --num-prefixes shared prefixes of 400-800 tokens, questions of 16-48, 64 output "
                    "tokens, all at once); multi-turn (--num-requests conversations of --num-turns turns, each "
-                   "resending its history, as bench throughput's); or a CSV/JSONL file of arrival_time, "
-                   "prompt_tokens, output_tokens")
+                   "resending its history, as bench throughput's); multi-tenant (--num-tenants tenants, each with a "
+                   "6000-token context its requests share, questions of 600-1200 tokens, 256 output tokens, at "
+                   "--request-rates); or a CSV/JSONL file of arrival_time, prompt_tokens, output_tokens")
     g.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: how many shared prefixes")
     g.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
+    g.add_argument("--num-tenants", type=int, default=150, help="multi-tenant: tenants, each with its own context")
+    g.add_argument("--num-replicas", type=int, default=1, help="engine replicas behind one router")
+    g.add_argument("--router-policy", default="cache-aware",
+                   help=f"with --num-replicas > 1: {', '.join(POLICY_NAMES)}; comma-separated to compare several")
     g.add_argument("--prompt-len", default=None, help="N, uniform:LOW,HIGH or longtail:MEAN (overrides --workload)")
     g.add_argument("--output-len", default=None, help="N, uniform:LOW,HIGH or longtail:MEAN (overrides --workload)")
     g.add_argument("--num-requests", type=int, default=None, help=f"default {DEFAULT_NUM_REQUESTS}; a file: all")
@@ -110,6 +118,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     configs = [with_overrides(base, spec) if args.compare else base for spec in specs]  # all checked before any run
     rates, workloads = _workloads(args)
     conversations = _conversations(args)
+    policies = _router_policies(args)
+    if policies:
+        specs, configs = _with_policies(specs, configs, policies)
     results: dict[str, list[dict[str, Any]]] = {}
     several = len(configs) * len(rates) > 1
     for spec, config in zip(specs, configs):
@@ -120,13 +131,40 @@ def run_simulate(args: argparse.Namespace) -> int:
         results[spec] = []
         for rate, workload in zip(rates, workloads):
             print(f"simulating {spec} at {_rate(rate)} ...", file=sys.stderr, flush=True)
-            result, trace = simulate(config, cost, workload, bool(args.trace), conversations)
+            if policies:
+                policy = spec.rpartition("router=")[2]
+                result, trace = simulate_cluster(config, cost, workload, args.num_replicas, policy, conversations,
+                                                 args.workload_seed), None
+            else:
+                result, trace = simulate(config, cost, workload, bool(args.trace), conversations)
             result = {"configuration": spec, "request_rate": rate, **result}
             results[spec].append(result)
             if trace is not None:
                 trace.write(_trace_path(args.trace, spec, rate) if several else args.trace)
     _report(args, rates, results, several)
     return 0
+
+
+def _router_policies(args: argparse.Namespace) -> list[str]:
+    """The router policies to compare, or none for one engine alone."""
+    if args.num_replicas < 1:
+        raise ValueError(f"--num-replicas must be >= 1, got {args.num_replicas}")
+    if args.num_replicas == 1:
+        return []
+    if args.trace:
+        raise ValueError("--trace records one engine's steps; drop it with --num-replicas > 1")
+    policies = [name.strip() for name in args.router_policy.split(",")]
+    unknown = [name for name in policies if name not in POLICY_NAMES]
+    if unknown:
+        raise ValueError(f"--router-policy: {', '.join(unknown)} not among {', '.join(POLICY_NAMES)}")
+    return policies
+
+
+def _with_policies(specs: list[str], configs: list[EngineConfig],
+                   policies: list[str]) -> tuple[list[str], list[EngineConfig]]:
+    """Every configuration behind every router policy, labelled ``CONFIG,router=POLICY``."""
+    pairs = [(f"{spec},router={policy}", config) for spec, config in zip(specs, configs) for policy in policies]
+    return [spec for spec, _ in pairs], [config for _, config in pairs]
 
 
 def _describe(config: EngineConfig) -> str:
@@ -148,6 +186,13 @@ def _workloads(args: argparse.Namespace) -> tuple[list[float], list[list[Workloa
         if args.workload == "multi-turn":
             return [math.inf], [[]]  # the conversations (_conversations) are the workload
         return [math.inf], [shared_prefix_requests(args.num_requests or 128, args.workload_seed, args.num_prefixes)]
+    if args.workload == "multi-tenant":
+        if args.prompt_len or args.output_len:
+            raise ValueError("--workload multi-tenant has its own lengths; drop --prompt-len and --output-len")
+        rates = _parse_rates(args.request_rates or "inf")
+        num = args.num_requests or DEFAULT_NUM_REQUESTS
+        return rates, [multi_tenant_requests(num, rate, args.workload_seed, args.num_tenants,
+                                             burstiness=args.burstiness) for rate in rates]
     if args.workload not in LENGTH_PRESETS:
         if args.request_rates or args.prompt_len or args.output_len:
             raise ValueError("--workload FILE: the file sets arrival times and lengths; drop --request-rates, "
@@ -205,17 +250,31 @@ TABLE_COLUMNS = {
     "sim wall s": "simulation_wall_s",
 }
 
+CLUSTER_COLUMNS = {
+    "req/s": "requests_per_s",
+    "output tok/s": "output_tokens_per_s",
+    "TTFT p50 s": "ttft_p50_s",
+    "TTFT p90 s": "ttft_p90_s",
+    "latency p90 s": "latency_p90_s",
+    "norm. latency s/tok": "normalized_latency_mean_s",
+    "prefix hit rate": "prefix_cache_hit_rate",
+    "preemptions": "preemptions",
+    "requests per replica": "requests_per_replica",
+    "sim wall s": "simulation_wall_s",
+}
+
 
 def _report(args: argparse.Namespace, rates: list[float], results: dict[str, list[dict[str, Any]]],
             several: bool) -> None:
     from conveyor.bench.throughput import print_throughput, write_json
 
+    columns = CLUSTER_COLUMNS if args.num_replicas > 1 else TABLE_COLUMNS
     if not several:
         print_throughput(next(iter(results.values()))[0])
     else:
-        rows = [[spec, _rate(r["request_rate"]), *(r[key] for key in TABLE_COLUMNS.values())]
+        rows = [[spec, _rate(r["request_rate"]), *(r[key] for key in columns.values())]
                 for spec, runs in results.items() for r in runs]
-        print(format_table(["configuration", "rate", *TABLE_COLUMNS], rows))
+        print(format_table(["configuration", "rate", *columns], rows))
     if args.sweep:
         _sweep(args, rates, results)
     write_json(results if several else next(iter(results.values()))[0], args.json)

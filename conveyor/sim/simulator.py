@@ -44,7 +44,7 @@ def device_kv_cache_memory(cost: CostModel, memory_utilization: float = 0.9) -> 
 
 
 @dataclass(slots=True)
-class _Finished:
+class FinishedSums:
     """What the figures need of a finished request, and nothing else."""
 
     prompt_lens: list[int] = field(default_factory=list)
@@ -112,13 +112,13 @@ class Simulation:
         """Run to the last finish; the figures of ``conveyor bench throughput`` and a few more."""
         wall_start = time.perf_counter()
         clock, core, arrivals, conversations = self.clock, self.core, self.arrivals, self.conversations
-        finished, sums = _Finished(), _StepSums()
+        finished, sums = FinishedSums(), _StepSums()
         next_index, idle_steps = 0, 0
         for request in conversations.first_turns():
             core.add_request(request)
         while next_index < len(arrivals) or core.has_unfinished_requests():
             while next_index < len(arrivals) and arrivals[next_index].arrival_time <= clock.now:
-                core.add_request(_request(arrivals[next_index], next_index, self.plan.max_model_len))
+                core.add_request(workload_request(arrivals[next_index], next_index, self.plan.max_model_len))
                 next_index += 1
             if not core.has_unfinished_requests():
                 clock.now = arrivals[next_index].arrival_time  # nothing to do until the next arrival
@@ -195,7 +195,7 @@ class ConversationFeed:
         )
 
 
-def _request(item: WorkloadRequest, index: int, max_model_len: int) -> Request:
+def workload_request(item: WorkloadRequest, index: int, max_model_len: int) -> Request:
     prompt_len = min(item.prompt_len, max_model_len - 1)
     return Request(
         request_id=f"sim-{index}",
@@ -216,7 +216,7 @@ def prompt_token_ids(item: WorkloadRequest, index: int, prompt_len: int) -> list
 def _figures(
     config: EngineConfig,
     cost: CostModel,
-    finished: _Finished,
+    finished: FinishedSums,
     sums: _StepSums,
     executor: SimulatedExecutor,
     end: float,

@@ -194,3 +194,31 @@ def write_trace_file(requests: list[WorkloadRequest], path: str | Path) -> None:
         for r in requests:
             row = dict(zip(TRACE_FIELDS, (r.arrival_time, r.prompt_len, r.output_len)))
             f.write(json.dumps(row | ({"priority": r.priority} if r.priority else {})) + "\n")
+
+
+def multi_tenant_requests(
+    num_requests: int,
+    rate: float,
+    seed: int,
+    num_tenants: int = 150,
+    context_len: int = 6000,
+    question_range: tuple[int, int] = (600, 1200),
+    output_len: int = 256,
+    burstiness: float = 1.0,
+) -> list[WorkloadRequest]:
+    """Requests from ``num_tenants`` tenants, each with a long context of its own (a system prompt, documents)
+    that all its requests start with, then a question: the shape of llm-d's prefix-routing benchmark.
+
+    Each request's tenant is drawn uniformly; arrivals are Poisson (or gamma, with ``burstiness``) at ``rate``.
+    """
+    if num_tenants < 1:
+        raise ValueError(f"--num-tenants must be >= 1, got {num_tenants}")
+    rng = random.Random(f"{seed}:multi-tenant")
+    times = arrival_times(num_requests, rate, random.Random(f"{seed}:arrivals"), burstiness)
+    requests = []
+    for at in times:
+        tenant = rng.randrange(num_tenants)
+        prompt_len = context_len + rng.randint(*question_range)
+        requests.append(WorkloadRequest(at, prompt_len, output_len, shared_prefix_id=tenant,
+                                        shared_prefix_len=context_len))
+    return requests

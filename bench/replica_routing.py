@@ -1,0 +1,101 @@
+"""Router policies on real replicas, same sitting: for each policy, a fresh `conveyor serve --data-parallel-size 2`
+(cold caches), the multi-turn chat workload of `conveyor bench serve`, then the server is stopped.
+
+    .venv/bin/python bench/replica_routing.py --policies round-robin,least-loaded,cache-aware --rounds 1
+
+Prints each run's prefix-cache hit rate and time to first token, and each policy's ratios to round-robin's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+
+from conveyor.bench.report import format_table
+from conveyor.bench.serve import bench_serve
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def replica_server(policy: str, flags: list[str]) -> Iterator[str]:
+    port = free_port()
+    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--port", str(port),
+               "--router-policy", policy, *flags]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with status {process.returncode}: {' '.join(command)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start in 300 s")
+            time.sleep(0.5)
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", default="round-robin,least-loaded,cache-aware")
+    parser.add_argument("--rounds", type=int, default=1, help="each round runs every policy once, in turn")
+    parser.add_argument("--data-parallel-size", type=int, default=2)
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
+    parser.add_argument("--num-kv-blocks", type=int, default=400, help="KV pool per replica, in 16-token blocks")
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=32, help="tokens per answer")
+    parser.add_argument("--rate", type=float, default=float("inf"), help="conversations started per second")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    flags = ["--data-parallel-size", str(args.data_parallel_size), "--num-threads", str(args.num_threads),
+             "--num-kv-blocks", str(args.num_kv_blocks)]
+    policies = args.policies.split(",")
+    runs = []
+    for round_index in range(args.rounds):
+        for policy in policies:
+            print(f"round {round_index + 1}: {policy} ...", file=sys.stderr, flush=True)
+            with replica_server(policy, flags) as base:
+                result = bench_serve(base, None, args.conversations, args.rate, 0, (1, args.output_len), 49152,
+                                     None, None, None, "multi-turn", args.turns)
+            runs.append({"round": round_index + 1, "policy": policy} | result)
+    columns = ["prefix_cache_hit_rate", "ttft_p50_s", "ttft_p90_s", "e2e_p90_s", "output_tokens_per_s",
+               "completed", "failed"]
+    print(format_table(["round", "policy", *columns], [[r["round"], r["policy"], *(r[c] for c in columns)]
+                                                      for r in runs]))
+    base_runs = {r["round"]: r for r in runs if r["policy"] == "round-robin"}
+    if base_runs:
+        rows = [[r["round"], r["policy"], r["prefix_cache_hit_rate"] / max(base_runs[r["round"]]
+                 ["prefix_cache_hit_rate"], 1e-9), r["ttft_p50_s"] / base_runs[r["round"]]["ttft_p50_s"],
+                 r["ttft_p90_s"] / base_runs[r["round"]]["ttft_p90_s"]] for r in runs]
+        print(format_table(["round", "policy", "hit rate / RR", "TTFT p50 / RR", "TTFT p90 / RR"], rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

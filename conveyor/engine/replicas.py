@@ -1,0 +1,361 @@
+"""Data-parallel replicas on Ray behind the router, with the face of one :class:`AsyncEngine`.
+
+The server talks to a :class:`ReplicaSet` as it would to one engine: ``make_request``,
+``generate``, ``stats``, ``tokenizer``, ``max_model_len``. Underneath, each request goes to the
+replica the router picks (:mod:`conveyor.router`), and its outputs stream back through a Ray
+generator. A replica that dies is taken out of routing at once; a request that had no output
+yet is sent to another replica, one that had streamed ends with an error. Ray restarts the
+actor (up to ``max_restarts`` times), and a monitor thread, which polls every replica's stats,
+puts it back when it answers again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from conveyor.core.config import EngineConfig
+from conveyor.core.request import Request, check_prompt_length
+from conveyor.core.sampling import SamplingParams
+from conveyor.core.stats import EngineStats
+from conveyor.engine.async_engine import EngineDead, EngineOverloaded
+from conveyor.engine.llm_engine import prompt_token_ids
+from conveyor.engine.output import RequestOutput
+from conveyor.engine.replica_actor import EngineReplica
+from conveyor.engine.tokenizer import Tokenizer
+from conveyor.model.loader import resolve_model
+from conveyor.router import NoHealthyReplica, Router
+
+logger = logging.getLogger("conveyor.replicas")
+POLL_INTERVAL_S = 0.5
+POLL_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 600.0
+
+
+@dataclass(slots=True)
+class ReplicaSettings:
+    num_replicas: int = 2
+    router_policy: str = "cache-aware"
+    num_threads: int | None = None  # torch threads (and Ray CPUs) per replica; None: cores / replicas
+    ray_address: str | None = None  # None: start Ray here; "auto" or host:port: join a cluster
+    max_restarts: int = 3  # per replica, by Ray
+    max_waiting_requests: int = 1024  # per replica
+
+
+@dataclass(slots=True)
+class ReplicaHealth:
+    """What /health and /metrics show of one replica."""
+
+    healthy: bool = False
+    pid: int | None = None
+    host: str | None = None
+    restarts: int = 0  # times it came back in a new process
+    missed_polls: int = 0  # in a row; a slow replica stays in routing (a dead one raises, and is taken out)
+    down_since: float | None = None
+    last_recovery_s: float | None = None  # from seen down to serving again, the latest time
+    stats: EngineStats | None = None
+
+
+@dataclass(slots=True)
+class FailoverCounts:
+    """Requests a replica failure touched, since start."""
+
+    retried: int = 0  # had no output yet: sent to another replica
+    errored: int = 0  # had streamed already: ended with an error event
+    unplaced: int = 0  # no healthy replica was left to retry on
+    by_replica: dict[int, int] = field(default_factory=dict)  # failures seen per replica
+
+
+def _ray_errors() -> tuple[type[BaseException], ...]:
+    from ray.exceptions import RayActorError
+
+    return (RayActorError,)
+
+
+class ReplicaSet:
+    """N engine replicas as Ray actors, one router in front; the server's engine."""
+
+    def __init__(self, config: EngineConfig, settings: ReplicaSettings, on_poll=None) -> None:
+        if settings.num_replicas < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {settings.num_replicas}")
+        self.config = config
+        self.settings = settings
+        self.router = Router(settings.num_replicas, settings.router_policy, block_size=config.block_size,
+                             seed=config.seed)
+        self.health = [ReplicaHealth() for _ in range(settings.num_replicas)]
+        self.failover = FailoverCounts()
+        self._on_poll = on_poll  # (replica, ReplicaHealth, requests routed there, FailoverCounts) after each poll
+        self._lock = threading.Lock()  # the router and health are shared by the event loop and the monitor
+        self._actors: list[Any] = []
+        self._started_ray = False
+        self._stopping = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="conveyor-replica-monitor", daemon=True)
+        self._in_flight: dict[str, int] = {}  # request id -> replica
+        self.draining = False
+        self._failing_all = False
+        self.tokenizer: Tokenizer
+        self.max_model_len = 0
+        self.vocab_size = 0
+
+    # ----- life cycle ---------------------------------------------------------
+
+    def start(self) -> None:
+        """Start Ray (or join ``ray_address``), create the replicas, and wait until each has loaded its model."""
+        import ray
+
+        threads = self._threads_per_replica()
+        if not ray.is_initialized():
+            # Ray runs its workers at nice 15 by default, as background jobs; replicas are the service itself
+            # and must not yield their cores to every other process on the machine.
+            os.environ.setdefault("RAY_worker_niceness", "0")
+            if self.settings.ray_address:
+                ray.init(address=self.settings.ray_address, log_to_driver=False)
+            else:
+                cpus = max(os.cpu_count() or 1, threads * self.settings.num_replicas)
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+                         _node_ip_address="127.0.0.1")
+            self._started_ray = True
+        # Resolved (a GGUF converted) once, here: replicas starting together would otherwise race to convert it.
+        config = dataclasses.replace(self.config, model=str(resolve_model(self.config.model)))
+        actor_class = ray.remote(EngineReplica)
+        self._actors = [
+            actor_class.options(name=f"conveyor-replica-{index}-{os.getpid()}", num_cpus=threads,
+                                max_restarts=self.settings.max_restarts, max_task_retries=0,
+                                max_concurrency=10_000)
+            .remote(config, threads, self.settings.max_waiting_requests)
+            for index in range(self.settings.num_replicas)
+        ]
+        described = ray.get([actor.describe.remote() for actor in self._actors], timeout=START_TIMEOUT_S)
+        first = described[0]
+        self.tokenizer = Tokenizer(first["model_path"])
+        self.max_model_len, self.vocab_size = first["max_model_len"], first["vocab_size"]
+        for index, (health, info) in enumerate(zip(self.health, described)):
+            health.healthy, health.pid, health.host = True, info["pid"], info["host"]
+            self._report(index)
+        self._monitor.start()
+
+    def _threads_per_replica(self) -> int:
+        if self.settings.num_threads is not None:
+            if self.settings.num_threads < 1:
+                raise ValueError(f"--num-threads must be >= 1, got {self.settings.num_threads}")
+            return self.settings.num_threads
+        return max((os.cpu_count() or 1) // self.settings.num_replicas, 1)
+
+    def stop(self) -> None:
+        import ray
+
+        self._stopping.set()
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        if self._started_ray:
+            ray.shutdown()
+
+    def begin_shutdown(self, timeout: float) -> None:
+        """Refuse new requests now; after ``timeout`` seconds, end the unfinished ones with an error."""
+        self.draining = True
+        timer = threading.Timer(timeout, lambda: setattr(self, "_failing_all", True))
+        timer.daemon = True
+        timer.start()
+
+    # ----- the engine's face --------------------------------------------------
+
+    @property
+    def error(self) -> BaseException | None:
+        """Set once no replica is healthy: the server cannot serve until one comes back."""
+        if any(health.healthy for health in self.health):
+            return None
+        return EngineDead("no replica is healthy")
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._in_flight)
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> Request:
+        """Tokenize and check a request here, as one engine would; the replica that runs it takes it as it is."""
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+        check_prompt_length(len(token_ids), self.max_model_len)
+        return Request(
+            request_id=request_id or f"req-{time.monotonic_ns()}",
+            prompt_token_ids=token_ids,
+            sampling_params=sampling_params if sampling_params is not None else SamplingParams(),
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            eos_token_id=self.tokenizer.eos_token_id,
+            priority=priority,
+            prompt_text=prompt if isinstance(prompt, str) else None,
+        )
+
+    def stats(self) -> EngineStats:
+        """All healthy replicas' latest stats, summed (KV usage: the mean)."""
+        with self._lock:
+            snapshots = [health.stats for health in self.health if health.healthy and health.stats is not None]
+        return sum_stats(snapshots)
+
+    def health_report(self) -> dict[str, Any]:
+        """Each replica's state, and the failover counts: the body of /health."""
+        with self._lock:
+            replicas = [
+                {"replica": index, "healthy": h.healthy, "pid": h.pid, "host": h.host, "restarts": h.restarts,
+                 "missed_polls": h.missed_polls,
+                 "last_recovery_s": h.last_recovery_s,
+                 "num_requests_running": h.stats.num_running if h.stats else None,
+                 "num_requests_waiting": h.stats.num_waiting if h.stats else None}
+                for index, h in enumerate(self.health)
+            ]
+            counts = self.failover
+            failover = {"retried": counts.retried, "errored": counts.errored, "unplaced": counts.unplaced}
+        return {"router_policy": self.router.policy.name, "replicas": replicas, "failover": failover}
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Route ``request``, stream its outputs; on a replica's death, retry it elsewhere if nothing was sent."""
+        if self.draining:
+            raise EngineOverloaded("the server is shutting down")
+        tried: list[int] = []
+        while True:
+            replica = self._place(request, tried)
+            streamed = False
+            try:
+                async for output in self._stream(replica, request):
+                    streamed = True
+                    yield output
+                return
+            except _ReplicaFailed as failure:
+                if streamed:
+                    self._count("errored", replica)
+                    raise EngineDead(f"replica {replica} failed mid-stream: {failure}") from None
+                self._count("retried", replica)
+                tried.append(replica)
+
+    def _place(self, request: Request, tried: list[int]) -> int:
+        with self._lock:
+            try:
+                replica = self.router.route(request.prompt_token_ids, exclude=tried)
+            except NoHealthyReplica as error:
+                if tried:
+                    self.failover.unplaced += 1
+                raise EngineDead(f"cannot place the request: {error}") from None
+        self._in_flight[request.request_id] = replica
+        return replica
+
+    async def _stream(self, replica: int, request: Request) -> AsyncIterator[RequestOutput]:
+        """One replica's outputs for ``request``; its death raises :class:`_ReplicaFailed`."""
+        import ray
+
+        errors = _ray_errors()
+        stream = self._actors[replica].generate.remote(request)
+        finished = False
+        try:
+            async for reference in stream:
+                try:
+                    output = await reference
+                except errors as error:
+                    self._mark_down(replica)
+                    raise _ReplicaFailed(repr(error)) from None
+                if self._failing_all:
+                    raise EngineDead("the server is shutting down")
+                yield output
+            finished = True
+        except errors as error:
+            self._mark_down(replica)
+            raise _ReplicaFailed(repr(error)) from None
+        finally:
+            self._in_flight.pop(request.request_id, None)
+            with self._lock:
+                self.router.finished(replica)
+            if not finished:
+                # The replica's generator is cancelled, and its cleanup aborts the request there; a dead
+                # replica has nothing left to cancel.
+                with contextlib.suppress(*_ray_errors()):
+                    ray.cancel(stream)
+
+    def _count(self, what: str, replica: int) -> None:
+        with self._lock:
+            setattr(self.failover, what, getattr(self.failover, what) + 1)
+            self.failover.by_replica[replica] = self.failover.by_replica.get(replica, 0) + 1
+
+    def _mark_down(self, replica: int) -> None:
+        with self._lock:
+            health = self.health[replica]
+            if health.healthy:
+                logger.warning("replica %d is down; routing around it until it answers again", replica)
+                health.healthy, health.down_since, health.stats = False, time.monotonic(), None
+                self.router.set_healthy(replica, False)
+
+    # ----- the monitor thread -------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(POLL_INTERVAL_S):
+            for index in range(len(self._actors)):
+                self._poll(index)
+
+    def _poll(self, index: int) -> None:
+        """Ask one replica for its stats: an answer feeds the router (and brings a restarted replica back)."""
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        actor = self._actors[index]
+        try:
+            stats = ray.get(actor.stats.remote(), timeout=POLL_TIMEOUT_S)
+            info = ray.get(actor.describe.remote(), timeout=POLL_TIMEOUT_S) if not self.health[index].healthy else None
+        except GetTimeoutError:
+            # Slow, not dead: an overloaded machine (or a replica compiling its kernels) answers late, and
+            # taking it out of routing would only move its load elsewhere and drop its cache affinity.
+            self.health[index].missed_polls += 1
+            self._report(index)
+            return
+        except _ray_errors():
+            self._mark_down(index)
+            self._report(index)
+            return
+        except Exception:  # the replica's engine stopped: as good as dead until Ray restarts it
+            logger.exception("replica %d failed its health check", index)
+            self._mark_down(index)
+            self._report(index)
+            return
+        with self._lock:
+            health = self.health[index]
+            health.stats, health.missed_polls = stats, 0
+            if info is not None:
+                if info["pid"] != health.pid:
+                    health.restarts += 1
+                    self.router.forget(index)
+                health.pid, health.host, health.healthy = info["pid"], info["host"], True
+                if health.down_since is not None:
+                    health.last_recovery_s = time.monotonic() - health.down_since
+                    health.down_since = None
+                logger.warning("replica %d is serving again (pid %s)", index, info["pid"])
+                self.router.set_healthy(index, True)
+            self.router.report_load(index, stats.num_waiting + stats.num_swapped, stats.num_running, stats.kv_usage,
+                                    stats.num_kv_blocks)
+        self._report(index)
+
+    def _report(self, index: int) -> None:
+        if self._on_poll is not None:
+            with self._lock:
+                self._on_poll(index, self.health[index], self.router.replicas[index].num_routed, self.failover)
+
+
+class _ReplicaFailed(Exception):
+    """The replica serving a request died (or became unreachable) before the request finished."""
+
+
+def sum_stats(snapshots: list[EngineStats]) -> EngineStats:
+    """Replicas' stats as one engine's: counts summed, KV usage averaged over the replicas."""
+    if not snapshots:
+        return EngineStats(0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0)
+    total = {name: sum(getattr(s, name) for s in snapshots) for name in EngineStats.__dataclass_fields__}
+    total["kv_usage"] = total["kv_usage"] / len(snapshots)
+    return EngineStats(**total)

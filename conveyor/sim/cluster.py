@@ -1,0 +1,162 @@
+"""N simulated engine replicas behind the real router, on one virtual timeline: cluster sizing.
+
+Each replica is the single-engine simulation's parts (the engine core with its scheduler and
+prefix-caching KV manager, a cost-model executor on its own virtual clock); the router is
+:class:`conveyor.router.Router`, the same object the Ray front end asks. Events are taken in time
+order: an arrival is routed (on the replicas' stats at that instant) when no replica's next
+step starts earlier; otherwise the replica whose clock is furthest behind takes one step.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.core.config import EngineConfig
+from conveyor.core.engine_core import EngineCore, plan_kv_cache
+from conveyor.core.figures import request_figures
+from conveyor.core.request import Request, RequestStatus
+from conveyor.router import Router
+from conveyor.sim.cost import CostModel
+from conveyor.sim.executor import SimulatedExecutor, VirtualClock
+from conveyor.sim.simulator import ConversationFeed, FinishedSums, mid_run_rates, workload_request
+from conveyor.sim.workload import ConversationShape, WorkloadRequest
+
+FINISHED = RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class SimulatedReplica:
+    """One engine: its clock runs ahead of the cluster's by the step it is in."""
+
+    clock: VirtualClock
+    executor: SimulatedExecutor
+    core: EngineCore
+    num_routed: int = 0
+
+    def busy(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+
+class ClusterSimulation:
+    """One workload on ``num_replicas`` identical replicas behind ``router_policy``; run once with :meth:`run`."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        cost: CostModel,
+        workload: list[WorkloadRequest],
+        num_replicas: int,
+        router_policy: str,
+        conversations: list[ConversationShape] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"--num-replicas must be >= 1, got {num_replicas}")
+        self.config = config
+        self.cost = cost
+        self.plan = plan_kv_cache(config, cost.kv_bytes_per_token, cost.model.max_position_embeddings)
+        self.replicas = [self._replica() for _ in range(num_replicas)]
+        self.router_clock = VirtualClock()
+        self.router = Router(num_replicas, router_policy, block_size=config.block_size, seed=seed,
+                             clock=self.router_clock)
+        self.conversations = ConversationFeed(conversations or [], self.plan.max_model_len)
+        self._arrivals: list[tuple[float, int, Request]] = []  # (time, tie-break, request): a heap
+        self._order = itertools.count()
+        for index, item in enumerate(sorted(workload, key=lambda r: r.arrival_time)):
+            self._push(workload_request(item, index, self.plan.max_model_len))
+        for request in self.conversations.first_turns():
+            self._push(request)
+        self._replica_of: dict[str, int] = {}
+
+    def _replica(self) -> SimulatedReplica:
+        clock = VirtualClock()
+        executor = SimulatedExecutor(self.cost, clock, self.config.block_size)
+        return SimulatedReplica(clock, executor, EngineCore(self.config, self.plan, executor, clock))
+
+    def _push(self, request: Request) -> None:
+        heapq.heappush(self._arrivals, (request.arrival_time, next(self._order), request))
+
+    def run(self) -> dict[str, Any]:
+        """Run to the last finish; the single-engine figures for the whole cluster, and a few per replica."""
+        wall_start = time.perf_counter()
+        finished = FinishedSums()
+        steps = 0
+        while True:
+            busy = [replica for replica in self.replicas if replica.busy()]
+            next_step = min((replica.clock.now for replica in busy), default=float("inf"))
+            if self._arrivals and self._arrivals[0][0] <= next_step:
+                self._route(heapq.heappop(self._arrivals)[2])
+            elif busy:
+                replica = min(busy, key=lambda r: r.clock.now)
+                self._step(replica, finished)
+                steps += 1
+            else:
+                break
+        end = max(replica.clock.now for replica in self.replicas)
+        figures = self._figures(finished, steps, end)
+        figures["simulation_wall_s"] = time.perf_counter() - wall_start
+        return figures
+
+    def _route(self, request: Request) -> None:
+        now = self.router_clock.now = request.arrival_time
+        for index, replica in enumerate(self.replicas):
+            stats = replica.core.stats()
+            self.router.report_load(index, stats.num_waiting + stats.num_swapped, stats.num_running, stats.kv_usage,
+                                    stats.num_kv_blocks)
+        index = self.router.route(request.prompt_token_ids)
+        replica = self.replicas[index]
+        if not replica.busy():
+            replica.clock.now = max(replica.clock.now, now)  # an idle engine wakes when the request arrives
+        replica.core.add_request(request)
+        replica.num_routed += 1
+        self._replica_of[request.request_id] = index
+
+    def _step(self, replica: SimulatedReplica, finished: FinishedSums) -> None:
+        for request in replica.core.step():
+            if request.status is not FINISHED:
+                continue
+            finished.add(request)
+            self.router.finished(self._replica_of.pop(request.request_id))
+            if self.conversations and (turn := self.conversations.next_turn(request, replica.clock.now)) is not None:
+                self._push(turn)
+
+    def _figures(self, finished: FinishedSums, steps: int, end: float) -> dict[str, Any]:
+        start = min(finished.arrivals, default=0.0)
+        prompt_tokens = sum(finished.prompt_lens)
+        busy_time = sum(replica.executor.busy_time for replica in self.replicas)
+        offered, completed = mid_run_rates(finished.arrivals, finished.finishes)
+        return {
+            "hardware": self.cost.hardware.name,
+            "dtype": self.cost.dtype,
+            "tensor_parallel_size": self.cost.tensor_parallel_size,
+            "num_replicas": len(self.replicas),
+            "router_policy": self.router.policy.name,
+            "num_kv_blocks_per_replica": self.plan.num_blocks,
+            "max_model_len": self.plan.max_model_len,
+            **request_figures(finished.prompt_lens, finished.output_lens, finished.ttft, finished.latency,
+                              max(end - start, 1e-9), steps),
+            "prompt_tokens_computed": prompt_tokens - finished.cached_tokens,
+            "prefix_cache_hit_rate": finished.cached_tokens / max(prompt_tokens, 1),
+            "preemptions": finished.preemptions,
+            "requests_per_replica": [replica.num_routed for replica in self.replicas],
+            "busy_fraction": busy_time / (len(self.replicas) * (end - start)) if end > start else 0.0,
+            "offered_rate": offered,
+            "completion_rate": completed,
+        }
+
+
+def simulate_cluster(
+    config: EngineConfig,
+    cost: CostModel,
+    workload: list[WorkloadRequest],
+    num_replicas: int,
+    router_policy: str,
+    conversations: list[ConversationShape] | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run ``workload`` (and ``conversations``) on the cluster to the end; its figures."""
+    return ClusterSimulation(config, cost, workload, num_replicas, router_policy, conversations, seed).run()
