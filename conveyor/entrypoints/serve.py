@@ -21,12 +21,13 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     name = args.served_model_name or (Path(config.model).stem if config.model else DEFAULT_MODEL_NAME)
     engine = Engine(config)
     metrics = EngineMetrics(name)
-    async_engine = AsyncEngine(engine, args.max_waiting_requests, on_step=metrics.on_step)
+    async_engine = AsyncEngine(engine, args.max_waiting_requests, on_step=metrics.on_step,
+                               live_show_text=args.dashboard_show_text)
     settings = ServerSettings(name, args.api_key, args.max_request_bytes, args.default_max_tokens)
     app = build_app(async_engine, settings, metrics)
     async_engine.start()
-    print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models)",
-          flush=True)
+    print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models;"
+          f" the batch, live: http://{args.host}:{args.port}/dashboard)", flush=True)
     server = _GracefulServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning",
         # A backstop: the engine ends unfinished streams with an error event at the shutdown timeout.
