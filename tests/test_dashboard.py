@@ -40,7 +40,8 @@ def browser():
 
     executable = chromium_executable()
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox", "--disable-dev-shm-usage"])
+        chromium = playwright.chromium.launch(executable_path=executable,
+                                              args=["--no-sandbox", "--disable-dev-shm-usage"])
         yield chromium
         chromium.close()
 
@@ -91,7 +92,7 @@ def test_live_page_follows_the_engine(browser, live_server) -> None:
     for _ in range(3):
         before = metric(live_server, "num_requests_running")
         seen = page.evaluate(f"{dash}.updates()")
-        wait_for(lambda: page.evaluate(f"{dash}.updates()") >= seen + 2, 10, "two more updates")
+        wait_for(lambda seen=seen: page.evaluate(f"{dash}.updates()") >= seen + 2, 10, "two more updates")
         shown = int(page.inner_text("#count-running"))
         after = metric(live_server, "num_requests_running")
         assert min(before, after) <= shown <= max(before, after), (before, shown, after)
