@@ -123,6 +123,24 @@ def assert_view_matches(keyframe: dict, delta: dict, later: dict) -> None:
     assert tables == {r: t[1:] for r, t in later["tables"].items()}
 
 
+def test_an_abort_between_steps_releases_its_table_in_the_next_delta() -> None:
+    core = make_core(num_blocks=32, enable_prefix_caching=False)
+    live = core.start_live()
+    add(core, "a", 6, 20)
+    add(core, "b", 6, 20)
+    core.step()
+    live.flush()
+    core.abort_request("a")  # the engine goes idle for "a": no step records its release
+    delta = live.flush()
+    assert delta["removed"] == ["a"] and delta["kv_released"] == ["a"]
+    assert set(live.keyframe()["tables"]) == {"b"}
+    core.abort_request("b")
+    add(core, "c", 6, 20)
+    core.step()  # this step's record releases "b" itself (it ended since the previous step)
+    delta = live.flush()
+    assert delta["steps"][-1].kv_blocks["b"] == [0] and delta["kv_released"] == []
+
+
 def test_rate_limit_allows_one_delta_per_interval() -> None:
     core = make_core()
     now = [0.0]

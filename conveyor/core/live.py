@@ -65,8 +65,8 @@ class LiveRecorder:
         self._touched.add(request_id)
 
     def on_abort(self, request_id: str) -> None:
+        """Its table is released by the next step's record (or by the next flush, if no step comes first)."""
         self._touched.add(request_id)
-        self._steps.tables.release(request_id)
 
     def after_step(
         self, output: SchedulerOutput, slots: list[str], updated: list[Request], start: float, end: float
@@ -98,11 +98,13 @@ class LiveRecorder:
     def flush(self) -> dict[str, Any]:
         """What changed since the previous flush: the steps, the touched requests' rows, released blocks."""
         now = self._last_flush = self._clock()
-        requests, rows, removed, cpu_blocks = self._scheduler.requests, {}, [], {}
+        requests, rows, removed, cpu_blocks, released = self._scheduler.requests, {}, [], {}, []
         for request_id in self._touched:
             request = requests.get(request_id)
             if request is None:
                 removed.append(request_id)
+                if self._steps.tables.release(request_id):  # left between steps (an abort), no step since
+                    released.append(request_id)
                 continue
             rows[request_id] = self._row(request)
             if request.status is RequestStatus.SWAPPED:
@@ -111,7 +113,8 @@ class LiveRecorder:
         evictable = [block for block in self._steps.tables.drain_released() if is_evictable(block)]
         delta = {
             "keyframe": False, "time": now - self.origin, "steps": self._pending, "requests": rows,
-            "removed": removed, "cpu_blocks": cpu_blocks, "evictable": evictable, **self._figures(now),
+            "removed": removed, "kv_released": released, "cpu_blocks": cpu_blocks, "evictable": evictable,
+            **self._figures(now),
         }
         self._pending, self._touched = [], set()
         return delta
@@ -126,6 +129,7 @@ class LiveRecorder:
             "keyframe": True, "time": now - self.origin, "config": self.config,
             "tables_step": history[-1].step if history else 0,  # the tables include every step up to this one
             "steps": history, "requests": {rid: self._row(r) for rid, r in requests.items()}, "removed": [],
+            "kv_released": [],
             "tables": tables, "cpu_blocks": {rid: list(t) for rid, t in self._kv.cpu_block_tables.items()},
             "evictable": self._kv.evictable_block_ids(), **self._figures(now),
         }
@@ -188,6 +192,7 @@ def merge_deltas(older: dict[str, Any], newer: dict[str, Any]) -> bool:
     older["requests"] = {rid: row for rid, row in older["requests"].items() if rid not in gone} | newer["requests"]
     older["cpu_blocks"] = {rid: t for rid, t in older["cpu_blocks"].items() if rid not in gone} | newer["cpu_blocks"]
     older["removed"] = [*older["removed"], *newer["removed"]]
+    older["kv_released"] = [*older["kv_released"], *newer["kv_released"]]
     older["evictable"] = [*older["evictable"], *newer["evictable"]]
     for name in ("time", "stats", "window"):
         older[name] = newer[name]

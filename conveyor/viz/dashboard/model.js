@@ -226,6 +226,7 @@ class LiveSession {
       state.applyUpTo(store.length, rec.step > tablesStep);
     }
     if (!tablesSet) this.setTables(delta.tables);
+    for (const id of delta.kv_released) state.setTable(store.intern(id), 0, []);  // left between steps
     for (const id of delta.removed) { state.rows.delete(id); state.cpuTables.delete(id); }
     for (const id in delta.requests) {
       const row = delta.requests[id];

@@ -34,7 +34,8 @@ function drawTimeline(store, endIndex) {
   const canvas = $("timeline"), numSlots = store.numSlots;
   const rowHeight = Math.max(1, Math.min(24, Math.floor(300 / numSlots)));
   canvas.height = Math.max(60, numSlots * rowHeight);
-  const start = Math.max(0, endIndex - TIMELINE_STEPS), cols = TIMELINE_STEPS;
+  // The latest TIMELINE_STEPS steps; a shorter run is stretched over the width instead of drawn in a corner.
+  const cols = Math.min(TIMELINE_STEPS, Math.max(endIndex, 60)), start = Math.max(0, endIndex - cols);
   const image = new ImageData(cols, numSlots), px = image.data;
   px.fill(255);
   const selected = ui.selected === null ? undefined : store.index.get(ui.selected);
@@ -58,6 +59,14 @@ function drawTimeline(store, endIndex) {
     px[o] = PREEMPT[0]; px[o + 1] = PREEMPT[1]; px[o + 2] = PREEMPT[2];
   }
   blit(canvas, image);
+  if (endIndex) {
+    const ctx = canvas.getContext("2d");
+    ctx.font = "11px system-ui"; ctx.fillStyle = "rgba(29,36,48,.75)";
+    ctx.fillText(`step ${store.step.a[start]}`, 4, canvas.height - 4);
+    const last = `step ${store.step.a[endIndex - 1]}`;
+    ctx.fillText(last, canvas.width * Math.min(1, (endIndex - start) / cols) - ctx.measureText(last).width - 4,
+                 canvas.height - 4);
+  }
 }
 
 function blit(canvas, image) {
