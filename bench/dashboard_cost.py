@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/dashboard_cost.py --pairs 3            # one server, runs alternating off / on
 
-One server serves every run; runs alternate between no watcher and the page open and streaming (a headless
-Chromium on /dashboard, drawing every update), so drift of a shared machine hits both alike.
+One server serves every run; runs alternate (off-on, on-off, ...) between no watcher and the page open and
+streaming (a headless Chromium on /dashboard, drawing every update), so drift of a shared machine hits both alike.
 """
 
 from __future__ import annotations
@@ -31,13 +31,27 @@ def bench_serve(base: str, args: argparse.Namespace) -> float:
         return json.loads(out.read_text())["output_tokens_per_s"]
 
 
+def run(browser, base: str, args: argparse.Namespace, watching: bool) -> float:
+    """One bench serve run, with the dashboard open in a page or not."""
+    if not watching:
+        return bench_serve(base, args)
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.goto(f"{base}/dashboard")
+    figure = bench_serve(base, args)
+    updates, error = page.evaluate("[window.conveyorDashboard.updates(), window.conveyorDashboard.error()]")
+    page.close()
+    print(f"  (the page drew {updates} updates{'; error: ' + error if error else ''})", flush=True)
+    return figure
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--port", type=int, default=8767)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", default="8,256")
-    parser.add_argument("serve_args", nargs="*", default=["--max-num-seqs", "64"])
+    # Prefix caching off: every run repeats the same seeded prompts, which later runs would find cached.
+    parser.add_argument("serve_args", nargs="*", default=["--max-num-seqs", "32", "--no-enable-prefix-caching"])
     args = parser.parse_args()
     chromium = os.environ.get("CONVEYOR_CHROMIUM") or shutil.which("chromium")
     if chromium is None:
@@ -53,15 +67,10 @@ def main() -> int:
         bench_serve(base, argparse.Namespace(num_prompts=4, output_len="8,16"))  # warm-up
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-            for _ in range(args.pairs):
-                figures["off"].append(bench_serve(base, args))
-                page = browser.new_page(viewport={"width": 1400, "height": 1100})
-                page.goto(f"{base}/dashboard")
-                figures["on"].append(bench_serve(base, args))
-                updates = page.evaluate("window.conveyorDashboard.updates()")
-                page.close()
-                print(f"off {figures['off'][-1]:.1f}  on {figures['on'][-1]:.1f} output tok/s "
-                      f"(the page drew {updates} updates)", flush=True)
+            for pair in range(args.pairs):
+                for watching in (False, True) if pair % 2 == 0 else (True, False):  # off-on, then on-off
+                    figures["on" if watching else "off"].append(run(browser, base, args, watching))
+                print(f"off {figures['off'][-1]:.1f}  on {figures['on'][-1]:.1f} output tok/s", flush=True)
             browser.close()
     finally:
         server.send_signal(signal.SIGINT)

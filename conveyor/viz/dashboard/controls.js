@@ -152,6 +152,7 @@ window.conveyorDashboard = {
   heldBlocks: () => (view() ? view().state.heldBlocks() : 0),
   loadMs: () => ui.loadMs,
   maxStallMs: () => ui.maxStallMs,
+  maxRenderMs: () => ui.maxRenderMs || 0,
   error: () => ui.error,
   seek: (k) => seek(k),
   pause: () => { ui.playing = false; },

@@ -281,6 +281,7 @@ function render(now) {
   if (ui.mode === "replay" && ui.playing && v) advanceReplay(now);
   if (!v || !ui.dirty) return;
   ui.dirty = false;
+  const began = performance.now();
   const end = ui.mode === "live" ? v.store.length : ui.playhead;
   drawTimeline(v.store, end);
   drawBlocks(v.state);
@@ -288,6 +289,8 @@ function render(now) {
   drawSparklines(v);
   updateCounters(v);
   if (now - ui.lastTable > 250) { ui.lastTable = now; renderTable(v); } else ui.tablePending = true;
+  ui.lastRenderMs = performance.now() - began;
+  ui.maxRenderMs = Math.max(ui.maxRenderMs || 0, ui.lastRenderMs);
   if (ui.mode === "replay") {
     $("replay-position").textContent = `step ${ui.playhead} of ${v.store.length}`;
     $("scrub").max = v.store.length; $("scrub").value = ui.playhead;
