@@ -35,7 +35,7 @@ function drawTimeline(store, endIndex) {
   const rowHeight = Math.max(1, Math.min(24, Math.floor(300 / numSlots)));
   canvas.height = Math.max(60, numSlots * rowHeight);
   // The latest TIMELINE_STEPS steps; a shorter run is stretched over the width instead of drawn in a corner.
-  const cols = Math.min(TIMELINE_STEPS, Math.max(endIndex, 60)), start = Math.max(0, endIndex - cols);
+  const cols = Math.min(TIMELINE_STEPS, Math.max(endIndex, 1)), start = Math.max(0, endIndex - cols);
   const image = new ImageData(cols, numSlots), px = image.data;
   px.fill(255);
   const selected = ui.selected === null ? undefined : store.index.get(ui.selected);
