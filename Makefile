@@ -6,7 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test test-slow lint bench-decode bench-throughput bench-roofline bench-peers clean
+.PHONY: install run demo test test-slow lint bench-decode bench-throughput bench-roofline bench-peers \
+	dashboard-screenshot clean
 
 install: $(STAMP)
 
@@ -20,12 +21,17 @@ $(STAMP): pyproject.toml Makefile
 	# Structured output (xgrammar): it declares triton, a GPU compiler its CPU path never imports; its real
 	# runtime needs are apache-tvm-ffi plus torch, transformers, numpy and pydantic, already installed.
 	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+	# The dashboard's browser tests drive Debian's Chromium (Playwright downloads no browser of its own).
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq chromium >/dev/null; } || echo "could not install chromium: the dashboard's" \
+		"browser tests will fail until it is installed (apt-get install -y chromium)"
 	touch $(STAMP)
 
 run: install
 	@echo "Starting the server on http://127.0.0.1:8000 (Ctrl-C stops it). Try, from another shell:"
 	@echo "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
 	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Name three rivers.\"}], \"max_tokens\": 64}'"
+	@echo "and watch the batch at http://127.0.0.1:8000/dashboard"
 	$(BIN)/conveyor serve
 
 demo: install
@@ -70,6 +76,10 @@ PEERS_READY := .peers/openvino/model/openvino_model.xml .peers/llama.cpp/model-f
 bench-peers: install $(PEERS_READY)
 	mkdir -p out
 	$(BIN)/conveyor bench compare -o out/bench-peers.json
+
+# docs/dashboard.png: a server under `conveyor bench serve` traffic, its /dashboard in headless Chromium.
+dashboard-screenshot: install
+	$(BIN)/python bench/dashboard_screenshot.py -o docs/dashboard.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 
 from conveyor.core.config import EngineConfig
 from conveyor.core.kv import ContiguousKVCacheManager, PagedKVCacheManager, PrefixCachingKVCacheManager
+from conveyor.core.live import LiveRecorder
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import SCHEDULERS, Scheduler, SchedulerConfig, SchedulerOutput
 from conveyor.core.stats import EngineStats
@@ -109,6 +110,7 @@ class EngineCore:
         self.scheduler = build_scheduler(config, plan, clock)
         self.executor = executor
         self.trace: Trace | None = None
+        self.live: LiveRecorder | None = None  # set while a dashboard watches
         self.last_output: SchedulerOutput | None = None  # the latest step's decision, for running figures
 
     # ----- the public face of the core: requests in, stats and steps out -----
@@ -116,10 +118,15 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError (naming the field) if it cannot be served."""
         self.scheduler.add_request(request)
+        if self.live is not None:
+            self.live.on_add(request.request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """End a request wherever it is (its blocks return at once); False if it is not in the engine."""
-        return self.scheduler.abort_request(request_id) is not None
+        found = self.scheduler.abort_request(request_id) is not None
+        if found and self.live is not None:
+            self.live.on_abort(request_id)
+        return found
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """End a running request for a reason found outside the core (a stop string in its text)."""
@@ -137,8 +144,21 @@ class EngineCore:
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.core.trace`)."""
+        self.trace = Trace(self.trace_header(), self.clock())
+        return self.trace
+
+    def start_live(self, show_text: bool = False, min_interval: float = 0.1) -> LiveRecorder:
+        """Keep what a live dashboard needs from now on (see :mod:`conveyor.core.live`), until ``stop_live``."""
+        self.live = LiveRecorder(self.scheduler, self.clock, self.trace_header(), show_text, min_interval)
+        return self.live
+
+    def stop_live(self) -> None:
+        self.live = None
+
+    def trace_header(self) -> dict:
+        """The policy and limits a trace's first line names."""
         config = self.config
-        header = {
+        return {
             "scheduler": config.scheduler,
             "scheduling_policy": config.scheduling_policy,
             "preemption_mode": config.preemption_mode,
@@ -148,9 +168,9 @@ class EngineCore:
             "max_model_len": self.plan.max_model_len,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
+            "num_kv_blocks": self.plan.num_blocks,
+            "num_cpu_blocks": self.plan.num_cpu_blocks,
         }
-        self.trace = Trace(header, self.clock())
-        return self.trace
 
     def step(self, postprocess: Callable[[list[Request]], T] | None = None) -> T | list[Request]:
         """One scheduler step; returns ``postprocess`` of the requests that got tokens (or those requests).
@@ -160,12 +180,16 @@ class EngineCore:
         """
         start = self.clock()
         output = self.last_output = self.scheduler.schedule()
-        slots = self.scheduler.slot_holders() if self.trace is not None else []
+        trace, live = self.trace, self.live
+        slots = self.scheduler.slot_holders() if trace is not None or live is not None else []
         sampled = self.executor.execute(output)
         updated = self.scheduler.update(output, sampled)
         result = postprocess(updated) if postprocess is not None else updated
-        if self.trace is not None:
-            finished = [r.request_id for r in updated if r.is_finished]
-            self.trace.record(output, slots, finished, start, self.clock())
+        if trace is not None or live is not None:
+            end = self.clock()
+            if trace is not None:
+                trace.record(output, slots, [r.request_id for r in updated if r.is_finished], start, end)
+            if live is not None:
+                live.after_step(output, slots, updated, start, end)
         return result
 

@@ -8,7 +8,7 @@ simulator write the same format.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,96 @@ class StepRecord:
     kv_shared_slots: int = 0  # slots that prefix caching's shared blocks save
     kv_cached_free_slots: int = 0  # free slots still holding a cached prefix
     cached: dict[str, int] = field(default_factory=dict)  # admitted this step with cached tokens: id -> tokens
+    # Block tables that changed in this step: id -> [first changed index, the block ids from there on].
+    # A table that grew by one block is [old length, new block]; a released one (finished, preempted,
+    # aborted) is [0]. Replaying these from the first step rebuilds every request's table at every step.
+    kv_blocks: dict[str, list[int]] = field(default_factory=dict)
+
+
+class BlockTableChanges:
+    """Which requests' block tables changed since the previous step, and how: what ``StepRecord.kv_blocks`` holds.
+
+    The KV manager replaces a table when it grows (never changes it in place), and the scheduler hands the
+    table itself to the step's output, so a table that did not change is the same object as last step's:
+    one identity check per scheduled request finds the changes, and a grown table costs only its new blocks.
+    """
+
+    def __init__(self, tables: dict[str, list[int]] | None = None, keep_released: bool = False) -> None:
+        self.tables: dict[str, list[int]] = dict(tables or {})  # each holder's table, as last recorded
+        self._keep_released = keep_released
+        self.released: list[list[int]] = []  # tables given up since the last drain (kept when asked for)
+
+    def record(self, output: SchedulerOutput, finished: list[str]) -> dict[str, list[int]]:
+        changes: dict[str, list[int]] = {}
+        for request_id in output.finished_request_ids:  # ended since the previous step, aborts included
+            self._release(request_id, changes)
+        for request_id in output.preempted_request_ids:
+            self._release(request_id, changes)
+        tables = self.tables
+        for item in output.scheduled:
+            table, old = item.block_ids, tables.get(item.request_id)
+            if table is old:
+                continue
+            start = len(old) if old is not None and table[: len(old)] == old else 0
+            tables[item.request_id] = table
+            changes[item.request_id] = [start, *table[start:]]
+        for request_id in finished:
+            self._release(request_id, changes)
+        return changes
+
+    def release(self, request_id: str) -> bool:
+        """Forget a request that left between steps (an abort); whether it held a table."""
+        return self._release(request_id, {})
+
+    def _release(self, request_id: str, changes: dict[str, list[int]]) -> bool:
+        table = self.tables.pop(request_id, None)
+        if table is None:
+            return False
+        changes[request_id] = [0]
+        if self._keep_released:
+            self.released.append(table)
+        return True
+
+    def drain_released(self) -> list[int]:
+        """The block ids of the tables released since the last call."""
+        blocks = [block for table in self.released for block in table]
+        self.released = []
+        return blocks
+
+
+class StepRecorder:
+    """Turns each step's decision into a StepRecord: times from its own origin, table changes since its start."""
+
+    def __init__(self, origin: float, tables: dict[str, list[int]] | None = None, keep_released: bool = False):
+        self.origin = origin
+        self.tables = BlockTableChanges(tables, keep_released)
+
+    def record(
+        self, output: SchedulerOutput, slots: list[str], finished: list[str], start: float, end: float
+    ) -> StepRecord:
+        return StepRecord(
+            step=output.step,
+            start=start - self.origin,
+            end=end - self.origin,
+            scheduled={s.request_id: s.num_scheduled_tokens for s in output.scheduled},
+            slots=slots,
+            finished=finished,
+            preempted=list(output.preempted_request_ids),
+            num_waiting=output.num_waiting,
+            num_running=output.num_running,
+            num_swapped=output.num_swapped,
+            blocks_swapped_in=len(output.blocks_to_swap_in),
+            blocks_swapped_out=len(output.blocks_to_swap_out),
+            kv_usage=round(output.kv_usage, 5),
+            cached=dict(output.cached_tokens),
+            kv_blocks=self.tables.record(output, finished),
+            **_memory_fields(output),
+        )
+
+
+def step_as_dict(step: StepRecord) -> dict[str, Any]:
+    """A record as the JSON line writes it (a shallow copy: its dicts and lists are shared, never changed)."""
+    return {name: getattr(step, name) for name in _STEP_FIELDS}
 
 
 def _memory_fields(output: SchedulerOutput) -> dict[str, int]:
@@ -56,35 +146,22 @@ class Trace:
     config: dict[str, Any]
     origin: float
     steps: list[StepRecord] = field(default_factory=list)
+    recorder: StepRecorder | None = field(default=None, repr=False, compare=False)
 
     def record(
         self, output: SchedulerOutput, slots: list[str], finished: list[str], start: float, end: float
-    ) -> None:
-        self.steps.append(
-            StepRecord(
-                step=output.step,
-                start=start - self.origin,
-                end=end - self.origin,
-                scheduled={s.request_id: s.num_scheduled_tokens for s in output.scheduled},
-                slots=slots,
-                finished=finished,
-                preempted=list(output.preempted_request_ids),
-                num_waiting=output.num_waiting,
-                num_running=output.num_running,
-                num_swapped=output.num_swapped,
-                blocks_swapped_in=len(output.blocks_to_swap_in),
-                blocks_swapped_out=len(output.blocks_to_swap_out),
-                kv_usage=round(output.kv_usage, 5),
-                cached=dict(output.cached_tokens),
-                **_memory_fields(output),
-            )
-        )
+    ) -> StepRecord:
+        if self.recorder is None:
+            self.recorder = StepRecorder(self.origin)
+        step = self.recorder.record(output, slots, finished, start, end)
+        self.steps.append(step)
+        return step
 
     def write(self, path: str | Path) -> None:
         with open(path, "w") as f:
             f.write(json.dumps({"config": self.config}) + "\n")
             for step in self.steps:
-                f.write(json.dumps(asdict(step)) + "\n")
+                f.write(json.dumps(step_as_dict(step)) + "\n")
 
     @classmethod
     def read(cls, path: str | Path) -> Trace:
@@ -124,3 +201,6 @@ class Trace:
                 busy += working
         total = num_slots * len(self.steps)
         return grid, (1 - busy / total) if total else 0.0
+
+
+_STEP_FIELDS = tuple(f.name for f in fields(StepRecord))

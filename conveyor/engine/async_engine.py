@@ -16,9 +16,11 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from conveyor.core.request import Request
 from conveyor.core.stats import EngineStats
+from conveyor.engine.live_stream import LiveStream, Watcher
 from conveyor.engine.llm_engine import Engine
 from conveyor.engine.output import RequestOutput
 from conveyor.engine.tokenizer import Tokenizer
@@ -47,8 +49,10 @@ class AsyncEngine:
         engine: Engine,
         max_waiting_requests: int = 1024,
         on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
+        live_show_text: bool = False,
     ) -> None:
         self._engine = engine
+        self._live = LiveStream(engine, live_show_text)  # the dashboards watching; touched by the loop thread only
         self.max_waiting_requests = max_waiting_requests
         self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -128,6 +132,21 @@ class AsyncEngine:
             if not finished:  # the caller stopped listening: free the request's slot and memory
                 self.abort(request.request_id)
 
+    async def watch(self) -> AsyncIterator[dict[str, Any]]:
+        """The live dashboard's stream: a keyframe, then deltas at most 10 a second (see ``conveyor.core.live``)."""
+        watcher = Watcher(asyncio.get_running_loop())
+        self._commands.put(("watch", watcher))
+        self._wake.set()
+        try:
+            while not self.draining and self.error is None:  # a shutdown ends the stream, or it would hold it up
+                try:
+                    yield await asyncio.wait_for(watcher.next(), timeout=1.0)
+                except TimeoutError:
+                    continue
+        finally:
+            self._commands.put(("unwatch", watcher))
+            self._wake.set()
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
@@ -146,6 +165,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._apply_commands()
                 if not self._engine.has_unfinished_requests():
+                    self._live.publish(idle=True)
                     if self._on_step is not None:
                         self._on_step(self._stats, [])  # let gauges settle after aborts
                     self._wake.wait(timeout=0.5)
@@ -157,6 +177,7 @@ class AsyncEngine:
                     self._deliver(output.request_id, output)
                 if self._on_step is not None:
                     self._on_step(self._stats, outputs)
+                self._live.publish()
         except BaseException as error:  # the loop must report whatever stopped it
             logger.exception("the engine loop stopped")
             self.error = error
@@ -179,6 +200,10 @@ class AsyncEngine:
             elif command == "abort":
                 self._engine.abort_request(value)
                 self._streams.pop(value, None)
+            elif command == "watch":
+                self._live.add(value)
+            elif command == "unwatch":
+                self._live.remove(value)
             else:  # fail_all: the shutdown timeout passed
                 for request_id in list(self._streams):
                     self._engine.abort_request(request_id)

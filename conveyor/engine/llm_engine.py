@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
+from conveyor.core.live import LiveRecorder
 from conveyor.core.model_config import ModelConfig
 from conveyor.core.request import FinishReason, Request, check_prompt_length
 from conveyor.core.sampling import SamplingParams
@@ -100,6 +101,13 @@ class Engine:
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.core.trace`)."""
         return self.core.start_trace()
+
+    def start_live(self, show_text: bool = False) -> LiveRecorder:
+        """Keep what a live dashboard shows from now on (see :mod:`conveyor.core.live`), until ``stop_live``."""
+        return self.core.start_live(show_text)
+
+    def stop_live(self) -> None:
+        self.core.stop_live()
 
     # ----- requests ---------------------------------------------------------
 

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_roofline(commands)
     _add_plot(commands)
+    dashboard = commands.add_parser("dashboard", help="replay a trace file (JSON lines) in the dashboard page")
+    dashboard.add_argument("trace", help="a trace written by --trace (bench throughput, simulate)")
+    dashboard.add_argument("--host", default="127.0.0.1")
+    dashboard.add_argument("--port", type=int, default=8000)
 
     from conveyor.entrypoints.simulate import add_simulate_parser
 
@@ -148,6 +152,8 @@ def _add_serve(commands: Commands) -> None:
     _add_replica_args(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
+    serve.add_argument("--dashboard-show-text", action="store_true",
+                       help="show prompt text on /dashboard (default: request ids and lengths only)")
     add_engine_args(serve)
 
 
@@ -197,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_simulate(args)
         if args.command == "export-hf":
             return _export_hf(args)
+        if args.command == "dashboard":
+            from conveyor.entrypoints.dashboard import serve_replay
+
+            return serve_replay(args.trace, args.host, args.port)
         config = engine_config(args) if hasattr(args, "max_num_seqs") else None
         if getattr(args, "bench", None) == "serve":
             return _bench_serve(args)

@@ -28,6 +28,7 @@ from conveyor.core.request import Request as EngineRequest
 from conveyor.engine import RequestOutput
 from conveyor.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
 from conveyor.entrypoints.choices import merged_outputs
+from conveyor.entrypoints.dashboard import add_dashboard_routes
 from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.metrics import EngineMetrics
 from conveyor.entrypoints.protocol import (
@@ -113,6 +114,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
     _add_info_routes(app, serving, metrics)
     _add_token_routes(app, serving)
     _add_generation_routes(app, serving)
+    add_dashboard_routes(app, engine, settings.api_key)
     return app
 
 

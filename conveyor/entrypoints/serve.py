@@ -26,11 +26,12 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         async_engine, metrics = _replicas(args, config, name)
     else:
         metrics = EngineMetrics(name)
-        async_engine = AsyncEngine(Engine(config), args.max_waiting_requests, on_step=metrics.on_step)
+        async_engine = AsyncEngine(Engine(config), args.max_waiting_requests, on_step=metrics.on_step,
+                                   live_show_text=args.dashboard_show_text)
     async_engine.start()  # replicas: Ray starts them here, and they report the tokenizer and limits
     app = build_app(async_engine, settings, metrics)
-    print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models)",
-          flush=True)
+    print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models;"
+          f" the batch, live: http://{args.host}:{args.port}/dashboard)", flush=True)
     server = _GracefulServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning",
         # A backstop: the engine ends unfinished streams with an error event at the shutdown timeout.

@@ -136,6 +136,14 @@ class PagedKVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
+    def is_evictable(self, block: int) -> bool:
+        """Whether a block is free yet still holds a cached prefix (found again until evicted): never here."""
+        return False
+
+    def evictable_block_ids(self) -> list[int]:
+        """The free blocks that still hold a cached prefix, least recently used first: none here."""
+        return []
+
     def _extra_blocks(self, request_id: str, num_tokens: int) -> int:
         extra = blocks_for_tokens(num_tokens, self.block_size) - len(self.block_tables.get(request_id, ()))
         return extra if extra > 0 else 0

@@ -120,6 +120,13 @@ class RefCountedBlockPool:
         node = self._index.get((parent, token_ids))
         return None if node is None else (node.block, node)
 
+    def is_evictable(self, block: int) -> bool:
+        """Whether the block is free but still indexed: reused only when no never-cached block is left."""
+        return self.ref_counts[block] == 0 and block in self._node_of
+
+    def evictable_block_ids(self) -> list[int]:
+        return list(self._evictable)
+
     def is_cached(self, block: int) -> bool:
         """Whether the block's content is indexed (it may be found by a later request)."""
         return block in self._node_of
@@ -188,6 +195,12 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
     @property
     def num_shared_slots(self) -> int:
         return self.pool.num_shared_refs * self.block_size
+
+    def is_evictable(self, block: int) -> bool:
+        return self.pool.is_evictable(block)
+
+    def evictable_block_ids(self) -> list[int]:
+        return self.pool.evictable_block_ids()
 
     def _root(self, request: Request) -> BlockKey | None:
         salt = request.cache_salt

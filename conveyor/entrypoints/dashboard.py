@@ -1,0 +1,95 @@
+"""The scheduler dashboard over HTTP: the page at ``/dashboard``, the live stream at ``/debug/stream``.
+
+``conveyor serve`` adds both to its app; ``conveyor dashboard TRACE.jsonl``
+serves the same page over a trace file instead, which the page replays. The
+stream is server-sent events, one JSON delta per event (see
+:mod:`conveyor.core.live`). Both routes want the server's API key, as every
+route does; since a browser cannot send a header when it opens a page, the
+key may also come as ``?api_key=`` (the page then sends it as a header).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+
+from conveyor.core.live import delta_as_json_ready
+from conveyor.engine.async_engine import AsyncEngine
+from conveyor.viz.dashboard import dashboard_page
+
+TRACE_ROUTE = "/dashboard/trace.jsonl"
+
+
+def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, api_key: str | None) -> None:
+    """``GET /dashboard`` (the page, live) and ``GET /debug/stream`` (its events), behind ``api_key``."""
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard(request: Request) -> Response:
+        return _refusal(request, api_key) or HTMLResponse(dashboard_page())
+
+    @app.get("/debug/stream", include_in_schema=False)
+    async def stream(request: Request) -> Response:
+        refused = _refusal(request, api_key)
+        if refused is not None:
+            return refused
+        if not hasattr(engine, "watch"):  # replicas (--data-parallel-size > 1): no one scheduler to show
+            error = {"message": "the live dashboard shows one engine's scheduler; this server routes to several "
+                                "replicas (--data-parallel-size), each with its own", "type": "invalid_request_error",
+                     "param": None, "code": "not_supported"}
+            return JSONResponse({"error": error}, status_code=501)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(_events(engine), media_type="text/event-stream", headers=headers)
+
+
+async def _events(engine: AsyncEngine) -> AsyncIterator[str]:
+    async for delta in engine.watch():
+        yield f"data: {json.dumps(delta_as_json_ready(delta), separators=(',', ':'))}\n\n"
+
+
+def _refusal(request: Request, api_key: str | None) -> Response | None:
+    """A 401 in OpenAI's error shape unless the request carries the key (header, or ``api_key`` in the query)."""
+    if not api_key:
+        return None
+    header = request.headers.get("authorization", "")
+    given = header.removeprefix("Bearer ") if header.startswith("Bearer ") else request.query_params.get("api_key", "")
+    if hmac.compare_digest(given.encode(), api_key.encode()):
+        return None
+    error = {"message": "invalid or missing API key", "type": "authentication_error", "param": None,
+             "code": "invalid_api_key"}
+    return JSONResponse({"error": error}, status_code=401)
+
+
+def replay_app(trace: Path) -> FastAPI:
+    """The page over one trace file: it fetches the file and replays it step by step."""
+    if not trace.is_file():
+        raise FileNotFoundError(f"no trace file at {trace}")
+    app = FastAPI(title="Conveyor dashboard", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/")
+    async def root() -> Response:
+        return RedirectResponse("/dashboard")
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        return HTMLResponse(dashboard_page(trace_url=TRACE_ROUTE, trace_name=trace.name))
+
+    @app.get(TRACE_ROUTE)
+    async def trace_file() -> Response:
+        return FileResponse(trace, media_type="application/x-ndjson")
+
+    return app
+
+
+def serve_replay(trace: str, host: str, port: int) -> int:
+    """``conveyor dashboard TRACE.jsonl``: serve the replay page until Ctrl-C."""
+    import uvicorn
+
+    app = replay_app(Path(trace))
+    print(f"Replaying {trace} on http://{host}:{port}/dashboard  (Ctrl-C stops)", flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+    return 0

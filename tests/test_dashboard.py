@@ -1,0 +1,169 @@
+"""The dashboard in a real headless Chromium: live against a running server, and replaying a trace file.
+
+Chromium comes from Debian's packages (``make install`` installs it); Playwright drives that executable and
+downloads no browser of its own. Without Chromium these tests fail and say how to install it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_server import _free_port, running_server
+
+KEY = "dashboard-key"
+INSTALL_HINT = ("Chromium is needed for the dashboard's browser tests: run `make install` (it installs Debian's "
+                "`chromium`), or `apt-get install -y chromium`, or set CONVEYOR_CHROMIUM to a Chromium executable")
+
+
+def chromium_executable() -> str:
+    path = os.environ.get("CONVEYOR_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail(INSTALL_HINT)
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    executable = chromium_executable()
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=executable,
+                                              args=["--no-sandbox", "--disable-dev-shm-usage"])
+        yield chromium
+        chromium.close()
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"conveyor:{name}{{"))
+
+
+def wait_for(condition, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def send_traffic(base: str, num_requests: int, max_tokens: int) -> threading.Thread:
+    def one(i: int) -> None:
+        body = {"prompt": [1000 + i] * (8 + 3 * i), "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+        httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(num_requests)]
+    for thread in threads:
+        thread.start()
+    waiter = threading.Thread(target=lambda: [t.join() for t in threads], daemon=True)
+    waiter.start()
+    return waiter
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_model_dir) -> Iterator[str]:
+    with running_server(tiny_model_dir, "--max-num-seqs", "4", "--num-kv-blocks", "512", "--block-size", "8",
+                        "--api-key", KEY, "--kernels", "torch") as base:
+        yield base
+
+
+def test_live_page_follows_the_engine(browser, live_server) -> None:
+    page = browser.new_page()
+    page.goto(f"{live_server}/dashboard?api_key={KEY}")
+    traffic = send_traffic(live_server, num_requests=10, max_tokens=400)
+    dash = "window.conveyorDashboard"
+    wait_for(lambda: page.evaluate(f"{dash}.timelineRequestIds().length") > 0, what="a request in the timeline")
+
+    # The running count on the page is /metrics' gauge, give or take one update of the page.
+    for _ in range(3):
+        before = metric(live_server, "num_requests_running")
+        seen = page.evaluate(f"{dash}.updates()")
+        wait_for(lambda seen=seen: page.evaluate(f"{dash}.updates()") >= seen + 2, 10, "two more updates")
+        shown = int(page.inner_text("#count-running"))
+        after = metric(live_server, "num_requests_running")
+        assert min(before, after) <= shown <= max(before, after), (before, shown, after)
+
+    # A request seen in the timeline holds blocks, then finishes and leaves: its row goes, its blocks free up.
+    watched = page.evaluate(f"{dash}.timelineRequestIds()")[0]
+    blocks = wait_for(lambda: page.evaluate(f"{dash}.blocksOf({json.dumps(watched)})"), 10, "its blocks")
+    assert page.locator(f'#requests tr[data-id="{watched}"]').count() == 1
+    wait_for(lambda: watched not in page.evaluate(f"{dash}.timelineRequestIds()"), 120, "it to leave the batch")
+    wait_for(lambda: page.locator(f'#requests tr[data-id="{watched}"]').count() == 0, 10, "its row to go")
+    traffic.join(timeout=300)
+    wait_for(lambda: page.evaluate(f"{dash}.heldBlocks()") == 0, 20, "every block to return")
+    states = {page.evaluate(f"{dash}.blockState({b})") for b in blocks}
+    assert states <= {"free", "evictable"}, states
+    assert int(page.inner_text("#count-running")) == 0 == metric(live_server, "num_requests_running")
+    assert page.evaluate(f"{dash}.error()") is None
+    page.close()
+
+
+def test_stream_and_page_want_the_api_key(live_server) -> None:
+    assert httpx.get(f"{live_server}/dashboard").status_code == 401
+    assert httpx.get(f"{live_server}/dashboard?api_key=wrong").status_code == 401
+    assert httpx.get(f"{live_server}/debug/stream").status_code == 401
+    page = httpx.get(f"{live_server}/dashboard?api_key={KEY}")
+    assert page.status_code == 200 and "conveyorDashboard" in page.text
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("GET", f"{live_server}/debug/stream", headers=headers, timeout=10) as response:
+        assert response.status_code == 200
+        first = next(line for line in response.iter_lines() if line.startswith("data: "))
+    keyframe = json.loads(first.removeprefix("data: "))
+    assert keyframe["keyframe"] and keyframe["config"]["max_num_seqs"] == 4 and "num_running" in keyframe["stats"]
+
+
+@contextlib.contextmanager
+def replay_server(trace: Path) -> Iterator[str]:
+    port = _free_port()
+    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "dashboard", str(trace), "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert process.poll() is None, process.stdout.read()
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.get(f"{base}/dashboard", timeout=1).status_code == 200
+            return False
+
+        wait_for(up, 30, "the replay server")
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_a_replayed_trace_shows_every_step_of_the_file(browser, tmp_path) -> None:
+    trace = tmp_path / "sim.jsonl"
+    subprocess.run([sys.executable, "-m", "conveyor.entrypoints.cli", "simulate", "--hardware", "A100-80GB",
+                    "--model-config", "Llama-2-7B", "--num-requests", "300", "--request-rates", "20",
+                    "--trace", str(trace)], check=True, capture_output=True)
+    num_steps = len(trace.read_text().splitlines()) - 1
+    with replay_server(trace) as base:
+        page = browser.new_page()
+        page.goto(f"{base}/dashboard")
+        dash = "window.conveyorDashboard"
+        wait_for(lambda: page.evaluate(f"{dash}.loadMs()") is not None, 60, "the trace to load")
+        assert page.evaluate(f"{dash}.stepCount()") == num_steps
+        page.evaluate(f"{dash}.seek({num_steps})")
+        wait_for(lambda: page.inner_text("#replay-position") == f"step {num_steps} of {num_steps}", 10, "the end")
+        assert page.evaluate(f"{dash}.heldBlocks()") == 0  # every request finished: every block returned
+        # The same file, opened from the page's file picker.
+        page.set_input_files("#trace-input", str(trace))
+        wait_for(lambda: "loaded" in page.inner_text("#status"), 60, "the picked file to load")
+        assert page.evaluate(f"{dash}.stepCount()") == num_steps
+        assert page.evaluate(f"{dash}.error()") is None
+        page.close()
