@@ -71,6 +71,9 @@ class EngineConfig:
         "prefix is computed once", unset="on for the paged layout")
     kernels: str = _option("native", "native: the decoder stack in C++ on packed weights (float32 CPU); "
                            "torch: plain PyTorch ops, the reference", choices=("native", "torch"))
+    num_threads: int | None = _option(None, "CPU threads the model's kernels use (torch/OpenMP); with "
+                                      "--data-parallel-size, per replica", minimum=1,
+                                      unset="the cores this process may use (per replica: divided among them)")
 
     def __post_init__(self) -> None:
         for option in engine_options():

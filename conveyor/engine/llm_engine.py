@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections.abc import Callable
 
@@ -23,6 +24,15 @@ from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
 from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
 from conveyor.engine.tokenizer import Tokenizer
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or a ``taskset``'s share), which is
+    what torch would otherwise guess from the whole machine."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,6 +58,7 @@ class Engine:
 
         self.config = config
         self.clock = clock
+        torch.set_num_threads(config.num_threads or usable_cores())
         folder = resolve_model(config.model)
         self.model_path = folder
         self.tokenizer = Tokenizer(folder)

@@ -26,7 +26,7 @@ from conveyor.core.request import Request, check_prompt_length
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
 from conveyor.engine.async_engine import EngineDead, EngineOverloaded
-from conveyor.engine.llm_engine import prompt_token_ids
+from conveyor.engine.llm_engine import prompt_token_ids, usable_cores
 from conveyor.engine.output import RequestOutput
 from conveyor.engine.replica_actor import EngineReplica
 from conveyor.engine.tokenizer import Tokenizer
@@ -129,7 +129,7 @@ class ReplicaSet:
             actor_class.options(name=f"conveyor-replica-{index}-{os.getpid()}", num_cpus=threads,
                                 max_restarts=self.settings.max_restarts, max_task_retries=0,
                                 max_concurrency=10_000)
-            .remote(config, threads, self.settings.max_waiting_requests)
+            .remote(dataclasses.replace(config, num_threads=threads), threads, self.settings.max_waiting_requests)
             for index in range(self.settings.num_replicas)
         ]
         described = ray.get([actor.describe.remote() for actor in self._actors], timeout=START_TIMEOUT_S)
@@ -146,7 +146,7 @@ class ReplicaSet:
             if self.settings.num_threads < 1:
                 raise ValueError(f"--num-threads must be >= 1, got {self.settings.num_threads}")
             return self.settings.num_threads
-        return max((os.cpu_count() or 1) // self.settings.num_replicas, 1)
+        return max(usable_cores() // self.settings.num_replicas, 1)
 
     def stop(self) -> None:
         import ray

@@ -164,8 +164,6 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
                    help="engine replicas, each a Ray actor with its own KV pool; 1: one engine in this process")
     g.add_argument("--router-policy", default="cache-aware", choices=POLICY_NAMES,
                    help="how requests are spread over the replicas")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads (and Ray CPUs) per replica (default: this machine's cores / replicas)")
     g.add_argument("--ray-address", default=None,
                    help="an existing Ray cluster (auto, or host:port); default: start Ray on this machine")
     g.add_argument("--max-replica-restarts", type=int, default=3, help="times Ray restarts a replica that dies")
