@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conveyor.entrypoints.cli import main
 from conveyor.router import (
     POLICY_NAMES,
     CacheAwareSettings,
@@ -115,6 +116,13 @@ def test_bad_settings_are_refused(bad):
     options = dict(num_replicas=2, policy="round-robin", block_size=16) | bad
     with pytest.raises(ValueError, match=r"router|block_size|num_replicas"):
         Router(options.pop("num_replicas"), options.pop("policy"), block_size=options["block_size"])
+
+
+@pytest.mark.parametrize("flags", [["--data-parallel-size", "0"], ["--data-parallel-size", "2", "--num-threads", "0"],
+                                   ["--max-replica-restarts", "-1"]])
+def test_serve_refuses_bad_replica_flags_before_starting_anything(flags, capsys):
+    assert main(["serve", *flags]) == 2
+    assert flags[-2] in capsys.readouterr().err
 
 
 operations = st.lists(

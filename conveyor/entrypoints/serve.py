@@ -22,6 +22,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     name = args.served_model_name or (Path(config.model).stem if config.model else DEFAULT_MODEL_NAME)
     settings = ServerSettings(name, args.api_key, args.max_request_bytes, args.default_max_tokens)
+    _check_replica_args(args)
     if args.data_parallel_size > 1 or args.ray_address:
         async_engine, metrics = _replicas(args, config, name)
     else:
@@ -43,6 +44,16 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     finally:
         async_engine.stop()
     return 0
+
+
+def _check_replica_args(args: argparse.Namespace) -> None:
+    """Refuse bad replica flags before anything (a model, Ray) is started."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+    if args.max_replica_restarts < 0:
+        raise ValueError(f"--max-replica-restarts must be >= 0, got {args.max_replica_restarts}")
 
 
 def _replicas(args: argparse.Namespace, config: EngineConfig, name: str) -> tuple[ReplicaSet, ReplicaMetrics]:
