@@ -50,8 +50,6 @@ def _check_replica_args(args: argparse.Namespace) -> None:
     """Refuse bad replica flags before anything (a model, Ray) is started."""
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    if args.num_threads is not None and args.num_threads < 1:
-        raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
     if args.max_replica_restarts < 0:
         raise ValueError(f"--max-replica-restarts must be >= 0, got {args.max_replica_restarts}")
 
