@@ -8,11 +8,7 @@ import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -21,41 +17,16 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.entrypoints.cli import main
+from tests.test_server import running_server
 
 pytest.importorskip("ray", reason="the replica tests need the ray extra: pip install 'conveyor[ray]'")
 
 MAX_NUM_SEQS = 2  # so that some requests wait in a replica's queue, without output, when it is killed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def replica_server(model_dir, *flags: str) -> Iterator[str]:
-    port = _free_port()
-    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), "--data-parallel-size", "2", "--num-threads", "1", *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert process.poll() is None, f"server exited: {process.stdout.read()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.5)
-        yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+def replica_server(model_dir, *flags: str) -> contextlib.AbstractContextManager[str]:
+    """The server with two replicas of one thread each, as a real process (see ``tests/test_server.py``)."""
+    return running_server(model_dir, "--data-parallel-size", "2", "--num-threads", "1", *flags)
 
 
 @pytest.fixture(scope="module")
