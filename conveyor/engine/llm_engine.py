@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ from conveyor.core.trace import Trace
 from conveyor.engine.output import RequestMetrics, RequestOutput, TextState
 from conveyor.engine.tokenizer import Tokenizer
 
+logger = logging.getLogger("conveyor.engine")
 
 @dataclasses.dataclass(slots=True)
 class _Family:
@@ -41,6 +43,7 @@ class Engine:
         # parts stay importable without it.
         import torch
 
+        from conveyor.executor.faults import with_injected_faults
         from conveyor.executor.torch_executor import TorchExecutor
         from conveyor.model.loader import DTYPES, load_model, resolve_model
 
@@ -64,8 +67,9 @@ class Engine:
         model = load_model(folder, dtype, device, self.max_model_len)
         self._use_native_kernels(model, dtype, device)
         self.executor = TorchExecutor(model, num_blocks, config.block_size, config.seed, num_cpu_blocks)
-        # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too.
-        self.core = EngineCore(config, plan, self.executor, clock)
+        # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too; the executor it runs
+        # fails on purpose only where a test asked for it (see conveyor.executor.faults).
+        self.core = EngineCore(config, plan, with_injected_faults(self.executor), clock)
         self._text: dict[str, TextState] = {}  # per sequence in the core
         self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
         self._families: dict[str, _Family] = {}  # requests with n > 1, by the caller's id
@@ -203,8 +207,59 @@ class Engine:
     # ----- the loop ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: every running request advances; finished ones leave; waiting ones join."""
-        return self.core.step(lambda updated: [self._output(request) for request in updated])
+        """One iteration: every running request advances; finished ones leave; waiting ones join.
+
+        A request the engine failed on (its step raised, or its text could not be made) comes back finished
+        with ``finish_reason`` "error" and ``error`` set; with n > 1 its other sequences end with it.
+        """
+        return self.core.step(self._outputs)
+
+    def _outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        outputs = []
+        for request in updated:
+            caller = self._caller.get(request.request_id)
+            if caller is None:
+                continue  # its request ended with an error earlier in this step (another sequence of it failed)
+            try:
+                outputs.append(self._output(request) if request.error is None else self._failed(request, *caller))
+            except Exception as error:  # one request's text failed: end that request alone
+                logger.exception("request %s: making its output failed", request.request_id)
+                request.error = f"the engine failed while making the request's output ({type(error).__name__})"
+                self.core.abort_request(request.request_id, FinishReason.ERROR)
+                outputs.append(self._failed(request, *caller))
+        return outputs
+
+    def _failed(self, request: Request, caller_id: str, index: int) -> RequestOutput:
+        """The last output of a request the engine failed on; a request with n > 1 ends whole."""
+        self._caller.pop(request.request_id, None)
+        state = self._text.pop(request.request_id, None)
+        if self._families.get(caller_id) is not None:
+            self.abort_request(caller_id)  # its other sequences: the caller gets one error for the request
+        return RequestOutput(
+            request_id=caller_id,
+            prompt=request.prompt_text,
+            prompt_token_ids=request.prompt_token_ids,
+            text=state.text if state is not None else "",
+            token_ids=list(request.output_token_ids),
+            delta_text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR.value,
+            stop_reason=None,
+            metrics=self._metrics(request),
+            num_cached_tokens=request.num_cached_tokens,
+            index=index,
+            error=request.error,
+        )
+
+    @staticmethod
+    def _metrics(request: Request) -> RequestMetrics:
+        return RequestMetrics(
+            request.arrival_time,
+            request.first_scheduled_time,
+            request.first_token_time,
+            request.finish_time,
+            request.num_preemptions,
+        )
 
     def _output(self, request: Request) -> RequestOutput:
         caller_id, index = self._caller[request.request_id]
@@ -234,13 +289,7 @@ class Engine:
             finished=finished,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            metrics=RequestMetrics(
-                request.arrival_time,
-                request.first_scheduled_time,
-                request.first_token_time,
-                request.finish_time,
-                request.num_preemptions,
-            ),
+            metrics=self._metrics(request),
             num_cached_tokens=request.num_cached_tokens,
             index=index,
         )

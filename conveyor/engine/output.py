@@ -44,6 +44,7 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     index: int = 0  # which of the request's ``n`` sequences this is
+    error: str | None = None  # finish_reason "error": what failed, in words a client may see (never a trace)
 
 
 class TextState:
