@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test test-slow lint bench-decode bench-throughput bench-roofline bench-peers \
+.PHONY: install run demo test test-slow soak lint bench-decode bench-throughput bench-roofline bench-peers \
 	dashboard-screenshot clean
 
 install: $(STAMP)
@@ -48,6 +48,12 @@ test: lint
 # Tests marked slow (minutes each); pytest's exit 5 means none is marked, which is not a failure.
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow || { status=$$?; [ $$status -eq 5 ] && echo "no test is marked slow"; [ $$status -eq 5 ]; }
+
+# The long soak of the server (tests/test_soak.py; minutes): thousands of requests on the default model, random
+# disconnects and bad input; prints its figures and writes them to out/soak.json. Also part of `make test-slow`.
+soak: install
+	mkdir -p out
+	CONVEYOR_SOAK_REPORT=out/soak.json $(BIN)/python -m pytest -q -s -m soak tests/test_soak.py
 
 bench-decode: install
 	$(BIN)/conveyor bench decode --batch-sizes 1,2,4,8,16,32,64

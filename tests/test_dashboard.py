@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_server import _free_port, running_server
+from tests.serving import free_port, running_server
 
 KEY = "dashboard-key"
 INSTALL_HINT = ("Chromium is needed for the dashboard's browser tests: run `make install` (it installs Debian's "
@@ -77,8 +77,8 @@ def send_traffic(base: str, num_requests: int, max_tokens: int) -> threading.Thr
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir) -> Iterator[str]:
     with running_server(tiny_model_dir, "--max-num-seqs", "4", "--num-kv-blocks", "512", "--block-size", "8",
-                        "--api-key", KEY, "--kernels", "torch") as base:
-        yield base
+                        "--api-key", KEY, "--kernels", "torch") as server:
+        yield server.base
 
 
 def test_live_page_follows_the_engine(browser, live_server) -> None:
@@ -128,7 +128,7 @@ def test_stream_and_page_want_the_api_key(live_server) -> None:
 
 @contextlib.contextmanager
 def replay_server(trace: Path) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "conveyor.entrypoints.cli", "dashboard", str(trace), "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"

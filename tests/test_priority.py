@@ -82,3 +82,55 @@ def test_thrash_guard_spares_a_victim_the_same_request_preempted_last_step():
     assert output.preempted_request_ids == []
     output = h.step()  # a step later the guard no longer applies
     assert output.preempted_request_ids == ["low-3"]
+
+
+def test_no_preemption_that_would_not_seat_the_newcomer():
+    """Preempting every less important request would still leave the newcomer short: nobody is preempted.
+
+    The pool is full: "high" (priority 0) holds 6 blocks, "low" (priority 5) 2. "urgent" (priority 1) needs 4;
+    preempting "low" frees only 2, and "high" ranks above it, so preempting "low" would be for nothing.
+    """
+    h = priority_harness(num_blocks=8, block_size=4)
+    high = add(h, "high", 22, priority=0, max_tokens=2)
+    low = add(h, "low", 6, priority=5, max_tokens=6)
+    h.step()
+    assert h.scheduler.kv_manager.num_free_blocks == 0
+    add(h, "urgent", 14, priority=1, max_tokens=2)
+    output = h.step()
+    assert output.preempted_request_ids == [] and low.num_preemptions == 0
+    assert "urgent" not in {s.request_id for s in output.scheduled}
+    outputs = h.run_to_end()
+    assert all(not o.preempted_request_ids for o in outputs)
+    assert high.num_output_tokens == 2 and low.num_output_tokens == 6
+
+
+def test_the_fewest_victims_that_seat_the_newcomer_are_preempted_in_one_step():
+    h = priority_harness(num_blocks=8, block_size=4)
+    lows = [add(h, f"low-{i}", 6, priority=5 - i, max_tokens=2) for i in range(4)]  # 2 blocks each, pool full
+    h.step()
+    add(h, "urgent", 14, priority=0, max_tokens=2)  # needs 4 blocks: two victims
+    output = h.step()
+    assert output.preempted_request_ids == ["low-0", "low-1"], "least important first, and no more than needed"
+    assert "urgent" in {s.request_id for s in output.scheduled}
+    h.run_to_end()
+    assert all(r.num_output_tokens == 2 for r in lows)
+
+
+def test_a_more_important_waiting_request_goes_before_a_swapped_one():
+    """Swap mode: "low" is swapped out; "mid" (more important) then waits beside it. When room comes back,
+    "mid" is admitted first; "low" resumes only after."""
+    from tests.harness import SwapAwareExecutor
+
+    scheduler = make_scheduler(4, 4, max_num_seqs=8, policy="priority", preemption_mode="swap", num_cpu_blocks=8)
+    h = Harness(scheduler, SwapAwareExecutor(scheduler))
+    add(h, "first", 6, priority=0, max_tokens=6)
+    low = add(h, "low", 6, priority=5, max_tokens=6)
+    while not (output := h.step()).preempted_request_ids:
+        pass
+    assert output.preempted_request_ids == ["low"] and low.status.value == "swapped"
+    add(h, "mid", 6, priority=1, max_tokens=6)
+    outputs = h.run_to_end()
+    mid_admitted = next(i for i, o in enumerate(outputs) if "mid" in {s.request_id for s in o.scheduled})
+    low_resumed = next(i for i, o in enumerate(outputs) if o.blocks_to_swap_in)
+    assert mid_admitted < low_resumed
+    assert low.num_output_tokens == 6

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -17,16 +18,18 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.entrypoints.cli import main
-from tests.test_server import running_server
+from tests.serving import running_server
 
 pytest.importorskip("ray", reason="the replica tests need the ray extra: pip install 'conveyor[ray]'")
 
 MAX_NUM_SEQS = 2  # so that some requests wait in a replica's queue, without output, when it is killed
 
 
-def replica_server(model_dir, *flags: str) -> contextlib.AbstractContextManager[str]:
-    """The server with two replicas of one thread each, as a real process (see ``tests/test_server.py``)."""
-    return running_server(model_dir, "--data-parallel-size", "2", "--num-threads", "1", *flags)
+@contextlib.contextmanager
+def replica_server(model_dir, *flags: str) -> Iterator[str]:
+    """The server with two replicas of one thread each, as a real process (see ``tests/serving.py``)."""
+    with running_server(model_dir, "--data-parallel-size", "2", "--num-threads", "1", *flags) as server:
+        yield server.base
 
 
 @pytest.fixture(scope="module")

@@ -5,59 +5,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 from conveyor import LLM, SamplingParams
+from tests.serving import free_port, running_server
 
 API_KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def running_server(model_dir, *flags: str) -> Iterator[str]:
-    port = _free_port()
-    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--model", str(model_dir),
-               "--port", str(port), *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # a loaded machine can take minutes to import and load
-        while True:
-            assert process.poll() is None, f"server exited: {process.stdout.read()}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.3)
-        yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--api-key", API_KEY,
-                        "--served-model-name", "tiny", "--max-request-bytes", "20000") as base:
-        yield base
+                        "--served-model-name", "tiny", "--max-request-bytes", "20000") as running:
+        yield running.base
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +88,11 @@ def test_32_concurrent_streams_match_offline(server, offline):
     assert texts == [o.text for o in expected]
 
 
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
 def _metric(base: str, name: str) -> float:
-    for line in httpx.get(f"{base}/metrics").text.splitlines():
+    for line in httpx.get(f"{base}/metrics", headers=AUTH).text.splitlines():
         if line.startswith(f"conveyor:{name}{{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"metric {name} not found")
@@ -193,8 +165,9 @@ def test_disconnected_streams_are_aborted_and_free_their_blocks(server):
 
 
 def _post(base: str, path: str, body, key: str | None = API_KEY, **kwargs) -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.post(f"{base}{path}", json=body, headers=headers, timeout=30, **kwargs)
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"} if key else {}
+    content = json.dumps(body, separators=(",", ":"))
+    return httpx.post(f"{base}{path}", content=content, headers=headers, timeout=30, **kwargs)
 
 
 def _assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -235,17 +208,82 @@ def test_auth_model_and_body_size(server):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
+PROTECTED = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/version"),
+             ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"), ("GET", "/no-such-route")]
+
+
+@pytest.mark.parametrize(("method", "path"), PROTECTED)
+def test_every_route_but_health_needs_the_key(server, method, path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, {"Authorization": "Basic x"}):
+        response = httpx.request(method, f"{server}{path}", headers=headers, json={} if method == "POST" else None)
+        error = _assert_error(response, 401)
+        assert error["code"] == "invalid_api_key" and response.headers["www-authenticate"] == "Bearer"
+    assert httpx.request(method, f"{server}{path}", headers=AUTH, json={}).status_code != 401
+
+
+def test_metrics_can_be_left_open_by_a_flag(tiny_model_dir):
+    with running_server(tiny_model_dir, "--num-kv-blocks", "64", "--api-key", API_KEY,
+                        "--metrics-without-auth") as running:
+        assert httpx.get(f"{running.base}/metrics").status_code == 200
+        assert httpx.get(f"{running.base}/health").status_code == 200
+        assert httpx.get(f"{running.base}/v1/models").status_code == 401
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_an_empty_api_key_is_refused_at_start_up(tiny_model_dir, how):
+    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--model", str(tiny_model_dir),
+               "--port", str(free_port())]
+    env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_API_KEY"}
+    if how == "flag":
+        command += ["--api-key", ""]
+    else:
+        env["CONVEYOR_API_KEY"] = " "
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 2
+    assert "empty" in result.stderr and "CONVEYOR_API_KEY" in result.stderr
+
+
+def test_a_chunked_body_over_the_limit_gets_413(server):
+    def chunks(total: int, size: int = 4096):
+        body = json.dumps({"prompt": "x" * total}).encode()
+        for start in range(0, len(body), size):
+            yield body[start : start + size]
+
+    response = httpx.post(f"{server}/v1/completions", content=chunks(30000), headers=AUTH, timeout=30)
+    error = _assert_error(response, 413)
+    assert error["code"] == "request_too_large" and "20000" in error["message"]
+    small = httpx.post(f"{server}/v1/completions", content=chunks(100), timeout=30,
+                       headers={**AUTH, "Content-Type": "application/json"})
+    assert small.status_code == 200, small.text
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"prompt": "hi", "stop": "y" * 257}, "stop"),
+    ({"prompt": "hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ({"prompt": [1000] * 1024}, "prompt"),
+    ({"messages": [{"role": "user"}] * 1025}, "messages"),
+])
+def test_caps_on_per_request_work_get_400(server, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    error = _assert_error(_post(server, path, body), 400, param)
+    assert any(str(n) in error["message"] for n in (16, 256, 64, 1024)), error["message"]
+
+
 def test_tokenize_detokenize_version(server):
     tokens = _post(server, "/tokenize", {"prompt": "Hello world"}).json()["tokens"]
     assert _post(server, "/detokenize", {"tokens": tokens}).json()["prompt"] == "Hello world"
-    assert httpx.get(f"{server}/version").json()["version"]
+    assert httpx.get(f"{server}/version", headers=AUTH).json()["version"]
     assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0][
         "id"] == "tiny"
 
 
 def test_overload_gets_503_with_retry_after(tiny_model_dir):
     with running_server(tiny_model_dir, "--num-kv-blocks", "256", "--max-num-seqs", "1",
-                        "--max-waiting-requests", "2") as base:
+                        "--max-waiting-requests", "2") as running:
+        base = running.base
+
         async def fire():
             async with httpx.AsyncClient(timeout=120) as client:
                 body = {"prompt": [1000] * 8, "max_tokens": 200, "ignore_eos": True}
@@ -259,7 +297,7 @@ def test_overload_gets_503_with_retry_after(tiny_model_dir):
 
 
 def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tiny_model_dir):
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--model", str(tiny_model_dir),
                "--port", str(port), "--num-kv-blocks", "512", "--shutdown-timeout", "2"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -273,21 +311,23 @@ def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tiny_model_dir):
         assert time.monotonic() < deadline
         time.sleep(0.3)
 
-    async def stream(client: httpx.AsyncClient, max_tokens: int, started: asyncio.Event) -> list[str]:
+    async def stream(client: httpx.AsyncClient, max_tokens: int, started: asyncio.Semaphore) -> list[str]:
         body = {"prompt": [1000] * 4, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
         events = []
         async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data:"):
                     events.append(line[5:].strip())
-                    started.set()
+                    if len(events) == 1:
+                        started.release()
         return events
 
     async def run():
-        started = asyncio.Event()
+        started = asyncio.Semaphore(0)
         async with httpx.AsyncClient(timeout=120) as client:
             tasks = [asyncio.create_task(stream(client, n, started)) for n in (5, 1000, 1000)]
-            await started.wait()
+            for _ in tasks:  # every stream is under way (a request arriving after SIGTERM gets a 503)
+                await started.acquire()
             process.send_signal(signal.SIGTERM)
             return await asyncio.gather(*tasks)
 

@@ -14,15 +14,15 @@ import pytest
 from pydantic import BaseModel, Field
 
 from conveyor import LLM, SamplingParams
-from tests.test_server import running_server
+from tests.serving import running_server
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", MODEL) as base:
-        yield base
+    with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", MODEL) as server:
+        yield server.base
 
 
 @pytest.fixture(scope="module")

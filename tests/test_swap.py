@@ -86,3 +86,47 @@ def test_swap_gives_the_same_tokens_as_recompute(tiny_model_dir, swap_space):
     if swap_space == 30_000:
         assert stats.num_swap_fallbacks > 0
     assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_free_cpu_blocks == stats.num_cpu_blocks
+
+
+def _swap_events(policy: str, seed: int) -> tuple[int, int]:
+    """A random crowded workload in swap mode; (swap-ins followed by a swap-out of the same request within a
+    step with no new arrival in between, preemptions)."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    scheduler = make_scheduler(rng.randint(3, 12), block_size, num_cpu_blocks=64, preemption_mode="swap",
+                               policy=policy, max_num_seqs=rng.randint(2, 6),
+                               max_num_batched_tokens=rng.choice([4, 16, 64]))
+    h = Harness(scheduler, SwapAwareExecutor(scheduler))
+    arrivals = sorted(rng.randint(0, 10) for _ in range(rng.randint(2, 8)))
+    pending = [(f"r{i}", rng.randint(1, 2 * block_size), rng.randint(2, 24), rng.randint(0, 3), step)
+               for i, step in enumerate(arrivals)]
+    step, last_arrival, resumed_at, ping_pongs = 0, -1, {}, 0
+    while pending or scheduler.has_unfinished_requests():
+        while pending and pending[0][4] <= step:
+            request_id, prompt_len, max_tokens, priority, _ = pending.pop(0)
+            h.add(request_id, prompt_len, max_tokens=max_tokens, ignore_eos=True, priority=priority)
+            last_arrival = step
+        swapped = {r.request_id for r in scheduler.swapped}
+        output = h.step()
+        step += 1
+        for request_id in output.preempted_request_ids:
+            since = resumed_at.get(request_id)
+            ping_pongs += since is not None and step - since <= 1 and last_arrival < since
+        for item in output.scheduled:
+            if item.request_id in swapped:
+                resumed_at[item.request_id] = step
+        assert step < 5000
+    return ping_pongs, scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_no_swap_ping_pong(policy):
+    """A request swapped back in is not swapped out again at the next step unless a new request arrived.
+
+    It resumes only when it and the running batch have room to go on (their prompts and one more token each):
+    before, a request could come back and be the next step's victim, over and over (on these 400 workloads:
+    77 such round trips with fcfs, 130 with priority).
+    """
+    results = [_swap_events(policy, seed) for seed in range(400)]
+    assert sum(ping_pongs for ping_pongs, _ in results) == 0
+    assert sum(preemptions for _, preemptions in results) > 100, "the workloads do preempt"

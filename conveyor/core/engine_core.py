@@ -4,6 +4,11 @@
 a cost model on a virtual clock. Both therefore run the same scheduler, KV
 manager and loop, and any difference in their figures comes from the
 executor alone. Nothing here imports torch.
+
+A step whose execution raises ends the requests it held with an error (their
+blocks return) and the loop goes on with the others; only when
+``MAX_CONSECUTIVE_FAILED_STEPS`` steps in a row fail (the device itself is
+gone, not one request's data) does the error leave ``step``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ from conveyor.core.trace import Trace
 
 logger = logging.getLogger("conveyor")
 T = TypeVar("T")
+MAX_CONSECUTIVE_FAILED_STEPS = 3
+
+
+class EngineBroken(RuntimeError):
+    """Steps keep failing whatever they hold: the engine cannot serve anyone any more."""
 
 
 class Executor(Protocol):
@@ -112,6 +122,7 @@ class EngineCore:
         self.trace: Trace | None = None
         self.live: LiveRecorder | None = None  # set while a dashboard watches
         self.last_output: SchedulerOutput | None = None  # the latest step's decision, for running figures
+        self._consecutive_failures = 0
 
     # ----- the public face of the core: requests in, stats and steps out -----
 
@@ -121,9 +132,9 @@ class EngineCore:
         if self.live is not None:
             self.live.on_add(request.request_id)
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request wherever it is (its blocks return at once); False if it is not in the engine."""
-        found = self.scheduler.abort_request(request_id) is not None
+        found = self.scheduler.abort_request(request_id, reason) is not None
         if found and self.live is not None:
             self.live.on_abort(request_id)
         return found
@@ -182,8 +193,13 @@ class EngineCore:
         output = self.last_output = self.scheduler.schedule()
         trace, live = self.trace, self.live
         slots = self.scheduler.slot_holders() if trace is not None or live is not None else []
-        sampled = self.executor.execute(output)
-        updated = self.scheduler.update(output, sampled)
+        try:
+            sampled = self.executor.execute(output)
+        except Exception as error:  # whatever it was, it ends this step's requests, not the engine
+            updated = self._step_failed(output, error)
+        else:
+            self._consecutive_failures = 0
+            updated = self.scheduler.update(output, sampled)
         result = postprocess(updated) if postprocess is not None else updated
         if trace is not None or live is not None:
             end = self.clock()
@@ -193,3 +209,15 @@ class EngineCore:
                 live.after_step(output, slots, updated, start, end)
         return result
 
+
+    def _step_failed(self, output: SchedulerOutput, error: Exception) -> list[Request]:
+        """End the failed step's requests with an error that names the step, not the trace (that is logged)."""
+        logger.error("step %d failed; its %d requests end with an error", output.step, len(output.scheduled),
+                     exc_info=error)
+        message = (f"the engine failed while computing step {output.step} ({type(error).__name__}); "
+                   "the request was ended, the server goes on serving")
+        failed = self.scheduler.fail_step(output, message)
+        self._consecutive_failures += 1
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineBroken(f"{self._consecutive_failures} steps in a row failed") from error
+        return failed

@@ -37,6 +37,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's maximum length
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the engine failed while computing it (vLLM v1's name); ``Request.error`` says how
 
 
 @dataclass(slots=True, eq=False)  # a request is equal only to itself: queues find it by identity, fast
@@ -56,6 +57,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # with finish_reason ERROR: what went wrong, in words a client may see (no trace)
     num_preemptions: int = 0
     last_preempted_by: tuple[str, int] | None = None  # (waiting request, step): guards against thrash
     first_scheduled_time: float | None = None

@@ -17,6 +17,11 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_N = 64  # sequences one request may ask for: each takes a batch slot, so a bound protects the others
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs allows
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: -100 bans a token, 100 forces it
+# Every stop string is looked for after every token, on the engine's thread: bounded, so one request cannot
+# slow the step of all the others.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,8 +94,15 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop: each stop string at most {MAX_STOP_STRING_CHARS} characters, got one of "
+                             f"{max(len(s) for s in self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
 
     def _validate_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

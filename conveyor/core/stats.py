@@ -28,6 +28,9 @@ class EngineStats:
     num_cached_free_kv_blocks: int = 0  # free blocks that still hold a cached prefix (part of num_free_kv_blocks)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start (vLLM's name)
     prefix_cache_hits: int = 0  # of those, tokens found: their KV was not computed again
+    prompt_tokens: int = 0  # prompt tokens of the sequences that got a first token, since start
+    generation_tokens: int = 0  # tokens drawn, since start
+    num_failed_steps: int = 0  # steps whose execution raised; their requests ended with an error
 
     @property
     def num_unfinished(self) -> int:

@@ -606,15 +606,18 @@ class NativeLlama {
   std::vector<Layer> layers_;
 };
 
+// The compute releases the GIL: it touches no Python object (arguments are converted before, the result
+// after), so the server's event loop keeps answering, streaming and accepting while a model step runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/16, K, 16]");
-  m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight");
-  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache");
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/16, K, 16]", release_gil());
+  m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", release_gil());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", release_gil());
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place", release_gil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", release_gil());
+  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache", release_gil());
   pybind11::class_<NativeLlama>(m, "NativeLlama", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
       .def("add_layer", &NativeLlama::add_layer)
-      .def("forward", &NativeLlama::forward);
+      .def("forward", &NativeLlama::forward, release_gil());
 }

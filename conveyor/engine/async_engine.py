@@ -6,14 +6,24 @@ the middle of one), runs a step, and passes each output to the asyncio queue
 of the request it belongs to, so every token reaches its stream as soon as
 its step ends. A caller that goes away (a client disconnect) aborts its
 request: it leaves the batch at the next step and its blocks return at once.
+
+Every submitted request ends exactly once, in one of three ways, counted in
+:meth:`AsyncEngine.request_counts`: finished (its last output was delivered),
+aborted (its caller stopped listening) or errored (the engine failed on it,
+could not take it, or stopped). A step that raises ends only its own requests
+(see :mod:`conveyor.core.engine_core`); if the loop itself cannot go on, every
+open request gets :class:`EngineDead` and ``on_fatal`` is called, so that the
+process can exit and be restarted (crash-only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +36,7 @@ from conveyor.engine.output import RequestOutput
 from conveyor.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("conveyor.engine.async_engine")
+OUTCOMES = ("finished", "aborted", "errored")
 
 
 class EngineOverloaded(Exception):
@@ -36,11 +47,68 @@ class EngineDead(Exception):
     """The step loop stopped (an error, or the server shutting down); the request cannot be served."""
 
 
+class RequestFailed(Exception):
+    """The engine failed on this request (a step that raised, or a request it could not take); the others go on.
+    The message is meant for the client: it names what failed, never a trace."""
+
+
+class _CallerGone(Exception):
+    """Put in a request's queue when its caller closes the stream, to wake a reader still waiting on it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCounts:
+    """Requests since start, by how they ended; ``submitted == finished + aborted + errored + open`` always."""
+
+    submitted: int
+    finished: int
+    aborted: int
+    errored: int
+    open: int
+
+
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     num_open: int = 1  # sequences not finished yet (n of them, for a request with n > 1)
+
+
+class RequestStream:
+    """One submitted request's outputs, as an async iterator; ``close()`` aborts the request if it is still open.
+
+    Iteration raises :class:`RequestFailed` or :class:`EngineDead` when the request ends with an error, and
+    stops after the last sequence's final output.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._engine, self._stream = engine, stream
+        self._num_open = stream.num_open
+        self.done = False  # the request ended (finished, errored or closed): nothing more will come
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, _CallerGone):
+            self.done = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        self._num_open -= item.finished
+        self.done = self._num_open == 0
+        return item
+
+    def close(self) -> None:
+        """The caller is done listening: abort the request if it is still open (its blocks return at once)."""
+        if not self.done:
+            self.done = True
+            self._engine._caller_gone(self.request_id, self._stream)
 
 
 class AsyncEngine:
@@ -50,15 +118,21 @@ class AsyncEngine:
         max_waiting_requests: int = 1024,
         on_step: Callable[[EngineStats, list[RequestOutput]], None] | None = None,
         live_show_text: bool = False,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._engine = engine
         self._live = LiveStream(engine, live_show_text)  # the dashboards watching; touched by the loop thread only
         self.max_waiting_requests = max_waiting_requests
         self._on_step = on_step
+        self.on_fatal = on_fatal  # called once, from the loop thread, after every open request was failed
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._outcomes: Counter[str] = Counter()
+        self._num_submitted = 0
         self._num_pending = 0  # added by callers, not yet taken in by the loop
+        # Guards the streams, the counts and ``error``: a request is either registered before the loop
+        # fails (and then failed by it) or refused, never left unanswered.
         self._lock = threading.Lock()
         self._stopping = False
         self.draining = False  # shutting down: no new requests
@@ -70,13 +144,20 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the loop; a request still open then ends with EngineDead."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._fail_all(EngineDead("the server is shutting down"))
 
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    def request_counts(self) -> RequestCounts:
+        with self._lock:
+            o = self._outcomes
+            return RequestCounts(self._num_submitted, o["finished"], o["aborted"], o["errored"], len(self._streams))
 
     # ----- what the server may use: fixed at start-up, or a frozen snapshot ----
 
@@ -104,33 +185,38 @@ class AsyncEngine:
         """Nothing beyond /health's status code for one engine (replicas behind a router report each one)."""
         return None
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Submit ``request`` (already checked by ``Engine.make_request``) and yield its outputs as they come."""
-        if self.error is not None:
-            raise EngineDead(str(self.error))
-        if self.draining:
-            raise EngineOverloaded("the server is shutting down")
+    def submit(self, request: Request) -> RequestStream:
+        """Hand ``request`` (already checked by ``Engine.make_request``) to the loop; its outputs as a stream.
+
+        Raises EngineDead or EngineOverloaded at once, before anything is queued. Call from the event loop
+        that will read the stream, and close the stream when done with it (``finally: stream.close()``).
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.sampling_params.n)
         with self._lock:
+            if self.error is not None:
+                raise EngineDead("the engine stopped after an internal error; the server is restarting")
+            if self.draining or self._stopping:
+                raise EngineOverloaded("the server is shutting down")
             waiting = self._stats.num_waiting + self._num_pending
             if waiting >= self.max_waiting_requests:
                 raise EngineOverloaded(f"{waiting} requests are waiting, the limit is {self.max_waiting_requests}")
+            if request.request_id in self._streams:
+                raise ValueError(f"request_id {request.request_id!r} is already in the engine")
             self._num_pending += 1
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.sampling_params.n)
-        self._streams[request.request_id] = stream
+            self._num_submitted += 1
+            self._streams[request.request_id] = stream
         self._commands.put(("add", request))
         self._wake.set()
-        num_open, finished = request.sampling_params.n, False
+        return RequestStream(self, request.request_id, stream)
+
+    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """``submit`` as an async generator: the request's outputs as they come; leaving early aborts it."""
+        stream = self.submit(request)
         try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                num_open -= item.finished
-                finished = num_open == 0
-                yield item
+            async for output in stream:
+                yield output
         finally:
-            if not finished:  # the caller stopped listening: free the request's slot and memory
-                self.abort(request.request_id)
+            stream.close()
 
     async def watch(self) -> AsyncIterator[dict[str, Any]]:
         """The live dashboard's stream: a keyframe, then deltas at most 10 a second (see ``conveyor.core.live``)."""
@@ -148,8 +234,10 @@ class AsyncEngine:
             self._wake.set()
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        """Abort a request by id (its caller counts it as aborted if it was still open)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            self._caller_gone(request_id, stream)
 
     def begin_shutdown(self, timeout: float) -> None:
         """Refuse new requests now; after ``timeout`` seconds, end the unfinished ones with an error."""
@@ -157,6 +245,32 @@ class AsyncEngine:
         timer = threading.Timer(timeout, lambda: (self._commands.put(("fail_all", None)), self._wake.set()))
         timer.daemon = True
         timer.start()
+
+    # ----- ending a request: each path pops its stream under the lock, so only one of them counts it ----
+
+    def _close(self, request_id: str, outcome: str, stream: _Stream | None = None) -> _Stream | None:
+        with self._lock:
+            current = self._streams.get(request_id)
+            if current is None or (stream is not None and current is not stream):
+                return None
+            del self._streams[request_id]
+            self._outcomes[outcome] += 1
+            return current
+
+    def _caller_gone(self, request_id: str, stream: _Stream) -> None:
+        if self._close(request_id, "aborted", stream) is not None:
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+            _put(stream, _CallerGone())
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._close(request_id, "errored")
+        if stream is not None:
+            _put(stream, error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._fail(request_id, error)
 
     # ----- the loop thread ----------------------------------------------------
 
@@ -166,23 +280,34 @@ class AsyncEngine:
                 self._apply_commands()
                 if not self._engine.has_unfinished_requests():
                     self._live.publish(idle=True)
-                    if self._on_step is not None:
-                        self._on_step(self._stats, [])  # let gauges settle after aborts
+                    self._report([])  # let gauges settle after aborts
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
                 outputs = self._engine.step()
                 self._stats = self._engine.stats()
                 for output in outputs:
-                    self._deliver(output.request_id, output)
-                if self._on_step is not None:
-                    self._on_step(self._stats, outputs)
+                    self._deliver(output)
+                self._report(outputs)
                 self._live.publish()
         except BaseException as error:  # the loop must report whatever stopped it
-            logger.exception("the engine loop stopped")
-            self.error = error
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDead(f"the engine stopped: {error!r}"))
+            logger.exception("the engine loop stopped; every open request ends with an error")
+            with self._lock:
+                self.error = error
+            self._fail_all(EngineDead("the engine stopped after an internal error; the server is restarting"))
+            if self.on_fatal is not None:
+                try:
+                    self.on_fatal(error)
+                except Exception:
+                    logger.exception("on_fatal failed")
+
+    def _report(self, outputs: list[RequestOutput]) -> None:
+        if self._on_step is None:
+            return
+        try:
+            self._on_step(self._stats, outputs)
+        except Exception:  # a metrics bug must not stop the engine
+            logger.exception("on_step failed")
 
     def _apply_commands(self) -> None:
         num_added = 0
@@ -193,13 +318,15 @@ class AsyncEngine:
                 break
             if command == "add":
                 num_added += 1
+                if value.request_id not in self._streams:
+                    continue  # its caller left before the loop took it in
                 try:
                     self._engine.add_request(value)
-                except ValueError as error:  # e.g. a request id already in use
-                    self._deliver(value.request_id, error)
+                except Exception as error:  # this request cannot be served; the others can
+                    logger.warning("request %s refused by the engine: %s", value.request_id, error)
+                    self._fail(value.request_id, RequestFailed(f"the engine could not take the request: {error}"))
             elif command == "abort":
                 self._engine.abort_request(value)
-                self._streams.pop(value, None)
             elif command == "watch":
                 self._live.add(value)
             elif command == "unwatch":
@@ -207,18 +334,28 @@ class AsyncEngine:
             else:  # fail_all: the shutdown timeout passed
                 for request_id in list(self._streams):
                     self._engine.abort_request(request_id)
-                    self._deliver(request_id, EngineDead("the server is shutting down"))
+                self._fail_all(EngineDead("the server is shutting down"))
         # One lock for both: a caller never sees a request counted twice (pending and waiting) or not at all.
         with self._lock:
             self._num_pending -= num_added
             self._stats = self._engine.stats()
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+    def _deliver(self, output: RequestOutput) -> None:
+        request_id = output.request_id
+        if output.error is not None:
+            self._fail(request_id, RequestFailed(output.error))
+            return
         stream = self._streams.get(request_id)
         if stream is None:
-            return
-        if not isinstance(item, BaseException) and item.finished:
+            return  # aborted by its caller, or already ended
+        if output.finished:
             stream.num_open -= 1
-        if isinstance(item, BaseException) or stream.num_open == 0:
-            del self._streams[request_id]
+            if stream.num_open == 0 and self._close(request_id, "finished", stream) is None:
+                return
+        _put(stream, output)
+
+
+def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    """Hand an item to the stream's reader, from any thread."""
+    with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is reading any more
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

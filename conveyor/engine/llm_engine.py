@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from conveyor.core.trace import Trace
 from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
 from conveyor.engine.tokenizer import Tokenizer
 
+logger = logging.getLogger("conveyor.engine")
 
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity: a container's or a ``taskset``'s share), which is
@@ -52,6 +54,7 @@ class Engine:
         # parts stay importable without it.
         import torch
 
+        from conveyor.executor.faults import with_injected_faults
         from conveyor.executor.grammar import LazyGrammarBackend
         from conveyor.executor.torch_executor import TorchExecutor
         from conveyor.model.loader import DTYPES, load_model, resolve_model
@@ -82,8 +85,9 @@ class Engine:
             model, num_blocks, config.block_size, config.seed, num_cpu_blocks,
             constrain=self.grammars.constrain, forget=self.grammars.forget,
         )
-        # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too.
-        self.core = EngineCore(config, plan, self.executor, clock)
+        # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too; the executor it runs
+        # fails on purpose only where a test asked for it (see conveyor.executor.faults).
+        self.core = EngineCore(config, plan, with_injected_faults(self.executor), clock)
         self._text: dict[str, TextState] = {}  # per sequence in the core
         self._logprobs: dict[str, LogprobState] = {}  # per sequence that asked for logprobs or prompt_logprobs
         self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
@@ -237,13 +241,61 @@ class Engine:
     # ----- the loop ---------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: every running request advances; finished ones leave; waiting ones join."""
+        """One iteration: every running request advances; finished ones leave; waiting ones join.
+
+        A request the engine failed on (its step raised, or its text could not be made) comes back finished
+        with ``finish_reason`` "error" and ``error`` set; with n > 1 its other sequences end with it.
+        """
         return self.core.step(self._outputs)
 
     def _outputs(self, updated: list[Request]) -> list[RequestOutput]:
         if self._logprobs:
             self._collect_logprobs()
-        return [self._output(request) for request in updated]
+        outputs = []
+        for request in updated:
+            caller = self._caller.get(request.request_id)
+            if caller is None:
+                continue  # its request ended with an error earlier in this step (another sequence of it failed)
+            try:
+                outputs.append(self._output(request) if request.error is None else self._failed(request, *caller))
+            except Exception as error:  # one request's text failed: end that request alone
+                logger.exception("request %s: making its output failed", request.request_id)
+                request.error = f"the engine failed while making the request's output ({type(error).__name__})"
+                self.core.abort_request(request.request_id, FinishReason.ERROR)
+                outputs.append(self._failed(request, *caller))
+        return outputs
+
+    def _failed(self, request: Request, caller_id: str, index: int) -> RequestOutput:
+        """The last output of a request the engine failed on; a request with n > 1 ends whole."""
+        self._caller.pop(request.request_id, None)
+        state = self._text.pop(request.request_id, None)
+        if self._families.get(caller_id) is not None:
+            self.abort_request(caller_id)  # its other sequences: the caller gets one error for the request
+        return RequestOutput(
+            request_id=caller_id,
+            prompt=request.prompt_text,
+            prompt_token_ids=request.prompt_token_ids,
+            text=state.text if state is not None else "",
+            token_ids=list(request.output_token_ids),
+            delta_text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR.value,
+            stop_reason=None,
+            metrics=self._metrics(request),
+            num_cached_tokens=request.num_cached_tokens,
+            index=index,
+            error=request.error,
+        )
+
+    @staticmethod
+    def _metrics(request: Request) -> RequestMetrics:
+        return RequestMetrics(
+            request.arrival_time,
+            request.first_scheduled_time,
+            request.first_token_time,
+            request.finish_time,
+            request.num_preemptions,
+        )
 
     def _collect_logprobs(self) -> None:
         """The executor's logprobs of the step that just ran, added to each sequence's."""
@@ -286,13 +338,7 @@ class Engine:
             finished=finished,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            metrics=RequestMetrics(
-                request.arrival_time,
-                request.first_scheduled_time,
-                request.first_token_time,
-                request.finish_time,
-                request.num_preemptions,
-            ),
+            metrics=self._metrics(request),
             num_cached_tokens=request.num_cached_tokens,
             index=index,
             logprobs=None if logprobs is None or logprobs.sampled is None else list(logprobs.sampled),

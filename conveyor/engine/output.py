@@ -49,6 +49,7 @@ class RequestOutput:
     # (with prompt_logprobs, once the prompt is computed); None when not asked for.
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # finish_reason "error": what failed, in words a client may see (never a trace)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ puts it back when it answers again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -219,6 +220,12 @@ class ReplicaSet:
             failover = {"retried": counts.retried, "errored": counts.errored, "unplaced": counts.unplaced}
         return {"router_policy": self.router.policy.name, "replicas": replicas, "failover": failover}
 
+    def submit(self, request: Request) -> GeneratorStream:
+        """``generate`` with the face the server reads (as ``AsyncEngine.submit``): ``close()`` aborts."""
+        if self.draining:
+            raise EngineOverloaded("the server is shutting down")
+        return GeneratorStream(self.generate(request))
+
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Route ``request``, stream its outputs; on a replica's death, retry it elsewhere if nothing was sent."""
         if self.draining:
@@ -346,6 +353,44 @@ class ReplicaSet:
         if self._on_poll is not None:
             with self._lock:
                 self._on_poll(index, self.health[index], self.router.replicas[index].num_routed, self.failover)
+
+
+class GeneratorStream:
+    """An async generator of outputs as a stream that ``close()`` ends. The generator runs in a task of its
+    own, so closing cancels it wherever it waits, and its ``finally`` aborts the request on its replica."""
+
+    _END = object()
+
+    def __init__(self, outputs: AsyncIterator[RequestOutput]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._pump(outputs))
+        self.done = False
+
+    async def _pump(self, outputs: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in outputs:
+                self._queue.put_nowait(output)
+        except Exception as error:  # handed to the reader, which raises it
+            self._queue.put_nowait(error)
+        finally:
+            self._queue.put_nowait(self._END)
+
+    def __aiter__(self) -> GeneratorStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        item = self._END if self.done else await self._queue.get()
+        if item is self._END:
+            self.done = True
+            raise StopAsyncIteration
+        if isinstance(item, Exception):
+            self.done = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.done = True
+        self._task.cancel()
 
 
 class _ReplicaFailed(Exception):

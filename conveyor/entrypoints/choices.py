@@ -5,9 +5,8 @@ stream of choices, indexed as OpenAI does (prompt by prompt, ``n`` choices each:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from typing import Protocol
 
 from conveyor.core.request import Request
 from conveyor.engine import AsyncEngine, RequestOutput
@@ -15,40 +14,66 @@ from conveyor.engine import AsyncEngine, RequestOutput
 _DONE = object()
 
 
-def merged_outputs(engine: AsyncEngine, requests: list[Request]) -> AsyncIterator[RequestOutput]:
-    """Every output of every request as it comes, with its choice index. The requests run side by side
-    in the engine's batch; an error in one (e.g. overload) ends the whole response, and a caller that stops
-    listening aborts them all. One request is the engine's own stream."""
-    return engine.generate(requests[0]) if len(requests) == 1 else _merged(engine, requests)
+class OutputStream(Protocol):
+    """What the server reads a response from: outputs as they come; ``close()`` aborts what is still open."""
+
+    def __aiter__(self) -> OutputStream: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    def close(self) -> None: ...
 
 
-async def _merged(engine: AsyncEngine, requests: list[Request]) -> AsyncIterator[RequestOutput]:
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(request: Request, offset: int) -> None:
-        try:
-            async for output in engine.generate(request):
-                queue.put_nowait(dataclasses.replace(output, index=offset + output.index) if offset else output)
-        except Exception as error:  # handed to the consumer, which raises it
-            queue.put_nowait(error)
-        finally:
-            queue.put_nowait(_DONE)
-
-    n = requests[0].sampling_params.n
-    tasks = [asyncio.create_task(pump(request, i * n)) for i, request in enumerate(requests)]
-    num_open = len(tasks)
+def open_streams(engine: AsyncEngine, requests: list[Request]) -> OutputStream:
+    """Submit every request (all or none: if one is refused, those already in are aborted) and return their
+    outputs as one stream. One request is the engine's own stream."""
+    streams: list[OutputStream] = []
     try:
-        while num_open:
-            item = await queue.get()
+        for request in requests:
+            streams.append(engine.submit(request))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams[0] if len(streams) == 1 else _Merged(streams, requests[0].sampling_params.n)
+
+
+class _Merged:
+    """The outputs of several streams as they come, each choice's index offset by its prompt's place. An
+    error in one ends the whole response; ``close()`` closes them all."""
+
+    def __init__(self, streams: list[OutputStream], n: int) -> None:
+        self._streams = streams
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(stream, i * n)) for i, stream in enumerate(streams)]
+        self._num_open = len(streams)
+
+    async def _pump(self, stream: OutputStream, offset: int) -> None:
+        try:
+            async for output in stream:
+                self._queue.put_nowait(dataclasses.replace(output, index=offset + output.index) if offset else output)
+        except Exception as error:  # handed to the reader, which raises it
+            self._queue.put_nowait(error)
+        finally:
+            self._queue.put_nowait(_DONE)
+
+    def __aiter__(self) -> _Merged:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while self._num_open:
+            item = await self._queue.get()
             if item is _DONE:
-                num_open -= 1
+                self._num_open -= 1
             elif isinstance(item, Exception):
+                self.close()
                 raise item
             else:
-                yield item
-    finally:
-        for task in tasks:
+                return item
+        raise StopAsyncIteration
+
+    def close(self) -> None:
+        for stream in self._streams:
+            stream.close()
+        for task in self._tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task

@@ -143,7 +143,11 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on /v1 (default: $CONVEYOR_API_KEY)")
+                       help="require 'Authorization: Bearer KEY' on every route but /health "
+                       "(default: $CONVEYOR_API_KEY; an empty key is refused)")
+    serve.add_argument("--metrics-without-auth", action="store_true",
+                       help="with --api-key, leave /metrics open to anyone who can reach the port (a scraper "
+                       "without the key)")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="503 beyond this many waiting")
@@ -247,10 +251,10 @@ def _generate(args: argparse.Namespace, config: EngineConfig) -> int:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     rows = []
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        print(f"[{i}] {prompt}\n    -> {out.text.strip()}\n")
+        print(f"[{i}] {prompt}\n    -> {out.text.strip() if out.error is None else 'error: ' + out.error}\n")
         m = out.metrics
-        rows.append([i, len(out.prompt_token_ids), len(out.token_ids), round(m.time_to_first_token, 3),
-                     round(m.latency, 3), out.finish_reason])
+        ttft, latency = (None if t is None else round(t, 3) for t in (m.time_to_first_token, m.latency))
+        rows.append([i, len(out.prompt_token_ids), len(out.token_ids), ttft, latency, out.finish_reason])
     print(format_table(["request", "prompt tokens", "output tokens", "TTFT s", "latency s", "finish"], rows))
     return 0
 

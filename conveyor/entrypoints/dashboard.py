@@ -23,6 +23,7 @@ from conveyor.engine.async_engine import AsyncEngine
 from conveyor.viz.dashboard import dashboard_page
 
 TRACE_ROUTE = "/dashboard/trace.jsonl"
+DASHBOARD_PATHS = ("/dashboard", "/debug/stream")  # they check the API key themselves (header or query)
 
 
 def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, api_key: str | None) -> None:

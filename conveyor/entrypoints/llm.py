@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,16 +64,26 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests: list[tuple[str, int]], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until every (request id, n) has its n sequences finished; their outputs in order, index by index."""
+        """Step until every (request id, n) has its n sequences finished; their outputs in order, index by index.
+
+        A request the engine failed on comes back with ``finish_reason`` "error" and ``error`` set, for each of
+        its sequences (they end together); the others are not affected.
+        """
         done: dict[tuple[str, int], RequestOutput] = {}
+        failed: dict[str, RequestOutput] = {}
         total = sum(n for _, n in requests)
         with tqdm(total=total, desc="sequences", disable=not use_tqdm, unit="seq") as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
+                    if output.error is not None:
+                        failed.setdefault(output.request_id, output)
                     if output.finished:
                         done[output.request_id, output.index] = output
                         bar.update(1)
-        return [done[request_id, index] for request_id, n in requests for index in range(n)]
+        return [
+            done.get((request_id, index)) or dataclasses.replace(failed[request_id], index=index)
+            for request_id, n in requests for index in range(n)
+        ]
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,11 +1,16 @@
-"""Prometheus metrics, named as vLLM's with a ``conveyor:`` prefix, updated after every step."""
+"""Prometheus metrics, named as vLLM's with a ``conveyor:`` prefix, updated after every step.
+
+Every figure that only grows is taken from a running total of the engine (or of the server's request ledger)
+rather than summed here from outputs, so nothing is kept per request: the metrics cost the same memory after
+a million requests, disconnects included.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.core.stats import EngineStats
-from conveyor.engine import RequestOutput
+from conveyor.engine import RequestCounts, RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
@@ -37,13 +42,18 @@ class EngineMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.success = counter("request_success", "Requests finished, by reason", ("finished_reason",))
+        self.failed_steps = counter("num_failed_steps", "Steps whose execution raised (their requests got an error)")
+        # Every request the server took ends exactly once: submitted == sum of ended + open.
+        self.submitted = counter("requests_submitted", "Requests handed to the engine")
+        self.ended = counter("requests_ended", "Requests ended, by outcome: finished, aborted (the client left) "
+                             "or errored", ("outcome",))
+        self.open = gauge("requests_open", "Requests submitted and not ended yet")
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens of a request")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled")
         self._model = model_name
         self._counted: dict[str, int] = {}  # the engine's running totals, as last added to the counters
-        self._tokens_seen: dict[tuple[str, int], int] = {}  # output tokens counted per unfinished sequence
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step, with the step's snapshot and outputs."""
@@ -56,22 +66,23 @@ class EngineMetrics:
         self._count(self.preemptions, "num_preemptions", stats.num_preemptions)
         self._count(self.prefix_queries, "prefix_cache_queries", stats.prefix_cache_queries)
         self._count(self.prefix_hits, "prefix_cache_hits", stats.prefix_cache_hits)
+        self._count(self.prompt_tokens, "prompt_tokens", stats.prompt_tokens)
+        self._count(self.generation_tokens, "generation_tokens", stats.generation_tokens)
+        self._count(self.failed_steps, "num_failed_steps", stats.num_failed_steps)
         for output in outputs:
-            sequence = (output.request_id, output.index)
-            seen = self._tokens_seen.pop(sequence, 0)
-            self.generation_tokens.labels(m).inc(len(output.token_ids) - seen)
-            if seen == 0:
-                self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
-            if output.finished:
+            if output.finished and output.error is None:
                 self._on_finish(output)
-            else:
-                self._tokens_seen[sequence] = len(output.token_ids)
-        if not stats.num_unfinished:
-            self._tokens_seen.clear()  # what is left belongs to aborted requests
 
-    def _count(self, counter: Counter, name: str, total: int) -> None:
-        """Advance a Prometheus counter to the engine's running total."""
-        counter.labels(self._model).inc(total - self._counted.get(name, 0))
+    def on_requests(self, counts: RequestCounts) -> None:
+        """The server's request ledger (see AsyncEngine.request_counts), read when the metrics are scraped."""
+        self._count(self.submitted, "requests_submitted", counts.submitted)
+        for outcome in ("finished", "aborted", "errored"):
+            self._count(self.ended, f"requests_ended:{outcome}", getattr(counts, outcome), outcome)
+        self.open.labels(self._model).set(counts.open)
+
+    def _count(self, counter: Counter, name: str, total: int, *labels: str) -> None:
+        """Advance a Prometheus counter to a running total (called from one thread at a time per name)."""
+        counter.labels(self._model, *labels).inc(total - self._counted.get(name, 0))
         self._counted[name] = total
 
     def _on_finish(self, output: RequestOutput) -> None:

@@ -3,19 +3,25 @@
 Every error leaves in OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``; a stack trace is logged, never sent. Streams are server-sent
 events ending with ``data: [DONE]``; a client that disconnects aborts its
-request.
+request, streamed or not, queued or running. With an API key, every route
+but ``/health`` (and ``/metrics`` where the operator says so) needs it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
+import functools
+import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,10 +31,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import conveyor
 from conveyor.core.request import Request as EngineRequest
+from conveyor.core.request import check_prompt_length
 from conveyor.engine import RequestOutput
-from conveyor.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
-from conveyor.entrypoints.choices import merged_outputs
-from conveyor.entrypoints.dashboard import add_dashboard_routes
+from conveyor.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed
+from conveyor.entrypoints.choices import OutputStream, open_streams
+from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.metrics import EngineMetrics
 from conveyor.entrypoints.protocol import (
@@ -41,6 +48,7 @@ from conveyor.entrypoints.protocol import (
 )
 
 logger = logging.getLogger("conveyor.server")
+T = TypeVar("T")
 
 
 class APIError(Exception):
@@ -64,10 +72,46 @@ class ServerSettings:
     api_key: str | None = None
     max_request_bytes: int = 1 << 20
     default_max_tokens: int | None = None  # a request without max_tokens: None = the rest of the context
+    metrics_without_auth: bool = False  # /metrics open to anyone who can reach the port, as /health is
+    tokenizer_threads: int = 2  # the pool that tokenizes and templates, off the event loop
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key / CONVEYOR_API_KEY is empty, which would leave the server open; "
+                             "give a key, or unset it to serve without authentication")
+
+
+async def _send_error(send, status: int, message: str, kind: str, code: str | None,
+                      headers: dict[str, str] | None = None) -> None:
+    """An OpenAI-shaped error answered straight from an ASGI middleware."""
+    body = json.dumps(error_body(message, kind, code=code)).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _drain(receive, limit: int) -> None:
+    """Read and drop the rest of a refused body (up to ``limit`` bytes, for up to 5 s): a socket closed with
+    unread data resets the connection, and the client would lose the answer before reading it."""
+    received = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(5):
+            while received <= limit:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                received += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    return
 
 
 class BodyLimit:
-    """ASGI middleware: refuse a body over the limit with 413, whether or not it declares its length."""
+    """ASGI middleware: refuse a body over the limit with 413, whether it declares its length or comes chunked.
+
+    The body is read here, before FastAPI sees it, and handed on whole: an error raised from inside FastAPI's
+    own reading would turn into its 400 "error parsing the body" instead.
+    """
 
     def __init__(self, app, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -77,39 +121,70 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(scope, receive, send)
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
+            return await self._refuse(receive, send)
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.limit:
-                raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                return  # the client left before it finished sending
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await self._refuse(receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body, handed = b"".join(chunks), False
 
-        try:
-            await self.app(scope, counting_receive, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+        async def replay():
+            nonlocal handed
+            if handed:
+                return await receive()  # after the body: the disconnect, when it comes
+            handed = True
+            return {"type": "http.request", "body": body, "more_body": False}
 
-    async def _refuse(self, scope, receive, send) -> None:
-        message = f"request body is over the limit of {self.limit} bytes"
-        await JSONResponse(error_body(message, "invalid_request_error", code="request_too_large"), 413)(
-            scope, receive, send
-        )
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, receive, send) -> None:
+        await _drain(receive, 4 * self.limit)
+        await _send_error(send, 413, f"request body is over the limit of {self.limit} bytes",
+                          "invalid_request_error", "request_too_large")
 
 
-class _TooLarge(Exception):
-    pass
+class APIKeyAuth:
+    """ASGI middleware: every route needs ``Authorization: Bearer KEY`` except those in ``open_paths``.
+
+    Outermost, so that nothing (not even the body) is read for a caller without the key; the key is compared
+    in constant time.
+    """
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str], drain_limit: int) -> None:
+        self.app, self._key, self.open_paths, self.drain_limit = app, api_key.encode(), open_paths, drain_limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        await _drain(receive, self.drain_limit)
+        await _send_error(send, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                          "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+    def _authorized(self, scope) -> bool:
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
     """The FastAPI app: error shapes, auth, and the routes, each group added by its own function."""
     app = FastAPI(title="Conveyor", version=conveyor.__version__)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
+    if settings.api_key is not None:  # added last: the outermost layer
+        # The dashboard's two routes check the key themselves: also from ``?api_key=``, since a browser that
+        # opens a page cannot send a header (see conveyor.entrypoints.dashboard).
+        open_paths = frozenset({"/health", *DASHBOARD_PATHS, *(("/metrics",) if settings.metrics_without_auth else ())})
+        app.add_middleware(APIKeyAuth, api_key=settings.api_key, open_paths=open_paths,
+                           drain_limit=settings.max_request_bytes)
     _add_error_handlers(app)
-    _add_auth(app, settings)
     serving = _Serving(engine, settings)
     _add_info_routes(app, serving, metrics)
     _add_token_routes(app, serving)
@@ -144,30 +219,44 @@ def _add_error_handlers(app: FastAPI) -> None:
                               code="server_overloaded")
         return _error_response(overloaded, headers={"Retry-After": "1"})
 
+    @app.exception_handler(EngineDead)
+    async def _dead(_: Request, error: EngineDead) -> JSONResponse:
+        return _error_response(_engine_error(error), headers={"Retry-After": "1"})
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(_: Request, error: RequestFailed) -> JSONResponse:
+        return _error_response(_engine_error(error))
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         return JSONResponse(error_body("internal server error", "internal_server_error"), status_code=500)
 
 
-def _add_auth(app: FastAPI, settings: ServerSettings) -> None:
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        protected = settings.api_key and request.url.path.startswith("/v1")
-        if protected and request.headers.get("authorization", "") != f"Bearer {settings.api_key}":
-            return _error_response(APIError(401, "invalid or missing API key", "authentication_error",
-                                            code="invalid_api_key"))
-        return await call_next(request)
+def _engine_error(error: EngineDead | RequestFailed) -> APIError:
+    """The engine stopped (503: retry, the process is being restarted) or failed on this request (500)."""
+    if isinstance(error, EngineDead):
+        return APIError(503, str(error), "internal_server_error", code="engine_unavailable")
+    return APIError(500, str(error), "internal_server_error", code="engine_error")
 
 
 class _Serving:
-    """What the routes share: the engine's public face, the settings, and turning a body into a request."""
+    """What the routes share: the engine's public face, the settings, and turning a body into a request.
+
+    Tokenizing and chat templating run in a small thread pool, never on the event loop: a 1 MiB prompt
+    would otherwise hold up every open stream while it is tokenized.
+    """
 
     def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self._pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="conveyor-tokenize")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the tokenizer pool; the event loop serves others meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -175,10 +264,13 @@ class _Serving:
                            "not_found_error", "model", "model_not_found")
 
     def make_request(self, body: SamplingRequest, prompt: str | list[int], kind: str) -> EngineRequest:
+        """Check and tokenize (call through ``off_loop``)."""
         self.check_model(body.model)
         problem = body.unsupported()
         if problem:
             raise APIError(400, problem, "invalid_request_error", problem.split("=")[0].split(":")[0])
+        if isinstance(prompt, list):  # token ids: refuse an overlong list before looking at each id
+            self._check_prompt_length(len(prompt))
         try:
             params = body.sampling_params(self.settings.default_max_tokens or 1)
             request = self.engine.make_request(prompt, params, f"{kind}-{uuid.uuid4().hex}", priority=body.priority)
@@ -197,23 +289,49 @@ class _Serving:
                            "invalid_request_error", "max_tokens")
         return request
 
-    async def respond(self, body: SamplingRequest, requests: list[EngineRequest], fmt: _Format):
-        """Stream the requests' outputs as server-sent events, or wait for the last and answer it whole."""
-        outputs = merged_outputs(self.engine, requests)
+    def make_chat_request(self, body: ChatCompletionRequest) -> EngineRequest:
+        """Template, tokenize and check a chat request (call through ``off_loop``)."""
+        self.check_model(body.model)
         try:
-            first = await anext(outputs)  # EngineOverloaded goes to its handler: 503 with Retry-After
-        except EngineDead as error:
-            raise APIError(503, str(error), "internal_server_error") from None
-        if body.stream:
+            prompt = self.tokenizer.apply_chat_template(body.message_dicts())
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "messages") from None
+        return self.make_request(body, prompt, "chatcmpl")
+
+    def _check_prompt_length(self, num_tokens: int) -> None:
+        try:
+            check_prompt_length(num_tokens, self.max_model_len)
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "prompt") from None
+
+    async def respond(self, body: SamplingRequest, requests: list[EngineRequest], fmt: _Format, raw: Request):
+        """Stream the requests' outputs as server-sent events, or wait for the last and answer it whole.
+
+        Either way a client that disconnects aborts its requests at once, queued or running: their queue
+        slots and KV blocks return to the others.
+        """
+        stream = open_streams(self.engine, requests)  # overloaded or dead: 503 at once, from the handlers above
+        if body.stream:  # the headers go out now; the tokens follow, and a disconnect cancels the stream
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(first, outputs, fmt, include_usage), media_type="text/event-stream")
-        finals = {first.index: first}  # the latest output of each choice (n > 1 or several prompts: several)
+            return StreamingResponse(_sse(stream, fmt, include_usage), media_type="text/event-stream")
+        finals: dict[int, RequestOutput] = {}  # the latest output of each choice (n > 1 or several prompts)
+        watcher = asyncio.create_task(_close_on_disconnect(raw, stream))
         try:
-            async for output in outputs:
+            async for output in stream:
                 finals[output.index] = output
-        except EngineDead as error:
-            raise APIError(503, str(error), "internal_server_error") from None
+        finally:
+            watcher.cancel()
+            stream.close()
+        if len(finals) < len(requests) * requests[0].sampling_params.n or not all(o.finished for o in finals.values()):
+            return Response(status_code=499)  # the client left (nginx's code); nobody reads this
         return fmt.full([finals[index] for index in sorted(finals)])
+
+
+async def _close_on_disconnect(raw: Request, stream: OutputStream) -> None:
+    """Wait for the client to disconnect, then close (abort) its request."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    stream.close()
 
 
 def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) -> None:
@@ -231,6 +349,7 @@ def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) ->
 
     @app.get("/metrics")
     async def prometheus_metrics() -> PlainTextResponse:
+        metrics.on_requests(serving.engine.request_counts())
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
@@ -244,18 +363,20 @@ def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) ->
 def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
     tokenizer = serving.tokenizer
 
+    def tokens_of(body: TokenizeRequest) -> list[int]:
+        try:
+            if body.prompt is not None:
+                return tokenizer.encode(body.prompt)
+            return tokenizer.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt)
+        except ValueError as error:
+            raise APIError(400, str(error), "invalid_request_error", "messages") from None
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "invalid_request_error", "prompt")
-        try:
-            if body.prompt is not None:
-                tokens = tokenizer.encode(body.prompt)
-            else:
-                tokens = tokenizer.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt)
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "messages") from None
+        tokens = await serving.off_loop(tokens_of, body)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize")
@@ -264,48 +385,46 @@ def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
         vocab = serving.engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await serving.off_loop(tokenizer.decode, body.tokens, False)}
 
 
 def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
     model_name = serving.settings.model_name
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, raw: Request):
         try:
             prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", "prompt") from None
-        requests = [serving.make_request(body, prompt, "cmpl") for prompt in prompts]
+        requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
         fmt = _CompletionFormat(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo)
-        return await serving.respond(body, requests, fmt)
+        return await serving.respond(body, requests, fmt, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        try:
-            prompt = serving.tokenizer.apply_chat_template(body.message_dicts())
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "messages") from None
-        request = serving.make_request(body, prompt, "chatcmpl")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        request = await serving.off_loop(serving.make_chat_request, body)
         fmt = _ChatFormat(request.request_id, model_name, LogprobFormatter(serving.tokenizer))
-        return await serving.respond(body, [request], fmt)
+        return await serving.respond(body, [request], fmt, raw)
 
 
-async def _sse(first: RequestOutput, rest: AsyncIterator[RequestOutput], fmt: _Format, include_usage: bool):
+async def _sse(stream: OutputStream, fmt: _Format, include_usage: bool):
     def event(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    latest = {first.index: first}  # per sequence (n > 1: several), for the usage chunk
+    latest: dict[int, RequestOutput] = {}  # per sequence (n > 1: several), for the usage chunk
     try:
-        yield event(fmt.chunk(first, is_first=True))
-        async for output in rest:
+        async for output in stream:
             is_first = output.index not in latest
             latest[output.index] = output
             yield event(fmt.chunk(output, is_first))
-        if include_usage:
+        if include_usage and latest:
             yield event(fmt.usage_chunk(list(latest.values())))
-    except EngineDead as error:
-        yield event(error_body(str(error), "internal_server_error"))
+    except (EngineDead, RequestFailed) as error:
+        failure = _engine_error(error)
+        yield event(error_body(failure.message, failure.kind, code=failure.code))
+    finally:
+        stream.close()  # a client gone mid-stream lands here too (the response's task is cancelled): abort
     yield "data: [DONE]\n\n"
 
 

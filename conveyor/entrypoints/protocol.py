@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from conveyor.core.sampling import MAX_LOGPROBS, SamplingParams
 from conveyor.core.structured import StructuredOutput
 
+MAX_MESSAGES = 1024  # messages of one chat request: the template renders them all, on the tokenizer pool
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -188,7 +190,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
     response_format: ResponseFormat | None = None
@@ -236,7 +238,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
 
 

@@ -49,6 +49,18 @@ class ContiguousBlockPool:
             return False
         return n == 0 or any(length >= n for _, length in self._free_runs())
 
+    def can_take_after_freeing(self, n: int, freed: list[int]) -> bool:
+        """Whether a run of ``n`` blocks would be free once the blocks ``freed`` were given back."""
+        if n > self._num_free + len(freed):
+            return False
+        saved, self._free = self._free, bytearray(self._free)
+        try:
+            for block in freed:
+                self._free[block] = 1
+            return n == 0 or any(length >= n for _, length in self._free_runs())
+        finally:
+            self._free = saved
+
     def unusable_free_blocks(self) -> int:
         """Free blocks outside any slab-sized piece of a hole."""
         if self._num_free < self.slab_blocks:  # too few for any slab, wherever they are

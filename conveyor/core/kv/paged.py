@@ -41,6 +41,10 @@ class BlockPool:
         """Free blocks that no request could use: none, since any block serves any request."""
         return 0
 
+    def can_take_after_freeing(self, n: int, freed: list[int]) -> bool:
+        """Whether ``n`` blocks could be taken once the blocks ``freed`` were given back."""
+        return n <= len(self._free) + len(freed)
+
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} KV blocks, {len(self._free)} free")
@@ -161,6 +165,15 @@ class PagedKVCacheManager:
         reserve = self.watermark_blocks if keep_watermark else 0
         return self.pool.can_take(self._extra_blocks(request_id, num_tokens) + reserve)
 
+    def can_admit_after_freeing(
+        self, freed: list[str], request_id: str, num_tokens: int, keep_watermark: bool, prefix: CachedPrefix
+    ) -> bool:
+        """What ``can_admit`` would say once the requests ``freed`` gave their blocks back (nothing changes here):
+        priority preemption asks it before preempting anyone."""
+        reserve = self.watermark_blocks if keep_watermark else 0
+        blocks = [block for victim in freed for block in self.block_tables.get(victim, ())]
+        return self.pool.can_take_after_freeing(self._extra_blocks(request_id, num_tokens) + reserve, blocks)
+
     def admit(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> list[int] | None:
         """A waiting request's table for ``num_tokens`` tokens, after ``can_admit`` said yes."""
         return self.grow_table(request.request_id, num_tokens)
@@ -258,12 +271,13 @@ class PagedKVCacheManager:
         self.cpu_block_tables[request_id] = cpu_table
         return list(zip(table, cpu_table))
 
-    def can_swap_in(self, request_id: str, num_tokens: int, keep_watermark: bool = True) -> bool:
-        """Whether the swapped request's blocks, plus room for ``num_tokens`` tokens, fit on the device."""
+    def can_swap_in(self, request_id: str, num_tokens: int, keep_watermark: bool = True, headroom: int = 0) -> bool:
+        """Whether the swapped request's blocks, plus room for ``num_tokens`` tokens, fit on the device, with
+        ``headroom`` blocks still free beside them."""
         needed = blocks_for_tokens(num_tokens, self.block_size)
         held = len(self.cpu_block_tables.get(request_id, ()))
         reserve = self.watermark_blocks if keep_watermark else 0
-        return self.pool.can_take(max(needed - held, 0) + held + reserve)
+        return self.pool.can_take(max(needed - held, 0) + held + max(reserve, headroom))
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]]:
         """Move the request's blocks back to the device; (cpu, device) pairs to copy."""

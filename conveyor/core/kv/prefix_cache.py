@@ -14,7 +14,7 @@ of a conversation is found again as long as memory allows.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from conveyor.core.kv.paged import NO_PREFIX, CachedPrefix, PagedKVCacheManager, blocks_for_tokens
@@ -233,6 +233,19 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         new_blocks = blocks_for_tokens(num_tokens, self.block_size) - len(prefix.block_ids)
         # A hit on a cached block that nobody holds takes it out of the free count, as a new block would.
         return self.pool.can_take(max(new_blocks, 0) + self.pool.num_unreferenced(prefix.block_ids) + reserve)
+
+    def can_admit_after_freeing(
+        self, freed: list[str], request_id: str, num_tokens: int, keep_watermark: bool, prefix: CachedPrefix
+    ) -> bool:
+        reserve = self.watermark_blocks if keep_watermark else 0
+        # A block comes free only when every reference to it goes: shared with a request that stays, it stays.
+        references = Counter(block for victim in freed for block in self.block_tables.get(victim, ()))
+        ref_counts = self.pool.ref_counts
+        released = {block for block, n in references.items() if ref_counts[block] == n}
+        new_blocks = max(blocks_for_tokens(num_tokens, self.block_size) - len(prefix.block_ids), 0)
+        # A hit on a block nobody would hold takes it out of the free count, as in can_admit.
+        unreferenced = sum(1 for block in prefix.block_ids if ref_counts[block] == 0 or block in released)
+        return new_blocks + unreferenced + reserve <= self.pool.num_free + len(released)
 
     def admit(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> list[int] | None:
         request_id = request.request_id

@@ -10,9 +10,14 @@ When a running request needs a block and the pool is empty, the most recently
 arrived running request is preempted. By recompute, its KV is dropped and it
 goes back to the front of the waiting queue, to be prefilled again later
 (prompt and output so far). By swap, its blocks are copied to a CPU pool and
-it waits in the swapped queue, which is resumed before anyone new is admitted;
-when the CPU pool is full, that victim falls back to recompute.
+it waits in the swapped queue; swapped and waiting requests are then taken in
+the policy's order (a swapped request resumes only when it and the running
+batch have room to go on, so it is not swapped straight out again). When the
+CPU pool is full, that victim falls back to recompute.
 
+With the priority policy a newcomer may preempt less important running
+requests, least important first, but only as many as make it fit, and only
+when they do: a preemption that would not seat the newcomer is not made.
 """
 
 from __future__ import annotations
@@ -122,6 +127,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swaps_out = 0
         self.num_swap_fallbacks = 0  # swaps that found the CPU pool full and recomputed instead
+        self.num_prompt_tokens = 0  # prompts of the sequences that got their first token (vLLM: prompt_tokens)
+        self.num_generation_tokens = 0  # tokens drawn
+        self.num_failed_steps = 0
         self._num_added = 0
 
     # ----- queue management -------------------------------------------------
@@ -135,7 +143,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._order)
 
-    def abort_request(self, request_id: str) -> Request | None:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """End a request wherever it is; its blocks return to the pool at once."""
         request = self.requests.get(request_id)
         if request is None:
@@ -144,8 +152,25 @@ class Scheduler:
             request.status, self.waiting
         )
         queue.remove(request)
-        self._finish(request, FinishReason.ABORT)
+        self._finish(request, reason)
         return request
+
+    def fail_step(self, output: SchedulerOutput, message: str) -> list[Request]:
+        """The executor raised while carrying out ``output``: end, with an error, every request whose KV the
+        step may have left half written (those it computed or swapped in, and those it swapped out); the
+        others never took part and go on. Returns the requests ended."""
+        self.num_failed_steps += 1
+        ids = [s.request_id for s in output.scheduled]
+        if output.blocks_to_swap_out:  # their CPU copies may be incomplete
+            ids += [i for i in output.preempted_request_ids if i in self.requests and
+                    self.requests[i].status is RequestStatus.SWAPPED]
+        failed = []
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.error = message
+                failed.append(self.abort_request(request_id, FinishReason.ERROR))
+        return failed
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         """End a running request for a reason found outside the scheduler (a stop string in its text)."""
@@ -181,6 +206,9 @@ class Scheduler:
             num_cached_free_kv_blocks=kv.num_cached_free_blocks,
             prefix_cache_queries=kv.num_queries,
             prefix_cache_hits=kv.num_hits,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generation_tokens,
+            num_failed_steps=self.num_failed_steps,
         )
 
     # ----- one step ---------------------------------------------------------
@@ -193,12 +221,10 @@ class Scheduler:
 
         # vLLM's rule: admit nobody in a step that had to preempt for memory, or
         # the newcomer would take the blocks just freed and cause the next preemption.
-        # Swapped requests come back before anyone new is admitted.
         if not preempted:
-            budget = self._resume_swapped(budget, scheduled, swap_in)
             self._lpm_order = None  # computed on first use, once per step
             self._deferred = set()
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._resume_or_admit(budget, scheduled, swap_in)
 
         self.step_index += 1
         output = SchedulerOutput(
@@ -251,21 +277,57 @@ class Scheduler:
                 return None
         return block_ids
 
-    def _resume_swapped(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            num_new = _num_new_tokens(request, budget)
-            end = request.num_computed_tokens + num_new
-            if not self.kv_manager.can_swap_in(request.request_id, end, keep_watermark=bool(self.running)):
+    def _resume_or_admit(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
+        """Swapped and waiting requests in the policy's order: a swapped request ahead of the next waiting one
+        resumes first, a more important waiting one is admitted first; the first that cannot go on stops both
+        (nobody overtakes)."""
+        while budget > 0:
+            request = self._next_to_admit()
+            if self.swapped and (request is None or self._order(self.swapped[0]) < self._order(request)):
+                taken = self._resume(self.swapped[0], budget, scheduled, swap_in)
+            elif request is not None:
+                taken = self._admit_next(request, budget, scheduled)
+            else:
                 break
-            swap_in.extend(self.kv_manager.swap_in(request.request_id))
-            block_ids = self.kv_manager.grow_table(request.request_id, end)
-            self.swapped.pop(0)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=self._order)
-            scheduled.append(_scheduled_request(request, num_new, block_ids))
-            budget -= num_new
+            if taken is None:
+                break
+            budget -= taken
         return budget
+
+    def _resume(
+        self, request: Request, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]
+    ) -> int | None:
+        """Swap the request back in; the tokens it takes from the budget, or None if it must wait.
+
+        It waits until it and the running batch have room to go on (see ``_blocks_to_go_on``): resumed without
+        that room, it would be the first victim of a coming step, swapped out and in again for nothing.
+        """
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        num_new = _num_new_tokens(request, budget)
+        end = request.num_computed_tokens + num_new
+        kv = self.kv_manager
+        # Room to go on: the rest of its prompt if it is still computing it, and one more token, for it and for
+        # each running request.
+        headroom = self._blocks_to_go_on()
+        if not kv.can_swap_in(request.request_id, request.num_tokens + 1, bool(self.running), headroom=headroom):
+            return None
+        swap_in.extend(kv.swap_in(request.request_id))
+        block_ids = kv.grow_table(request.request_id, end)
+        self.swapped.remove(request)
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self._order)
+        scheduled.append(_scheduled_request(request, num_new, block_ids))
+        return num_new
+
+    def _blocks_to_go_on(self) -> int:
+        """Blocks the running requests still need to finish their prompts and take one more token each."""
+        kv, block_size = self.kv_manager, self.kv_manager.block_size
+        needed = 0
+        for r in self.running:
+            missing = -(-(r.num_tokens + 1) // block_size) - len(kv.block_ids(r.request_id))
+            needed += missing if missing > 0 else 0
+        return needed
 
     def _next_to_admit(self) -> Request | None:
         """Policy hook: the waiting request admission considers next (the head of the queue, or for ``lpm``
@@ -290,28 +352,29 @@ class Scheduler:
         cached = {id(r): self.kv_manager.cached_prefix(r).num_tokens for r in self.waiting}
         return sorted(self.waiting, key=lambda r: (-cached[id(r)], *self._order(r)))
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        while budget > 0 and (request := self._next_to_admit()) is not None:
-            if self.swapped and self._order(self.swapped[0]) < self._order(request):
-                break  # a swapped request that ranks first is resumed first
-            prefix = self.kv_manager.cached_prefix(request)  # its leading blocks already in the prefix cache
-            if self.kv_manager.prefix_in_flight(request, prefix):
-                # Another request computes more of this prompt's prefix right now: wait until it is cached
-                # rather than compute it twice. Later requests may be admitted meanwhile.
-                self._deferred.add(request.request_id)
-                continue
-            num_new = min(request.num_tokens - prefix.num_tokens, budget)
-            end = prefix.num_tokens + num_new
-            if not self._fits(request, end, prefix):
-                refund = self._preempt_for(request, scheduled)
-                if refund is None:
-                    break  # nobody overtakes the head of the queue
-                budget += refund
-                continue
-            block_ids = self._admit(request, end, prefix)
-            scheduled.append(_scheduled_request(request, num_new, block_ids))
-            budget -= num_new
-        return budget
+    def _admit_next(self, request: Request, budget: int, scheduled: list[ScheduledRequest]) -> int | None:
+        """Admit the waiting request (the priority policy may preempt for it); the tokens it takes from the
+        budget (less those given back by its victims), or None if it must wait."""
+        prefix = self.kv_manager.cached_prefix(request)  # its leading blocks already in the prefix cache
+        if self.kv_manager.prefix_in_flight(request, prefix):
+            # Another request computes more of this prompt's prefix right now: wait until it is cached rather
+            # than compute it twice. Later requests may be admitted meanwhile.
+            self._deferred.add(request.request_id)
+            return 0
+        num_new = min(request.num_tokens - prefix.num_tokens, budget)
+        end = prefix.num_tokens + num_new
+        refund = 0
+        if not self._fits(request, end, prefix):
+            victims = self._victims_for(request, end, prefix)
+            if victims is None:
+                return None  # nobody overtakes the head of the queue
+            refund = self._preempt_for(request, victims, scheduled)
+            if not self._fits(request, end, prefix):  # _victims_for said it would: a bug, but never a crash
+                logger.error("preempted %s for %s, which still does not fit", victims, request.request_id)
+                return None
+        block_ids = self._admit(request, end, prefix)
+        scheduled.append(_scheduled_request(request, num_new, block_ids))
+        return num_new - refund
 
     def _fits(self, request: Request, num_slots: int, prefix: CachedPrefix) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
@@ -333,26 +396,36 @@ class Scheduler:
         bisect.insort(self.running, request, key=self._order)
         return block_ids
 
-    def _preempt_for(self, request: Request, scheduled: list[ScheduledRequest]) -> int | None:
-        """Priority policy: preempt the least important running request if it ranks strictly below ``request``.
-
-        Returns the tokens the victim had been given this step (back to the budget), or None if
-        nobody may be preempted.
+    def _victims_for(self, request: Request, num_slots: int, prefix: CachedPrefix) -> list[Request] | None:
+        """Priority policy: the fewest running requests, least important first and each strictly less important
+        than ``request``, whose preemption makes it fit; None when no such set exists (then nobody is preempted).
         """
-        if self.config.policy != "priority" or not self.running:
+        if self.config.policy != "priority":
             return None
-        victim = self.running[-1]
-        if victim.priority <= request.priority:
-            return None
-        if victim.last_preempted_by == (request.request_id, self.step_index - 1):
-            return None  # thrash guard: not twice in consecutive steps by the same request
+        victims: list[Request] = []
+        for victim in reversed(self.running):  # least important (and most recent) first
+            if victim.priority <= request.priority:
+                return None  # the rest rank at least as high
+            if victim.last_preempted_by == (request.request_id, self.step_index - 1):
+                return None  # thrash guard: not twice in consecutive steps by the same request
+            victims.append(victim)
+            remaining = len(self.running) - len(victims)
+            if remaining < self.config.max_num_seqs and self.kv_manager.can_admit_after_freeing(
+                [v.request_id for v in victims], request.request_id, num_slots, remaining > 0, prefix
+            ):
+                return victims
+        return None
+
+    def _preempt_for(self, request: Request, victims: list[Request], scheduled: list[ScheduledRequest]) -> int:
+        """Preempt ``victims`` for ``request``; the tokens they had been given this step (back to the budget)."""
         refund = 0
-        for i, item in enumerate(scheduled):
-            if item.request_id == victim.request_id:
-                refund = scheduled.pop(i).num_scheduled_tokens
-                break
-        self._preempt(victim)
-        victim.last_preempted_by = (request.request_id, self.step_index)
+        for victim in victims:
+            for i, item in enumerate(scheduled):
+                if item.request_id == victim.request_id:
+                    refund += scheduled.pop(i).num_scheduled_tokens
+                    break
+            self._preempt(victim)
+            victim.last_preempted_by = (request.request_id, self.step_index)
         return refund
 
     def _preempt(self, request: Request) -> None:
@@ -401,6 +474,8 @@ class Scheduler:
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
+                self.num_prompt_tokens += len(request.prompt_token_ids)
+            self.num_generation_tokens += 1
             updated.append(request)
             token = sampled_token_ids[item.request_id]
             request.output_token_ids.append(token)
