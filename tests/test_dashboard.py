@@ -47,7 +47,9 @@ def browser():
 
 
 def metric(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
+    response = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    response.raise_for_status()  # /metrics is behind the key too
+    text = response.text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"conveyor:{name}{{"))
 
 

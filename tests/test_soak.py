@@ -103,7 +103,7 @@ MALFORMED = [  # (path, raw body, expected status)
     ("/v1/completions", json.dumps({"prompt": "hi", "stop": ["x"] * 40}).encode(), 400),
     ("/v1/completions", json.dumps({"prompt": [1000] * 1100}).encode(), 400),
     ("/v1/completions", b'{"prompt": [-5]}', 400),
-    ("/v1/completions", b'{"prompt": "hi", "logprobs": 3}', 400),
+    ("/v1/completions", b'{"prompt": "hi", "logprobs": 21}', 400),  # over the 20 alternatives allowed
     ("/v1/completions", b'{"prompt": "hi", "model": "nope"}', 404),
     ("/v1/chat/completions", b'{"messages": []}', 400),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400),

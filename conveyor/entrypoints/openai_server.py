@@ -349,7 +349,8 @@ def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) ->
 
     @app.get("/metrics")
     async def prometheus_metrics() -> PlainTextResponse:
-        metrics.on_requests(serving.engine.request_counts())
+        if isinstance(metrics, EngineMetrics):  # one engine's request ledger; replicas report failover counts
+            metrics.on_requests(serving.engine.request_counts())
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
