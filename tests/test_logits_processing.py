@@ -132,3 +132,14 @@ def test_penalised_requests_are_batch_invariant(tiny_llm: LLM) -> None:
         assert batch[i].token_ids == alone.token_ids, i
     assert batch[9].token_ids == [4321] * 12, "a bias of 30 outweighs the tiny model's logits"
     assert len(set(batch[5].token_ids)) == len(batch[5].token_ids), "presence 1.5 + frequency 1 forbid repeats here"
+
+
+def test_a_request_made_elsewhere_is_checked_against_this_models_vocabulary(tiny_llm: LLM) -> None:
+    """A replicas front end makes requests without the model; the engine that takes one refuses a logit_bias
+    outside its vocabulary before the request reaches a step (where it would fail the whole batch)."""
+    engine = tiny_llm.engine
+    made = engine.make_request([5, 6, 7], SamplingParams(max_tokens=2))
+    made.sampling_params = SamplingParams(max_tokens=2, logit_bias={engine.model_config.vocab_size + 3: 5.0})
+    with pytest.raises(ValueError, match="logit_bias: token ids must be below the vocabulary size"):
+        engine.add_request(made)
+    assert not engine.has_unfinished_requests()

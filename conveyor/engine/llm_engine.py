@@ -154,10 +154,7 @@ class Engine:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against the vocabulary, and that a constraint
         compiles (compiled here, once per constraint, so a bad one is refused before it reaches the engine)."""
-        vocab = self.model_config.vocab_size
-        bad = [token for token, _ in params.logit_bias if token >= vocab]
-        if bad:
-            raise ValueError(f"logit_bias: token ids must be below the vocabulary size {vocab}, got {bad[:5]}")
+        check_logit_bias(params, self.model_config.vocab_size)
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)
 
@@ -172,9 +169,11 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> str:
-        request = prompt if isinstance(prompt, Request) else self.make_request(
-            prompt, sampling_params, request_id, arrival_time, priority
-        )
+        if isinstance(prompt, Request):  # made elsewhere (a replicas front end holds only the tokenizer): check
+            request = prompt  # what needs this engine (compiles are cached: no second cost for our own)
+            self._check_params(request.sampling_params)
+        else:
+            request = self.make_request(prompt, sampling_params, request_id, arrival_time, priority)
         if request.request_id in self._families:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         if request.sampling_params.n == 1:
@@ -344,6 +343,13 @@ class Engine:
             logprobs=None if logprobs is None or logprobs.sampled is None else list(logprobs.sampled),
             prompt_logprobs=None if logprobs is None else logprobs.prompt_list(request.num_prompt_tokens),
         )
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """logit_bias names token ids of this model's vocabulary; ValueError naming the field otherwise."""
+    bad = [token for token, _ in params.logit_bias if token >= vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias: token ids must be below the vocabulary size {vocab_size}, got {bad[:5]}")
 
 
 def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int) -> list[int]:

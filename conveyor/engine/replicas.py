@@ -27,7 +27,7 @@ from conveyor.core.request import Request, check_prompt_length
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
 from conveyor.engine.async_engine import EngineDead, EngineOverloaded
-from conveyor.engine.llm_engine import prompt_token_ids, usable_cores
+from conveyor.engine.llm_engine import check_logit_bias, prompt_token_ids, usable_cores
 from conveyor.engine.output import RequestOutput
 from conveyor.engine.replica_actor import EngineReplica
 from conveyor.engine.tokenizer import Tokenizer
@@ -186,13 +186,16 @@ class ReplicaSet:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> Request:
-        """Tokenize and check a request here, as one engine would; the replica that runs it takes it as it is."""
+        """Tokenize and check a request here, as one engine would (a constraint's grammar is compiled, and
+        refused if it does not compile, by the replica that takes it)."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        check_logit_bias(params, self.vocab_size)
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         check_prompt_length(len(token_ids), self.max_model_len)
         return Request(
             request_id=request_id or f"req-{time.monotonic_ns()}",
             prompt_token_ids=token_ids,
-            sampling_params=sampling_params if sampling_params is not None else SamplingParams(),
+            sampling_params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             eos_token_id=self.tokenizer.eos_token_id,
             priority=priority,
