@@ -119,7 +119,7 @@ def test_simulate_keeps_its_unset_defaults() -> None:
     """``conveyor simulate`` fills dtype and the KV size from the hardware when they are not given."""
     args = build_parser().parse_args(["simulate"])
     assert args.dtype is None and args.kv_cache_memory is None and args.max_num_seqs == 128
-    assert build_parser().parse_args(["simulate", "calibrate"]).max_num_seqs == 16
+    assert build_parser().parse_args(["simulate", "calibrate"]).max_num_seqs == 32
 
 
 @pytest.mark.parametrize(

@@ -1,61 +1,64 @@
-"""Calibration: the fit recovers known efficiencies, and the whole command runs against a real (tiny) engine."""
+"""Calibration and validation against a real (tiny) engine: the grid is timed, the profile saved and used."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
-import pytest
-
-from conveyor.bench.calibrate import Measurement, calibrate, fit, validate
+from conveyor.bench.calibrate import Probe, calibrate, profiling_grid, time_probe
+from conveyor.bench.sim_validation import validate_suite
 from conveyor.core.config import EngineConfig
-from conveyor.sim.cost import CostModel, StepWork, chunk_attention_pairs
-from conveyor.sim.hardware import HardwareSpec, load_hardware, load_model_config
-
-CPU = HardwareSpec("test-cpu", {"float32": 1e11}, memory_bandwidth=2e10, memory_capacity=2**34,
-                   host_link_bandwidth=1e10)
-SHAPES = [
-    StepWork(1, 1, 1, 70, 70),
-    StepWork(8, 8, 8, 560, 560),
-    StepWork(32, 32, 32, 2240, 2240),
-    StepWork(4, 4, 4, 4 * 520, 4 * 520),  # long contexts: attention's share grows
-    StepWork(1, 512, 1, chunk_attention_pairs(0, 512), 512),
-]
+from conveyor.engine import Engine
+from conveyor.sim.hardware import load_hardware
+from conveyor.sim.profile import ProfiledCostModel, load_profile, step_cost_model
+from conveyor.sim.validation import CASE_NAMES
 
 
-def test_the_fit_recovers_the_efficiencies_and_overheads_that_made_the_times():
-    model = load_model_config("SmolLM2-135M")
-    truth = dataclasses.replace(CPU, flops_efficiency=0.3, bandwidth_efficiency=0.6, attention_efficiency=0.05,
-                                step_overhead_s=0.02, per_sequence_overhead_s=0.001)
-    cost = CostModel(model, truth, "float32")
-    measurements = [Measurement(str(i), work, cost.step_time(work)) for i, work in enumerate(SHAPES)]
-    fitted = fit(model, CPU, "float32", measurements)
-    refit = CostModel(model, dataclasses.replace(CPU, **fitted), "float32")
-    for m in measurements:
-        assert refit.step_time(m.work) == pytest.approx(m.seconds, rel=0.03)
-    assert fitted["flops_efficiency"] == pytest.approx(0.3, rel=0.1)
-    assert fitted["bandwidth_efficiency"] == pytest.approx(0.6, rel=0.15)
-    assert fitted["attention_efficiency"] == pytest.approx(0.05, rel=0.15)
-    assert fitted["step_overhead_s"] == pytest.approx(0.02, rel=0.25)
+def test_the_grid_covers_decode_batches_contexts_prompts_and_mixed_steps():
+    names = [probe.name for probe in profiling_grid(32, 2048)]
+    assert [n for n in names if n.startswith("decode") and n.endswith("context 48")] == [
+        f"decode {b} x context 48" for b in (1, 2, 4, 8, 16, 32)]
+    assert "decode 8 x context 1000" in names and "decode 16 x context 1000" not in names
+    assert "prompt of 2048" in names and "8 prompts of 256" in names
+    assert any("joining" in n for n in names) and any("over the budget" in n for n in names)
+    assert all(prompt + output <= 300 for p in profiling_grid(4, 256, 300) for _, prompt, output in p.requests)
 
 
-def test_calibrate_and_validate_run_against_the_real_engine(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_a_probe_times_every_step_with_its_work(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), max_num_seqs=4, max_num_batched_tokens=64))
+    samples = time_probe(engine, Probe("p", ((0, 100, 3), (1, 10, 2))), __import__("random").Random(0))
+    works = [work for work, _ in samples]
+    assert works[0].num_tokens == 64 and works[0].num_sampled == 0  # the long prompt's first chunk
+    assert sum(w.num_tokens for w in works) == 100 + 10 + 2 + 1  # prompts, then each decode
+    assert all(seconds > 0 for _, seconds in samples)
+
+
+def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_path, monkeypatch, capsys):
     # Only the simulator's files move to tmp_path: the engine keeps its cache (compiled kernels, models).
     monkeypatch.setattr("conveyor.sim.hardware.cache_dir", lambda: tmp_path)
+    monkeypatch.setattr("conveyor.sim.profile.cache_dir", lambda: tmp_path)
     (tmp_path / "machine.json").write_text(json.dumps({
         "memory_bandwidth": 1e10, "gemm_flops": 5e10, "dtype": "float32", "threads": 2, "cpu": "test",
         "measured_at": "now"}))
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=4, num_kv_blocks=256)
-    calibrate(config, batch_sizes=[1, 4], prompt_len=8, steps=2, prefill_len=64, long_context=(2, 48))
-    saved = json.loads((tmp_path / "cpu-local-calibration.json").read_text())
-    assert [m["shape"] for m in saved["measurements"]] == [
-        "decode, batch 1, context 12", "decode, batch 4, context 12", "decode, batch 2, context 52",
-        "prefill, 64 tokens",
-    ]
-    assert all(m["measured_s"] > 0 for m in saved["measurements"])
-    assert load_hardware("cpu-local").step_overhead_s == saved["step_overhead_s"]
-    result = validate(config, num_prompts=4, seed=0, output_range=(2, 6))
-    measured, predicted = result["measured"], result["predicted"]
-    assert measured["output_tokens"] == predicted["output_tokens"]
-    assert measured["num_requests"] == predicted["num_requests"] == 4
-    assert "real engine" in capsys.readouterr().out
+    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=4, max_num_batched_tokens=256, num_threads=1)
+    profile = calibrate(config)
+    saved = list((tmp_path / "sim" / "profiles").iterdir())
+    assert len(saved) == 1 and load_profile(saved[0]) == profile
+    assert profile.machine["threads"] == 1 and profile.fit["samples"] > 50
+    assert profile.per_swapped_token_s > 0 and all(s >= 0 for s in profile.dense_s)
+    out = capsys.readouterr().out
+    assert "decode 4 x context 1000" in out and "calibrated in" in out
+    engine_model = Engine(config).model_config
+    cost, said = step_cost_model(engine_model, load_hardware("cpu-local"), "float32", threads=1)
+    assert isinstance(cost, ProfiledCostModel), said
+
+    results = validate_suite(config, num=6, seed=0)
+    assert [r["case"] for r in results] == list(CASE_NAMES)
+    for result in results:
+        measured, predicted = result["measured"], result["predicted"]
+        assert measured["num_requests"] == predicted["num_requests"] == 6
+        assert measured["output_tokens"] == predicted["output_tokens"]
+        assert result["priced_by"].startswith("step profile")
+    swap = results[-1]
+    assert swap["measured"]["preemptions"] > 0 and swap["predicted"]["preemptions"] > 0
+    out = capsys.readouterr().out
+    assert "within 10% / 15%" in out and "shared-prefix" in out

@@ -157,9 +157,11 @@ def test_cli_sweep_writes_the_plot_the_traces_and_the_max_sustainable_rates(tmp_
 def test_simulate_defaults_to_the_hardwares_dtype_and_calibrate_to_the_engines():
     args = build_parser().parse_args(["simulate", "--hardware", "H100-SXM"])
     assert args.simulate_command is None and args.dtype is None and args.kv_cache_memory is None
-    args = build_parser().parse_args(["simulate", "calibrate", "--batch-sizes", "1,2"])
-    assert args.simulate_command == "calibrate" and args.batch_sizes == "1,2"
-    assert (args.max_num_seqs, args.dtype, args.kv_cache_memory) == (16, "float32", "2GiB")
+    args = build_parser().parse_args(["simulate", "calibrate", "--no-validate"])
+    assert args.simulate_command == "calibrate" and not args.validate
+    assert (args.max_num_seqs, args.dtype, args.kv_cache_memory) == (32, "float32", "2GiB")
+    args = build_parser().parse_args(["simulate", "validate", "--workloads", "swap"])
+    assert args.simulate_command == "validate" and args.workloads == "swap"
 
 
 def test_cli_replays_a_trace_file(tmp_path, capsys):
@@ -183,8 +185,6 @@ def test_cpu_local_names_how_to_measure_this_machine_and_user_catalogs_extend_th
     assert cpu.flops("float32") == 1e11 and cpu.memory_bandwidth == 2e10
     with pytest.raises(ValueError, match="no peak FLOP/s for float16"):
         cpu.flops("float16")
-    (tmp_path / "cpu-local-calibration.json").write_text(json.dumps({"flops_efficiency": 0.25}))
-    assert load_hardware("cpu-local").flops_efficiency == 0.25
     (tmp_path / "sim").mkdir()
     (tmp_path / "sim" / "hardware.json").write_text(json.dumps({"my-gpu": {
         "peak_flops": {"float16": 1e14}, "memory_bandwidth": 1e12, "memory_capacity": 16e9,

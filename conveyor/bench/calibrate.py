@@ -1,53 +1,97 @@
-"""Fit cpu-local's efficiencies and overheads to the real engine, then check the simulator against it.
+"""``conveyor simulate calibrate``: time the real engine's steps over a grid of shapes and fit a step profile.
 
-The real engine (on the default model, unless told otherwise) times a few
-step shapes: decodes at several batch sizes, which the weight reads bound;
-decodes over long contexts, which attention's K/V reads bound; and one long
-prompt chunk, which the arithmetic bounds. The fit searches a grid of FLOP,
-bandwidth and attention efficiencies and, for each, solves the fixed and
-per-request overheads by least squares on relative error; the best fit is
-saved next to the machine figures, where ``cpu-local`` reads it.
+The grid covers what the scheduler produces: decode batches from 1 to ``max_num_seqs`` over short,
+medium and long contexts; prompts of 16 to a full token budget, alone and several in one step; steps
+that mix a prompt chunk with running decodes; and a prompt longer than the budget, whose first chunk
+samples nothing. Every step of every probe is one sample (its work, from the scheduler's output, and
+its wall time around ``Engine.step``, which is what the simulator's clock stands for), so the decode
+probes' own prompt steps count too. The fit is :func:`conveyor.sim.profile.fit_step_times`; the price of
+a swapped token is not fitted (no grid step swaps) but taken from this machine's measured copy
+bandwidth: a swap is a copy within the same memory, a read and a write.
 
-The validation then runs one seeded workload through the real engine and
-through the simulator and prints both, with the error of each figure.
-This module imports torch (through the engine); the rest of the simulator does not.
+This module imports torch (through the engine); the simulator itself does not.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
-import math
+import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from conveyor.bench.decode import measure_decode
 from conveyor.bench.report import format_table
-from conveyor.bench.throughput import WorkloadSpec, run_throughput
-from conveyor.bench.workload import long_tail_workload
 from conveyor.core.config import EngineConfig
-from conveyor.core.model_config import ModelConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
-from conveyor.sim.cost import CostModel, StepWork, chunk_attention_pairs
-from conveyor.sim.hardware import CALIBRATED_FIELDS, HardwareSpec, calibration_file, load_hardware, machine_file
-from conveyor.sim.simulator import simulate
-from conveyor.sim.workload import WorkloadRequest
+from conveyor.sim.cost import CostModel, StepWork, step_work
+from conveyor.sim.hardware import load_hardware, machine_file
+from conveyor.sim.profile import StepProfile, fit_step_times, new_profile, save_profile, this_machine
 
-# A coarse grid (25% apart) of FLOP, bandwidth and attention efficiencies, then a fine one (2.5%) near the best.
-EFFICIENCY_GRID = [0.01 * 1.25**i for i in range(24)]  # 0.01 .. ~1.7
-ATTENTION_GRID = [0.001 * 1.25**i for i in range(35)]  # 0.001 .. ~2
-FINE_STEPS = [1.025**i for i in range(-6, 7)]
-WARMUP_DECODES = 2  # measure_decode's warm-up steps before timing
+DECODE_CONTEXTS = ((48, None), (320, 32), (1000, 8))  # (prompt tokens, largest batch decoded over it)
+DECODE_OUTPUT = 10  # tokens each decode probe's requests produce: 9 decode steps
 
 
 @dataclass(frozen=True, slots=True)
-class Measurement:
+class Probe:
+    """Requests that join at given steps: ``(join step, prompt tokens, output tokens)`` each."""
+
     name: str
-    work: StepWork
-    seconds: float
+    requests: tuple[tuple[int, int, int], ...]
+
+
+def profiling_grid(max_num_seqs: int, token_budget: int, max_model_len: int = 1 << 30) -> list[Probe]:
+    """The probes, for an engine of these limits (prompts cut to fit ``max_model_len`` with their outputs)."""
+    probes = _grid(max_num_seqs, token_budget)
+    return [Probe(p.name, tuple((join, min(prompt, max_model_len - output), output)
+                                for join, prompt, output in p.requests)) for p in probes]
+
+
+def _grid(max_num_seqs: int, token_budget: int) -> list[Probe]:
+    batches = sorted({b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_num_seqs} | {max_num_seqs})
+    probes = []
+    for prompt, largest in DECODE_CONTEXTS:
+        for batch in batches:
+            if largest is None or batch <= largest:
+                probes.append(Probe(f"decode {batch} x context {prompt}", ((0, prompt, DECODE_OUTPUT),) * batch))
+    for tokens in (16, 64, 128, 256, 512, 1024, 2048):
+        if tokens <= token_budget:
+            probes.append(Probe(f"prompt of {tokens}", ((0, tokens, 1),)))
+            if tokens >= 128 and max_num_seqs >= 8:
+                probes.append(Probe(f"8 prompts of {tokens // 8}", ((0, tokens // 8, 1),) * 8))
+    mixed_batch = min(8, max_num_seqs - 2)
+    if mixed_batch >= 1:
+        probes.append(Probe(f"{mixed_batch} decodes + prompts joining", (
+            *((0, 200, 14),) * mixed_batch, (4, min(512, token_budget), 2), (8, 96, 2))))
+    probes.append(Probe("prompt over the budget + decodes", (
+        (0, 64, 8), (0, 64, 8), (2, token_budget + token_budget // 2, 2))))
+    return probes
+
+
+def time_probe(engine: Engine, probe: Probe, rng: random.Random) -> list[tuple[StepWork, float]]:
+    """Run the probe to its end; each step's work and wall seconds (steps with nothing scheduled left out)."""
+    vocab = engine.model_config.vocab_size
+    pending = sorted(probe.requests)
+    samples, step = [], 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, prompt_len, output_len = pending.pop(0)
+            prompt = [rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)]
+            engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
+        start = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - start
+        work, _ = step_work(engine.core.last_output)
+        if work.num_tokens:
+            samples.append((work, seconds))
+        step += 1
+    return samples
+
+
+def swap_price(engine: Engine, dtype: str) -> float:
+    """Seconds per swapped token: its K/V bytes read and written at this machine's measured bandwidth."""
+    ensure_machine_figures()
+    cost = CostModel(engine.model_config, load_hardware("cpu-local"), dtype)
+    return 2 * cost.kv_bytes_per_token / cost.hardware.memory_bandwidth
 
 
 def ensure_machine_figures() -> None:
@@ -60,169 +104,53 @@ def ensure_machine_figures() -> None:
     measure_machine().save()
 
 
-def measure_steps(
-    engine: Engine,
-    batch_sizes: list[int],
-    prompt_len: int,
-    steps: int,
-    prefill_len: int,
-    long_context: tuple[int, int] = (4, 512),
-    seed: int = 0,
-) -> list[Measurement]:
-    """Step times of decodes at each batch size after ``prompt_len`` tokens, of decodes at batch
-    ``long_context[0]`` after ``long_context[1]`` tokens, and of one prompt chunk of ``prefill_len`` tokens."""
-    shapes = [(batch, prompt_len) for batch in batch_sizes] + [long_context]
-    measurements = []
-    for batch, prompt in shapes:
-        context = prompt + WARMUP_DECODES + steps // 2 + 1  # each row's keys, mid-way through the timed steps
-        seconds = batch / measure_decode(engine, batch, prompt, steps, seed)
-        work = StepWork(batch, batch, batch, batch * context, batch * context)
-        measurements.append(Measurement(f"decode, batch {batch}, context {context}", work, seconds))
-        print(f"decode at batch {batch}, context {context}: {seconds * 1000:.1f} ms/step", flush=True)
-    seconds = _prefill_seconds(engine, prefill_len, seed)
-    work = StepWork(1, prefill_len, 1, chunk_attention_pairs(0, prefill_len), prefill_len)
-    measurements.append(Measurement(f"prefill, {prefill_len} tokens", work, seconds))
-    print(f"prefill of {prefill_len} tokens: {seconds * 1000:.1f} ms", flush=True)
-    return measurements
+def calibration_config(config: EngineConfig) -> EngineConfig:
+    """The engine the grid runs on: the user's, with a pool that holds every probe (no preemption, no swap)."""
+    return dataclasses.replace(config, num_kv_blocks=None, kv_cache_memory=max(int(config.kv_cache_memory), 2 << 30))
 
 
-def _prefill_seconds(engine: Engine, prefill_len: int, seed: int, repeats: int = 2) -> float:
-    """Best of ``repeats`` steps that each compute one whole prompt (and sample its first token)."""
-    vocab = engine.model_config.vocab_size
-    best = math.inf
-    for repeat in range(repeats + 1):  # the first is a warm-up
-        prompt = [(seed + repeat * 7919 + i * 104729) % (vocab // 2) + vocab // 4 for i in range(prefill_len)]
-        engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), f"prefill-{repeat}")
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        if repeat:
-            best = min(best, time.perf_counter() - start)
-    return best
+def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
+    """Time the grid, fit, save this machine's profile, and print measured against predicted per probe."""
+    started = time.perf_counter()
+    engine = Engine(calibration_config(config))
+    rng = random.Random(seed)
+    time_probe(engine, Probe("warm-up", ((0, 64, 4),) * 4 + ((0, 512, 1),)), rng)
+    probes = profiling_grid(config.max_num_seqs, config.max_num_batched_tokens, engine.max_model_len)
+    timed: list[tuple[Probe, list[tuple[StepWork, float]]]] = []
+    for probe in probes:
+        samples = time_probe(engine, probe, rng)
+        timed.append((probe, samples))
+        print(f"{probe.name}: {len(samples)} steps, {sum(s for _, s in samples):.2f} s", flush=True)
+    fitted = fit_step_times([sample for _, samples in timed for sample in samples])
+    threads = engine.num_threads
+    machine = this_machine(threads, str(engine.device) if engine.device.type != "cpu" else "cpu")
+    profile = new_profile(fitted, swap_price(engine, config.dtype), machine, engine.model_config, config.dtype,
+                          config.block_size)
+    profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(profile, timed),
+                                               "seconds": round(time.perf_counter() - started, 1)})
+    path = save_profile(profile, engine.model_config)
+    print_profile(profile, timed)
+    print(f"calibrated in {profile.fit['seconds']:.0f} s; saved to {path}")
+    return profile
 
 
-def fit(model: ModelConfig, hardware: HardwareSpec, dtype: str, measurements: list[Measurement]) -> dict[str, float]:
-    """The efficiencies and overheads that best predict the measured step times (least relative error)."""
-    coarse = _search(model, hardware, dtype, measurements, EFFICIENCY_GRID, EFFICIENCY_GRID, ATTENTION_GRID)
-    fine = [[coarse[name] * f for f in FINE_STEPS] for name in CALIBRATED_FIELDS[:3]]
-    return _search(model, hardware, dtype, measurements, *fine)
+def _fit_report(profile: StepProfile, timed: list[tuple[Probe, list[tuple[StepWork, float]]]]) -> dict:
+    errors = sorted(abs(profile.step_time(w) / s - 1) for _, samples in timed for w, s in samples)
+    return {"median_step_error": errors[len(errors) // 2], "p90_step_error": errors[int(len(errors) * 0.9)],
+            "probes": [{"probe": p.name, "measured_s": sum(s for _, s in samples),
+                        "predicted_s": sum(profile.step_time(w) for w, _ in samples)} for p, samples in timed]}
 
 
-def _search(
-    model: ModelConfig,
-    hardware: HardwareSpec,
-    dtype: str,
-    measurements: list[Measurement],
-    flops_grid: list[float],
-    bandwidth_grid: list[float],
-    attention_grid: list[float],
-) -> dict[str, float]:
-    best: tuple[float, dict[str, float]] = (math.inf, {})
-    for efficiencies in itertools.product(flops_grid, bandwidth_grid, attention_grid):
-        trial = dataclasses.replace(
-            hardware, **dict(zip(CALIBRATED_FIELDS, efficiencies)), step_overhead_s=0.0, per_sequence_overhead_s=0.0
-        )
-        cost = CostModel(model, trial, dtype)
-        bare = [cost.step_time(m.work) for m in measurements]
-        step_overhead, per_sequence = _fit_overheads(measurements, bare)
-        predicted = [b + step_overhead + per_sequence * m.work.num_seqs for b, m in zip(bare, measurements)]
-        error = sum(((p - m.seconds) / m.seconds) ** 2 for p, m in zip(predicted, measurements))
-        if error < best[0]:
-            best = (error, dict(zip(CALIBRATED_FIELDS, (*efficiencies, step_overhead, per_sequence))))
-    return best[1]
-
-
-def _fit_overheads(measurements: list[Measurement], bare: list[float]) -> tuple[float, float]:
-    """Least squares, on relative error, of (measured - bare) = step + per_sequence * num_seqs; both >= 0."""
-    rows = [(1 / m.seconds, m.work.num_seqs / m.seconds, (m.seconds - b) / m.seconds) for m, b in zip(measurements,
-                                                                                                      bare)]
-    a11 = sum(x * x for x, _, _ in rows)
-    a12 = sum(x * y for x, y, _ in rows)
-    a22 = sum(y * y for _, y, _ in rows)
-    b1 = sum(x * r for x, _, r in rows)
-    b2 = sum(y * r for _, y, r in rows)
-    det = a11 * a22 - a12 * a12
-    if det > 0:
-        step, per_sequence = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
-        if step >= 0 and per_sequence >= 0:
-            return step, per_sequence
-    # One of them would be negative: fit each alone and keep the better.
-    step_only = (max(b1 / a11, 0.0), 0.0)
-    per_sequence_only = (0.0, max(b2 / a22, 0.0))
-    return min((step_only, per_sequence_only), key=lambda c: sum((r - c[0] * x - c[1] * y) ** 2 for x, y, r in rows))
-
-
-def save_calibration(fitted: dict[str, float], model: str, dtype: str, measurements: list[Measurement],
-                     predicted: list[float]) -> None:
-    record = {
-        **fitted,
-        "model": model,
-        "dtype": dtype,
-        "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "measurements": [
-            {"shape": m.name, "measured_s": m.seconds, "predicted_s": p} for m, p in zip(measurements, predicted)
-        ],
-    }
-    path = calibration_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
-
-
-def calibrate(
-    config: EngineConfig,
-    batch_sizes: list[int],
-    prompt_len: int,
-    steps: int,
-    prefill_len: int,
-    long_context: tuple[int, int] = (4, 512),
-) -> None:
-    """Measure, fit, save, and print measured against predicted step times."""
-    ensure_machine_figures()
-    shapes_config = dataclasses.replace(
-        config,
-        max_num_seqs=max(config.max_num_seqs, *batch_sizes, long_context[0]),
-        max_num_batched_tokens=max(config.max_num_batched_tokens, prefill_len, max(batch_sizes) * prompt_len),
-    )
-    engine = Engine(shapes_config)
-    measurements = measure_steps(engine, batch_sizes, prompt_len, steps, prefill_len, long_context)
-    hardware = load_hardware("cpu-local")
-    fitted = fit(engine.model_config, hardware, config.dtype, measurements)
-    cost = CostModel(engine.model_config, dataclasses.replace(hardware, **fitted), config.dtype)
-    predicted = [cost.step_time(m.work) for m in measurements]
-    save_calibration(fitted, str(engine.model_path), config.dtype, measurements, predicted)
-    print(format_table(
-        ["shape", "measured ms", "predicted ms", "error"],
-        [[m.name, m.seconds * 1000, p * 1000, f"{p / m.seconds - 1:+.1%}"] for m, p in zip(measurements, predicted)],
-    ))
-    print("fitted: " + ", ".join(f"{name} {value:.4g}" for name, value in fitted.items()))
-    print(f"saved to {calibration_file()}")
-
-
-VALIDATED_FIGURES = {
-    "output tokens/s": "output_tokens_per_s",
-    "mean TTFT s": "ttft_mean_s",
-    "mean latency s": "latency_mean_s",
-    "p99 latency s": "latency_p99_s",
-    "steps": "steps",
-}
-
-
-def validate(config: EngineConfig, num_prompts: int, seed: int, output_range: tuple[int, int]) -> dict[str, Any]:
-    """The same seeded workload through the real engine and the calibrated simulator.
-
-    Returns both results and both traces (``measured_trace``, ``predicted_trace``): the scheduler makes
-    the same decisions in both, so the traces differ only in how long each step took.
-    """
-    engine = Engine(config)
-    measured = run_throughput(engine, WorkloadSpec(num_prompts=num_prompts, seed=seed, output_range=output_range))
-    synthetic = long_tail_workload(num_prompts, seed, engine.model_config.vocab_size, output_range=output_range)
-    workload = [WorkloadRequest(0.0, len(r.prompt_token_ids), r.output_len) for r in synthetic]
-    cost = CostModel(engine.model_config, load_hardware("cpu-local"), config.dtype)
-    predicted, predicted_trace = simulate(config, cost, workload, record_trace=True)
-    rows = [
-        [label, measured[key], predicted[key], f"{predicted[key] / measured[key] - 1:+.1%}"]
-        for label, key in VALIDATED_FIGURES.items()
-    ]
-    print(format_table(["figure", "real engine", "simulator", "error"], rows))
-    return {"measured": measured, "predicted": predicted, "measured_trace": engine.trace,
-            "predicted_trace": predicted_trace}
+def print_profile(profile: StepProfile, timed: list[tuple[Probe, list[tuple[StepWork, float]]]]) -> None:
+    rows = []
+    for probe, samples in timed:
+        measured = sum(s for _, s in samples)
+        predicted = sum(profile.step_time(w) for w, _ in samples)
+        rows.append([probe.name, len(samples), measured, predicted, f"{predicted / measured - 1:+.1%}"])
+    print(format_table(["probe (all its steps)", "steps", "measured s", "predicted s", "error"], rows))
+    print(format_table(["tokens in the step", "dense part + fixed cost, ms"],
+                       [[t, s * 1000] for t, s in zip(profile.dense_tokens, profile.dense_s)]))
+    print(f"per request {profile.per_sequence_s * 1e6:.0f} us, per sampled row {profile.per_sampled_row_s * 1e6:.0f} "
+          f"us, per decode key {profile.per_decode_key_s * 1e9:.1f} ns, per prompt query-key pair "
+          f"{profile.per_prompt_pair_s * 1e9:.2f} ns, per swapped token {profile.per_swapped_token_s * 1e9:.0f} ns; "
+          f"median step error {profile.fit['median_step_error']:.1%}, p90 {profile.fit['p90_step_error']:.1%}")

@@ -61,7 +61,8 @@ class Engine:
 
         self.config = config
         self.clock = clock
-        torch.set_num_threads(config.num_threads or usable_cores())
+        self.num_threads = config.num_threads or usable_cores()
+        torch.set_num_threads(self.num_threads)
         folder = resolve_model(config.model)
         self.model_path = folder
         self.tokenizer = Tokenizer(folder)
@@ -70,6 +71,7 @@ class Engine:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             device = torch.device(config.device)
+        self.device = device
         dtype = DTYPES[config.dtype]
         plan = plan_kv_cache(
             config, self.model_config.kv_bytes_per_token * dtype.itemsize, self.model_config.max_position_embeddings

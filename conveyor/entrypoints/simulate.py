@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -19,13 +20,14 @@ from typing import Any
 
 from conveyor.bench.report import format_table
 from conveyor.core.config import EngineConfig
-from conveyor.entrypoints.args import add_engine_args, engine_config, int_pair, with_overrides
+from conveyor.entrypoints.args import add_engine_args, engine_config, with_overrides
 from conveyor.router import POLICY_NAMES
 from conveyor.sim.cluster import simulate_cluster
-from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import hardware_names, load_hardware, load_model_config, model_names
+from conveyor.sim.profile import step_cost_model
 from conveyor.sim.simulator import device_kv_cache_memory, simulate
 from conveyor.sim.sweep import DEFAULT_LATENCY_BOUND, is_sustainable, max_sustainable_rate
+from conveyor.sim.validation import CASE_NAMES
 from conveyor.sim.workload import (
     LENGTH_PRESETS,
     ConversationShape,
@@ -83,30 +85,33 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     g.add_argument("--trace", default=None, help="write the scheduler trace (JSON lines); a folder when there "
                    "are several runs")
     g.add_argument("--json", default=None, help="also write the figures to this file")
+    g.add_argument("--step-profile", default="auto", help="how steps are priced: auto (cpu-local: this machine's "
+                   "measured profile when current, else the roofline; other hardware: the roofline), none (the "
+                   "roofline), or a profile file measured by `conveyor simulate calibrate` on your hardware")
     add_engine_args(sim)
     sim.set_defaults(dtype=None, kv_cache_memory=None)  # the hardware's dtype; the KV its memory leaves
 
-    calibrate = sim.add_subparsers(dest="simulate_command").add_parser(
-        "calibrate", help="fit cpu-local's efficiencies to the real engine, then compare both on one workload")
-    c = calibrate.add_argument_group("calibration")
-    c.add_argument("--batch-sizes", default="1,8,32", help="decode batch sizes to time")
-    c.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of each decoding request")
-    c.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
-    c.add_argument("--long-context", default="4,512", help="BATCH,PROMPT_LEN of the decodes over long contexts")
-    c.add_argument("--prefill-len", type=int, default=512, help="tokens of the timed prompt chunk")
-    c.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
-                   help="then run one workload through both the real engine and the simulator")
-    c.add_argument("--num-prompts", type=int, default=32, help="requests of the validation workload")
-    c.add_argument("--output-len", default="8,128", help="min,max output tokens (long-tailed between)")
-    c.add_argument("--workload-seed", type=int, default=0)
-    c.add_argument("--trace", default=None, help="a folder for the validation's two traces (real-engine.jsonl, "
-                   "simulator.jsonl): the same steps, their times measured and predicted")
-    add_engine_args(calibrate)
-    calibrate.set_defaults(max_num_seqs=16)
+    commands = sim.add_subparsers(dest="simulate_command")
+    calibrate = commands.add_parser(
+        "calibrate", help="time the real engine's steps over a grid of shapes and fit this machine's step "
+        "profile, then run the validation workloads through the engine and the simulator")
+    calibrate.add_argument("--validate", action=argparse.BooleanOptionalAction, default=True,
+                           help="then run the validation workloads (see `conveyor simulate validate`)")
+    validate = commands.add_parser(
+        "validate", help="run the validation workloads through the real engine and the simulator (priced by "
+        "this machine's step profile) and print the simulator's error on each figure")
+    for parser in (calibrate, validate):
+        v = parser.add_argument_group("validation")
+        v.add_argument("--num-prompts", type=int, default=48, help="requests of each validation workload")
+        v.add_argument("--workloads", default=",".join(CASE_NAMES), help="which, comma-separated")
+        v.add_argument("--workload-seed", type=int, default=0)
+        v.add_argument("--json", default=None, help="also write every workload's figures, both sides, here")
+        add_engine_args(parser)
+        parser.set_defaults(max_num_seqs=32)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    if args.simulate_command == "calibrate":
+    if args.simulate_command in ("calibrate", "validate"):
         return _calibrate(args)
     hardware = load_hardware(args.hardware)
     model = load_model_config(args.model_config or args.model or DEFAULT_MODEL_CONFIG)
@@ -124,7 +129,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     results: dict[str, list[dict[str, Any]]] = {}
     several = len(configs) * len(rates) > 1
     for spec, config in zip(specs, configs):
-        cost = CostModel(model, hardware, config.dtype, args.tensor_parallel_size)
+        cost, priced_by = step_cost_model(model, hardware, config.dtype, args.tensor_parallel_size,
+                                          args.step_profile, config.num_threads)
+        print(f"steps priced by the {priced_by}", file=sys.stderr, flush=True)
         if kv_auto and not any(option in spec for option in KV_OPTIONS):
             config = dataclasses.replace(config, kv_cache_memory=device_kv_cache_memory(cost,
                                                                                      args.gpu_memory_utilization))
@@ -137,7 +144,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                                                  args.workload_seed), None
             else:
                 result, trace = simulate(config, cost, workload, bool(args.trace), conversations)
-            result = {"configuration": spec, "request_rate": rate, **result}
+            result = {"configuration": spec, "request_rate": rate, "steps_priced_by": priced_by, **result}
             results[spec].append(result)
             if trace is not None:
                 trace.write(_trace_path(args.trace, spec, rate) if several else args.trace)
@@ -308,18 +315,20 @@ def _sweep(args: argparse.Namespace, rates: list[float], results: dict[str, list
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from conveyor.bench.calibrate import calibrate, validate
+    """``calibrate``: fit and save the profile, then validate unless told not to; ``validate``: validate."""
+    from conveyor.bench.calibrate import calibrate
+    from conveyor.bench.sim_validation import validate_suite
 
     config = engine_config(args)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    long_context = int_pair(args.long_context, "--long-context")
-    calibrate(config, batch_sizes, args.prompt_len, args.steps, args.prefill_len, long_context)
-    if args.validate:
-        print(f"\nvalidation: {args.num_prompts} long-tailed requests, max_num_seqs {config.max_num_seqs}, "
-              "real engine then simulator ...", flush=True)
-        result = validate(config, args.num_prompts, args.workload_seed, int_pair(args.output_len, "--output-len"))
-        if args.trace:
-            Path(args.trace).mkdir(parents=True, exist_ok=True)
-            result["measured_trace"].write(Path(args.trace) / "real-engine.jsonl")
-            result["predicted_trace"].write(Path(args.trace) / "simulator.jsonl")
+    names = tuple(name.strip() for name in args.workloads.split(","))
+    unknown = [name for name in names if name not in CASE_NAMES]
+    if unknown:
+        raise ValueError(f"--workloads: {', '.join(unknown)} not among {', '.join(CASE_NAMES)}")
+    if args.simulate_command == "calibrate":
+        calibrate(config)
+        if not args.validate:
+            return 0
+    results = validate_suite(config, args.num_prompts, args.workload_seed, names)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.core.model_config import ModelConfig
+from conveyor.core.scheduler.output import SchedulerOutput
 from conveyor.sim.hardware import DTYPE_BYTES, HardwareSpec
 
 
@@ -32,6 +33,35 @@ class StepWork:
     attention_pairs: int = 0  # query-key pairs, per layer and head
     kv_tokens_read: int = 0  # tokens of K/V that attention reads, per layer
     swap_blocks: int = 0  # KV blocks copied between device and host
+    decode_context: int = 0  # keys the single-token rows attend to (their pairs; the rest are prompt rows')
+
+    @property
+    def prompt_pairs(self) -> int:
+        """Query-key pairs of the prompt chunks' rows: a measured profile prices them apart from decodes'."""
+        return self.attention_pairs - self.decode_context
+
+
+def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
+    """What the step computes, and the requests it samples a token for, in one pass over the scheduled ones
+    (most of a simulated step's cost). The simulator prices this; calibration times it on the real engine."""
+    sampled: list[str] = []
+    num_tokens = attention_pairs = kv_tokens_read = decode_context = 0
+    for item in output.scheduled:
+        start, chunk = item.start_position, len(item.token_ids)
+        context = start + chunk
+        num_tokens += chunk
+        kv_tokens_read += context
+        if chunk == 1:  # a decode's one query sees its whole context (chunk_attention_pairs(start, 1))
+            attention_pairs += context
+            decode_context += context
+        else:
+            attention_pairs += chunk_attention_pairs(start, chunk)
+        if item.samples_token:
+            sampled.append(item.request_id)
+    swap_blocks = len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out)
+    work = StepWork(len(output.scheduled), num_tokens, len(sampled), attention_pairs, kv_tokens_read, swap_blocks,
+                    decode_context)
+    return work, sampled
 
 
 def chunk_attention_pairs(start: int, num_tokens: int) -> int:

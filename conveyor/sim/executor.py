@@ -10,7 +10,7 @@ and ``ignore_eos``.
 from __future__ import annotations
 
 from conveyor.core.scheduler.output import SchedulerOutput
-from conveyor.sim.cost import CostModel, StepWork, chunk_attention_pairs
+from conveyor.sim.cost import CostModel, step_work
 
 
 class VirtualClock:
@@ -36,26 +36,12 @@ class SimulatedExecutor:
         self.busy_time = 0.0
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Price the step and move the clock; one pass over the scheduled requests, which are most of its cost."""
-        scheduled = output.scheduled
-        sampled: dict[str, int] = {}
-        token = self.token_id
-        num_tokens = attention_pairs = kv_tokens_read = 0
-        for item in scheduled:
-            start, chunk = item.start_position, len(item.token_ids)
-            context = start + chunk
-            num_tokens += chunk
-            kv_tokens_read += context
-            # A decode's one query sees its whole context (chunk_attention_pairs(start, 1), without the call).
-            attention_pairs += context if chunk == 1 else chunk_attention_pairs(start, chunk)
-            if item.samples_token:
-                sampled[item.request_id] = token
-        num_seqs = len(scheduled)
-        swap_blocks = len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out)
-        work = StepWork(num_seqs, num_tokens, len(sampled), attention_pairs, kv_tokens_read, swap_blocks)
+        """Price the step and move the clock."""
+        work, sampled = step_work(output)
         duration = self.cost.step_time(work, self.block_size)
         self.clock.now += duration
         self.busy_time += duration
-        self.num_model_steps += 1 if num_seqs else 0
-        self.num_busy_slot_steps += num_seqs
-        return sampled
+        self.num_model_steps += 1 if work.num_seqs else 0
+        self.num_busy_slot_steps += work.num_seqs
+        token = self.token_id
+        return dict.fromkeys(sampled, token)

@@ -7,8 +7,9 @@ works wherever a name does. Models are HF ``config.json`` dicts, so any HF
 model folder or config file can be simulated as it is.
 
 ``cpu-local`` is this machine: its peak figures come from the file that
-``conveyor roofline`` writes, and its efficiencies and overheads from
-``conveyor simulate calibrate``, when that has been run.
+``conveyor roofline`` writes. Its steps are priced by the step profile
+that ``conveyor simulate calibrate`` measures (:mod:`conveyor.sim.profile`)
+when there is one; the roofline's efficiencies here are first guesses.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ from conveyor.core.model_config import ModelConfig
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-CALIBRATED_FIELDS = (
-    "flops_efficiency", "bandwidth_efficiency", "attention_efficiency", "step_overhead_s", "per_sequence_overhead_s"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +61,6 @@ def machine_file() -> Path:
     return cache_dir() / "machine.json"
 
 
-def calibration_file() -> Path:
-    """Where ``conveyor simulate calibrate`` saves cpu-local's fitted efficiencies, next to the machine figures."""
-    return cache_dir() / "cpu-local-calibration.json"
-
-
 def _catalog(kind: str) -> dict[str, dict[str, Any]]:
     entries = json.loads((CATALOG_DIR / f"{kind}.json").read_text())
     user_file = cache_dir() / "sim" / f"{kind}.json"
@@ -101,7 +94,7 @@ def load_hardware(name_or_path: str) -> HardwareSpec:
     else:
         raise ValueError(f"hardware: {name_or_path!r} is neither a JSON file nor one of {', '.join(catalog)}")
     if raw.get("from_machine_file"):
-        raw = {**raw, **_machine_figures(), **_calibration()}
+        raw = {**raw, **_machine_figures()}
     return _hardware_from_dict(name, raw)
 
 
@@ -135,14 +128,6 @@ def _machine_figures() -> dict[str, Any]:
         "description": f"{machine.get('cpu', 'this CPU')}, {machine.get('threads', '?')} threads, "
         f"measured {machine.get('measured_at', '?')}",
     }
-
-
-def _calibration() -> dict[str, Any]:
-    path = calibration_file()
-    if not path.is_file():
-        return {}
-    saved = json.loads(path.read_text())
-    return {key: saved[key] for key in CALIBRATED_FIELDS if key in saved}
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:

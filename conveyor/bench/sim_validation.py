@@ -1,0 +1,131 @@
+"""The simulator against the real engine, workload by workload, each run through both with the same seed.
+
+The workloads are :mod:`conveyor.sim.validation`'s. The simulator runs the same scheduler on the same
+requests (the same lengths, arrival times, priorities and shared prefixes), its steps priced by this
+machine's measured step profile (``conveyor simulate calibrate``) when there is a current one.
+This module imports torch (through the engine); the simulator itself does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from typing import Any
+
+from conveyor.bench.report import format_table
+from conveyor.core.config import EngineConfig
+from conveyor.core.figures import request_figures
+from conveyor.core.sampling import SamplingParams
+from conveyor.engine import Engine, RequestOutput
+from conveyor.sim.cost import CostModel
+from conveyor.sim.hardware import load_hardware
+from conveyor.sim.profile import step_cost_model
+from conveyor.sim.simulator import simulate
+from conveyor.sim.validation import CASE_NAMES, FIGURES, ValidationCase, error, validation_cases
+
+
+def real_prompts(case: ValidationCase, vocab_size: int, seed: int) -> list[list[int]]:
+    """Token ids for each request: a shared prefix is the same ids in every request that shares it."""
+    rng = random.Random(f"{seed}:{case.name}:tokens")
+    prefixes: dict[int, list[int]] = {}
+    prompts = []
+    for request in case.requests:
+        shared = request.shared_prefix_len
+        if shared and request.shared_prefix_id not in prefixes:
+            prefixes[request.shared_prefix_id] = [rng.randrange(vocab_size // 8, vocab_size) for _ in range(shared)]
+        own = [rng.randrange(vocab_size // 8, vocab_size) for _ in range(request.prompt_len - shared)]
+        prompts.append((prefixes[request.shared_prefix_id] if shared else []) + own)
+    return prompts
+
+
+def run_real(engine: Engine, case: ValidationCase, prompts: list[list[int]]) -> dict[str, Any]:
+    """Requests join as the wall clock passes their arrival; the engine steps while it has work."""
+    order = sorted(range(len(prompts)), key=lambda i: case.requests[i].arrival_time)
+    start = engine.clock()
+    done: list[RequestOutput] = []
+    steps = 0
+    while order or engine.has_unfinished_requests():
+        now = engine.clock() - start
+        while order and case.requests[order[0]].arrival_time <= now:
+            index = order.pop(0)
+            request = case.requests[index]
+            params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
+            engine.add_request(prompts[index], params,
+                               arrival_time=start + request.arrival_time, priority=request.priority)
+        if not engine.has_unfinished_requests():
+            time.sleep(max(case.requests[order[0]].arrival_time - now, 0.0))
+            continue
+        done.extend(o for o in engine.step() if o.finished)
+        steps += 1
+    elapsed = engine.clock() - start
+    figures = request_figures([len(o.prompt_token_ids) for o in done], [len(o.token_ids) for o in done],
+                              [o.metrics.time_to_first_token for o in done], [o.metrics.latency for o in done],
+                              elapsed, steps)
+    return {**figures, "preemptions": sum(o.metrics.num_preemptions for o in done)}
+
+
+def run_case(config: EngineConfig, engine: Engine, cost: CostModel, case: ValidationCase,
+             seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The case through the real engine, then through the simulator on the same configuration."""
+    measured = run_real(engine, case, real_prompts(case, engine.model_config.vocab_size, seed))
+    predicted, _ = simulate(dataclasses.replace(config, **case.overrides), cost, list(case.requests))
+    return measured, predicted
+
+
+def validate_suite(config: EngineConfig, num: int = 48, seed: int = 0, names: tuple[str, ...] = CASE_NAMES,
+                   step_profile: str = "auto") -> list[dict[str, Any]]:
+    """Every case in turn; prints each case's table as it ends, then the table of errors. Returns the rows.
+
+    The Poisson rates are shares of the rate the engine sustained on the first case, so the suite means the
+    same on a slow machine and a fast one.
+    """
+    engines: dict[str, Engine] = {}
+    first = validation_cases(num, seed, 1.0, config.max_num_seqs)[0]
+    base = _engine(engines, config, first.overrides)
+    cost, priced_by = step_cost_model(base.model_config, load_hardware("cpu-local"), config.dtype,
+                                      step_profile=step_profile, threads=base.num_threads)
+    print(f"validation, steps priced by the {priced_by}\n{first.name}: {first.description} ...", flush=True)
+    measured, predicted = run_case(config, base, cost, first, seed)
+    results = []
+    for case in validation_cases(num, seed, measured["requests_per_s"], config.max_num_seqs):
+        if case.name not in names:
+            continue
+        if case.name != first.name:
+            print(f"{case.name}: {case.description} ...", flush=True)
+            measured, predicted = run_case(config, _engine(engines, config, case.overrides), cost, case, seed)
+        results.append({"case": case.name, "description": case.description, "priced_by": priced_by,
+                        "measured": measured, "predicted": predicted})
+        print_case(results[-1])
+    print_errors(results)
+    return results
+
+
+def _engine(engines: dict[str, Engine], config: EngineConfig, overrides: dict[str, Any]) -> Engine:
+    """One engine per distinct configuration: the cases that share one share its loaded model."""
+    key = repr(sorted(overrides.items()))
+    if key not in engines:
+        engines.clear()  # one loaded model at a time
+        engines[key] = Engine(dataclasses.replace(config, **overrides))
+    return engines[key]
+
+
+def print_case(result: dict[str, Any]) -> None:
+    measured, predicted = result["measured"], result["predicted"]
+    rows = [[label, measured[key], predicted[key], f"{error(measured[key], predicted[key]):+.1%}"]
+            for label, key, _ in FIGURES]
+    print(f"\n{result['case']}: {result['description']}")
+    print(format_table(["figure", "real engine", "simulator", "error"], rows))
+
+
+def print_errors(results: list[dict[str, Any]]) -> None:
+    """One row per workload: the simulator's error on each figure, and whether every bound holds."""
+    rows = []
+    for result in results:
+        errors = [error(result["measured"][key], result["predicted"][key]) for _, key, _ in FIGURES]
+        within = all(abs(e) <= bound for e, (_, _, bound) in zip(errors, FIGURES) if bound is not None)
+        rows.append([result["case"], *(f"{e:+.1%}" for e in errors[:5]),
+                     f"{result['measured']['preemptions']} / {result['predicted']['preemptions']}",
+                     f"{result['measured']['steps']} / {result['predicted']['steps']}", "yes" if within else "NO"])
+    print("\n" + format_table(["workload", "tok/s", "mean TTFT", "p90 TTFT", "mean latency", "p90 latency",
+                               "preemptions real / sim", "steps real / sim", "within 10% / 15%"], rows))

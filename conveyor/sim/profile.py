@@ -1,0 +1,381 @@
+"""A measured step-time model: what one step of the real engine costs on hardware someone has, as a table.
+
+The roofline (:mod:`conveyor.sim.cost`) prices a step from first principles, the longer of its FLOPs and
+its bytes moved. On a CPU most batches sit near the ridge point, where neither bound holds and a constant
+overhead cannot make up the difference. A profile instead learns from steps timed on the real engine
+(``conveyor simulate calibrate``), in the shape Vidur gives GPU operators: each part of a step priced by
+what it grows with, the parameters fitted by non-negative least squares on relative error::
+
+    step = dense(T) + per_sequence * N + per_sampled_row * S
+           + per_decode_key * Kd + per_prompt_pair * Pp + per_swapped_token * W
+
+``dense(T)`` is a table of seconds by the step's token count ``T``, interpolated linearly between its
+entries (and along its last segment beyond them): the projections and MLP, which read every weight
+whatever the batch and then grow with the rows, the KV writes, and the fixed cost of a step. ``N`` is the
+requests in the step (input preparation, bookkeeping), ``S`` the rows that sample (LM head, sampler,
+detokenizer), ``Kd`` the keys the decode rows attend to, ``Pp`` the query-key pairs of prompt rows, ``W``
+the tokens of KV swapped. Every parameter is a time, none negative.
+
+A profile says what it was measured on: the CPU and its vector ISA, the threads, the model's shape, the
+dtype, and a fingerprint of the engine's own code. Used with another model or dtype it is refused; with
+another engine version it is stale, and refused too: a changed kernel changes every step.
+Pure Python, like the rest of the simulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conveyor.core.cache_dir import cache_dir
+from conveyor.core.model_config import ModelConfig
+from conveyor.sim.cost import CostModel, StepWork
+from conveyor.sim.hardware import HardwareSpec
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "asimd", "sve")
+ENGINE_PACKAGES = ("core", "engine", "executor", "model", "csrc")  # the code a real step runs
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "tie_word_embeddings")
+LINEAR_PARTS = ("per_sequence_s", "per_sampled_row_s", "per_decode_key_s", "per_prompt_pair_s")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot price this simulation: another model or dtype, or a stale engine version."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepProfile:
+    dense_tokens: tuple[int, ...]  # token counts of the dense table, ascending
+    dense_s: tuple[float, ...]  # seconds of the dense part (and the step's fixed cost) at each
+    per_sequence_s: float
+    per_sampled_row_s: float
+    per_decode_key_s: float
+    per_prompt_pair_s: float
+    per_swapped_token_s: float
+    machine: dict[str, Any]  # cpu, isa, threads, device
+    model: dict[str, Any]  # MODEL_FIELDS of the model measured
+    dtype: str
+    block_size: int
+    engine: str  # engine_fingerprint() when measured
+    measured_at: str = ""
+    fit: dict[str, Any] = field(default_factory=dict)  # samples, errors, shapes: how well it describes them
+
+    def dense_time(self, num_tokens: int) -> float:
+        weights = dense_weights(self.dense_tokens, num_tokens)
+        return sum(w * self.dense_s[i] for i, w in weights)
+
+    def step_time(self, work: StepWork, block_size: int = 16) -> float:
+        swap = work.swap_blocks * block_size * self.per_swapped_token_s
+        if not work.num_tokens:
+            return swap
+        return (
+            self.dense_time(work.num_tokens)
+            + work.num_seqs * self.per_sequence_s
+            + work.num_sampled * self.per_sampled_row_s
+            + work.decode_context * self.per_decode_key_s
+            + work.prompt_pairs * self.per_prompt_pair_s
+            + swap
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> StepProfile:
+        optional = ("measured_at", "fit")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw and f.name not in optional]
+        if missing:
+            raise ProfileError(f"not a step profile: missing {', '.join(missing)}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {key: value for key, value in raw.items() if key in known}
+        values["dense_tokens"] = tuple(int(t) for t in values["dense_tokens"])
+        values["dense_s"] = tuple(float(s) for s in values["dense_s"])
+        return cls(**values)
+
+
+def dense_weights(knots: Sequence[int], num_tokens: int) -> list[tuple[int, float]]:
+    """Linear interpolation weights of ``num_tokens`` over the table's entries: (index, weight) pairs.
+
+    Outside the table the nearest segment is extended, so a step larger than any measured grows at the
+    last measured rate instead of stopping at the last entry.
+    """
+    if len(knots) == 1:
+        return [(0, 1.0)]
+    i = 0
+    while i < len(knots) - 2 and num_tokens > knots[i + 1]:
+        i += 1
+    u = (num_tokens - knots[i]) / (knots[i + 1] - knots[i])
+    return [(i, 1.0 - u), (i + 1, u)]
+
+
+# -- fitting -------------------------------------------------------------------------------------------------
+
+def dense_knots(token_counts: Sequence[int]) -> tuple[int, ...]:
+    """Table entries: powers of two from 1 up to the largest step, each with a measured step within a factor of
+    two on either side (beyond the last entry the table extends its last segment)."""
+    knots, k, largest = [], 1, max(token_counts)
+    while k <= largest:
+        if any(k / 2 < t < 2 * k for t in token_counts):
+            knots.append(k)
+        k *= 2
+    return tuple(knots)
+
+
+def features(work: StepWork, knots: Sequence[int]) -> list[float]:
+    """The row of the least-squares problem: dense-table weights, then the linear parts' quantities."""
+    row = [0.0] * (len(knots) + len(LINEAR_PARTS))
+    for index, weight in dense_weights(knots, work.num_tokens):
+        row[index] = weight
+    row[len(knots):] = [work.num_seqs, work.num_sampled, work.decode_context, work.prompt_pairs]
+    return row
+
+
+def fit_step_times(samples: Sequence[tuple[StepWork, float]], outlier_factor: float = 4.0,
+                   rounds: int = 3) -> dict[str, Any]:
+    """The dense table and linear parts that best predict ``samples`` (work, seconds), by relative error.
+
+    Swap-free steps with tokens only (the swap price is not fitted: see ``calibrate``). Each further
+    round refits without the steps more than ``outlier_factor`` times the median error away (never
+    closer than 10%), judged against the previous round's fit: a step that a stray process or a
+    collection interrupted would otherwise pull the whole table.
+    """
+    usable = [(w, t) for w, t in samples if w.num_tokens and not w.swap_blocks and t > 0]
+    if not usable:
+        raise ValueError("no timed steps with tokens to fit")
+    knots = dense_knots([w.num_tokens for w, _ in usable])
+    kept = usable
+    params = _fit(kept, knots)
+    for _ in range(rounds - 1):
+        errors = [abs(_predict(params, knots, w) / t - 1) for w, t in usable]
+        limit = max(outlier_factor * sorted(errors)[len(errors) // 2], 0.10)
+        kept = [sample for sample, error in zip(usable, errors) if error <= limit]
+        params = _fit(kept, knots)
+    dense = _fill_unmeasured(params[: len(knots)], knots, [w.num_tokens for w, _ in kept])
+    fitted = dict(zip(LINEAR_PARTS, params[len(knots):]))
+    return {"dense_tokens": knots, "dense_s": tuple(dense), **fitted,
+            "fit": {"samples": len(usable), "outliers_dropped": len(usable) - len(kept)}}
+
+
+def _fit(samples: Sequence[tuple[StepWork, float]], knots: Sequence[int]) -> list[float]:
+    rows = [[x / t for x in features(w, knots)] for w, t in samples]  # relative error: each row over its time
+    return nonnegative_least_squares(rows, [1.0] * len(rows))
+
+
+def _predict(params: Sequence[float], knots: Sequence[int], work: StepWork) -> float:
+    return sum(p * x for p, x in zip(params, features(work, knots)))
+
+
+def _fill_unmeasured(dense: Sequence[float], knots: Sequence[int], token_counts: Sequence[int]) -> list[float]:
+    """An entry the fit left at zero with no step beside it to set it takes its neighbours' line."""
+    filled = list(dense)
+    for i, value in enumerate(filled):
+        if value == 0 and 0 < i < len(filled) - 1:
+            filled[i] = filled[i - 1] + (filled[i + 1] - filled[i - 1]) * (knots[i] - knots[i - 1]) / (
+                knots[i + 1] - knots[i - 1])
+    return filled
+
+
+def nonnegative_least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
+    """argmin ||A x - b|| with x >= 0 (Lawson and Hanson's active set), on columns scaled to unit length.
+
+    A few dozen unknowns and a few thousand rows: plain Python is quick enough, and the simulator stays
+    free of numerical libraries.
+    """
+    p = len(rows[0])
+    scale = [sum(r[j] * r[j] for r in rows) ** 0.5 or 1.0 for j in range(p)]
+    gram = [[sum(r[i] * r[j] for r in rows) / (scale[i] * scale[j]) for j in range(p)] for i in range(p)]
+    rhs = [sum(r[j] * b for r, b in zip(rows, targets)) / scale[j] for j in range(p)]
+    x = [0.0] * p
+    passive: list[int] = []
+    for _ in range(3 * p):
+        gradient = [rhs[j] - sum(gram[j][k] * x[k] for k in range(p)) for j in range(p)]
+        free = [j for j in range(p) if j not in passive and gradient[j] > 1e-12]
+        if not free:
+            break
+        passive.append(max(free, key=gradient.__getitem__))
+        x, passive = _inner_loop(gram, rhs, x, passive)
+    return [x[j] / scale[j] for j in range(p)]
+
+
+def _inner_loop(gram: list[list[float]], rhs: list[float], x: list[float],
+                passive: list[int]) -> tuple[list[float], list[int]]:
+    """Solve on the passive set; step back along the way while a passive unknown would turn negative."""
+    while True:
+        solved = _solve([[gram[i][j] for j in passive] for i in passive], [rhs[i] for i in passive])
+        z = [0.0] * len(x)
+        for index, value in zip(passive, solved):
+            z[index] = value
+        if all(z[j] > 0 for j in passive):
+            return z, passive
+        alpha = min(x[j] / (x[j] - z[j]) for j in passive if z[j] <= 0)
+        x = [xi + alpha * (zi - xi) for xi, zi in zip(x, z)]
+        passive = [j for j in passive if x[j] > 1e-15]
+        if not passive:
+            return [0.0] * len(x), passive
+
+
+def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; a tiny ridge keeps nearly collinear columns solvable."""
+    n = len(vector)
+    a = [[*row, vector[i]] for i, row in enumerate(matrix)]
+    for i in range(n):
+        a[i][i] += 1e-10
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            factor = a[r][col] / a[col][col]
+            for c in range(col, n + 1):
+                a[r][c] -= factor * a[col][c]
+    solution = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        solution[r] = (a[r][n] - sum(a[r][c] * solution[c] for c in range(r + 1, n))) / a[r][r]
+    return solution
+
+
+# -- identity: what a profile was measured on ----------------------------------------------------------------
+
+def this_machine(threads: int, device: str = "cpu") -> dict[str, Any]:
+    """The CPU model, its vector ISA, the threads the engine uses, and the device (a GPU's name, or cpu)."""
+    cpu: str | None = None
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and cpu is None:
+                cpu = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags |= set(value.split())
+    except OSError:
+        pass
+    cpu = cpu or platform.processor() or platform.machine()
+    return {"cpu": cpu, "isa": [f for f in ISA_FLAGS if f in flags], "threads": threads, "device": device}
+
+
+def usable_threads() -> int:
+    """The engine's default thread count: the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def model_signature(model: ModelConfig) -> dict[str, Any]:
+    return {name: getattr(model, name) for name in MODEL_FIELDS}
+
+
+def engine_version() -> str:
+    try:
+        return importlib.metadata.version("conveyor")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "source"
+
+
+def engine_fingerprint(root: Path = PACKAGE_ROOT) -> str:
+    """A hash of the engine's version and of the code every real step runs (kernels, model, executor, core)."""
+    version = engine_version()
+    digest = hashlib.sha256(version.encode())
+    for package in ENGINE_PACKAGES:
+        for path in sorted((root / package).rglob("*")):
+            if path.suffix in (".py", ".cpp", ".h") and path.is_file():
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    return f"{version}+{digest.hexdigest()[:16]}"
+
+
+def profile_path(machine: dict[str, Any], model: ModelConfig, dtype: str) -> Path:
+    """Where this machine's profile of this model and dtype lives: one file per CPU, ISA, threads, model, dtype."""
+    tag = json.dumps([machine, model_signature(model), dtype], sort_keys=True)
+    cpu = re.sub(r"[^a-z0-9]+", "-", machine["cpu"].lower()).strip("-")[:40] or "cpu"
+    return cache_dir() / "sim" / "profiles" / f"{cpu}-{hashlib.sha256(tag.encode()).hexdigest()[:12]}.json"
+
+
+def save_profile(profile: StepProfile, model: ModelConfig) -> Path:
+    path = profile_path(profile.machine, model, profile.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    return path
+
+
+def load_profile(path: str | Path) -> StepProfile:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ProfileError(f"step profile {path}: {error}") from error
+    return StepProfile.from_json(raw)
+
+
+def check_profile(profile: StepProfile, model: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> None:
+    """Refuse a profile measured on something else than what is simulated, or with another engine version."""
+    if profile.model != model_signature(model):
+        raise ProfileError(f"the step profile was measured on another model ({profile.model}), not this one")
+    if profile.dtype != dtype:
+        raise ProfileError(f"the step profile was measured in {profile.dtype}, not {dtype}")
+    if tensor_parallel_size != 1:
+        raise ProfileError("a step profile prices one device: no tensor parallelism")
+    current = engine_fingerprint()
+    if profile.engine != current:
+        raise ProfileError(
+            f"the step profile is stale: measured with engine {profile.engine}, this is {current}; "
+            "measure again with `conveyor simulate calibrate`")
+
+
+class ProfiledCostModel(CostModel):
+    """The roofline's sizes (weights, KV bytes per token) with the profile's step times."""
+
+    def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, profile: StepProfile,
+                 source: str = "") -> None:
+        super().__init__(model, hardware, dtype)
+        self.profile = profile
+        self.source = source
+
+    def step_time(self, work: StepWork, block_size: int = 16) -> float:
+        return self.profile.step_time(work, block_size)
+
+
+def new_profile(fitted: dict[str, Any], per_swapped_token_s: float, machine: dict[str, Any], model: ModelConfig,
+                dtype: str, block_size: int) -> StepProfile:
+    """A profile from a fit (``fit_step_times``), stamped with what it was measured on and when."""
+    return StepProfile(**fitted, per_swapped_token_s=per_swapped_token_s, machine=machine,
+                       model=model_signature(model), dtype=dtype, block_size=block_size,
+                       engine=engine_fingerprint(), measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tensor_parallel_size: int = 1,
+                    step_profile: str = "auto", threads: int | None = None) -> tuple[CostModel, str]:
+    """The cost model a simulation prices its steps with, and a line saying which.
+
+    ``step_profile``: ``none``, the roofline; a file, that profile (refused if it was measured on another
+    model, dtype or engine version); ``auto``, this machine's own profile of the model for ``cpu-local``
+    when ``conveyor simulate calibrate`` has measured one and it is still current, else the roofline. A
+    stale profile is never used: ``auto`` says so and falls back to the roofline.
+    """
+    roofline = CostModel(model, hardware, dtype, tensor_parallel_size)
+    if step_profile == "none":
+        return roofline, "roofline"
+    if step_profile != "auto":
+        profile = load_profile(step_profile)
+        check_profile(profile, model, dtype, tensor_parallel_size)
+        return ProfiledCostModel(model, hardware, dtype, profile, step_profile), f"step profile {step_profile}"
+    if not hardware.extra.get("from_machine_file"):
+        return roofline, "roofline"
+    path = profile_path(this_machine(threads or usable_threads()), model, dtype)
+    if not path.is_file():
+        return roofline, "roofline (no step profile of this model on this machine: `conveyor simulate calibrate`)"
+    profile = load_profile(path)
+    try:
+        check_profile(profile, model, dtype, tensor_parallel_size)
+    except ProfileError as error:
+        return roofline, f"roofline: {error}"
+    return ProfiledCostModel(model, hardware, dtype, profile, str(path)), f"step profile {path}"
