@@ -203,7 +203,7 @@ if __name__ == "__main__":
     parser = peer_io.argument_parser("stand-in", peer_io.PEERS / "none")
     parser.add_argument("--name", default="stand-in")
     args = parser.parse_args()
-    peer_io.main(args.name, "1.0", args, run_together)
+    peer_io.main(args.name, f"1.0 on {args.threads} threads", args, run_together)
 '''
 
 
@@ -217,10 +217,11 @@ def test_run_peers_speaks_the_runner_protocol_and_skips_missing_peers(tmp_path, 
     stand_in = Peer("stand-in", "run_stand_in.py", None, (), "setup_stand_in.sh")
     absent = Peer("absent", "run_absent.py", ".peers/absent/bin/python", (), "setup_absent.sh")
     renamed = Peer("renamed", "run_stand_in.py", None, (), "setup_stand_in.sh", ("--name", "renamed"))
-    result, other = run_peers([absent, stand_in, renamed], workloads, root=tmp_path)
+    result, other = run_peers([absent, stand_in, renamed], workloads, root=tmp_path, threads=3)
     assert "skipping absent" in capsys.readouterr().err
+    assert result.version == "1.0 on 3 threads"  # Conveyor's thread count reaches every runner
     assert other.engine == "renamed"  # the peer's own options reach its runner
-    assert (result.engine, result.version) == ("stand-in", "1.0")
+    assert result.engine == "stand-in"
     assert result.results["W1@1"].output_token_ids == [[5, 6, 5]]
     assert result.results["W2"].output_token_ids == [[9, 9], [4, 3, 2, 4]]
     assert result.results["W2"].ttft_s == [0.01, 0.01]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,24 @@ def argument_parser(description: str, default_model: Path) -> argparse.ArgumentP
     parser.add_argument("workloads", nargs="+", help="workload JSON files, run in this order")
     parser.add_argument("--result", required=True, help="the result JSON to write")
     parser.add_argument("--model", default=str(default_model), help=f"(default: {default_model})")
+    parser.add_argument("--threads", type=int, default=usable_cores(),
+                        help="CPU threads the engine computes on: Conveyor's own count, so that both use the same")
     return parser
+
+
+def usable_cores() -> int:
+    """How many cores this process may run on (its affinity), as Conveyor counts them by default."""
+    return len(os.sched_getaffinity(0))
+
+
+def first_cores(threads: int) -> str:
+    """The first ``threads`` of the cores this process may use, as a CPU list (``0-3`` or ``0,2,4``)."""
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    if len(cores) == 1:
+        return str(cores[0])
+    if cores == list(range(cores[0], cores[0] + len(cores))):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
 
 
 

@@ -1,4 +1,4 @@
-"""llama.cpp's ``llama-server`` (F32 GGUF, 64 slots, 2 threads, continuous batching) driven over HTTP.
+"""llama.cpp's ``llama-server`` (F32 GGUF, 64 slots, ``--threads`` threads, continuous batching) driven over HTTP.
 
 The runner starts the server, sends each request to ``/completion`` with a
 token-id prompt (all of a workload's requests concurrently, or one after
@@ -21,7 +21,7 @@ import peer_io
 DIR = peer_io.PEERS / "llama.cpp"
 SERVER = DIR / "build" / "bin" / "llama-server"
 SDIST_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp setup_llamacpp.sh builds
-SERVER_ARGS = ("-np", "64", "-c", "65536", "-t", "2", "-cb", "--no-ui")
+SERVER_ARGS = ("-np", "64", "-c", "65536", "-cb", "--no-ui")
 
 
 def completion_body(request: peer_io.Request) -> dict[str, Any]:
@@ -64,11 +64,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, log: Path) -> subprocess.Popen:
+def start_server(model: str, port: int, log: Path, threads: int) -> subprocess.Popen:
     """Start llama-server and wait until /health answers 200 (model loaded)."""
     with log.open("w") as out:
         server = subprocess.Popen([str(SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                                   *SERVER_ARGS], stdout=out, stderr=subprocess.STDOUT)
+                                   "-t", str(threads), *SERVER_ARGS], stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -93,7 +93,7 @@ def server_version() -> str:
 if __name__ == "__main__":
     args = peer_io.argument_parser(__doc__.splitlines()[0], DIR / "model-f32.gguf").parse_args()
     port = free_port()
-    server = start_server(args.model, port, DIR / "server.log")
+    server = start_server(args.model, port, DIR / "server.log", args.threads)
     try:
         url = f"http://127.0.0.1:{port}/completion"
         peer_io.main("llama.cpp llama-server", server_version(), args,

@@ -26,7 +26,7 @@ MAX_NUM_BATCHED_TOKENS = 2048
 CACHE_SIZE_GB = 2
 
 
-def make_pipeline(model_dir: str, kv_cache_precision: str,
+def make_pipeline(model_dir: str, kv_cache_precision: str, threads: int,
                   prefix_caching: bool = False) -> ov_genai.ContinuousBatchingPipeline:
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = CACHE_SIZE_GB
@@ -34,7 +34,8 @@ def make_pipeline(model_dir: str, kv_cache_precision: str,
     scheduler.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     scheduler.dynamic_split_fuse = True
     scheduler.enable_prefix_caching = prefix_caching  # off: every engine computes every prompt (W1, W2)
-    properties = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": kv_cache_precision}
+    properties = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": kv_cache_precision,
+                  "INFERENCE_NUM_THREADS": threads}
     return ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", properties)
 
 
@@ -74,7 +75,7 @@ if __name__ == "__main__":
 
     def pipeline(prefix_caching: bool) -> ov_genai.ContinuousBatchingPipeline:
         if prefix_caching not in pipes:  # built when a workload needs it
-            pipes[prefix_caching] = make_pipeline(args.model, args.kv_cache_precision, prefix_caching)
+            pipes[prefix_caching] = make_pipeline(args.model, args.kv_cache_precision, args.threads, prefix_caching)
         return pipes[prefix_caching]
 
     peer_io.main(f"OpenVINO GenAI ContinuousBatchingPipeline, KV {args.kv_cache_precision}", ov_genai.__version__, args,

@@ -50,6 +50,7 @@ def run_together(model: AutoModelForCausalLM, requests: list[peer_io.Request]) -
 
 if __name__ == "__main__":
     args = peer_io.argument_parser(__doc__.splitlines()[0], peer_io.PEERS / "model").parse_args()
+    torch.set_num_threads(args.threads)
     model = load(args.model)
     peer_io.main("transformers generate (static batches)", transformers.__version__, args,
                  lambda requests: run_together(model, requests))

