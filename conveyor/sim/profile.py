@@ -161,7 +161,7 @@ def fit_step_times(samples: Sequence[tuple[StepWork, float]], outlier_factor: fl
         limit = max(outlier_factor * sorted(errors)[len(errors) // 2], 0.10)
         kept = [sample for sample, error in zip(usable, errors) if error <= limit]
         params = _fit(kept, knots)
-    dense = _fill_unmeasured(params[: len(knots)], knots, [w.num_tokens for w, _ in kept])
+    dense = _fill_unmeasured(params[: len(knots)], knots)
     fitted = dict(zip(LINEAR_PARTS, params[len(knots):]))
     return {"dense_tokens": knots, "dense_s": tuple(dense), **fitted,
             "fit": {"samples": len(usable), "outliers_dropped": len(usable) - len(kept)}}
@@ -176,7 +176,7 @@ def _predict(params: Sequence[float], knots: Sequence[int], work: StepWork) -> f
     return sum(p * x for p, x in zip(params, features(work, knots)))
 
 
-def _fill_unmeasured(dense: Sequence[float], knots: Sequence[int], token_counts: Sequence[int]) -> list[float]:
+def _fill_unmeasured(dense: Sequence[float], knots: Sequence[int]) -> list[float]:
     """An entry the fit left at zero with no step beside it to set it takes its neighbours' line."""
     filled = list(dense)
     for i, value in enumerate(filled):
