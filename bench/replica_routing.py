@@ -79,7 +79,7 @@ def main() -> int:
             print(f"round {round_index + 1}: {policy} ...", file=sys.stderr, flush=True)
             with replica_server(policy, flags) as base:
                 result = bench_serve(base, None, args.conversations, args.rate, 0, (1, args.output_len), 49152,
-                                     None, None, None, "multi-turn", args.turns)
+                                     None, None, None, workload_kind="multi-turn", num_turns=args.turns)
             runs.append({"round": round_index + 1, "policy": policy} | result)
     columns = ["prefix_cache_hit_rate", "ttft_p50_s", "ttft_p90_s", "e2e_p90_s", "output_tokens_per_s",
                "completed", "failed"]
