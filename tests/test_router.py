@@ -80,6 +80,33 @@ def test_cache_aware_keeps_conversations_on_their_replica():
             router.finished(home)
 
 
+def test_cache_aware_follows_the_answer_a_replica_cached_not_only_the_prompt():
+    """A turn whose last answer is longer than the history before it: the prompt alone matches under half
+    of the next prompt, the prompt and the cached answer match most of it."""
+    system, answer, question = [7] * BLOCK, list(range(100, 100 + 3 * BLOCK + 1)), [8] * BLOCK
+    for remembered in (False, True):
+        router = Router(2, "cache-aware", block_size=BLOCK)
+        home = router.route(system)
+        router.finished(home)
+        if remembered:
+            router.remember(home, system + answer[:-1])  # the last token was sampled, never computed
+        router.report_load(home, num_waiting=0, num_running=3, kv_usage=0.5)  # busier, within the thresholds
+        router.report_load(1 - home, num_waiting=0, num_running=0, kv_usage=0.0)
+        assert router.route(system + answer + question) == (home if remembered else 1 - home)
+
+
+def test_remember_fills_only_a_cache_aware_router_and_only_a_healthy_replica():
+    tokens = list(range(4 * BLOCK))
+    blind = Router(2, "round-robin", block_size=BLOCK)
+    blind.remember(0, tokens)
+    assert len(blind.indexes[0]) == 0
+    aware = Router(2, "cache-aware", block_size=BLOCK)
+    aware.set_healthy(1, False)  # a finish reported after the replica went down fills nothing
+    aware.remember(1, tokens)
+    aware.remember(0, tokens)
+    assert (len(aware.indexes[0]), len(aware.indexes[1])) == (4, 0)
+
+
 def test_cache_aware_falls_back_to_least_loaded_under_imbalance():
     router = Router(2, "cache-aware", block_size=BLOCK, settings=CacheAwareSettings(balance_abs_threshold=4))
     home = router.route(conversation_prompt(0, 0))

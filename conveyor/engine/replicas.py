@@ -276,6 +276,9 @@ class ReplicaSet:
                     raise _ReplicaFailed(repr(error)) from None
                 if self._failing_all:
                     raise EngineDead("the server is shutting down")
+                if output.finished and output.finish_reason in ("stop", "length"):
+                    with self._lock:  # the replica caches the answer too, and a chat's next turn resends it
+                        self.router.remember(replica, output.prompt_token_ids + output.token_ids[:-1])
                 yield output
             finished = True
         except errors as error:

@@ -1,10 +1,12 @@
 """An approximate map of which prompt prefixes each replica holds in its prefix cache.
 
 The router cannot see inside a replica's KV manager, so it remembers what it sent there: each
-routed prompt's full blocks, as chained block hashes (a block's key covers every token before
-it, as the replicas' own prefix caches key blocks). Like the cache it mirrors, the index is
-bounded: it keeps at most the replica's KV capacity in blocks, least recently used out first,
-and forgets blocks unused for ``ttl`` seconds; a replica that restarts starts empty again.
+routed prompt's full blocks, and once a sequence finishes, its answer's too (the replica caches
+the blocks it computed, and a chat's next turn resends the answer), as chained block hashes (a
+block's key covers every token before it, as the replicas' own prefix caches key blocks). Like
+the cache it mirrors, the index is bounded: it keeps at most the replica's KV capacity in
+blocks, least recently used out first, and forgets blocks unused for ``ttl`` seconds; a replica
+that restarts starts empty again.
 """
 
 from __future__ import annotations

@@ -94,6 +94,14 @@ class Router:
         state = self.replicas[replica]
         state.in_flight = max(state.in_flight - 1, 0)
 
+    def remember(self, replica: int, token_ids: Sequence[int]) -> None:
+        """``replica`` finished a sequence whose KV it now caches: its prompt and its answer but the last token
+        (sampled, never fed back). A chat's next turn resends that answer, so the index must know it: with the
+        prompt alone a turn's match stops where the previous answer began, and an exchange longer than the
+        history before it falls under ``cache_threshold`` and is placed on load alone, off its cache."""
+        if self.policy.uses_prefix_index and self.replicas[replica].healthy:
+            self.indexes[replica].insert(block_hashes(token_ids, self.block_size), self.clock())
+
     def report_load(
         self, replica: int, num_waiting: int, num_running: int, kv_usage: float, num_kv_blocks: int | None = None
     ) -> None:

@@ -120,7 +120,10 @@ class ClusterSimulation:
             if request.status is not FINISHED:
                 continue
             finished.add(request)
-            self.router.finished(self._replica_of.pop(request.request_id))
+            index = self._replica_of.pop(request.request_id)
+            self.router.finished(index)
+            self.router_clock.now = max(self.router_clock.now, replica.clock.now)
+            self.router.remember(index, request.prompt_token_ids + request.output_token_ids[:-1])
             if self.conversations and (turn := self.conversations.next_turn(request, replica.clock.now)) is not None:
                 self._push(turn)
 
