@@ -162,6 +162,10 @@ def test_a_dead_loop_fails_every_open_request_and_refuses_new_ones(tiny_model_di
         jobs = [(llm.engine.make_request(p, SamplingParams(max_tokens=50, ignore_eos=True)), None)
                 for p in prompts(6, seed=2)]
         assert run_async(engine, jobs) == ["errored"] * 6
+        for _ in range(100):  # on_fatal comes from the loop thread just after it failed the requests
+            if fatal:
+                break
+            time.sleep(0.05)
         assert len(fatal) == 1 and isinstance(fatal[0], RuntimeError)
         counts = engine.request_counts()
         assert counts.errored == counts.submitted == 6 and counts.open == 0

@@ -91,6 +91,11 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     add_engine_args(sim)
     sim.set_defaults(dtype=None, kv_cache_memory=None)  # the hardware's dtype; the KV its memory leaves
 
+    _add_calibration_parsers(sim)
+
+
+def _add_calibration_parsers(sim: argparse.ArgumentParser) -> None:
+    """``simulate calibrate`` and ``simulate validate``: the simulator measured against the real engine."""
     commands = sim.add_subparsers(dest="simulate_command")
     calibrate = commands.add_parser(
         "calibrate", help="time the real engine's steps over a grid of shapes and fit this machine's step "
