@@ -16,6 +16,7 @@ from conveyor.sim.profile import (
     ProfileError,
     StepProfile,
     check_profile,
+    decode_bucket,
     dense_weights,
     engine_fingerprint,
     fit_step_times,
@@ -30,25 +31,27 @@ from conveyor.sim.profile import (
 
 KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 DENSE = (0.015, 0.0155, 0.016, 0.018, 0.022, 0.03, 0.05, 0.09, 0.17, 0.33, 0.65, 1.3)
-TRUTH = {"per_sequence_s": 2e-4, "per_sampled_row_s": 5e-4, "per_decode_key_s": 2e-7, "per_prompt_pair_s": 3e-8}
+TRUTH = {"per_sequence_s": 2e-4, "per_sampled_row_s": 5e-4, "per_prompt_pair_s": 3e-8,
+         "per_decode_key_s": (8e-7, 5e-7, 3e-7, 2e-7, 2e-7)}  # by decode rows: 1, 2-3, 4-7, 8-15, 16+
 MODEL = load_model_config("SmolLM2-135M")
 
 
 def true_time(work: StepWork) -> float:
     dense = sum(w * DENSE[i] for i, w in dense_weights(KNOTS, work.num_tokens))
     return dense + (work.num_seqs * TRUTH["per_sequence_s"] + work.num_sampled * TRUTH["per_sampled_row_s"]
-                    + work.decode_context * TRUTH["per_decode_key_s"] + work.prompt_pairs * TRUTH["per_prompt_pair_s"])
+                    + work.decode_context * TRUTH["per_decode_key_s"][decode_bucket(work.decode_rows)]
+                    + work.prompt_pairs * TRUTH["per_prompt_pair_s"])
 
 
 def grid() -> list[StepWork]:
     """The shapes calibration times: decodes over three contexts, prompts alone and eight at once, mixes,
     and a chunk that samples nothing."""
-    shapes = [StepWork(b, b, b, b * c, b * c, 0, b * c) for b in (1, 2, 4, 8, 16, 32) for c in (48, 320, 1000)]
+    shapes = [StepWork(b, b, b, b * c, b * c, 0, b * c, b) for b in (1, 2, 4, 8, 16, 32) for c in (48, 320, 1000)]
     for n in (16, 64, 128, 256, 512, 1024, 2048):
         shapes.append(StepWork(1, n, 1, chunk_attention_pairs(0, n), n))
         shapes.append(StepWork(8, n, 8, 8 * chunk_attention_pairs(0, n // 8), n))
         shapes.append(StepWork(1, n, 0, chunk_attention_pairs(0, n), n))
-        shapes.append(StepWork(9, n + 8, 9, chunk_attention_pairs(0, n) + 8 * 200, n + 8 * 201, 0, 8 * 200))
+        shapes.append(StepWork(9, n + 8, 9, chunk_attention_pairs(0, n) + 8 * 200, n + 8 * 201, 0, 8 * 200, 8))
     return shapes
 
 
@@ -89,6 +92,16 @@ def test_nonnegative_least_squares_clamps_what_plain_least_squares_would_make_ne
     # Unconstrained, b = 1 - col0 would need a negative slope; the best x >= 0 puts it to 0.
     x = nonnegative_least_squares(rows, [0.0, -1.0, -2.0])
     assert x[0] == 0.0 and x[1] >= 0.0
+
+
+def test_decode_keys_are_priced_by_how_many_decode_rows_share_the_step():
+    assert [decode_bucket(rows) for rows in (0, 1, 2, 3, 4, 7, 8, 15, 16, 200)] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    profile = synthetic_profile()
+    alone, shared = StepWork(1, 1, 1, 500, 500, 0, 500, 1), StepWork(1, 1, 1, 500, 500, 0, 500, 16)
+    assert profile.step_time(alone) - profile.step_time(shared) == pytest.approx(500 * (8e-7 - 2e-7))
+    raw = profile.to_json() | {"per_decode_key_s": 2e-7}  # a profile from before the buckets
+    with pytest.raises(ProfileError, match="one price per bucket"):
+        StepProfile.from_json(raw)
 
 
 def test_the_dense_table_interpolates_and_extends_its_last_segment():
@@ -152,7 +165,7 @@ def test_cpu_local_prices_steps_by_this_machines_current_profile_else_the_roofli
     path = save_profile(synthetic_profile(), MODEL)
     cost, said = step_cost_model(MODEL, cpu, "float32", threads=2)
     assert isinstance(cost, ProfiledCostModel) and str(path) in said
-    assert cost.step_time(StepWork(1, 1, 1, 10, 10, 0, 10)) == pytest.approx(0.015 + 7e-4 + 2e-6)
+    assert cost.step_time(StepWork(1, 1, 1, 10, 10, 0, 10, 1)) == pytest.approx(0.015 + 7e-4 + 8e-6)
     assert type(step_cost_model(MODEL, cpu, "float32", threads=1)[0]) is CostModel  # measured with 2 threads
     assert type(step_cost_model(MODEL, load_hardware("A100-80GB"), "float32", threads=2)[0]) is CostModel
     assert type(step_cost_model(MODEL, cpu, "float32", step_profile="none", threads=2)[0]) is CostModel

@@ -29,6 +29,8 @@ from conveyor.sim.profile import StepProfile, fit_step_times, new_profile, save_
 
 DECODE_CONTEXTS = ((48, None), (320, 32), (1000, 8))  # (prompt tokens, largest batch decoded over it)
 DECODE_OUTPUT = 10  # tokens each decode probe's requests produce: 9 decode steps
+# Prompt steps: powers of two (the table's entries) and sizes between them, where the table interpolates.
+PROMPT_SIZES = (16, 48, 64, 96, 128, 200, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +55,10 @@ def _grid(max_num_seqs: int, token_budget: int) -> list[Probe]:
         for batch in batches:
             if largest is None or batch <= largest:
                 probes.append(Probe(f"decode {batch} x context {prompt}", ((0, prompt, DECODE_OUTPUT),) * batch))
-    for tokens in (16, 64, 128, 256, 512, 1024, 2048):
+    for tokens in PROMPT_SIZES:
         if tokens <= token_budget:
             probes.append(Probe(f"prompt of {tokens}", ((0, tokens, 1),)))
-            if tokens >= 128 and max_num_seqs >= 8:
+            if tokens in (128, 256, 512, 1024, 2048) and max_num_seqs >= 8:
                 probes.append(Probe(f"8 prompts of {tokens // 8}", ((0, tokens // 8, 1),) * 8))
     mixed_batch = min(8, max_num_seqs - 2)
     if mixed_batch >= 1:
@@ -151,6 +153,7 @@ def print_profile(profile: StepProfile, timed: list[tuple[Probe, list[tuple[Step
     print(format_table(["tokens in the step", "dense part + fixed cost, ms"],
                        [[t, s * 1000] for t, s in zip(profile.dense_tokens, profile.dense_s)]))
     print(f"per request {profile.per_sequence_s * 1e6:.0f} us, per sampled row {profile.per_sampled_row_s * 1e6:.0f} "
-          f"us, per decode key {profile.per_decode_key_s * 1e9:.1f} ns, per prompt query-key pair "
+          f"us, per decode key {'/'.join(f'{k * 1e9:.0f}' for k in profile.per_decode_key_s)} ns (1, 2-3, 4-7, "
+          f"8-15, 16+ decode rows), per prompt query-key pair "
           f"{profile.per_prompt_pair_s * 1e9:.2f} ns, per swapped token {profile.per_swapped_token_s * 1e9:.0f} ns; "
           f"median step error {profile.fit['median_step_error']:.1%}, p90 {profile.fit['p90_step_error']:.1%}")

@@ -248,15 +248,18 @@ AttendFn attend_fn(int64_t dim) {
 
 // The GEMMs' schedule over m rows and `tiles` weight tiles: work items are (row block, tile), row block
 // outermost, so that neighbouring items share x rows and each tile is reused by up to 64 rows; each item calls
-// pass(tile, row, rows) for its rows, up to kMaxRows at a time.
+// pass(tile, row, rows) for its rows, up to kMaxRows at a time. The blocks are of equal size (65 rows make two
+// blocks of 33 and 32, not 64 and 1): the threads take contiguous runs of items, and a short last block would
+// leave one thread with nearly all the rows (a 65-row step cost what a 128-row one did).
 template <typename Pass>
 void for_each_tile_pass(int64_t m, int64_t tiles, const Pass& pass) {
   const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t block_rows = (m + row_blocks - 1) / row_blocks;
   at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / tiles, tile = item % tiles;
-      const int64_t row_end = std::min(m, (block + 1) * kRowsPerBlock);
-      for (int64_t row = block * kRowsPerBlock; row < row_end; row += kMaxRows) {
+      const int64_t row_end = std::min(m, (block + 1) * block_rows);
+      for (int64_t row = block * block_rows; row < row_end; row += kMaxRows) {
         pass(tile, row, std::min<int64_t>(kMaxRows, row_end - row));
       }
     }

@@ -34,6 +34,7 @@ class StepWork:
     kv_tokens_read: int = 0  # tokens of K/V that attention reads, per layer
     swap_blocks: int = 0  # KV blocks copied between device and host
     decode_context: int = 0  # keys the single-token rows attend to (their pairs; the rest are prompt rows')
+    decode_rows: int = 0  # single-token rows
 
     @property
     def prompt_pairs(self) -> int:
@@ -45,7 +46,7 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
     """What the step computes, and the requests it samples a token for, in one pass over the scheduled ones
     (most of a simulated step's cost). The simulator prices this; calibration times it on the real engine."""
     sampled: list[str] = []
-    num_tokens = attention_pairs = kv_tokens_read = decode_context = 0
+    num_tokens = attention_pairs = kv_tokens_read = decode_context = decode_rows = 0
     for item in output.scheduled:
         start, chunk = item.start_position, len(item.token_ids)
         context = start + chunk
@@ -54,13 +55,14 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
         if chunk == 1:  # a decode's one query sees its whole context (chunk_attention_pairs(start, 1))
             attention_pairs += context
             decode_context += context
+            decode_rows += 1
         else:
             attention_pairs += chunk_attention_pairs(start, chunk)
         if item.samples_token:
             sampled.append(item.request_id)
     swap_blocks = len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out)
     work = StepWork(len(output.scheduled), num_tokens, len(sampled), attention_pairs, kv_tokens_read, swap_blocks,
-                    decode_context)
+                    decode_context, decode_rows)
     return work, sampled
 
 

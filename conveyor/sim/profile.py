@@ -7,14 +7,16 @@ overhead cannot make up the difference. A profile instead learns from steps time
 what it grows with, the parameters fitted by non-negative least squares on relative error::
 
     step = dense(T) + per_sequence * N + per_sampled_row * S
-           + per_decode_key * Kd + per_prompt_pair * Pp + per_swapped_token * W
+           + per_decode_key[rows bucket] * Kd + per_prompt_pair * Pp + per_swapped_token * W
 
 ``dense(T)`` is a table of seconds by the step's token count ``T``, interpolated linearly between its
 entries (and along its last segment beyond them): the projections and MLP, which read every weight
 whatever the batch and then grow with the rows, the KV writes, and the fixed cost of a step. ``N`` is the
 requests in the step (input preparation, bookkeeping), ``S`` the rows that sample (LM head, sampler,
 detokenizer), ``Kd`` the keys the decode rows attend to, ``Pp`` the query-key pairs of prompt rows, ``W``
-the tokens of KV swapped. Every parameter is a time, none negative.
+the tokens of KV swapped. Every parameter is a time, none negative. A key costs a lone decode row more
+than one of many (measured: 1.7 times on 2 cores), as a few rows' heads cannot keep every thread
+busy, so its price is kept per bucket of decode rows in the step (1, 2-3, 4-7, 8-15, 16 and more).
 
 A profile says what it was measured on: the CPU and its vector ISA, the threads, the model's shape, the
 dtype, and a fingerprint of the engine's own code. Used with another model or dtype it is refused; with
@@ -47,7 +49,8 @@ ENGINE_PACKAGES = ("core", "engine", "executor", "model", "csrc")  # the code a 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "tie_word_embeddings")
-LINEAR_PARTS = ("per_sequence_s", "per_sampled_row_s", "per_decode_key_s", "per_prompt_pair_s")
+LINEAR_PARTS = ("per_sequence_s", "per_sampled_row_s", "per_prompt_pair_s")
+DECODE_ROW_BUCKETS = (1, 2, 4, 8, 16)  # lower bounds: a key's price by how many decode rows share the step
 
 
 class ProfileError(ValueError):
@@ -60,7 +63,7 @@ class StepProfile:
     dense_s: tuple[float, ...]  # seconds of the dense part (and the step's fixed cost) at each
     per_sequence_s: float
     per_sampled_row_s: float
-    per_decode_key_s: float
+    per_decode_key_s: tuple[float, ...]  # by DECODE_ROW_BUCKETS
     per_prompt_pair_s: float
     per_swapped_token_s: float
     machine: dict[str, Any]  # cpu, isa, threads, device
@@ -83,7 +86,7 @@ class StepProfile:
             self.dense_time(work.num_tokens)
             + work.num_seqs * self.per_sequence_s
             + work.num_sampled * self.per_sampled_row_s
-            + work.decode_context * self.per_decode_key_s
+            + work.decode_context * self.per_decode_key_s[decode_bucket(work.decode_rows)]
             + work.prompt_pairs * self.per_prompt_pair_s
             + swap
         )
@@ -101,7 +104,17 @@ class StepProfile:
         values = {key: value for key, value in raw.items() if key in known}
         values["dense_tokens"] = tuple(int(t) for t in values["dense_tokens"])
         values["dense_s"] = tuple(float(s) for s in values["dense_s"])
+        keys = values["per_decode_key_s"]
+        if not isinstance(keys, list | tuple) or len(keys) != len(DECODE_ROW_BUCKETS):
+            raise ProfileError(f"step profile: per_decode_key_s needs one price per bucket of decode rows "
+                               f"{DECODE_ROW_BUCKETS}; measure it again with `conveyor simulate calibrate`")
+        values["per_decode_key_s"] = tuple(float(k) for k in keys)
         return cls(**values)
+
+
+def decode_bucket(decode_rows: int) -> int:
+    """Which of DECODE_ROW_BUCKETS a step with ``decode_rows`` single-token rows falls in."""
+    return max(i for i, low in enumerate(DECODE_ROW_BUCKETS) if decode_rows >= low) if decode_rows else 0
 
 
 def dense_weights(knots: Sequence[int], num_tokens: int) -> list[tuple[int, float]]:
@@ -133,11 +146,14 @@ def dense_knots(token_counts: Sequence[int]) -> tuple[int, ...]:
 
 
 def features(work: StepWork, knots: Sequence[int]) -> list[float]:
-    """The row of the least-squares problem: dense-table weights, then the linear parts' quantities."""
-    row = [0.0] * (len(knots) + len(LINEAR_PARTS))
+    """The row of the least-squares problem: dense-table weights, the linear parts' quantities, then the decode
+    keys in their bucket's column."""
+    linear = len(knots) + len(LINEAR_PARTS)
+    row = [0.0] * (linear + len(DECODE_ROW_BUCKETS))
     for index, weight in dense_weights(knots, work.num_tokens):
         row[index] = weight
-    row[len(knots):] = [work.num_seqs, work.num_sampled, work.decode_context, work.prompt_pairs]
+    row[len(knots):linear] = [work.num_seqs, work.num_sampled, work.prompt_pairs]
+    row[linear + decode_bucket(work.decode_rows)] = work.decode_context
     return row
 
 
@@ -162,8 +178,10 @@ def fit_step_times(samples: Sequence[tuple[StepWork, float]], outlier_factor: fl
         kept = [sample for sample, error in zip(usable, errors) if error <= limit]
         params = _fit(kept, knots)
     dense = _fill_unmeasured(params[: len(knots)], knots)
-    fitted = dict(zip(LINEAR_PARTS, params[len(knots):]))
-    return {"dense_tokens": knots, "dense_s": tuple(dense), **fitted,
+    linear = len(knots) + len(LINEAR_PARTS)
+    fitted = dict(zip(LINEAR_PARTS, params[len(knots):linear]))
+    keys = _fill_unmeasured_buckets(params[linear:], [w.decode_rows for w, _ in kept])
+    return {"dense_tokens": knots, "dense_s": tuple(dense), **fitted, "per_decode_key_s": keys,
             "fit": {"samples": len(usable), "outliers_dropped": len(usable) - len(kept)}}
 
 
@@ -184,6 +202,16 @@ def _fill_unmeasured(dense: Sequence[float], knots: Sequence[int]) -> list[float
             filled[i] = filled[i - 1] + (filled[i + 1] - filled[i - 1]) * (knots[i] - knots[i - 1]) / (
                 knots[i + 1] - knots[i - 1])
     return filled
+
+
+def _fill_unmeasured_buckets(prices: Sequence[float], decode_rows: Sequence[int]) -> tuple[float, ...]:
+    """A bucket of decode rows that no timed step fell in takes the price of the nearest smaller one that did."""
+    measured = {decode_bucket(rows) for rows in decode_rows if rows}
+    filled = list(prices)
+    for i in range(len(filled)):
+        if i not in measured:
+            filled[i] = next((filled[j] for j in range(i - 1, -1, -1) if j in measured), filled[i])
+    return tuple(filled)
 
 
 def nonnegative_least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
