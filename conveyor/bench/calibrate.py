@@ -66,7 +66,17 @@ def _grid(max_num_seqs: int, token_budget: int) -> list[Probe]:
             *((0, 200, 14),) * mixed_batch, (4, min(512, token_budget), 2), (8, 96, 2))))
     probes.append(Probe("prompt over the budget + decodes", (
         (0, 64, 8), (0, 64, 8), (2, token_budget + token_budget // 2, 2))))
+    probes.append(mixed_traffic(max_num_seqs))
     return probes
+
+
+def mixed_traffic(max_num_seqs: int, seed: int = 7) -> Probe:
+    """Requests of random lengths joining at random steps: decode batches over mixed contexts, prompts of any
+    size beside them, and a KV pool in the state traffic leaves it (blocks of many requests, interleaved)."""
+    rng = random.Random(seed)
+    count = min(32, 2 * max_num_seqs)
+    return Probe(f"{count} requests joining at random", tuple(
+        sorted((rng.randrange(60), rng.randint(16, 600), rng.randint(8, 64)) for _ in range(count))))
 
 
 def time_probe(engine: Engine, probe: Probe, rng: random.Random) -> list[tuple[StepWork, float]]:
