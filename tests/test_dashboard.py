@@ -85,24 +85,30 @@ def live_server(tiny_model_dir) -> Iterator[str]:
 
 def test_live_page_follows_the_engine(browser, live_server) -> None:
     page = browser.new_page()
-    page.goto(f"{live_server}/dashboard?api_key={KEY}")
+    page.goto(f"{live_server}/dashboard?api_key={KEY}&fps=10")  # redrawn ten times a second: the tiny model is quick
     traffic = send_traffic(live_server, num_requests=10, max_tokens=400)
     dash = "window.conveyorDashboard"
     wait_for(lambda: page.evaluate(f"{dash}.timelineRequestIds().length") > 0, what="a request in the timeline")
 
-    # The running count on the page is /metrics' gauge, give or take one update of the page.
+    # The running count on the page is /metrics' gauge, give or take one update of the page: two redraws after
+    # `before`, what it shows came from the server after it.
     for _ in range(3):
         before = metric(live_server, "num_requests_running")
-        seen = page.evaluate(f"{dash}.updates()")
-        wait_for(lambda seen=seen: page.evaluate(f"{dash}.updates()") >= seen + 2, 10, "two more updates")
+        seen = page.evaluate(f"{dash}.draws()")
+        wait_for(lambda seen=seen: page.evaluate(f"{dash}.draws()") >= seen + 2, 10, "two more redraws")
         shown = int(page.inner_text("#count-running"))
         after = metric(live_server, "num_requests_running")
         assert min(before, after) <= shown <= max(before, after), (before, shown, after)
 
     # A request seen in the timeline holds blocks, then finishes and leaves: its row goes, its blocks free up.
-    watched = page.evaluate(f"{dash}.timelineRequestIds()")[0]
-    blocks = wait_for(lambda: page.evaluate(f"{dash}.blocksOf({json.dumps(watched)})"), 10, "its blocks")
-    assert page.locator(f'#requests tr[data-id="{watched}"]').count() == 1
+    def holding():  # a request in the timeline's latest step that holds blocks (not one that just finished)
+        for request_id in page.evaluate(f"{dash}.timelineRequestIds()"):
+            if held := page.evaluate(f"{dash}.blocksOf({json.dumps(request_id)})"):
+                return request_id, held
+        return None
+
+    watched, blocks = wait_for(holding, 10, "a request in the timeline that holds blocks")
+    wait_for(lambda: page.locator(f'#requests tr[data-id="{watched}"]').count() == 1, 10, "its row")
     wait_for(lambda: watched not in page.evaluate(f"{dash}.timelineRequestIds()"), 120, "it to leave the batch")
     wait_for(lambda: page.locator(f'#requests tr[data-id="{watched}"]').count() == 0, 10, "its row to go")
     traffic.join(timeout=300)

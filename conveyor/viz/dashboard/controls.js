@@ -19,7 +19,7 @@ async function followLive() {
       if (response.status === 401) { setStatus("the API key is missing or wrong: add ?api_key=KEY to the address", "no access", "down"); return; }
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       setStatus("", "live", "live");
-      await readEvents(response.body, (delta) => { ui.session.apply(delta); ui.dirty = true; });
+      await readEvents(response.body, (delta) => { ui.session.apply(delta); markDirty(); });
     } catch (error) {
       ui.error = String(error);
     }
@@ -57,7 +57,7 @@ async function openTrace(stream, name) {
     ui.loadMs = performance.now() - began;
     ui.replay = { config, store, state: null };
     seek(0);
-    ui.playing = true; ui.lastAdvance = null;
+    ui.playing = true; ui.lastAdvance = null; wake();
     setStatus(`${name}: ${store.length.toLocaleString()} steps, ${(bytes / 1e6).toFixed(1)} MB, loaded in ${(ui.loadMs / 1000).toFixed(1)} s`);
   } catch (error) {
     ui.error = String(error);
@@ -73,7 +73,7 @@ function seek(target) {
     r.state = new BatchState(r.store, r.config.num_kv_blocks || 1, 0, true);
   }
   r.state.applyUpTo(target);
-  ui.playhead = target; ui.dirty = true;
+  ui.playhead = target; markDirty();
 }
 
 function advanceReplay(now) {
@@ -91,7 +91,7 @@ function wireControls() {
   $("play").onclick = () => {
     if (!ui.replay) return;
     if (!ui.playing && ui.playhead >= ui.replay.store.length) seek(0);
-    ui.playing = !ui.playing; ui.lastAdvance = null;
+    ui.playing = !ui.playing; ui.lastAdvance = null; wake();
     $("play").textContent = ui.playing ? "Pause" : "Play";
   };
   $("step-forward").onclick = () => { if (ui.replay) { ui.playing = false; $("play").textContent = "Play"; seek(ui.playhead + 1); } };
@@ -103,13 +103,13 @@ function wireControls() {
     const key = e.target.dataset && e.target.dataset.key;
     if (!key) return;
     ui.sortUp = ui.sortKey === key ? !ui.sortUp : true;
-    ui.sortKey = key; ui.dirty = true; ui.lastTable = 0;
+    ui.sortKey = key; markDirty(); ui.lastTable = 0;
   };
   document.querySelector("#requests tbody").onclick = (e) => {
     const tr = e.target.closest("tr");
     if (!tr) return;
     ui.selected = ui.selected === tr.dataset.id ? null : tr.dataset.id;
-    ui.dirty = true; ui.lastTable = 0;
+    markDirty(); ui.lastTable = 0;
   };
   wireDrop();
 }
@@ -135,6 +135,7 @@ function watchStalls() {
 window.conveyorDashboard = {
   mode: () => ui.mode,
   updates: () => (ui.mode === "live" && ui.session ? ui.session.updates : 0),
+  draws: () => ui.draws || 0,
   stepCount: () => (view() ? view().store.length : 0),
   playhead: () => ui.playhead,
   timelineRequestIds: () => {
@@ -160,7 +161,7 @@ window.conveyorDashboard = {
 
 wireControls();
 watchStalls();
-requestAnimationFrame(render);
+wake();
 const traceUrl = document.querySelector('meta[name="conveyor-trace"]').content;
 if (traceUrl) {
   fetch(traceUrl).then((r) => openTrace(r.body, document.querySelector('meta[name="conveyor-trace-name"]').content));
