@@ -51,13 +51,14 @@ def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_pat
     cost, said = step_cost_model(engine_model, load_hardware("cpu-local"), "float32", threads=1)
     assert isinstance(cost, ProfiledCostModel), said
 
-    results = validate_suite(config, num=6, seed=0)
+    results = validate_suite(config, num=6, seed=0, repeats=2)
     assert [r["case"] for r in results] == list(CASE_NAMES)
     for result in results:
         measured, predicted = result["measured"], result["predicted"]
         assert measured["num_requests"] == predicted["num_requests"] == 6
         assert measured["output_tokens"] == predicted["output_tokens"]
         assert result["priced_by"].startswith("step profile")
+        assert [run["output_tokens"] for run in measured["runs"]] == [measured["output_tokens"]] * 2
     swap = results[-1]
     assert swap["measured"]["preemptions"] > 0 and swap["predicted"]["preemptions"] > 0
     out = capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import statistics
 import time
 from typing import Any
 
@@ -65,16 +66,25 @@ def run_real(engine: Engine, case: ValidationCase, prompts: list[list[int]]) -> 
     return {**figures, "preemptions": sum(o.metrics.num_preemptions for o in done)}
 
 
-def run_case(config: EngineConfig, engine: Engine, cost: CostModel, case: ValidationCase,
-             seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The case through the real engine, then through the simulator on the same configuration."""
-    measured = run_real(engine, case, real_prompts(case, engine.model_config.vocab_size, seed))
+def run_case(config: EngineConfig, engine: Engine, cost: CostModel, case: ValidationCase, seed: int,
+             repeats: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The case through the real engine ``repeats`` times, then once through the simulator (which does the
+    same each time). The real figures are the median of the runs, with each run kept under ``runs``: on a
+    shared machine one run of a workload whose requests queue can move by a fifth on its own. Each run has
+    prompt tokens of its own (the same lengths and shared prefixes), so none finds another's in the cache."""
+    runs = [run_real(engine, case, real_prompts(case, engine.model_config.vocab_size, seed + 1000 * r))
+            for r in range(repeats)]
+    measured = {key: median_of([run[key] for run in runs]) for key in runs[0]} | {"runs": runs}
     predicted, _ = simulate(dataclasses.replace(config, **case.overrides), cost, list(case.requests))
     return measured, predicted
 
 
+def median_of(values: list[Any]) -> Any:
+    return statistics.median(values) if all(isinstance(v, int | float) for v in values) else values[0]
+
+
 def validate_suite(config: EngineConfig, num: int = 48, seed: int = 0, names: tuple[str, ...] = CASE_NAMES,
-                   step_profile: str = "auto") -> list[dict[str, Any]]:
+                   step_profile: str = "auto", repeats: int = 3) -> list[dict[str, Any]]:
     """Every case in turn; prints each case's table as it ends, then the table of errors. Returns the rows.
 
     The Poisson rates are shares of the rate the engine sustained on the first case, so the suite means the
@@ -86,14 +96,15 @@ def validate_suite(config: EngineConfig, num: int = 48, seed: int = 0, names: tu
     cost, priced_by = step_cost_model(base.model_config, load_hardware("cpu-local"), config.dtype,
                                       step_profile=step_profile, threads=base.num_threads)
     print(f"validation, steps priced by the {priced_by}\n{first.name}: {first.description} ...", flush=True)
-    measured, predicted = run_case(config, base, cost, first, seed)
+    measured, predicted = run_case(config, base, cost, first, seed, repeats)
     results = []
     for case in validation_cases(num, seed, measured["requests_per_s"], config.max_num_seqs):
         if case.name not in names:
             continue
         if case.name != first.name:
             print(f"{case.name}: {case.description} ...", flush=True)
-            measured, predicted = run_case(config, _engine(engines, config, case.overrides), cost, case, seed)
+            measured, predicted = run_case(config, _engine(engines, config, case.overrides), cost, case, seed,
+                                           repeats)
         results.append({"case": case.name, "description": case.description, "priced_by": priced_by,
                         "measured": measured, "predicted": predicted})
         print_case(results[-1])
@@ -116,10 +127,15 @@ def _engine(engines: dict[str, Engine], config: EngineConfig, overrides: dict[st
 
 def print_case(result: dict[str, Any]) -> None:
     measured, predicted = result["measured"], result["predicted"]
-    rows = [[label, measured[key], predicted[key], f"{error(measured[key], predicted[key]):+.1%}"]
-            for label, key, _ in FIGURES]
+    runs = measured["runs"]
+    rows = [[label, measured[key], _spread([run[key] for run in runs]), predicted[key],
+             f"{error(measured[key], predicted[key]):+.1%}"] for label, key, _ in FIGURES]
     print(f"\n{result['case']}: {result['description']}")
-    print(format_table(["figure", "real engine", "simulator", "error"], rows))
+    print(format_table(["figure", f"real engine (median of {len(runs)})", "real runs", "simulator", "error"], rows))
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.3g} - {max(values):.3g}" if len(values) > 1 else ""
 
 
 def print_errors(results: list[dict[str, Any]]) -> None:

@@ -110,6 +110,8 @@ def _add_calibration_parsers(sim: argparse.ArgumentParser) -> None:
         v.add_argument("--num-prompts", type=int, default=48, help="requests of each validation workload")
         v.add_argument("--workloads", default=",".join(CASE_NAMES), help="which, comma-separated")
         v.add_argument("--workload-seed", type=int, default=0)
+        v.add_argument("--repeats", type=int, default=3, help="real-engine runs of each workload; the simulator is "
+                       "compared with their median")
         v.add_argument("--json", default=None, help="also write every workload's figures, both sides, here")
         add_engine_args(parser)
         parser.set_defaults(max_num_seqs=32)
@@ -333,7 +335,9 @@ def _calibrate(args: argparse.Namespace) -> int:
         calibrate(config)
         if not args.validate:
             return 0
-    results = validate_suite(config, args.num_prompts, args.workload_seed, names)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    results = validate_suite(config, args.num_prompts, args.workload_seed, names, repeats=args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0

@@ -15,7 +15,7 @@ whatever the batch and then grow with the rows, the KV writes, and the fixed cos
 requests in the step (input preparation, bookkeeping), ``S`` the rows that sample (LM head, sampler,
 detokenizer), ``Kd`` the keys the decode rows attend to, ``Pp`` the query-key pairs of prompt rows, ``W``
 the tokens of KV swapped. Every parameter is a time, none negative. A key costs a lone decode row more
-than one of many (measured: 1.7 times on 2 cores), as a few rows' heads cannot keep every thread
+than one of many (two to three times, measured on 2 cores), as a few rows' heads cannot keep every thread
 busy, so its price is kept per bucket of decode rows in the step (1, 2-3, 4-7, 8-15, 16 and more).
 
 A profile says what it was measured on: the CPU and its vector ISA, the threads, the model's shape, the
