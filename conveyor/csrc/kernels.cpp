@@ -19,89 +19,159 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <type_traits>
+#include <utility>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kTile = 16;  // output columns per weight tile: two 8-float vectors
 constexpr int64_t kRowsPerBlock = 64;  // rows that share a weight tile while it is in cache
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef float v16 __attribute__((vector_size(64)));
 
 inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
 inline void store8(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
 
-// rows x 16 outputs of one tile: y[r, 0:cols] = x[r, :] . tile[:, 0:cols]
-template <int Rows>
+// Unaligned load and store of a vector of any width (the copy compiles to one vector move).
+template <typename V>
+inline V loadv(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename V>
+inline void storev(float* p, V v) {
+  __builtin_memcpy(p, &v, sizeof v);
+}
+
+// A GEMM path: the vector the micro-kernel computes in, the vectors in one tile row (the tile's width in
+// columns is lanes * vecs, and the packed weight's layout follows it) and the most rows one call keeps in
+// registers (rows * vecs accumulators, plus the tile row and a broadcast, must fit the register file).
+template <typename V, int Vecs, int MaxRows>
+struct GemmPath {
+  using Vec = V;
+  static constexpr int kLanes = sizeof(V) / sizeof(float);
+  static constexpr int kVecs = Vecs;
+  static constexpr int64_t kTile = kLanes * Vecs;
+  static constexpr int kMaxRows = MaxRows;
+};
+
+// 256 bits: 16 columns x 6 rows, 12 accumulators of the 16 ymm registers AVX2 has. Written in vector
+// extensions, it is also the portable path: other targets split the vectors into what they have (NEON: 4).
+using Path256 = GemmPath<v8, 2, 6>;
+#if defined(__AVX512F__)
+// 512 bits: 32 columns x 12 rows, 24 accumulators of 32 zmm registers. On a CPU whose 512-bit FMAs are two
+// 256-bit halves (Zen 4) the gain is the larger tile: 14 loads feed 24 FMAs where 8 fed 12.
+using Path512 = GemmPath<v16, 2, 12>;
+constexpr int kMaxRowsAny = 14;  // the 512-bit table goes past the default so that other heights can be timed
+#else
+constexpr int kMaxRowsAny = Path256::kMaxRows;
+#endif
+
+// rows x kTile outputs of one tile: y[r, 0:cols] = x[r, :] . tile[:, 0:cols]
+template <typename P, int Rows>
 void tile_kernel(const float* x, int64_t ldx, const float* tile, int64_t k_size, float* y, int64_t ldy,
                  int64_t cols) {
-  v8 acc[Rows][2];
-  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = v8{};
+  using V = typename P::Vec;
+  V acc[Rows][P::kVecs];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < P::kVecs; ++v) acc[r][v] = V{};
+  }
   for (int64_t k = 0; k < k_size; ++k) {
-    const v8 w0 = load8(tile + k * kTile);
-    const v8 w1 = load8(tile + k * kTile + 8);
+    V w[P::kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < P::kVecs; ++v) w[v] = loadv<V>(tile + k * P::kTile + v * P::kLanes);
+#pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       const float xv = x[r * ldx + k];
-      acc[r][0] += w0 * xv;
-      acc[r][1] += w1 * xv;
+#pragma GCC unroll 4
+      for (int v = 0; v < P::kVecs; ++v) acc[r][v] += w[v] * xv;
     }
   }
   for (int r = 0; r < Rows; ++r) {
-    if (cols == kTile) {
-      store8(y + r * ldy, acc[r][0]);
-      store8(y + r * ldy + 8, acc[r][1]);
-    } else {
-      float out[kTile];
-      store8(out, acc[r][0]);
-      store8(out + 8, acc[r][1]);
-      std::copy(out, out + cols, y + r * ldy);
-    }
+    float* out = y + r * ldy;
+    alignas(64) float part[P::kTile];
+    if (cols < P::kTile) out = part;
+    for (int v = 0; v < P::kVecs; ++v) storev(out + v * P::kLanes, acc[r][v]);
+    if (cols < P::kTile) std::copy(part, part + cols, y + r * ldy);
   }
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-constexpr int kMaxRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast: fits 16 vector registers
-constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,          tile_kernel<1>, tile_kernel<2>, tile_kernel<3>,
-                                           tile_kernel<4>, tile_kernel<5>, tile_kernel<6>};
+
+// tile_kernel<P, rows> by rows, 1 to Max.
+template <typename P, int... Rows>
+constexpr std::array<TileFn, sizeof...(Rows) + 1> tile_table(std::integer_sequence<int, Rows...>) {
+  return {nullptr, tile_kernel<P, Rows + 1>...};
+}
+template <typename P, int Max>
+constexpr auto kTileFns = tile_table<P>(std::make_integer_sequence<int, Max>{});
+
+// The table a path runs: the 256-bit kernel stops at its register budget; the 512-bit one has heights to spare.
+template <typename P>
+TileFn tile_fn(int rows) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<P, Path512>) return kTileFns<P, kMaxRowsAny>[rows];
+#endif
+  return kTileFns<P, P::kMaxRows>[rows];
+}
 
 typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 inline float sum8(v8 v) {
   const v4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
-inline v8 splat(float x) { return v8{} + x; }
+template <typename V>
+inline V splatv(float x) {
+  return V{} + x;
+}
+inline v8 splat(float x) { return splatv<v8>(x); }
 
-// e^x for 8 lanes, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial,
+// The int32 vector as wide as V.
+template <typename V>
+struct IntOf {
+  typedef int32_t type __attribute__((vector_size(sizeof(V))));
+};
+
+// e^x lane by lane, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial,
 // 2^n by writing n into the exponent bits. A scalar std::exp per element costs more than the rest of
 // attention's softmax together.
-inline v8 exp8(v8 x) {
-  const v8 lo = splat(-87.3f), hi = splat(88.3f);
+template <typename V>
+inline V expv(V x) {
+  const V lo = splatv<V>(-87.3f), hi = splatv<V>(88.3f);
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const v8 shifter = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const v8 n = (x * 1.44269504f + shifter) - shifter;
-  const v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts, so r keeps its low bits
-  v8 p = splat(1.9875691500e-4f);
+  const V shifter = splatv<V>(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const V n = (x * 1.44269504f + shifter) - shifter;
+  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts, so r keeps its low bits
+  V p = splatv<V>(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8 two_n;
+  const typename IntOf<V>::type scale = (__builtin_convertvector(n, typename IntOf<V>::type) + 127) << 23;
+  V two_n;
   __builtin_memcpy(&two_n, &scale, sizeof two_n);
   return p * two_n;
 }
+inline v8 exp8(v8 x) { return expv(x); }
 
-// silu(g) * u for 8 lanes: SwiGLU's gate.
-inline v8 silu_mul8(v8 g, v8 u) { return g / (1.f + exp8(-g)) * u; }
+// silu(g) * u lane by lane: SwiGLU's gate.
+template <typename V>
+inline V silu_mul(V g, V u) {
+  return g / (1.f + expv(-g)) * u;
+}
 
 // q . k over NV 8-float vectors, in two accumulators to halve the dependency chain.
 template <int NV>
@@ -248,26 +318,31 @@ AttendFn attend_fn(int64_t dim) {
 
 // The GEMMs' schedule over m rows and `tiles` weight tiles: work items are (row block, tile), row block
 // outermost, so that neighbouring items share x rows and each tile is reused by up to 64 rows; each item calls
-// pass(tile, row, rows) for its rows, up to kMaxRows at a time.
+// pass(tile, row, rows) for its rows, up to max_rows at a time.
 template <typename Pass>
-void for_each_tile_pass(int64_t m, int64_t tiles, const Pass& pass) {
+void for_each_tile_pass(int64_t m, int64_t tiles, int max_rows, const Pass& pass) {
   const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / tiles, tile = item % tiles;
       const int64_t row_end = std::min(m, (block + 1) * kRowsPerBlock);
-      for (int64_t row = block * kRowsPerBlock; row < row_end; row += kMaxRows) {
-        pass(tile, row, std::min<int64_t>(kMaxRows, row_end - row));
+      for (int64_t row = block * kRowsPerBlock; row < row_end; row += max_rows) {
+        pass(tile, row, static_cast<int>(std::min<int64_t>(max_rows, row_end - row)));
       }
     }
   });
 }
 
-// y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight.
-void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y) {
-  for_each_tile_pass(m, (n + kTile - 1) / kTile, [&](int64_t tile, int64_t row, int64_t rows) {
-    const int64_t col = tile * kTile, cols = std::min(kTile, n - col);
-    kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, y + row * n + col, n, cols);
+// y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight for path P. max_rows (0: the path's
+// own) is the micro-kernel's height, a knob for timing other heights.
+template <typename P>
+void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
+                 int max_rows = 0) {
+  constexpr int64_t tile_cols = P::kTile;
+  for_each_tile_pass(m, (n + tile_cols - 1) / tile_cols, max_rows > 0 ? max_rows : P::kMaxRows,
+                     [&](int64_t tile, int64_t row, int rows) {
+    const int64_t col = tile * tile_cols, cols = std::min(tile_cols, n - col);
+    tile_fn<P>(rows)(x + row * k, k, packed + tile * k * tile_cols, k, y + row * n + col, n, cols);
     if (bias != nullptr) {
       for (int64_t r = row; r < row + rows; ++r) {
         for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
@@ -277,51 +352,71 @@ void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int6
 }
 
 // out [m, I] = silu(x . Wg^T + bg) * (x . Wu^T + bu), with gate and up packed as one [2I, k] weight, gate
-// first, I a multiple of 16. Each pass computes a gate tile and the matching up tile for its rows and writes
-// only their product: the [m, 2I] projection never goes through memory, and no separate pass reads it back.
+// first, I a multiple of the tile width. Each pass computes a gate tile and the matching up tile for its rows
+// and writes only their product: the [m, 2I] projection never goes through memory, and no separate pass
+// reads it back.
+template <typename P>
 void swiglu_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t intermediate, const float* bias,
                  float* out) {
-  const int64_t tiles = intermediate / kTile;
-  for_each_tile_pass(m, tiles, [&](int64_t tile, int64_t row, int64_t rows) {
-    alignas(32) float gate[kMaxRows * kTile], up[kMaxRows * kTile];
-    const int64_t col = tile * kTile;
-    kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, gate, kTile, kTile);
-    kTileFns[rows](x + row * k, k, packed + (tile + tiles) * k * kTile, k, up, kTile, kTile);
+  using V = typename P::Vec;
+  constexpr int64_t tile_cols = P::kTile;
+  const int64_t tiles = intermediate / tile_cols;
+  for_each_tile_pass(m, tiles, P::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
+    alignas(64) float gate[P::kMaxRows * tile_cols], up[P::kMaxRows * tile_cols];
+    const int64_t col = tile * tile_cols;
+    tile_fn<P>(rows)(x + row * k, k, packed + tile * k * tile_cols, k, gate, tile_cols, tile_cols);
+    tile_fn<P>(rows)(x + row * k, k, packed + (tile + tiles) * k * tile_cols, k, up, tile_cols, tile_cols);
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t half = 0; half < kTile; half += 8) {
-        v8 g = load8(gate + r * kTile + half), u = load8(up + r * kTile + half);
+      for (int64_t c = 0; c < tile_cols; c += P::kLanes) {
+        V g = loadv<V>(gate + r * tile_cols + c), u = loadv<V>(up + r * tile_cols + c);
         if (bias != nullptr) {
-          g += load8(bias + col + half);
-          u += load8(bias + intermediate + col + half);
+          g += loadv<V>(bias + col + c);
+          u += loadv<V>(bias + intermediate + col + c);
         }
-        store8(out + (row + r) * intermediate + col + half, silu_mul8(g, u));
+        storev(out + (row + r) * intermediate + col + c, silu_mul(g, u));
       }
     }
   });
 }
 
+// The elementwise kernels below run on vectors V (v8 or v16), whatever is left over past the last whole
+// vector lane by lane.
+
 // out = x / rms(x) * weight, row by row. With `residual`, first x += residual (in place): the residual add
-// and the next norm read x once.
+// and the next norm read x once. Squares add up per lane in float and across lanes in double.
+template <typename V>
 void rms_norm_rows(float* x, const float* residual, const float* weight, int64_t rows, int64_t size, float eps,
                    float* out) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       float* in = x + row * size;
-      if (residual != nullptr) {
-        for (int64_t i = 0; i < size; ++i) in[i] += residual[row * size + i];
+      V lane_squares{};
+      int64_t i = 0;
+      for (; i + lanes <= size; i += lanes) {
+        V v = loadv<V>(in + i);
+        if (residual != nullptr) storev(in + i, v += loadv<V>(residual + row * size + i));
+        lane_squares += v * v;
       }
       double squares = 0.0;
-      for (int64_t i = 0; i < size; ++i) squares += static_cast<double>(in[i]) * in[i];
+      for (; i < size; ++i) {
+        if (residual != nullptr) in[i] += residual[row * size + i];
+        squares += static_cast<double>(in[i]) * in[i];
+      }
+      for (int64_t lane = 0; lane < lanes; ++lane) squares += lane_squares[lane];
       const float inv = 1.f / std::sqrt(static_cast<float>(squares / size) + eps);
       float* o = out + row * size;
-      for (int64_t i = 0; i < size; ++i) o[i] = weight[i] * (in[i] * inv);
+      for (i = 0; i + lanes <= size; i += lanes) storev(o + i, loadv<V>(weight + i) * (loadv<V>(in + i) * inv));
+      for (; i < size; ++i) o[i] = weight[i] * (in[i] * inv);
     }
   });
 }
 
 // x * cos + rotate_half(x) * sin on `heads` heads of `dim` at the start of each row, in place.
+template <typename V>
 void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, int64_t dim, const float* cos,
                  const float* sin) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -329,7 +424,13 @@ void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, in
       const float* s = sin + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
         float* head = x + t * row_stride + h * dim;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        for (; i + lanes <= half; i += lanes) {
+          const V a = loadv<V>(head + i), b = loadv<V>(head + i + half);
+          storev(head + i, a * loadv<V>(c + i) - b * loadv<V>(s + i));
+          storev(head + i + half, b * loadv<V>(c + i + half) + a * loadv<V>(s + i + half));
+        }
+        for (; i < half; ++i) {
           const float a = head[i], b = head[i + half];
           head[i] = a * c[i] - b * s[i];
           head[i + half] = b * c[i + half] + a * s[i + half];
@@ -340,14 +441,16 @@ void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, in
 }
 
 // out [rows, size] = silu(gate) * up, from [rows, 2 * size] (gate then up).
+template <typename V>
 void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* out) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* gate = gate_up + row * 2 * size;
       const float* up = gate + size;
       float* o = out + row * size;
       int64_t i = 0;
-      for (; i + 8 <= size; i += 8) store8(o + i, silu_mul8(load8(gate + i), load8(up + i)));
+      for (; i + lanes <= size; i += lanes) storev(o + i, silu_mul(loadv<V>(gate + i), loadv<V>(up + i)));
       for (; i < size; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
     }
   });
@@ -393,6 +496,38 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
   });
 }
 
+// The vector widths in bits this build has kernels for: 256 always (on AVX2, or split into what the target
+// has: the portable path), 512 where the compiler targets AVX-512F.
+std::vector<int64_t> kernel_widths() {
+#if defined(__AVX512F__)
+  return {256, 512};
+#else
+  return {256};
+#endif
+}
+
+// Runs f(P{}) with the path P of a width in bits; a width this build lacks is an error, never a fallback.
+template <typename F>
+void with_path(int64_t width, const F& f) {
+  if (width == 256) return f(Path256{});
+#if defined(__AVX512F__)
+  if (width == 512) return f(Path512{});
+#endif
+  TORCH_CHECK(false, "no ", width, "-bit kernels in this build (", width == 512 ? "the CPU lacks avx512f" : "256 or 512",
+              ")");
+}
+
+// The width a packed weight was laid out for, from its tile's columns (0: none of ours).
+int64_t packed_width(const torch::Tensor& packed) {
+  int64_t width = 0;
+  for (const int64_t w : kernel_widths()) {
+    with_path(w, [&](auto path) {
+      if (packed.dim() == 3 && packed.size(2) == decltype(path)::kTile) width = w;
+    });
+  }
+  return width;
+}
+
 const float* optional_data(const torch::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<float>(); }
 
 void check_float_rows(const torch::Tensor& t, const char* name) {
@@ -418,26 +553,37 @@ void check_rows(const torch::Tensor& tables, const torch::Tensor& row_seq, const
 
 // ----- Tensor-level entry points (also what the tests compare with PyTorch) -----
 
-// weight [N, K] -> packed [ceil(N / 16), K, 16], zero-padded past N.
-torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
+// weight [N, K] -> packed [ceil(N / T), K, T], zero-padded past N, for the path of `width` bits (T = 16 for
+// 256, 32 for 512): the tile is as wide as that path's micro-kernel.
+torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "weight must be a 2-D float32 tensor");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  auto padded = torch::zeros({tiles * kTile, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({tiles, kTile, k}).transpose(1, 2).contiguous();
+  torch::Tensor packed;
+  with_path(width, [&](auto path) {
+    constexpr int64_t tile = decltype(path)::kTile;
+    const int64_t n = weight.size(0), k = weight.size(1), tiles = (n + tile - 1) / tile;
+    auto padded = torch::zeros({tiles * tile, k}, weight.options());
+    padded.narrow(0, 0, n).copy_(weight);
+    packed = padded.view({tiles, tile, k}).transpose(1, 2).contiguous();
+  });
+  return packed;
 }
 
-// x [M, K] @ weight.T -> [M, N], the weight given packed by pack_linear_weight.
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+// x [M, K] @ weight.T -> [M, N], the weight given packed by pack_linear_weight (its tile width picks the
+// path). max_rows > 0 runs the micro-kernel at that height instead of the path's own (for timing).
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kTile && packed.is_contiguous(), "packed weight expected");
+  const int64_t width = packed_width(packed);
+  TORCH_CHECK(width > 0 && packed.is_contiguous(), "packed weight expected");
+  TORCH_CHECK(max_rows >= 0 && max_rows <= (width == 256 ? Path256::kMaxRows : kMaxRowsAny), "max_rows out of range");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(packed.size(1) == k, "x has ", k, " features, the weight expects ", packed.size(1));
-  TORCH_CHECK(n <= packed.size(0) * kTile, "n is larger than the packed weight");
+  TORCH_CHECK(n <= packed.size(0) * packed.size(2), "n is larger than the packed weight");
   auto xc = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
-  linear_rows(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, nullptr, y.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    linear_rows<decltype(path)>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, nullptr, y.data_ptr<float>(),
+                                static_cast<int>(max_rows));
+  });
   return y;
 }
 
@@ -464,33 +610,41 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
 }
 
 // Root-mean-square norm of each row, times weight.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, int64_t width) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "2-D float32 x expected");
   auto xc = x.contiguous().clone();
   TORCH_CHECK(weight.numel() == xc.size(1) && weight.is_contiguous(), "weight must have one entry per column");
   auto out = torch::empty_like(xc);
-  rms_norm_rows(xc.data_ptr<float>(), nullptr, weight.data_ptr<float>(), xc.size(0), xc.size(1),
-                static_cast<float>(eps), out.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    rms_norm_rows<typename decltype(path)::Vec>(xc.data_ptr<float>(), nullptr, weight.data_ptr<float>(), xc.size(0),
+                                                xc.size(1), static_cast<float>(eps), out.data_ptr<float>());
+  });
   return out;
 }
 
 // Rotary embedding in place on q [T, H, D] and k [T, KVH, D] (views of one projection output are fine):
 // x * cos + rotate_half(x) * sin, with cos / sin [T, D] looked up by position.
-void rotary_embedding(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_embedding(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin,
+                      int64_t width) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2) &&
                   cos.is_contiguous() && sin.is_contiguous(),
               "rotary embedding wants heads contiguous within a row");
   const int64_t tokens = q.size(0), dim = q.size(2);
-  rotary_rows(q.data_ptr<float>(), tokens, q.stride(0), q.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
-  rotary_rows(k.data_ptr<float>(), tokens, k.stride(0), k.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    using V = typename decltype(path)::Vec;
+    rotary_rows<V>(q.data_ptr<float>(), tokens, q.stride(0), q.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+    rotary_rows<V>(k.data_ptr<float>(), tokens, k.stride(0), k.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+  });
 }
 
 // SwiGLU's gate: [M, 2I] (gate then up) -> silu(gate) * up, [M, I].
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up, int64_t width) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "contiguous [M, 2I]");
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
   auto out = torch::empty({rows, size}, gate_up.options());
-  silu_and_mul_rows(gate_up.data_ptr<float>(), rows, size, out.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    silu_and_mul_rows<typename decltype(path)::Vec>(gate_up.data_ptr<float>(), rows, size, out.data_ptr<float>());
+  });
   return out;
 }
 
@@ -502,14 +656,15 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 class NativeLlama {
  public:
   NativeLlama(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-              torch::Tensor final_norm)
+              torch::Tensor final_norm, int64_t width)
       : heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(hidden), intermediate_(intermediate),
-        eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()) {
+        eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()), width_(width) {
     TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+    with_path(width, [](auto) {});  // refuses a width this build lacks
     TORCH_CHECK(attend_fn(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
   }
 
-  // Weights packed by pack_linear_weight; a bias may be an empty tensor.
+  // Weights packed by pack_linear_weight for this stack's width; a bias may be an empty tensor.
   void add_layer(torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o,
                  torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor gate_up_bias, torch::Tensor down,
                  torch::Tensor down_bias) {
@@ -544,65 +699,89 @@ class NativeLlama {
       TORCH_CHECK(slot >= 0 && slot < cache_slots, "slot ", slot, " outside the cache");
     }
     check_rows(tables, seqs, lens, shape.block_size);
+    const Step step{tokens, x.data_ptr<float>(), cosc.data_ptr<float>(), sinc.data_ptr<float>(), &kv_cache, shape,
+                    slots.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(),
+                    lens.data_ptr<int64_t>()};
+    auto out = torch::empty({tokens, hidden_}, x.options());
+    with_path(width_, [&](auto path) { run<decltype(path)>(step, out.data_ptr<float>()); });
+    return out;
+  }
+
+ private:
+  // One forward's inputs, checked.
+  struct Step {
+    int64_t tokens;
+    float *x;
+    const float *cos, *sin;
+    torch::Tensor* kv_cache;
+    CacheShape shape;
+    const int64_t *slots, *tables;
+    int64_t table_width;
+    const int64_t *row_seq, *context_lens;
+  };
+
+  // Every layer and the final norm on path P; out [tokens, hidden].
+  template <typename P>
+  void run(const Step& step, float* out) {
+    using V = typename P::Vec;
+    const int64_t tokens = step.tokens;
     const int64_t q_width = heads_ * dim_, qkv_width = (heads_ + 2 * kv_heads_) * dim_;
-    auto opts = x.options();
+    auto opts = final_norm_.options();
     auto normed = torch::empty({tokens, hidden_}, opts), qkv = torch::empty({tokens, qkv_width}, opts);
     auto attn = torch::empty({tokens, q_width}, opts), delta = torch::empty({tokens, hidden_}, opts);
     // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (here: 5% off a
     // forward of 64 rows); below that the step is a weight stream, which reads faster as one stream in order
     // (2% slower fused at 1 and 8 rows). A tile must not straddle gate and up.
-    const bool fused_swiglu = tokens >= kRowsPerBlock && intermediate_ % kTile == 0;
+    const bool fused_swiglu = tokens >= kRowsPerBlock && intermediate_ % P::kTile == 0;
     auto gate_up = torch::empty({fused_swiglu ? 0 : tokens, 2 * intermediate_}, opts);
     auto act = torch::empty({tokens, intermediate_}, opts);
-    float* xp = x.data_ptr<float>();
+    float* xp = step.x;
     float *np = normed.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *ap = attn.data_ptr<float>();
     float *dp = delta.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
     const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
+    const torch::Tensor& kv_cache = *step.kv_cache;
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
       float* k_cache = kv_cache.data_ptr<float>() + l * layer_stride;
       float* v_cache = k_cache + kv_stride;
       // The previous layer's MLP output joins the residual stream on the way into this layer's norm.
-      rms_norm_rows(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
-      linear_rows(np, tokens, hidden_, w.qkv.data_ptr<float>(), qkv_width, optional_data(w.qkv_bias), qkvp);
-      rotary_rows(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, cosc.data_ptr<float>(), sinc.data_ptr<float>());
-      write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, slots.data_ptr<int64_t>(),
-                    shape, k_cache, v_cache);
-      attention_rows(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, shape, tables.data_ptr<int64_t>(), width,
-                     seqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scale, ap);
-      linear_rows(ap, tokens, q_width, w.o.data_ptr<float>(), hidden_, nullptr, dp);
-      rms_norm_rows(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
+      rms_norm_rows<V>(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
+      linear_rows<P>(np, tokens, hidden_, w.qkv.data_ptr<float>(), qkv_width, optional_data(w.qkv_bias), qkvp);
+      rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, step.cos, step.sin);
+      write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, step.slots, step.shape,
+                    k_cache, v_cache);
+      attention_rows(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, step.tables, step.table_width,
+                     step.row_seq, step.context_lens, scale, ap);
+      linear_rows<P>(ap, tokens, q_width, w.o.data_ptr<float>(), hidden_, nullptr, dp);
+      rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       if (fused_swiglu) {
-        swiglu_rows(np, tokens, hidden_, w.gate_up.data_ptr<float>(), intermediate_, optional_data(w.gate_up_bias),
-                    actp);
+        swiglu_rows<P>(np, tokens, hidden_, w.gate_up.data_ptr<float>(), intermediate_, optional_data(w.gate_up_bias),
+                       actp);
       } else {
-        linear_rows(np, tokens, hidden_, w.gate_up.data_ptr<float>(), 2 * intermediate_,
-                    optional_data(w.gate_up_bias), gp);
-        silu_and_mul_rows(gp, tokens, intermediate_, actp);
+        linear_rows<P>(np, tokens, hidden_, w.gate_up.data_ptr<float>(), 2 * intermediate_,
+                       optional_data(w.gate_up_bias), gp);
+        silu_and_mul_rows<V>(gp, tokens, intermediate_, actp);
       }
-      linear_rows(actp, tokens, intermediate_, w.down.data_ptr<float>(), hidden_, optional_data(w.down_bias), dp);
+      linear_rows<P>(actp, tokens, intermediate_, w.down.data_ptr<float>(), hidden_, optional_data(w.down_bias), dp);
     }
-    auto out = torch::empty({tokens, hidden_}, opts);
-    rms_norm_rows(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_,
-                  out.data_ptr<float>());
-    return out;
+    rms_norm_rows<V>(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_, out);
   }
 
- private:
   struct Layer {
     torch::Tensor input_norm, qkv, qkv_bias, o, post_norm, gate_up, gate_up_bias, down, down_bias;
   };
 
-  static void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) {
-    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kTile && packed.is_contiguous() &&
-                    packed.size(0) * kTile >= n,
-                "a packed [", n, ", ", k, "] weight expected");
+  void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) const {
+    TORCH_CHECK(packed_width(packed) == width_ && packed.size(1) == k && packed.is_contiguous() &&
+                    packed.size(0) * packed.size(2) >= n,
+                "a [", n, ", ", k, "] weight packed for ", width_, " bits expected");
   }
 
   int64_t heads_, kv_heads_, dim_, hidden_, intermediate_;
   float eps_;
   torch::Tensor final_norm_;
+  int64_t width_;
   std::vector<Layer> layers_;
 };
 
@@ -610,14 +789,20 @@ class NativeLlama {
 // after), so the server's event loop keeps answering, streaming and accepting while a model step runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/16, K, 16]", release_gil());
-  m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", release_gil());
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", release_gil());
-  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place", release_gil());
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", release_gil());
+  using pybind11::arg;
+  m.def("kernel_widths", &kernel_widths, "the vector widths in bits this build has kernels for");
+  m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/T, K, T] for a path's width",
+        arg("weight"), arg("width") = 256, release_gil());
+  m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", arg("x"), arg("packed"),
+        arg("n"), arg("max_rows") = 0, release_gil());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", arg("x"), arg("weight"), arg("eps"),
+        arg("width") = 256, release_gil());
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place", arg("q"), arg("k"),
+        arg("cos"), arg("sin"), arg("width") = 256, release_gil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", arg("gate_up"), arg("width") = 256, release_gil());
   m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache", release_gil());
   pybind11::class_<NativeLlama>(m, "NativeLlama", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, int64_t>())
       .def("add_layer", &NativeLlama::add_layer)
       .def("forward", &NativeLlama::forward, release_gil());
 }

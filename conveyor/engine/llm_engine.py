@@ -103,7 +103,7 @@ class Engine:
         a compiler) the torch ops do."""
         import torch
 
-        from conveyor.model.kernels import NATIVE_HEAD_SIZES, native_kernels
+        from conveyor.model.kernels import NATIVE_HEAD_SIZES, kernel_width, native_kernels
 
         if self.config.kernels != "native" or dtype != torch.float32 or device.type != "cpu":
             return
@@ -111,7 +111,9 @@ class Engine:
             return
         kernels = native_kernels()
         if kernels is not None:
-            model.use_native_kernels(kernels)
+            width = kernel_width(kernels)
+            logger.info("native kernels: %d-bit vectors", width)
+            model.use_native_kernels(kernels, width)
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.core.trace`)."""
