@@ -101,9 +101,9 @@ def _reference_attention(query, k_cache, v_cache, tables, row_seq, lens, scale):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8)]
+    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8), (3, 1, 96)]
 )
-def test_paged_attention_of_decode_rows_matches_reference(kernels, block_size, heads, kv_heads, head_dim):
+def test_paged_attention_of_decode_rows_matches_reference(kernels, width, block_size, heads, kv_heads, head_dim):
     torch.manual_seed(block_size + heads)
     num_blocks, max_blocks = 300, 40
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
@@ -113,13 +113,13 @@ def test_paged_attention_of_decode_rows_matches_reference(kernels, block_size, h
     rows = torch.arange(len(lens))
     query = torch.randn(len(lens), heads, head_dim)
     scale = head_dim**-0.5
-    got = kernels.paged_attention(query, cache[0], cache[1], tables, rows, lens, scale)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, rows, lens, scale, width)
     want = _reference_attention(query, cache[0], cache[1], tables, rows, lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, rows):
+def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, width, rows):
     """Fewer rows than threads to share out: each KV head of a row is its own work item."""
     torch.manual_seed(rows)
     block_size, heads, kv_heads, head_dim, num_blocks = 16, 9, 3, 64, 200
@@ -127,12 +127,12 @@ def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, rows):
     tables = torch.stack([torch.randperm(num_blocks)[:60] for _ in range(rows)])
     lens = torch.tensor([950, 13, 411][:rows])
     query = torch.randn(rows, heads, head_dim)
-    got = kernels.paged_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125, width)
     want = _reference_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_of_prompt_rows_is_causal(kernels):
+def test_paged_attention_of_prompt_rows_is_causal(kernels, width):
     """Two prompt chunks and a decode row in one call: each prompt row sees its sequence up to itself."""
     torch.manual_seed(11)
     block_size, heads, kv_heads, head_dim = 4, 6, 2, 16
@@ -142,7 +142,7 @@ def test_paged_attention_of_prompt_rows_is_causal(kernels):
     row_seq = torch.tensor([0] * 7 + [1] * 9 + [2])
     lens = torch.cat([torch.arange(1, 8), torch.arange(6, 15), torch.tensor([23])])
     query = torch.randn(len(row_seq), heads, head_dim)
-    got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25, width)
     want = _reference_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

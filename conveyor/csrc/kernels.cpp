@@ -1,7 +1,7 @@
 // Native CPU kernels for the places a step loses most time in eager PyTorch.
 //
 // 1. Linear layers on packed weights. A weight [N, K] is stored as tiles of 16
-//    output columns, each tile [K, 16] contiguous, so that one pass streams the
+//    output columns (32 on the 512-bit path), each tile [K, 16] contiguous, so that one pass streams the
 //    whole weight once, in order, whatever the number of rows: at batch 1 the
 //    step is bound by memory bandwidth, and at larger batches each tile is
 //    reused from cache by every row.
@@ -12,7 +12,12 @@
 //    Python or tensor dispatch runs between the thirty layers' kernels.
 //
 // Vectors are GCC/Clang vector extensions rather than intrinsics, so the same
-// source builds for AVX2 or NEON with -march=native. Threads: ATen's parallel_for (OpenMP).
+// source builds for AVX2 or NEON with -march=native. Every kernel comes in two
+// widths: 256 bits (8 floats; AVX2's ymm, or pairs of NEON / SSE registers on
+// other targets: the portable path) and, where the target has AVX-512F, 512 bits
+// (16 floats in zmm registers, and 32 of them, which lets the GEMM hold a larger
+// register tile). The caller picks one per call or per stack (with_path); a
+// weight is packed for one width. Threads: ATen's parallel_for (OpenMP).
 
 #include <torch/extension.h>
 
@@ -31,11 +36,7 @@ namespace {
 constexpr int64_t kRowsPerBlock = 64;  // rows that share a weight tile while it is in cache
 
 typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
 typedef float v16 __attribute__((vector_size(64)));
-
-inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void store8(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
 
 // Unaligned load and store of a vector of any width (the copy compiles to one vector move).
 template <typename V>
@@ -130,11 +131,25 @@ inline float sum8(v8 v) {
   return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
+// A vector folded to 8 lanes (lane i + lane i + 8): reductions of any width end in sum8 / sums8.
+inline v8 fold8(v8 v) { return v; }
+inline v8 fold8(v16 v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+template <typename V>
+inline float sumv(V v) {
+  return sum8(fold8(v));
+}
+
+template <typename V>
+constexpr int kLanesOf = sizeof(V) / sizeof(float);
+
 template <typename V>
 inline V splatv(float x) {
   return V{} + x;
 }
-inline v8 splat(float x) { return splatv<v8>(x); }
 
 // The int32 vector as wide as V.
 template <typename V>
@@ -165,7 +180,6 @@ inline V expv(V x) {
   __builtin_memcpy(&two_n, &scale, sizeof two_n);
   return p * two_n;
 }
-inline v8 exp8(v8 x) { return expv(x); }
 
 // silu(g) * u lane by lane: SwiGLU's gate.
 template <typename V>
@@ -173,25 +187,28 @@ inline V silu_mul(V g, V u) {
   return g / (1.f + expv(-g)) * u;
 }
 
-// q . k over NV 8-float vectors, in two accumulators to halve the dependency chain.
-template <int NV>
+// q . k over NV vectors V, in two accumulators to halve the dependency chain.
+template <typename V, int NV>
 inline float dot(const float* q, const float* k) {
-  v8 even = load8(q) * load8(k), odd = v8{};
-  for (int j = 1; j < NV; ++j) (j % 2 ? odd : even) += load8(q + 8 * j) * load8(k + 8 * j);
-  return sum8(even + odd);
+  constexpr int lanes = kLanesOf<V>;
+  V even = loadv<V>(q) * loadv<V>(k), odd = V{};
+  for (int j = 1; j < NV; ++j) (j % 2 ? odd : even) += loadv<V>(q + lanes * j) * loadv<V>(k + lanes * j);
+  return sumv(even + odd);
 }
 
 // s[i] = exp(s[i] - max(s)); returns the sum.
+template <typename V>
 inline float softmax_numerators(float* s, int64_t n) {
+  constexpr int lanes = kLanesOf<V>;
   const float top = *std::max_element(s, s + n);
-  v8 total = v8{};
+  V total = V{};
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const v8 e = exp8(load8(s + i) - top);
-    store8(s + i, e);
+  for (; i + lanes <= n; i += lanes) {
+    const V e = expv(loadv<V>(s + i) - top);
+    storev(s + i, e);
     total += e;
   }
-  float rest = sum8(total);
+  float rest = sumv(total);
   for (; i < n; ++i) rest += (s[i] = std::exp(s[i] - top));
   return rest;
 }
@@ -218,23 +235,28 @@ inline v8 sums8(const v8* a) {
 }
 
 // q . k for 8 consecutive positions (keys token_stride apart) at once: q is loaded once per 8 keys, and the 8
-// sums are reduced together.
-template <int NV>
+// sums are reduced together (each folded to 8 lanes first).
+template <typename V, int NV>
 inline v8 dot8(const float* q, const float* keys, int64_t token_stride) {
-  v8 acc[8] = {};
+  constexpr int lanes = kLanesOf<V>;
+  V acc[8] = {};
   for (int j = 0; j < NV; ++j) {
-    const v8 qv = load8(q + 8 * j);
-    for (int p = 0; p < 8; ++p) acc[p] += qv * load8(keys + p * token_stride + 8 * j);
+    const V qv = loadv<V>(q + lanes * j);
+    for (int p = 0; p < 8; ++p) acc[p] += qv * loadv<V>(keys + p * token_stride + lanes * j);
   }
-  return sums8(acc);
+  v8 folded[8];
+  for (int p = 0; p < 8; ++p) folded[p] = fold8(acc[p]);
+  return sums8(folded);
 }
 
 // s = softmax(s), in place.
+template <typename V>
 inline void softmax(float* s, int64_t n) {
-  const v8 inv = splat(1.f / softmax_numerators(s, n));
+  constexpr int lanes = kLanesOf<V>;
+  const float inv = 1.f / softmax_numerators<V>(s, n);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(s + i, load8(s + i) * inv);
-  for (; i < n; ++i) s[i] *= inv[0];
+  for (; i + lanes <= n; i += lanes) storev(s + i, loadv<V>(s + i) * inv);
+  for (; i < n; ++i) s[i] *= inv;
 }
 
 // Asks for one slice of the next block (of `floats` floats) per head worked on in the current one: blocks lie
@@ -250,12 +272,14 @@ inline void prefetch_slice(const float* next, int64_t floats, int64_t slice, int
 // One query row over `ctx` positions of the paged cache, for the query heads of KV heads [kv_begin, kv_end).
 // Blocks are the outer loop, heads the inner one: a position's K (and V) for every KV head is one contiguous
 // run in the cache, so each block is read from memory once, in order, and then serves all those heads from L1.
-// q and out point at the row's head 0; scores holds (kv_end - kv_begin) * group * ctx floats.
-template <int NV>
+// q and out point at the row's head 0; scores holds (kv_end - kv_begin) * group * ctx floats. A head is NV
+// vectors V.
+template <typename V, int NV>
 void attend_row(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t ctx,
                 const CacheShape& shape, int64_t kv_begin, int64_t kv_end, int64_t group, float scale,
                 float* scores, float* out) {
-  constexpr int64_t dim = 8 * NV;
+  constexpr int lanes = kLanesOf<V>;
+  constexpr int64_t dim = lanes * NV;
   const int64_t stride = shape.token_stride(), heads = (kv_end - kv_begin) * group, h0 = kv_begin * group;
   const auto block_at = [&](const float* cache, int64_t block) { return cache + table[block] * shape.block_stride(); };
   for (int64_t first = 0; first < ctx; first += shape.block_size) {
@@ -268,11 +292,11 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
       const float* kh = keys + (h0 + h) / group * dim;
       float* s = scores + h * ctx + first;
       int64_t i = 0;
-      for (; i + 8 <= n; i += 8) store8(s + i, dot8<NV>(qh, kh + i * stride, stride) * scale);
-      for (; i < n; ++i) s[i] = dot<NV>(qh, kh + i * stride) * scale;
+      for (; i + 8 <= n; i += 8) storev(s + i, dot8<V, NV>(qh, kh + i * stride, stride) * scale);
+      for (; i < n; ++i) s[i] = dot<V, NV>(qh, kh + i * stride) * scale;
     }
   }
-  for (int64_t h = 0; h < heads; ++h) softmax(scores + h * ctx, ctx);
+  for (int64_t h = 0; h < heads; ++h) softmax<V>(scores + h * ctx, ctx);
   // Accumulators of up to 8 vectors stay in registers; wider heads go in two halves.
   constexpr int kChunk = NV <= 8 ? NV : NV / 2;
   for (int64_t first = 0; first < ctx; first += shape.block_size) {
@@ -285,13 +309,13 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
       const float* p = scores + h * ctx + first;
       float* o = out + (h0 + h) * dim;
       for (int j0 = 0; j0 < NV; j0 += kChunk) {
-        v8 acc[kChunk];
-        for (int c = 0; c < kChunk; ++c) acc[c] = first == 0 ? v8{} : load8(o + 8 * (j0 + c));
+        V acc[kChunk];
+        for (int c = 0; c < kChunk; ++c) acc[c] = first == 0 ? V{} : loadv<V>(o + lanes * (j0 + c));
         for (int64_t i = 0; i < n; ++i) {
-          const v8 weight = splat(p[i]);
-          for (int c = 0; c < kChunk; ++c) acc[c] += load8(vh + i * stride + 8 * (j0 + c)) * weight;
+          const V weight = splatv<V>(p[i]);
+          for (int c = 0; c < kChunk; ++c) acc[c] += loadv<V>(vh + i * stride + lanes * (j0 + c)) * weight;
         }
-        for (int c = 0; c < kChunk; ++c) store8(o + 8 * (j0 + c), acc[c]);
+        for (int c = 0; c < kChunk; ++c) storev(o + lanes * (j0 + c), acc[c]);
       }
     }
   }
@@ -300,15 +324,18 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
 using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, const CacheShape&,
                           int64_t, int64_t, int64_t, float, float*, float*);
 
-// Head sizes with their own unrolled kernel (the accumulators stay in registers); others are refused.
+// Head sizes with their own unrolled kernel (the accumulators stay in registers) in vectors V; others are
+// refused. A head of 8 is narrower than 16 lanes: the 512-bit path runs it on 8.
+template <typename V>
 AttendFn attend_fn(int64_t dim) {
+  constexpr int lanes = kLanesOf<V>;
   switch (dim) {
-    case 8: return attend_row<1>;
-    case 16: return attend_row<2>;
-    case 32: return attend_row<4>;
-    case 64: return attend_row<8>;
-    case 96: return attend_row<12>;
-    case 128: return attend_row<16>;
+    case 8: return attend_row<v8, 1>;
+    case 16: return attend_row<V, 16 / lanes>;
+    case 32: return attend_row<V, 32 / lanes>;
+    case 64: return attend_row<V, 64 / lanes>;
+    case 96: return attend_row<V, 96 / lanes>;
+    case 128: return attend_row<V, 128 / lanes>;
     default: return nullptr;
   }
 }
@@ -470,10 +497,11 @@ void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_s
 // tables[row_seq[r]] and sees positions [0, context_lens[r]). A decode row is one query at the end of its
 // context; the rows of a prompt chunk each see the prompt up to themselves, which makes the mask causal.
 // query rows are row_stride apart, heads contiguous within a row; out is [rows, heads * dim].
+template <typename V>
 void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const float* k_cache,
                     const float* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
                     const int64_t* row_seq, const int64_t* context_lens, float scale, float* out) {
-  const AttendFn attend = attend_fn(shape.dim);
+  const AttendFn attend = attend_fn<V>(shape.dim);
   TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96 or 128)");
   const int64_t group = heads / shape.kv_heads;
   // A whole row per work item when there are rows enough to share out (each block is then read once per row);
@@ -591,7 +619,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // (which table each row uses); context_lens [T]. Returns [T, H, D].
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& row_seq,
-                              const torch::Tensor& context_lens, double scale) {
+                              const torch::Tensor& context_lens, double scale, int64_t width) {
   check_float_rows(k_cache, "k_cache");
   check_float_rows(v_cache, "v_cache");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3, "query must be [T, H, D] float32");
@@ -600,12 +628,16 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const CacheShape shape{k_cache.size(1), k_cache.size(2), dim};
   TORCH_CHECK(heads % shape.kv_heads == 0 && k_cache.size(3) == dim, "head shapes do not match");
-  const int64_t width = tables.size(1);
+  const int64_t table_width = tables.size(1);
   check_rows(tables, seqs, lens, shape.block_size);
   auto out = torch::empty_like(q);
-  attention_rows(q.data_ptr<float>(), rows, heads * dim, heads, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                 shape, tables.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                 static_cast<float>(scale), out.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    attention_rows<typename decltype(path)::Vec>(q.data_ptr<float>(), rows, heads * dim, heads,
+                                                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), shape,
+                                                 tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
+                                                 lens.data_ptr<int64_t>(), static_cast<float>(scale),
+                                                 out.data_ptr<float>());
+  });
   return out;
 }
 
@@ -661,7 +693,7 @@ class NativeLlama {
         eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()), width_(width) {
     TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
     with_path(width, [](auto) {});  // refuses a width this build lacks
-    TORCH_CHECK(attend_fn(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
+    TORCH_CHECK(attend_fn<v8>(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
   }
 
   // Weights packed by pack_linear_weight for this stack's width; a bias may be an empty tensor.
@@ -751,7 +783,7 @@ class NativeLlama {
       rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, step.cos, step.sin);
       write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, step.slots, step.shape,
                     k_cache, v_cache);
-      attention_rows(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, step.tables, step.table_width,
+      attention_rows<V>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, step.tables, step.table_width,
                      step.row_seq, step.context_lens, scale, ap);
       linear_rows<P>(ap, tokens, q_width, w.o.data_ptr<float>(), hidden_, nullptr, dp);
       rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
@@ -800,7 +832,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place", arg("q"), arg("k"),
         arg("cos"), arg("sin"), arg("width") = 256, release_gil());
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", arg("gate_up"), arg("width") = 256, release_gil());
-  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache", release_gil());
+  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache", arg("query"),
+        arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("row_seq"), arg("context_lens"), arg("scale"),
+        arg("width") = 256, release_gil());
   pybind11::class_<NativeLlama>(m, "NativeLlama", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, int64_t>())
       .def("add_layer", &NativeLlama::add_layer)
