@@ -1,10 +1,10 @@
 // Native CPU kernels for the places a step loses most time in eager PyTorch.
 //
 // 1. Linear layers on packed weights. A weight [N, K] is stored as tiles of 16
-//    output columns (32 on the 512-bit path), each tile [K, 16] contiguous, so that one pass streams the
-//    whole weight once, in order, whatever the number of rows: at batch 1 the
-//    step is bound by memory bandwidth, and at larger batches each tile is
-//    reused from cache by every row.
+//    output columns (32 on the 512-bit path), each tile [K, 16] contiguous,
+//    so that one pass streams the whole weight once, in order, whatever the
+//    number of rows: at batch 1 the step is bound by memory bandwidth, and at
+//    larger batches each tile is reused from cache by every row.
 // 2. Attention straight over the paged KV cache. Each query row reads its own
 //    context through its sequence's block table; nothing is gathered into a
 //    padded copy, and decode rows and prompt rows of any length share one call.
@@ -541,8 +541,8 @@ void with_path(int64_t width, const F& f) {
 #if defined(__AVX512F__)
   if (width == 512) return f(Path512{});
 #endif
-  TORCH_CHECK(false, "no ", width, "-bit kernels in this build (", width == 512 ? "the CPU lacks avx512f" : "256 or 512",
-              ")");
+  TORCH_CHECK(false, "no ", width, "-bit kernels in this build (",
+              width == 512 ? "the CPU lacks avx512f" : "widths are 256 or 512", ")");
 }
 
 // The width a packed weight was laid out for, from its tile's columns (0: none of ours).
@@ -664,8 +664,9 @@ void rotary_embedding(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& c
   const int64_t tokens = q.size(0), dim = q.size(2);
   with_path(width, [&](auto path) {
     using V = typename decltype(path)::Vec;
-    rotary_rows<V>(q.data_ptr<float>(), tokens, q.stride(0), q.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
-    rotary_rows<V>(k.data_ptr<float>(), tokens, k.stride(0), k.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+    const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+    rotary_rows<V>(q.data_ptr<float>(), tokens, q.stride(0), q.size(1), dim, c, s);
+    rotary_rows<V>(k.data_ptr<float>(), tokens, k.stride(0), k.size(1), dim, c, s);
   });
 }
 
