@@ -96,12 +96,18 @@ void tile_kernel(const float* x, int64_t ldx, const float* tile, int64_t k_size,
       for (int v = 0; v < P::kVecs; ++v) acc[r][v] += w[v] * xv;
     }
   }
-  for (int r = 0; r < Rows; ++r) {
-    float* out = y + r * ldy;
+  if (cols == P::kTile) {
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+      for (int v = 0; v < P::kVecs; ++v) storev(y + r * ldy + v * P::kLanes, acc[r][v]);
+    }
+    return;
+  }
+  for (int r = 0; r < Rows; ++r) {  // the last tile of a width that is no multiple of the tile's
     alignas(64) float part[P::kTile];
-    if (cols < P::kTile) out = part;
-    for (int v = 0; v < P::kVecs; ++v) storev(out + v * P::kLanes, acc[r][v]);
-    if (cols < P::kTile) std::copy(part, part + cols, y + r * ldy);
+    for (int v = 0; v < P::kVecs; ++v) storev(part + v * P::kLanes, acc[r][v]);
+    std::copy(part, part + cols, y + r * ldy);
   }
 }
 
