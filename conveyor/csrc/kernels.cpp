@@ -25,10 +25,9 @@
 
 #include <algorithm>
 #include <array>
-#include <type_traits>
-#include <utility>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -52,26 +51,26 @@ inline void storev(float* p, V v) {
 
 // A GEMM path: the vector the micro-kernel computes in, the vectors in one tile row (the tile's width in
 // columns is lanes * vecs, and the packed weight's layout follows it) and the most rows one call keeps in
-// registers (rows * vecs accumulators, plus the tile row and a broadcast, must fit the register file).
-template <typename V, int Vecs, int MaxRows>
+// registers (rows * vecs accumulators, plus the tile row and a broadcast, must fit the register file). Its
+// micro-kernels are built for 1 to TableRows rows, a few past MaxRows where that fits, so that other
+// heights can be timed (packed_linear's max_rows).
+template <typename V, int Vecs, int MaxRows, int TableRows>
 struct GemmPath {
   using Vec = V;
   static constexpr int kLanes = sizeof(V) / sizeof(float);
   static constexpr int kVecs = Vecs;
   static constexpr int64_t kTile = kLanes * Vecs;
   static constexpr int kMaxRows = MaxRows;
+  static constexpr int kTableRows = TableRows;
 };
 
 // 256 bits: 16 columns x 6 rows, 12 accumulators of the 16 ymm registers AVX2 has. Written in vector
 // extensions, it is also the portable path: other targets split the vectors into what they have (NEON: 4).
-using Path256 = GemmPath<v8, 2, 6>;
+using Path256 = GemmPath<v8, 2, 6, 6>;
 #if defined(__AVX512F__)
 // 512 bits: 32 columns x 12 rows, 24 accumulators of 32 zmm registers. On a CPU whose 512-bit FMAs are two
 // 256-bit halves (Zen 4) the gain is the larger tile: 14 loads feed 24 FMAs where 8 fed 12.
-using Path512 = GemmPath<v16, 2, 12>;
-constexpr int kMaxRowsAny = 14;  // the 512-bit table goes past the default so that other heights can be timed
-#else
-constexpr int kMaxRowsAny = Path256::kMaxRows;
+using Path512 = GemmPath<v16, 2, 12, 14>;
 #endif
 
 // rows x kTile outputs of one tile: y[r, 0:cols] = x[r, :] . tile[:, 0:cols]
@@ -113,21 +112,17 @@ void tile_kernel(const float* x, int64_t ldx, const float* tile, int64_t k_size,
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 
-// tile_kernel<P, rows> by rows, 1 to Max.
+// tile_kernel<P, rows> by rows, 1 to P::kTableRows.
 template <typename P, int... Rows>
 constexpr std::array<TileFn, sizeof...(Rows) + 1> tile_table(std::integer_sequence<int, Rows...>) {
   return {nullptr, tile_kernel<P, Rows + 1>...};
 }
-template <typename P, int Max>
-constexpr auto kTileFns = tile_table<P>(std::make_integer_sequence<int, Max>{});
+template <typename P>
+constexpr auto kTileFns = tile_table<P>(std::make_integer_sequence<int, P::kTableRows>{});
 
-// The table a path runs: the 256-bit kernel stops at its register budget; the 512-bit one has heights to spare.
 template <typename P>
 TileFn tile_fn(int rows) {
-#if defined(__AVX512F__)
-  if constexpr (std::is_same_v<P, Path512>) return kTileFns<P, kMaxRowsAny>[rows];
-#endif
-  return kTileFns<P, P::kMaxRows>[rows];
+  return kTileFns<P>[rows];
 }
 
 typedef float v4 __attribute__((vector_size(16)));
@@ -608,15 +603,16 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   const int64_t width = packed_width(packed);
   TORCH_CHECK(width > 0 && packed.is_contiguous(), "packed weight expected");
-  TORCH_CHECK(max_rows >= 0 && max_rows <= (width == 256 ? Path256::kMaxRows : kMaxRowsAny), "max_rows out of range");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(packed.size(1) == k, "x has ", k, " features, the weight expects ", packed.size(1));
   TORCH_CHECK(n <= packed.size(0) * packed.size(2), "n is larger than the packed weight");
   auto xc = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
   with_path(width, [&](auto path) {
-    linear_rows<decltype(path)>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, nullptr, y.data_ptr<float>(),
-                                static_cast<int>(max_rows));
+    using P = decltype(path);
+    TORCH_CHECK(max_rows >= 0 && max_rows <= P::kTableRows, "max_rows above ", P::kTableRows, " for ", width, " bits");
+    linear_rows<P>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, nullptr, y.data_ptr<float>(),
+                   static_cast<int>(max_rows));
   });
   return y;
 }
