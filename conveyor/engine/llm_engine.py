@@ -78,6 +78,7 @@ class Engine:
         self.max_model_len = plan.max_model_len
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
         model = load_model(folder, dtype, device, self.max_model_len)
+        self.kernel_width: int | None = None  # the native kernels' vector width in bits; None: torch ops
         self._use_native_kernels(model, dtype, device)
         vocab_size = self.model_config.vocab_size
         self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
@@ -111,9 +112,9 @@ class Engine:
             return
         kernels = native_kernels()
         if kernels is not None:
-            width = kernel_width(kernels)
-            logger.info("native kernels: %d-bit vectors", width)
-            model.use_native_kernels(kernels, width)
+            self.kernel_width = kernel_width(kernels)
+            logger.info("native kernels: %d-bit vectors", self.kernel_width)
+            model.use_native_kernels(kernels, self.kernel_width)
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.core.trace`)."""
