@@ -90,7 +90,8 @@ def attention(kernels, samples: int, min_s: float) -> None:
 def engines(batch_sizes: list[int], rounds: int, steps: int) -> None:
     """Decode tokens/s of an engine per width (the engine reads the width when it packs the model)."""
     from conveyor.bench.decode import measure_decode
-    from conveyor.engine import Engine, EngineConfig
+    from conveyor.core.config import EngineConfig
+    from conveyor.engine import Engine
 
     built = {}
     for width in (256, 512):
