@@ -65,6 +65,25 @@ def test_tiny_model_batch_matches_transformers(tiny_model_dir, references, optio
         assert sum(o.metrics.num_preemptions for o in outputs) > 0, "the tiny pool should force preemption"
 
 
+@pytest.mark.parametrize("width", [256, 512])
+def test_tiny_model_matches_transformers_on_each_kernel_width(tiny_model_dir, references, monkeypatch, width):
+    """Each vector width the CPU can run, forced: the greedy tokens match, prompts long enough for the fused
+    SwiGLU and decode batches of one to twelve rows; a width the CPU lacks is skipped, naming the feature."""
+    from conveyor.model.kernels import WIDTH_ENV, WIDTH_FEATURES, native_kernels
+
+    kernels = native_kernels()
+    assert kernels is not None, "the native kernels should build on the test machine"
+    if width not in kernels.kernel_widths():
+        pytest.skip(f"CPU lacks {WIDTH_FEATURES[width]}: no {width}-bit kernels to check")
+    monkeypatch.setenv(WIDTH_ENV, str(width))
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=2048, max_num_batched_tokens=128)
+    assert llm.engine.kernel_width == width
+    assert llm.engine.executor.model.lm_head.packed.shape[2] == width // 16, "the forced width's packing"
+    prompts = _prompts(LENGTHS, seed=8)
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY_16, use_tqdm=False)):
+        assert output.token_ids == references(prompt), f"prompt of {len(prompt)} tokens"
+
+
 def test_tiny_model_each_length_alone(tiny_model_dir, references):
     llm = LLM(str(tiny_model_dir), num_kv_blocks=512, max_num_batched_tokens=128)
     for prompt in _prompts([1, 3, 31, 32, 200], seed=2):

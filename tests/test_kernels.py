@@ -1,7 +1,9 @@
 """The native kernels against plain PyTorch on the shapes that break them.
 
-Linear: column counts that do not fill a 16-wide tile, row counts around the
-6-row micro-kernel and the 64-row block. Paged attention: contexts of one
+Every vector width the CPU can run (256 bits; 512 with AVX-512F) is checked;
+a width it cannot run is skipped with the missing feature named. Linear:
+column counts that do not fill a 16- or 32-wide tile, odd K, row counts
+around the 6- and 8-row micro-kernels and the 64-row block. Paged attention: contexts of one
 token, exactly a block, and ragged lengths; block tables in random order;
 grouped-query heads; block sizes 1, 4 and 16; prompt rows (causal) beside
 decode rows. The whole native stack against the model's PyTorch layers.
@@ -9,11 +11,13 @@ decode rows. The whole native stack against the model's PyTorch layers.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import native_kernels
+from conveyor.model.kernels import WIDTH_FEATURES, native_kernels
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +27,51 @@ def kernels():
     return module
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 100])
-@pytest.mark.parametrize("k", [8, 64, 70])
-def test_packed_linear_matches_f_linear(kernels, n, k):
+@pytest.fixture(params=sorted(WIDTH_FEATURES), ids=lambda width: f"{width}bit")
+def width(request, kernels) -> int:
+    """Each vector width in turn; one this CPU cannot run is skipped, naming the feature it lacks."""
+    if request.param not in kernels.kernel_widths():
+        pytest.skip(f"CPU lacks {WIDTH_FEATURES[request.param]}: no {request.param}-bit kernels to check")
+    return request.param
+
+
+def test_an_avx512_cpu_gets_the_512_bit_kernels(kernels):
+    """The 512-bit path is only ever skipped on a CPU without AVX-512F, never lost on one that has it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    assert 256 in kernels.kernel_widths()
+    assert (512 in kernels.kernel_widths()) == ("avx512f" in flags) or not flags
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 31, 33, 100])
+@pytest.mark.parametrize("k", [7, 8, 64, 70])
+def test_packed_linear_matches_f_linear(kernels, width, n, k):
     torch.manual_seed(n * 100 + k)
     weight = torch.randn(n, k)
-    packed = kernels.pack_linear_weight(weight)
-    for m in [1, 2, 5, 6, 7, 13, 64, 65, 130]:
+    packed = kernels.pack_linear_weight(weight, width)
+    assert packed.shape[2] == width // 16, "the tile is as wide as the path's micro-kernel"
+    for m in [1, 2, 5, 6, 7, 8, 9, 13, 25, 64, 65, 130]:
         x = torch.randn(m, k)
         torch.testing.assert_close(kernels.packed_linear(x, packed, n), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_at_every_micro_kernel_height(kernels, width):
+    """The heights the timing knob reaches (the 512-bit table has more than it runs by default)."""
+    torch.manual_seed(width)
+    weight, x = torch.randn(45, 37), torch.randn(67, 37)
+    packed = kernels.pack_linear_weight(weight, width)
+    for rows in range(1, {256: 6, 512: 14}[width] + 1):
+        torch.testing.assert_close(kernels.packed_linear(x, packed, 45, rows), F.linear(x, weight), rtol=1e-5,
+                                   atol=1e-4)
+    with pytest.raises(RuntimeError, match="max_rows"):
+        kernels.packed_linear(x, packed, 45, 15)
+
+
+def test_packing_for_a_width_the_cpu_lacks_is_refused(kernels):
+    if 512 in kernels.kernel_widths():
+        pytest.skip("this CPU has avx512f: every width packs")
+    with pytest.raises(RuntimeError, match="avx512f"):
+        kernels.pack_linear_weight(torch.randn(4, 4), 512)
 
 
 def test_packed_linear_takes_a_non_contiguous_input(kernels):
@@ -61,9 +101,9 @@ def _reference_attention(query, k_cache, v_cache, tables, row_seq, lens, scale):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8)]
+    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8), (3, 1, 96)]
 )
-def test_paged_attention_of_decode_rows_matches_reference(kernels, block_size, heads, kv_heads, head_dim):
+def test_paged_attention_of_decode_rows_matches_reference(kernels, width, block_size, heads, kv_heads, head_dim):
     torch.manual_seed(block_size + heads)
     num_blocks, max_blocks = 300, 40
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
@@ -73,13 +113,13 @@ def test_paged_attention_of_decode_rows_matches_reference(kernels, block_size, h
     rows = torch.arange(len(lens))
     query = torch.randn(len(lens), heads, head_dim)
     scale = head_dim**-0.5
-    got = kernels.paged_attention(query, cache[0], cache[1], tables, rows, lens, scale)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, rows, lens, scale, width)
     want = _reference_attention(query, cache[0], cache[1], tables, rows, lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, rows):
+def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, width, rows):
     """Fewer rows than threads to share out: each KV head of a row is its own work item."""
     torch.manual_seed(rows)
     block_size, heads, kv_heads, head_dim, num_blocks = 16, 9, 3, 64, 200
@@ -87,12 +127,12 @@ def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, rows):
     tables = torch.stack([torch.randperm(num_blocks)[:60] for _ in range(rows)])
     lens = torch.tensor([950, 13, 411][:rows])
     query = torch.randn(rows, heads, head_dim)
-    got = kernels.paged_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125, width)
     want = _reference_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_paged_attention_of_prompt_rows_is_causal(kernels):
+def test_paged_attention_of_prompt_rows_is_causal(kernels, width):
     """Two prompt chunks and a decode row in one call: each prompt row sees its sequence up to itself."""
     torch.manual_seed(11)
     block_size, heads, kv_heads, head_dim = 4, 6, 2, 16
@@ -102,7 +142,7 @@ def test_paged_attention_of_prompt_rows_is_causal(kernels):
     row_seq = torch.tensor([0] * 7 + [1] * 9 + [2])
     lens = torch.cat([torch.arange(1, 8), torch.arange(6, 15), torch.tensor([23])])
     query = torch.randn(len(row_seq), heads, head_dim)
-    got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25, width)
     want = _reference_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -129,7 +169,7 @@ def test_paged_attention_refuses_a_head_size_it_has_no_kernel_for(kernels):
         )
 
 
-def test_packed_layer_with_bias_matches_the_plain_layer(kernels):
+def test_packed_layer_with_bias_matches_the_plain_layer(kernels, width):
     """Qwen2-style projections carry a bias; packing must keep it (and free the plain weight)."""
     from conveyor.model.llama import Linear
 
@@ -137,36 +177,42 @@ def test_packed_layer_with_bias_matches_the_plain_layer(kernels):
     layer = Linear(24, 40, bias=True)
     x = torch.randn(5, 24)
     want = layer(x).detach()
-    layer.pack(kernels)
+    layer.pack(kernels, width)
     assert layer.weight.numel() == 0
     torch.testing.assert_close(layer(x).detach(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("width", [1, 8, 13, 64])
-def test_silu_and_mul_matches_torch_over_the_whole_float_range(kernels, width):
+@pytest.mark.parametrize("size", [1, 8, 13, 16, 40, 64])
+def test_silu_and_mul_matches_torch_over_the_whole_float_range(kernels, width, size):
     """The vectorised exp must hold where silu saturates (|x| near 88 and past it) as well as near 0."""
-    torch.manual_seed(width)
-    gate = torch.cat([torch.randn(3, width) * 4, torch.linspace(-120, 120, 4 * width).view(4, width)])
+    torch.manual_seed(size)
+    gate = torch.cat([torch.randn(3, size) * 4, torch.linspace(-120, 120, 4 * size).view(4, size)])
     up = torch.randn_like(gate)
-    got = kernels.silu_and_mul(torch.cat([gate, up], dim=1).contiguous())
+    got = kernels.silu_and_mul(torch.cat([gate, up], dim=1).contiguous(), width)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
-def test_rms_norm_and_rotary_match_torch(kernels):
-    torch.manual_seed(7)
-    x, weight = torch.randn(5, 48), torch.randn(48)
+@pytest.mark.parametrize("size", [5, 48, 64, 71])
+def test_rms_norm_matches_torch(kernels, width, size):
+    torch.manual_seed(size)
+    x, weight = torch.randn(5, size), torch.randn(size)
     want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5), want, rtol=1e-5, atol=1e-5)
-    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
-    angles = torch.randn(5, 8)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-5, width), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim", [8, 16, 40, 64, 128])
+def test_rotary_matches_torch(kernels, width, dim):
+    torch.manual_seed(dim)
+    q, k = torch.randn(5, 4, dim), torch.randn(5, 2, dim)
+    angles = torch.randn(5, dim // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
     def rotate(t):
-        half = torch.cat([-t[..., 8:], t[..., :8]], -1)
+        half = torch.cat([-t[..., dim // 2 :], t[..., : dim // 2]], -1)
         return t * cos[:, None] + half * sin[:, None]
 
     want_q, want_k = rotate(q), rotate(k)
-    kernels.rotary_embedding(q, k, cos, sin)
+    kernels.rotary_embedding(q, k, cos, sin, width)
     torch.testing.assert_close((q, k), (want_q, want_k), rtol=1e-5, atol=1e-5)
 
 
@@ -187,7 +233,7 @@ def _stack_model(intermediate_size: int):
     return model
 
 
-def _assert_native_stack_matches(kernels, model, positions, row_seq, tables, decodes, prefills, block_size=4):
+def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tables, decodes, prefills, block_size=4):
     """The same step through the PyTorch layers and through NativeLlama: equal hidden states and caches."""
     from conveyor.model.attention import AttentionMetadata, NativeRows
 
@@ -198,13 +244,13 @@ def _assert_native_stack_matches(kernels, model, positions, row_seq, tables, dec
     torch_cache = cache.clone()
     with torch.inference_mode():
         want = model(ids, positions, torch_cache, AttentionMetadata(slots, decodes, prefills))
-        model.use_native_kernels(kernels)
+        model.use_native_kernels(kernels, width)
         got = model(ids, positions, cache, AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1)))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
 
 
-def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels):
+def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels, width):
     """A prompt with a cached prefix, a fresh prompt and a decode row in one step."""
     from conveyor.model.attention import DecodeGroup, PrefillChunk
 
@@ -217,20 +263,22 @@ def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels):
     prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
     decodes = [DecodeGroup(11, 12, tables[2:3], decode_mask)]
     prefills = [PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)]
-    _assert_native_stack_matches(kernels, _stack_model(80), positions, row_seq, tables, decodes, prefills)
+    _assert_native_stack_matches(kernels, width, _stack_model(80), positions, row_seq, tables, decodes, prefills)
 
 
-@pytest.mark.parametrize("intermediate_size", [80, 72])
-def test_native_stack_matches_the_torch_layers_on_a_long_prompt(kernels, intermediate_size):
+@pytest.mark.parametrize("intermediate_size", [96, 80, 72])
+def test_native_stack_matches_the_torch_layers_on_a_long_prompt(kernels, width, intermediate_size):
     """70 rows: enough for SwiGLU to be fused into the gate/up projection where the intermediate size is a
-    whole number of 16-column tiles (80), and the unfused path where it is not (72)."""
+    whole number of tiles (96 on both paths, 80 on the 16-column one), and the unfused path where it is not."""
     from conveyor.model.attention import PrefillChunk
 
     torch.manual_seed(6)
     tables = torch.randperm(32)[:18].view(1, 18)
     positions, row_seq = torch.arange(70), torch.zeros(70, dtype=torch.long)
     prefills = [PrefillChunk(0, 70, 0, tables[0], None)]
-    _assert_native_stack_matches(kernels, _stack_model(intermediate_size), positions, row_seq, tables, [], prefills)
+    _assert_native_stack_matches(
+        kernels, width, _stack_model(intermediate_size), positions, row_seq, tables, [], prefills
+    )
 
 
 def test_kernels_release_the_gil_while_they_compute(kernels):

@@ -1,10 +1,10 @@
 // Native CPU kernels for the places a step loses most time in eager PyTorch.
 //
 // 1. Linear layers on packed weights. A weight [N, K] is stored as tiles of 16
-//    output columns, each tile [K, 16] contiguous, so that one pass streams the
-//    whole weight once, in order, whatever the number of rows: at batch 1 the
-//    step is bound by memory bandwidth, and at larger batches each tile is
-//    reused from cache by every row.
+//    output columns (32 on the 512-bit path), each tile [K, 16] contiguous,
+//    so that one pass streams the whole weight once, in order, whatever the
+//    number of rows: at batch 1 the step is bound by memory bandwidth, and at
+//    larger batches each tile is reused from cache by every row.
 // 2. Attention straight over the paged KV cache. Each query row reads its own
 //    context through its sequence's block table; nothing is gathered into a
 //    padded copy, and decode rows and prompt rows of any length share one call.
@@ -12,116 +12,204 @@
 //    Python or tensor dispatch runs between the thirty layers' kernels.
 //
 // Vectors are GCC/Clang vector extensions rather than intrinsics, so the same
-// source builds for AVX2 or NEON with -march=native. Threads: ATen's parallel_for (OpenMP).
+// source builds for AVX2 or NEON with -march=native. Every kernel comes in two
+// widths: 256 bits (8 floats; AVX2's ymm, or pairs of NEON / SSE registers on
+// other targets: the portable path) and, where the target has AVX-512F, 512 bits
+// (16 floats in zmm registers, and 32 of them, which lets the GEMM hold a larger
+// register tile). The caller picks one per call or per stack (with_path); a
+// weight is packed for one width. Threads: ATen's parallel_for (OpenMP).
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kTile = 16;  // output columns per weight tile: two 8-float vectors
 constexpr int64_t kRowsPerBlock = 64;  // rows that share a weight tile while it is in cache
 
 typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef float v16 __attribute__((vector_size(64)));
 
-inline v8 load8(const float* p) { return *reinterpret_cast<const v8u*>(p); }
-inline void store8(float* p, v8 v) { *reinterpret_cast<v8u*>(p) = v; }
+// Unaligned load and store of a vector of any width (the copy compiles to one vector move).
+template <typename V>
+inline V loadv(const float* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename V>
+inline void storev(float* p, V v) {
+  __builtin_memcpy(p, &v, sizeof v);
+}
 
-// rows x 16 outputs of one tile: y[r, 0:cols] = x[r, :] . tile[:, 0:cols]
-template <int Rows>
+// A GEMM path: the vector the micro-kernel computes in, the vectors in one tile row (the tile's width in
+// columns is lanes * vecs, and the packed weight's layout follows it) and the most rows one call keeps in
+// registers (rows * vecs accumulators, plus the tile row and a broadcast, must fit the register file). Its
+// micro-kernels are built for 1 to TableRows rows, a few past MaxRows where that fits, so that other
+// heights can be timed (packed_linear's max_rows).
+template <typename V, int Vecs, int MaxRows, int TableRows>
+struct GemmPath {
+  using Vec = V;
+  static constexpr int kLanes = sizeof(V) / sizeof(float);
+  static constexpr int kVecs = Vecs;
+  static constexpr int64_t kTile = kLanes * Vecs;
+  static constexpr int kMaxRows = MaxRows;
+  static constexpr int kTableRows = TableRows;
+};
+
+// 256 bits: 16 columns x 6 rows, 12 accumulators of the 16 ymm registers AVX2 has. Written in vector
+// extensions, it is also the portable path: other targets split the vectors into what they have (NEON: 4).
+using Path256 = GemmPath<v8, 2, 6, 6>;
+#if defined(__AVX512F__)
+// 512 bits: 32 columns x 8 rows, 16 accumulators of 32 zmm registers. On a CPU whose 512-bit FMAs are two
+// 256-bit halves (Zen 4) the gain is the larger tile: 10 loads feed 16 FMAs where 8 fed 12.
+using Path512 = GemmPath<v16, 2, 8, 14>;
+#endif
+
+// rows x kTile outputs of one tile: y[r, 0:cols] = x[r, :] . tile[:, 0:cols]
+template <typename P, int Rows>
 void tile_kernel(const float* x, int64_t ldx, const float* tile, int64_t k_size, float* y, int64_t ldy,
                  int64_t cols) {
-  v8 acc[Rows][2];
-  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = v8{};
+  using V = typename P::Vec;
+  V acc[Rows][P::kVecs];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < P::kVecs; ++v) acc[r][v] = V{};
+  }
   for (int64_t k = 0; k < k_size; ++k) {
-    const v8 w0 = load8(tile + k * kTile);
-    const v8 w1 = load8(tile + k * kTile + 8);
+    V w[P::kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < P::kVecs; ++v) w[v] = loadv<V>(tile + k * P::kTile + v * P::kLanes);
+#pragma GCC unroll 16
     for (int r = 0; r < Rows; ++r) {
       const float xv = x[r * ldx + k];
-      acc[r][0] += w0 * xv;
-      acc[r][1] += w1 * xv;
+#pragma GCC unroll 4
+      for (int v = 0; v < P::kVecs; ++v) acc[r][v] += w[v] * xv;
     }
   }
-  for (int r = 0; r < Rows; ++r) {
-    if (cols == kTile) {
-      store8(y + r * ldy, acc[r][0]);
-      store8(y + r * ldy + 8, acc[r][1]);
-    } else {
-      float out[kTile];
-      store8(out, acc[r][0]);
-      store8(out + 8, acc[r][1]);
-      std::copy(out, out + cols, y + r * ldy);
+  if (cols == P::kTile) {
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+      for (int v = 0; v < P::kVecs; ++v) storev(y + r * ldy + v * P::kLanes, acc[r][v]);
     }
+    return;
+  }
+  for (int r = 0; r < Rows; ++r) {  // the last tile of a width that is no multiple of the tile's
+    alignas(64) float part[P::kTile];
+    for (int v = 0; v < P::kVecs; ++v) storev(part + v * P::kLanes, acc[r][v]);
+    std::copy(part, part + cols, y + r * ldy);
   }
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
-constexpr int kMaxRows = 6;  // 12 accumulators + 2 weight vectors + 1 broadcast: fits 16 vector registers
-constexpr TileFn kTileFns[kMaxRows + 1] = {nullptr,          tile_kernel<1>, tile_kernel<2>, tile_kernel<3>,
-                                           tile_kernel<4>, tile_kernel<5>, tile_kernel<6>};
+
+// tile_kernel<P, rows> by rows, 1 to P::kTableRows.
+template <typename P, int... Rows>
+constexpr std::array<TileFn, sizeof...(Rows) + 1> tile_table(std::integer_sequence<int, Rows...>) {
+  return {nullptr, tile_kernel<P, Rows + 1>...};
+}
+template <typename P>
+constexpr auto kTileFns = tile_table<P>(std::make_integer_sequence<int, P::kTableRows>{});
+
+template <typename P>
+TileFn tile_fn(int rows) {
+  return kTileFns<P>[rows];
+}
 
 typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t v8i __attribute__((vector_size(32)));
 
 inline float sum8(v8 v) {
   const v4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   return (half[0] + half[2]) + (half[1] + half[3]);
 }
 
-inline v8 splat(float x) { return v8{} + x; }
+// A vector folded to 8 lanes (lane i + lane i + 8): reductions of any width end in sum8 / sums8.
+inline v8 fold8(v8 v) { return v; }
+inline v8 fold8(v16 v) {
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 
-// e^x for 8 lanes, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial,
+template <typename V>
+inline float sumv(V v) {
+  return sum8(fold8(v));
+}
+
+template <typename V>
+constexpr int kLanesOf = sizeof(V) / sizeof(float);
+
+template <typename V>
+inline V splatv(float x) {
+  return V{} + x;
+}
+
+// The int32 vector as wide as V.
+template <typename V>
+struct IntOf {
+  typedef int32_t type __attribute__((vector_size(sizeof(V))));
+};
+
+// e^x lane by lane, to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' degree-6 polynomial,
 // 2^n by writing n into the exponent bits. A scalar std::exp per element costs more than the rest of
 // attention's softmax together.
-inline v8 exp8(v8 x) {
-  const v8 lo = splat(-87.3f), hi = splat(88.3f);
+template <typename V>
+inline V expv(V x) {
+  const V lo = splatv<V>(-87.3f), hi = splatv<V>(88.3f);
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const v8 shifter = splat(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
-  const v8 n = (x * 1.44269504f + shifter) - shifter;
-  const v8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts, so r keeps its low bits
-  v8 p = splat(1.9875691500e-4f);
+  const V shifter = splatv<V>(12582912.f);  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
+  const V n = (x * 1.44269504f + shifter) - shifter;
+  const V r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts, so r keeps its low bits
+  V p = splatv<V>(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  const v8i scale = (__builtin_convertvector(n, v8i) + 127) << 23;
-  v8 two_n;
+  const typename IntOf<V>::type scale = (__builtin_convertvector(n, typename IntOf<V>::type) + 127) << 23;
+  V two_n;
   __builtin_memcpy(&two_n, &scale, sizeof two_n);
   return p * two_n;
 }
 
-// silu(g) * u for 8 lanes: SwiGLU's gate.
-inline v8 silu_mul8(v8 g, v8 u) { return g / (1.f + exp8(-g)) * u; }
+// silu(g) * u lane by lane: SwiGLU's gate.
+template <typename V>
+inline V silu_mul(V g, V u) {
+  return g / (1.f + expv(-g)) * u;
+}
 
-// q . k over NV 8-float vectors, in two accumulators to halve the dependency chain.
-template <int NV>
+// q . k over NV vectors V, in two accumulators to halve the dependency chain.
+template <typename V, int NV>
 inline float dot(const float* q, const float* k) {
-  v8 even = load8(q) * load8(k), odd = v8{};
-  for (int j = 1; j < NV; ++j) (j % 2 ? odd : even) += load8(q + 8 * j) * load8(k + 8 * j);
-  return sum8(even + odd);
+  constexpr int lanes = kLanesOf<V>;
+  V even = loadv<V>(q) * loadv<V>(k), odd = V{};
+  for (int j = 1; j < NV; ++j) (j % 2 ? odd : even) += loadv<V>(q + lanes * j) * loadv<V>(k + lanes * j);
+  return sumv(even + odd);
 }
 
 // s[i] = exp(s[i] - max(s)); returns the sum.
+template <typename V>
 inline float softmax_numerators(float* s, int64_t n) {
+  constexpr int lanes = kLanesOf<V>;
   const float top = *std::max_element(s, s + n);
-  v8 total = v8{};
+  V total = V{};
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const v8 e = exp8(load8(s + i) - top);
-    store8(s + i, e);
+  for (; i + lanes <= n; i += lanes) {
+    const V e = expv(loadv<V>(s + i) - top);
+    storev(s + i, e);
     total += e;
   }
-  float rest = sum8(total);
+  float rest = sumv(total);
   for (; i < n; ++i) rest += (s[i] = std::exp(s[i] - top));
   return rest;
 }
@@ -148,23 +236,28 @@ inline v8 sums8(const v8* a) {
 }
 
 // q . k for 8 consecutive positions (keys token_stride apart) at once: q is loaded once per 8 keys, and the 8
-// sums are reduced together.
-template <int NV>
+// sums are reduced together (each folded to 8 lanes first).
+template <typename V, int NV>
 inline v8 dot8(const float* q, const float* keys, int64_t token_stride) {
-  v8 acc[8] = {};
+  constexpr int lanes = kLanesOf<V>;
+  V acc[8] = {};
   for (int j = 0; j < NV; ++j) {
-    const v8 qv = load8(q + 8 * j);
-    for (int p = 0; p < 8; ++p) acc[p] += qv * load8(keys + p * token_stride + 8 * j);
+    const V qv = loadv<V>(q + lanes * j);
+    for (int p = 0; p < 8; ++p) acc[p] += qv * loadv<V>(keys + p * token_stride + lanes * j);
   }
-  return sums8(acc);
+  v8 folded[8];
+  for (int p = 0; p < 8; ++p) folded[p] = fold8(acc[p]);
+  return sums8(folded);
 }
 
 // s = softmax(s), in place.
+template <typename V>
 inline void softmax(float* s, int64_t n) {
-  const v8 inv = splat(1.f / softmax_numerators(s, n));
+  constexpr int lanes = kLanesOf<V>;
+  const float inv = 1.f / softmax_numerators<V>(s, n);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) store8(s + i, load8(s + i) * inv);
-  for (; i < n; ++i) s[i] *= inv[0];
+  for (; i + lanes <= n; i += lanes) storev(s + i, loadv<V>(s + i) * inv);
+  for (; i < n; ++i) s[i] *= inv;
 }
 
 // Asks for one slice of the next block (of `floats` floats) per head worked on in the current one: blocks lie
@@ -180,12 +273,14 @@ inline void prefetch_slice(const float* next, int64_t floats, int64_t slice, int
 // One query row over `ctx` positions of the paged cache, for the query heads of KV heads [kv_begin, kv_end).
 // Blocks are the outer loop, heads the inner one: a position's K (and V) for every KV head is one contiguous
 // run in the cache, so each block is read from memory once, in order, and then serves all those heads from L1.
-// q and out point at the row's head 0; scores holds (kv_end - kv_begin) * group * ctx floats.
-template <int NV>
+// q and out point at the row's head 0; scores holds (kv_end - kv_begin) * group * ctx floats. A head is NV
+// vectors V.
+template <typename V, int NV>
 void attend_row(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t ctx,
                 const CacheShape& shape, int64_t kv_begin, int64_t kv_end, int64_t group, float scale,
                 float* scores, float* out) {
-  constexpr int64_t dim = 8 * NV;
+  constexpr int lanes = kLanesOf<V>;
+  constexpr int64_t dim = lanes * NV;
   const int64_t stride = shape.token_stride(), heads = (kv_end - kv_begin) * group, h0 = kv_begin * group;
   const auto block_at = [&](const float* cache, int64_t block) { return cache + table[block] * shape.block_stride(); };
   for (int64_t first = 0; first < ctx; first += shape.block_size) {
@@ -198,11 +293,11 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
       const float* kh = keys + (h0 + h) / group * dim;
       float* s = scores + h * ctx + first;
       int64_t i = 0;
-      for (; i + 8 <= n; i += 8) store8(s + i, dot8<NV>(qh, kh + i * stride, stride) * scale);
-      for (; i < n; ++i) s[i] = dot<NV>(qh, kh + i * stride) * scale;
+      for (; i + 8 <= n; i += 8) storev(s + i, dot8<V, NV>(qh, kh + i * stride, stride) * scale);
+      for (; i < n; ++i) s[i] = dot<V, NV>(qh, kh + i * stride) * scale;
     }
   }
-  for (int64_t h = 0; h < heads; ++h) softmax(scores + h * ctx, ctx);
+  for (int64_t h = 0; h < heads; ++h) softmax<V>(scores + h * ctx, ctx);
   // Accumulators of up to 8 vectors stay in registers; wider heads go in two halves.
   constexpr int kChunk = NV <= 8 ? NV : NV / 2;
   for (int64_t first = 0; first < ctx; first += shape.block_size) {
@@ -215,13 +310,13 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
       const float* p = scores + h * ctx + first;
       float* o = out + (h0 + h) * dim;
       for (int j0 = 0; j0 < NV; j0 += kChunk) {
-        v8 acc[kChunk];
-        for (int c = 0; c < kChunk; ++c) acc[c] = first == 0 ? v8{} : load8(o + 8 * (j0 + c));
+        V acc[kChunk];
+        for (int c = 0; c < kChunk; ++c) acc[c] = first == 0 ? V{} : loadv<V>(o + lanes * (j0 + c));
         for (int64_t i = 0; i < n; ++i) {
-          const v8 weight = splat(p[i]);
-          for (int c = 0; c < kChunk; ++c) acc[c] += load8(vh + i * stride + 8 * (j0 + c)) * weight;
+          const V weight = splatv<V>(p[i]);
+          for (int c = 0; c < kChunk; ++c) acc[c] += loadv<V>(vh + i * stride + lanes * (j0 + c)) * weight;
         }
-        for (int c = 0; c < kChunk; ++c) store8(o + 8 * (j0 + c), acc[c]);
+        for (int c = 0; c < kChunk; ++c) storev(o + lanes * (j0 + c), acc[c]);
       }
     }
   }
@@ -230,15 +325,18 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
 using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, const CacheShape&,
                           int64_t, int64_t, int64_t, float, float*, float*);
 
-// Head sizes with their own unrolled kernel (the accumulators stay in registers); others are refused.
+// Head sizes with their own unrolled kernel (the accumulators stay in registers) in vectors V; others are
+// refused. A head of 8 is narrower than 16 lanes: the 512-bit path runs it on 8.
+template <typename V>
 AttendFn attend_fn(int64_t dim) {
+  constexpr int lanes = kLanesOf<V>;
   switch (dim) {
-    case 8: return attend_row<1>;
-    case 16: return attend_row<2>;
-    case 32: return attend_row<4>;
-    case 64: return attend_row<8>;
-    case 96: return attend_row<12>;
-    case 128: return attend_row<16>;
+    case 8: return attend_row<v8, 1>;
+    case 16: return attend_row<V, 16 / lanes>;
+    case 32: return attend_row<V, 32 / lanes>;
+    case 64: return attend_row<V, 64 / lanes>;
+    case 96: return attend_row<V, 96 / lanes>;
+    case 128: return attend_row<V, 128 / lanes>;
     default: return nullptr;
   }
 }
@@ -248,29 +346,34 @@ AttendFn attend_fn(int64_t dim) {
 
 // The GEMMs' schedule over m rows and `tiles` weight tiles: work items are (row block, tile), row block
 // outermost, so that neighbouring items share x rows and each tile is reused by up to 64 rows; each item calls
-// pass(tile, row, rows) for its rows, up to kMaxRows at a time. The blocks are of equal size (65 rows make two
+// pass(tile, row, rows) for its rows, up to max_rows at a time. The blocks are of equal size (65 rows make two
 // blocks of 33 and 32, not 64 and 1): the threads take contiguous runs of items, and a short last block would
 // leave one thread with nearly all the rows (a 65-row step cost what a 128-row one did).
 template <typename Pass>
-void for_each_tile_pass(int64_t m, int64_t tiles, const Pass& pass) {
+void for_each_tile_pass(int64_t m, int64_t tiles, int max_rows, const Pass& pass) {
   const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t block_rows = (m + row_blocks - 1) / row_blocks;
   at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / tiles, tile = item % tiles;
       const int64_t row_end = std::min(m, (block + 1) * block_rows);
-      for (int64_t row = block * block_rows; row < row_end; row += kMaxRows) {
-        pass(tile, row, std::min<int64_t>(kMaxRows, row_end - row));
+      for (int64_t row = block * block_rows; row < row_end; row += max_rows) {
+        pass(tile, row, static_cast<int>(std::min<int64_t>(max_rows, row_end - row)));
       }
     }
   });
 }
 
-// y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight.
-void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y) {
-  for_each_tile_pass(m, (n + kTile - 1) / kTile, [&](int64_t tile, int64_t row, int64_t rows) {
-    const int64_t col = tile * kTile, cols = std::min(kTile, n - col);
-    kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, y + row * n + col, n, cols);
+// y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight for path P. max_rows (0: the path's
+// own) is the micro-kernel's height, a knob for timing other heights.
+template <typename P>
+void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
+                 int max_rows = 0) {
+  constexpr int64_t tile_cols = P::kTile;
+  for_each_tile_pass(m, (n + tile_cols - 1) / tile_cols, max_rows > 0 ? max_rows : P::kMaxRows,
+                     [&](int64_t tile, int64_t row, int rows) {
+    const int64_t col = tile * tile_cols, cols = std::min(tile_cols, n - col);
+    tile_fn<P>(rows)(x + row * k, k, packed + tile * k * tile_cols, k, y + row * n + col, n, cols);
     if (bias != nullptr) {
       for (int64_t r = row; r < row + rows; ++r) {
         for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
@@ -280,51 +383,71 @@ void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int6
 }
 
 // out [m, I] = silu(x . Wg^T + bg) * (x . Wu^T + bu), with gate and up packed as one [2I, k] weight, gate
-// first, I a multiple of 16. Each pass computes a gate tile and the matching up tile for its rows and writes
-// only their product: the [m, 2I] projection never goes through memory, and no separate pass reads it back.
+// first, I a multiple of the tile width. Each pass computes a gate tile and the matching up tile for its rows
+// and writes only their product: the [m, 2I] projection never goes through memory, and no separate pass
+// reads it back.
+template <typename P>
 void swiglu_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t intermediate, const float* bias,
                  float* out) {
-  const int64_t tiles = intermediate / kTile;
-  for_each_tile_pass(m, tiles, [&](int64_t tile, int64_t row, int64_t rows) {
-    alignas(32) float gate[kMaxRows * kTile], up[kMaxRows * kTile];
-    const int64_t col = tile * kTile;
-    kTileFns[rows](x + row * k, k, packed + tile * k * kTile, k, gate, kTile, kTile);
-    kTileFns[rows](x + row * k, k, packed + (tile + tiles) * k * kTile, k, up, kTile, kTile);
+  using V = typename P::Vec;
+  constexpr int64_t tile_cols = P::kTile;
+  const int64_t tiles = intermediate / tile_cols;
+  for_each_tile_pass(m, tiles, P::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
+    alignas(64) float gate[P::kMaxRows * tile_cols], up[P::kMaxRows * tile_cols];
+    const int64_t col = tile * tile_cols;
+    tile_fn<P>(rows)(x + row * k, k, packed + tile * k * tile_cols, k, gate, tile_cols, tile_cols);
+    tile_fn<P>(rows)(x + row * k, k, packed + (tile + tiles) * k * tile_cols, k, up, tile_cols, tile_cols);
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t half = 0; half < kTile; half += 8) {
-        v8 g = load8(gate + r * kTile + half), u = load8(up + r * kTile + half);
+      for (int64_t c = 0; c < tile_cols; c += P::kLanes) {
+        V g = loadv<V>(gate + r * tile_cols + c), u = loadv<V>(up + r * tile_cols + c);
         if (bias != nullptr) {
-          g += load8(bias + col + half);
-          u += load8(bias + intermediate + col + half);
+          g += loadv<V>(bias + col + c);
+          u += loadv<V>(bias + intermediate + col + c);
         }
-        store8(out + (row + r) * intermediate + col + half, silu_mul8(g, u));
+        storev(out + (row + r) * intermediate + col + c, silu_mul(g, u));
       }
     }
   });
 }
 
+// The elementwise kernels below run on vectors V (v8 or v16), whatever is left over past the last whole
+// vector lane by lane.
+
 // out = x / rms(x) * weight, row by row. With `residual`, first x += residual (in place): the residual add
-// and the next norm read x once.
+// and the next norm read x once. Squares add up per lane in float and across lanes in double.
+template <typename V>
 void rms_norm_rows(float* x, const float* residual, const float* weight, int64_t rows, int64_t size, float eps,
                    float* out) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       float* in = x + row * size;
-      if (residual != nullptr) {
-        for (int64_t i = 0; i < size; ++i) in[i] += residual[row * size + i];
+      V lane_squares{};
+      int64_t i = 0;
+      for (; i + lanes <= size; i += lanes) {
+        V v = loadv<V>(in + i);
+        if (residual != nullptr) storev(in + i, v += loadv<V>(residual + row * size + i));
+        lane_squares += v * v;
       }
       double squares = 0.0;
-      for (int64_t i = 0; i < size; ++i) squares += static_cast<double>(in[i]) * in[i];
+      for (; i < size; ++i) {
+        if (residual != nullptr) in[i] += residual[row * size + i];
+        squares += static_cast<double>(in[i]) * in[i];
+      }
+      for (int64_t lane = 0; lane < lanes; ++lane) squares += lane_squares[lane];
       const float inv = 1.f / std::sqrt(static_cast<float>(squares / size) + eps);
       float* o = out + row * size;
-      for (int64_t i = 0; i < size; ++i) o[i] = weight[i] * (in[i] * inv);
+      for (i = 0; i + lanes <= size; i += lanes) storev(o + i, loadv<V>(weight + i) * (loadv<V>(in + i) * inv));
+      for (; i < size; ++i) o[i] = weight[i] * (in[i] * inv);
     }
   });
 }
 
 // x * cos + rotate_half(x) * sin on `heads` heads of `dim` at the start of each row, in place.
+template <typename V>
 void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, int64_t dim, const float* cos,
                  const float* sin) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -332,7 +455,13 @@ void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, in
       const float* s = sin + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
         float* head = x + t * row_stride + h * dim;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+        for (; i + lanes <= half; i += lanes) {
+          const V a = loadv<V>(head + i), b = loadv<V>(head + i + half);
+          storev(head + i, a * loadv<V>(c + i) - b * loadv<V>(s + i));
+          storev(head + i + half, b * loadv<V>(c + i + half) + a * loadv<V>(s + i + half));
+        }
+        for (; i < half; ++i) {
           const float a = head[i], b = head[i + half];
           head[i] = a * c[i] - b * s[i];
           head[i + half] = b * c[i + half] + a * s[i + half];
@@ -343,14 +472,16 @@ void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, in
 }
 
 // out [rows, size] = silu(gate) * up, from [rows, 2 * size] (gate then up).
+template <typename V>
 void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* out) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* gate = gate_up + row * 2 * size;
       const float* up = gate + size;
       float* o = out + row * size;
       int64_t i = 0;
-      for (; i + 8 <= size; i += 8) store8(o + i, silu_mul8(load8(gate + i), load8(up + i)));
+      for (; i + lanes <= size; i += lanes) storev(o + i, silu_mul(loadv<V>(gate + i), loadv<V>(up + i)));
       for (; i < size; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
     }
   });
@@ -370,10 +501,11 @@ void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_s
 // tables[row_seq[r]] and sees positions [0, context_lens[r]). A decode row is one query at the end of its
 // context; the rows of a prompt chunk each see the prompt up to themselves, which makes the mask causal.
 // query rows are row_stride apart, heads contiguous within a row; out is [rows, heads * dim].
+template <typename V>
 void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const float* k_cache,
                     const float* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
                     const int64_t* row_seq, const int64_t* context_lens, float scale, float* out) {
-  const AttendFn attend = attend_fn(shape.dim);
+  const AttendFn attend = attend_fn<V>(shape.dim);
   TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96 or 128)");
   const int64_t group = heads / shape.kv_heads;
   // A whole row per work item when there are rows enough to share out (each block is then read once per row);
@@ -394,6 +526,38 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
       }
     }
   });
+}
+
+// The vector widths in bits this build has kernels for: 256 always (on AVX2, or split into what the target
+// has: the portable path), 512 where the compiler targets AVX-512F.
+std::vector<int64_t> kernel_widths() {
+#if defined(__AVX512F__)
+  return {256, 512};
+#else
+  return {256};
+#endif
+}
+
+// Runs f(P{}) with the path P of a width in bits; a width this build lacks is an error, never a fallback.
+template <typename F>
+void with_path(int64_t width, const F& f) {
+  if (width == 256) return f(Path256{});
+#if defined(__AVX512F__)
+  if (width == 512) return f(Path512{});
+#endif
+  TORCH_CHECK(false, "no ", width, "-bit kernels in this build (",
+              width == 512 ? "the CPU lacks avx512f" : "widths are 256 or 512", ")");
+}
+
+// The width a packed weight was laid out for, from its tile's columns (0: none of ours).
+int64_t packed_width(const torch::Tensor& packed) {
+  int64_t width = 0;
+  for (const int64_t w : kernel_widths()) {
+    with_path(w, [&](auto path) {
+      if (packed.dim() == 3 && packed.size(2) == decltype(path)::kTile) width = w;
+    });
+  }
+  return width;
 }
 
 const float* optional_data(const torch::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<float>(); }
@@ -421,26 +585,38 @@ void check_rows(const torch::Tensor& tables, const torch::Tensor& row_seq, const
 
 // ----- Tensor-level entry points (also what the tests compare with PyTorch) -----
 
-// weight [N, K] -> packed [ceil(N / 16), K, 16], zero-padded past N.
-torch::Tensor pack_linear_weight(const torch::Tensor& weight) {
+// weight [N, K] -> packed [ceil(N / T), K, T], zero-padded past N, for the path of `width` bits (T = 16 for
+// 256, 32 for 512): the tile is as wide as that path's micro-kernel.
+torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "weight must be a 2-D float32 tensor");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  auto padded = torch::zeros({tiles * kTile, k}, weight.options());
-  padded.narrow(0, 0, n).copy_(weight);
-  return padded.view({tiles, kTile, k}).transpose(1, 2).contiguous();
+  torch::Tensor packed;
+  with_path(width, [&](auto path) {
+    constexpr int64_t tile = decltype(path)::kTile;
+    const int64_t n = weight.size(0), k = weight.size(1), tiles = (n + tile - 1) / tile;
+    auto padded = torch::zeros({tiles * tile, k}, weight.options());
+    padded.narrow(0, 0, n).copy_(weight);
+    packed = padded.view({tiles, tile, k}).transpose(1, 2).contiguous();
+  });
+  return packed;
 }
 
-// x [M, K] @ weight.T -> [M, N], the weight given packed by pack_linear_weight.
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+// x [M, K] @ weight.T -> [M, N], the weight given packed by pack_linear_weight (its tile width picks the
+// path). max_rows > 0 runs the micro-kernel at that height instead of the path's own (for timing).
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kTile && packed.is_contiguous(), "packed weight expected");
+  const int64_t width = packed_width(packed);
+  TORCH_CHECK(width > 0 && packed.is_contiguous(), "packed weight expected");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(packed.size(1) == k, "x has ", k, " features, the weight expects ", packed.size(1));
-  TORCH_CHECK(n <= packed.size(0) * kTile, "n is larger than the packed weight");
+  TORCH_CHECK(n <= packed.size(0) * packed.size(2), "n is larger than the packed weight");
   auto xc = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
-  linear_rows(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, nullptr, y.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    using P = decltype(path);
+    TORCH_CHECK(max_rows >= 0 && max_rows <= P::kTableRows, "max_rows above ", P::kTableRows, " for ", width, " bits");
+    linear_rows<P>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, nullptr, y.data_ptr<float>(),
+                   static_cast<int>(max_rows));
+  });
   return y;
 }
 
@@ -448,7 +624,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // (which table each row uses); context_lens [T]. Returns [T, H, D].
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& row_seq,
-                              const torch::Tensor& context_lens, double scale) {
+                              const torch::Tensor& context_lens, double scale, int64_t width) {
   check_float_rows(k_cache, "k_cache");
   check_float_rows(v_cache, "v_cache");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3, "query must be [T, H, D] float32");
@@ -457,43 +633,56 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
   const CacheShape shape{k_cache.size(1), k_cache.size(2), dim};
   TORCH_CHECK(heads % shape.kv_heads == 0 && k_cache.size(3) == dim, "head shapes do not match");
-  const int64_t width = tables.size(1);
+  const int64_t table_width = tables.size(1);
   check_rows(tables, seqs, lens, shape.block_size);
   auto out = torch::empty_like(q);
-  attention_rows(q.data_ptr<float>(), rows, heads * dim, heads, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                 shape, tables.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                 static_cast<float>(scale), out.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    attention_rows<typename decltype(path)::Vec>(q.data_ptr<float>(), rows, heads * dim, heads,
+                                                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), shape,
+                                                 tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
+                                                 lens.data_ptr<int64_t>(), static_cast<float>(scale),
+                                                 out.data_ptr<float>());
+  });
   return out;
 }
 
 // Root-mean-square norm of each row, times weight.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps, int64_t width) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "2-D float32 x expected");
   auto xc = x.contiguous().clone();
   TORCH_CHECK(weight.numel() == xc.size(1) && weight.is_contiguous(), "weight must have one entry per column");
   auto out = torch::empty_like(xc);
-  rms_norm_rows(xc.data_ptr<float>(), nullptr, weight.data_ptr<float>(), xc.size(0), xc.size(1),
-                static_cast<float>(eps), out.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    rms_norm_rows<typename decltype(path)::Vec>(xc.data_ptr<float>(), nullptr, weight.data_ptr<float>(), xc.size(0),
+                                                xc.size(1), static_cast<float>(eps), out.data_ptr<float>());
+  });
   return out;
 }
 
 // Rotary embedding in place on q [T, H, D] and k [T, KVH, D] (views of one projection output are fine):
 // x * cos + rotate_half(x) * sin, with cos / sin [T, D] looked up by position.
-void rotary_embedding(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_embedding(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& cos, const torch::Tensor& sin,
+                      int64_t width) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) && k.stride(1) == k.size(2) &&
                   cos.is_contiguous() && sin.is_contiguous(),
               "rotary embedding wants heads contiguous within a row");
   const int64_t tokens = q.size(0), dim = q.size(2);
-  rotary_rows(q.data_ptr<float>(), tokens, q.stride(0), q.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
-  rotary_rows(k.data_ptr<float>(), tokens, k.stride(0), k.size(1), dim, cos.data_ptr<float>(), sin.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    using V = typename decltype(path)::Vec;
+    const float *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+    rotary_rows<V>(q.data_ptr<float>(), tokens, q.stride(0), q.size(1), dim, c, s);
+    rotary_rows<V>(k.data_ptr<float>(), tokens, k.stride(0), k.size(1), dim, c, s);
+  });
 }
 
 // SwiGLU's gate: [M, 2I] (gate then up) -> silu(gate) * up, [M, I].
-torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up, int64_t width) {
   TORCH_CHECK(gate_up.is_contiguous() && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "contiguous [M, 2I]");
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
   auto out = torch::empty({rows, size}, gate_up.options());
-  silu_and_mul_rows(gate_up.data_ptr<float>(), rows, size, out.data_ptr<float>());
+  with_path(width, [&](auto path) {
+    silu_and_mul_rows<typename decltype(path)::Vec>(gate_up.data_ptr<float>(), rows, size, out.data_ptr<float>());
+  });
   return out;
 }
 
@@ -505,14 +694,15 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 class NativeLlama {
  public:
   NativeLlama(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-              torch::Tensor final_norm)
+              torch::Tensor final_norm, int64_t width)
       : heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(hidden), intermediate_(intermediate),
-        eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()) {
+        eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()), width_(width) {
     TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-    TORCH_CHECK(attend_fn(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
+    with_path(width, [](auto) {});  // refuses a width this build lacks
+    TORCH_CHECK(attend_fn<v8>(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
   }
 
-  // Weights packed by pack_linear_weight; a bias may be an empty tensor.
+  // Weights packed by pack_linear_weight for this stack's width; a bias may be an empty tensor.
   void add_layer(torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o,
                  torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor gate_up_bias, torch::Tensor down,
                  torch::Tensor down_bias) {
@@ -547,65 +737,90 @@ class NativeLlama {
       TORCH_CHECK(slot >= 0 && slot < cache_slots, "slot ", slot, " outside the cache");
     }
     check_rows(tables, seqs, lens, shape.block_size);
+    const Step step{tokens, x.data_ptr<float>(), cosc.data_ptr<float>(), sinc.data_ptr<float>(), &kv_cache, shape,
+                    slots.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(),
+                    lens.data_ptr<int64_t>()};
+    auto out = torch::empty({tokens, hidden_}, x.options());
+    with_path(width_, [&](auto path) { run<decltype(path)>(step, out.data_ptr<float>()); });
+    return out;
+  }
+
+ private:
+  // One forward's inputs, checked.
+  struct Step {
+    int64_t tokens;
+    float *x;
+    const float *cos, *sin;
+    torch::Tensor* kv_cache;
+    CacheShape shape;
+    const int64_t *slots, *tables;
+    int64_t table_width;
+    const int64_t *row_seq, *context_lens;
+  };
+
+  // Every layer and the final norm on path P; out [tokens, hidden].
+  template <typename P>
+  void run(const Step& step, float* out) {
+    using V = typename P::Vec;
+    const int64_t tokens = step.tokens;
     const int64_t q_width = heads_ * dim_, qkv_width = (heads_ + 2 * kv_heads_) * dim_;
-    auto opts = x.options();
+    auto opts = final_norm_.options();
     auto normed = torch::empty({tokens, hidden_}, opts), qkv = torch::empty({tokens, qkv_width}, opts);
     auto attn = torch::empty({tokens, q_width}, opts), delta = torch::empty({tokens, hidden_}, opts);
     // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (here: 5% off a
     // forward of 64 rows); below that the step is a weight stream, which reads faster as one stream in order
     // (2% slower fused at 1 and 8 rows). A tile must not straddle gate and up.
-    const bool fused_swiglu = tokens >= kRowsPerBlock && intermediate_ % kTile == 0;
+    const bool fused_swiglu = tokens >= kRowsPerBlock && intermediate_ % P::kTile == 0;
     auto gate_up = torch::empty({fused_swiglu ? 0 : tokens, 2 * intermediate_}, opts);
     auto act = torch::empty({tokens, intermediate_}, opts);
-    float* xp = x.data_ptr<float>();
+    float* xp = step.x;
     float *np = normed.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *ap = attn.data_ptr<float>();
     float *dp = delta.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
     const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
+    const torch::Tensor& kv_cache = *step.kv_cache;
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
       float* k_cache = kv_cache.data_ptr<float>() + l * layer_stride;
       float* v_cache = k_cache + kv_stride;
       // The previous layer's MLP output joins the residual stream on the way into this layer's norm.
-      rms_norm_rows(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
-      linear_rows(np, tokens, hidden_, w.qkv.data_ptr<float>(), qkv_width, optional_data(w.qkv_bias), qkvp);
-      rotary_rows(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, cosc.data_ptr<float>(), sinc.data_ptr<float>());
-      write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, slots.data_ptr<int64_t>(),
-                    shape, k_cache, v_cache);
-      attention_rows(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, shape, tables.data_ptr<int64_t>(), width,
-                     seqs.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), scale, ap);
-      linear_rows(ap, tokens, q_width, w.o.data_ptr<float>(), hidden_, nullptr, dp);
-      rms_norm_rows(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
+      rms_norm_rows<V>(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
+      linear_rows<P>(np, tokens, hidden_, w.qkv.data_ptr<float>(), qkv_width, optional_data(w.qkv_bias), qkvp);
+      rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, step.cos, step.sin);
+      write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, step.slots, step.shape,
+                    k_cache, v_cache);
+      // Attention on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
+      attention_rows<v8>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, step.tables, step.table_width,
+                      step.row_seq, step.context_lens, scale, ap);
+      linear_rows<P>(ap, tokens, q_width, w.o.data_ptr<float>(), hidden_, nullptr, dp);
+      rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       if (fused_swiglu) {
-        swiglu_rows(np, tokens, hidden_, w.gate_up.data_ptr<float>(), intermediate_, optional_data(w.gate_up_bias),
-                    actp);
+        swiglu_rows<P>(np, tokens, hidden_, w.gate_up.data_ptr<float>(), intermediate_, optional_data(w.gate_up_bias),
+                       actp);
       } else {
-        linear_rows(np, tokens, hidden_, w.gate_up.data_ptr<float>(), 2 * intermediate_,
-                    optional_data(w.gate_up_bias), gp);
-        silu_and_mul_rows(gp, tokens, intermediate_, actp);
+        linear_rows<P>(np, tokens, hidden_, w.gate_up.data_ptr<float>(), 2 * intermediate_,
+                       optional_data(w.gate_up_bias), gp);
+        silu_and_mul_rows<V>(gp, tokens, intermediate_, actp);
       }
-      linear_rows(actp, tokens, intermediate_, w.down.data_ptr<float>(), hidden_, optional_data(w.down_bias), dp);
+      linear_rows<P>(actp, tokens, intermediate_, w.down.data_ptr<float>(), hidden_, optional_data(w.down_bias), dp);
     }
-    auto out = torch::empty({tokens, hidden_}, opts);
-    rms_norm_rows(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_,
-                  out.data_ptr<float>());
-    return out;
+    rms_norm_rows<V>(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_, out);
   }
 
- private:
   struct Layer {
     torch::Tensor input_norm, qkv, qkv_bias, o, post_norm, gate_up, gate_up_bias, down, down_bias;
   };
 
-  static void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) {
-    TORCH_CHECK(packed.dim() == 3 && packed.size(1) == k && packed.size(2) == kTile && packed.is_contiguous() &&
-                    packed.size(0) * kTile >= n,
-                "a packed [", n, ", ", k, "] weight expected");
+  void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) const {
+    TORCH_CHECK(packed_width(packed) == width_ && packed.size(1) == k && packed.is_contiguous() &&
+                    packed.size(0) * packed.size(2) >= n,
+                "a [", n, ", ", k, "] weight packed for ", width_, " bits expected");
   }
 
   int64_t heads_, kv_heads_, dim_, hidden_, intermediate_;
   float eps_;
   torch::Tensor final_norm_;
+  int64_t width_;
   std::vector<Layer> layers_;
 };
 
@@ -613,14 +828,22 @@ class NativeLlama {
 // after), so the server's event loop keeps answering, streaming and accepting while a model step runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/16, K, 16]", release_gil());
-  m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", release_gil());
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", release_gil());
-  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place", release_gil());
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", release_gil());
-  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache", release_gil());
+  using pybind11::arg;
+  m.def("kernel_widths", &kernel_widths, "the vector widths in bits this build has kernels for");
+  m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/T, K, T] for a path's width",
+        arg("weight"), arg("width") = 256, release_gil());
+  m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", arg("x"), arg("packed"),
+        arg("n"), arg("max_rows") = 0, release_gil());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", arg("x"), arg("weight"), arg("eps"),
+        arg("width") = 256, release_gil());
+  m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place", arg("q"), arg("k"),
+        arg("cos"), arg("sin"), arg("width") = 256, release_gil());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", arg("gate_up"), arg("width") = 256, release_gil());
+  m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache", arg("query"),
+        arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("row_seq"), arg("context_lens"), arg("scale"),
+        arg("width") = 256, release_gil());
   pybind11::class_<NativeLlama>(m, "NativeLlama", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, int64_t>())
       .def("add_layer", &NativeLlama::add_layer)
       .def("forward", &NativeLlama::forward, release_gil());
 }

@@ -80,6 +80,7 @@ class Engine:
         self.max_model_len = plan.max_model_len
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
         model = load_model(folder, dtype, device, self.max_model_len)
+        self.kernel_width: int | None = None  # the native kernels' vector width in bits; None: torch ops
         self._use_native_kernels(model, dtype, device)
         vocab_size = self.model_config.vocab_size
         self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
@@ -105,7 +106,7 @@ class Engine:
         a compiler) the torch ops do."""
         import torch
 
-        from conveyor.model.kernels import NATIVE_HEAD_SIZES, native_kernels
+        from conveyor.model.kernels import NATIVE_HEAD_SIZES, kernel_width, native_kernels
 
         if self.config.kernels != "native" or dtype != torch.float32 or device.type != "cpu":
             return
@@ -113,7 +114,9 @@ class Engine:
             return
         kernels = native_kernels()
         if kernels is not None:
-            model.use_native_kernels(kernels)
+            self.kernel_width = kernel_width(kernels)
+            logger.info("native kernels: %d-bit vectors", self.kernel_width)
+            model.use_native_kernels(kernels, self.kernel_width)
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.core.trace`)."""

@@ -9,6 +9,12 @@ between machines must never hand one the other's binary: that ends in
 SIGILL, which no ``except`` catches), the compiler, torch and the Python
 ABI. Without a C++ compiler the engine falls back to plain PyTorch ops,
 with a warning.
+
+The kernels come in vector widths: 256 bits everywhere (AVX2, or split
+into what another target has, NEON's 128 on ARM: the portable path) and 512
+bits where the compiler targets AVX-512F. The engine runs the widest the
+build has; ``CONVEYOR_KERNEL_WIDTH=256`` (or ``512``) forces one, and a
+width the CPU cannot run is refused, never swapped for another.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LOCK_NAME = "lock"  # torch.utils.cpp_extension's build lock, in the build folder
 STALE_LOCK_S = 600.0  # a build takes one or two minutes; a lock this old was left by a killed one
+WIDTH_ENV = "CONVEYOR_KERNEL_WIDTH"
+WIDTH_FEATURES = {256: "avx2 or any other vector unit (portable)", 512: "avx512f"}  # what each width needs
 
 
 class StaleBuildLock(RuntimeError):
@@ -109,3 +117,19 @@ def native_kernels() -> ModuleType | None:
     except Exception as error:  # no compiler, no ninja, a stale lock, unsupported platform: run on torch ops
         logger.warning("native kernels unavailable (%s); using PyTorch ops", error)
         return None
+
+
+def kernel_width(kernels: ModuleType) -> int:
+    """The vector width in bits the native kernels run at: ``CONVEYOR_KERNEL_WIDTH`` when set, else the widest
+    this build has (512 on an AVX-512 CPU, else 256). A forced width the build lacks raises ValueError."""
+    available = list(kernels.kernel_widths())
+    wanted = os.environ.get(WIDTH_ENV, "").strip()
+    if not wanted:
+        return max(available)
+    if not wanted.isdigit() or int(wanted) not in WIDTH_FEATURES:
+        raise ValueError(f"{WIDTH_ENV}={wanted!r}: expected one of {sorted(WIDTH_FEATURES)}")
+    if int(wanted) not in available:
+        raise ValueError(
+            f"{WIDTH_ENV}={wanted}: this CPU lacks {WIDTH_FEATURES[int(wanted)]} (the kernels have {available} bits)"
+        )
+    return int(wanted)

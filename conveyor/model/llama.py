@@ -23,16 +23,18 @@ from conveyor.model.attention import AttentionMetadata, paged_attention
 class Linear(nn.Linear):
     """``nn.Linear`` that can move its weight to the native kernel's packed layout.
 
-    Packed, the weight is tiles of 16 output columns, each contiguous, which
-    a decode step streams at close to memory bandwidth (see csrc/kernels.cpp).
+    Packed, the weight is tiles of 16 output columns (32 for the 512-bit
+    kernels), each contiguous, which a decode step streams at close to memory
+    bandwidth (see csrc/kernels.cpp).
     """
 
     kernels: ModuleType | None = None
     packed: torch.Tensor | None = None
 
-    def pack(self, kernels: ModuleType, keep_weight: bool = False) -> None:
+    def pack(self, kernels: ModuleType, width: int = 256, keep_weight: bool = False) -> None:
+        """Pack for the kernels of ``width`` bits (the layout follows that path's tile)."""
         self.kernels = kernels
-        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous())
+        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous(), width)
         if not keep_weight:  # the plain copy would double the model's memory
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -193,18 +195,18 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, layer_cache, meta)
         return self.norm(x)
 
-    def use_native_kernels(self, kernels: ModuleType) -> None:
-        """Pack every projection for the native kernels and hand the layers to one native stack (float32 on
-        CPU only). The layers' plain weights are freed; the LM head stays a (packed) Linear run from Python,
-        on the sampled rows only."""
+    def use_native_kernels(self, kernels: ModuleType, width: int = 256) -> None:
+        """Pack every projection for the native kernels of ``width`` bits and hand the layers to one native
+        stack (float32 on CPU only). The layers' plain weights are freed; the LM head stays a (packed) Linear
+        run from Python, on the sampled rows only."""
         tied = self.lm_head.weight is self.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(kernels, keep_weight=module is self.lm_head and tied)
+                module.pack(kernels, width, keep_weight=module is self.lm_head and tied)
         c = self.config
         self.native = kernels.NativeLlama(
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
-            self.norm.weight.detach(),
+            self.norm.weight.detach(), width,
         )
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
