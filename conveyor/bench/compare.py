@@ -330,7 +330,7 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
     peers = select_peers(peer_names)
     if not PEERS_DIR.is_dir():
         raise FileNotFoundError(f"bench compare: no {PEERS_DIR}; it runs from a source checkout of Conveyor")
-    from conveyor.engine.llm_engine import usable_cores
+    from conveyor.core.config import usable_cores
 
     threads = num_threads or usable_cores()
     machine = machine_info(threads)

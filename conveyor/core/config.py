@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 import types
 import typing
@@ -19,6 +20,15 @@ from typing import Any
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or a ``taskset``'s share), which is
+    what torch would otherwise guess from the whole machine: the default of ``num_threads``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform (macOS)
+        return os.cpu_count() or 1
 
 
 def parse_bytes(value: str | int) -> int:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 
-from conveyor.core.config import EngineConfig
+from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
 from conveyor.core.live import LiveRecorder
 from conveyor.core.model_config import ModelConfig
@@ -27,14 +26,6 @@ from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, 
 from conveyor.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("conveyor.engine")
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a container's or a ``taskset``'s share), which is
-    what torch would otherwise guess from the whole machine."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no affinity on this platform (macOS)
-        return os.cpu_count() or 1
 
 
 @dataclasses.dataclass(slots=True)

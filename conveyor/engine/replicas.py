@@ -22,12 +22,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from conveyor.core.config import EngineConfig
+from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.core.request import Request, check_prompt_length
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
 from conveyor.engine.async_engine import EngineDead, EngineOverloaded
-from conveyor.engine.llm_engine import check_logit_bias, prompt_token_ids, usable_cores
+from conveyor.engine.llm_engine import check_logit_bias, prompt_token_ids
 from conveyor.engine.output import RequestOutput
 from conveyor.engine.replica_actor import EngineReplica
 from conveyor.engine.tokenizer import Tokenizer

@@ -30,7 +30,6 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import json
-import os
 import platform
 import re
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.core.cache_dir import cache_dir
+from conveyor.core.config import usable_cores
 from conveyor.core.model_config import ModelConfig
 from conveyor.sim.cost import CostModel, StepWork
 from conveyor.sim.hardware import HardwareSpec
@@ -291,14 +291,6 @@ def this_machine(threads: int, device: str = "cpu") -> dict[str, Any]:
     return {"cpu": cpu, "isa": [f for f in ISA_FLAGS if f in flags], "threads": threads, "device": device}
 
 
-def usable_threads() -> int:
-    """The engine's default thread count: the cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def model_signature(model: ModelConfig) -> dict[str, Any]:
     return {name: getattr(model, name) for name in MODEL_FIELDS}
 
@@ -362,11 +354,9 @@ def check_profile(profile: StepProfile, model: ModelConfig, dtype: str, tensor_p
 class ProfiledCostModel(CostModel):
     """The roofline's sizes (weights, KV bytes per token) with the profile's step times."""
 
-    def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, profile: StepProfile,
-                 source: str = "") -> None:
+    def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, profile: StepProfile) -> None:
         super().__init__(model, hardware, dtype)
         self.profile = profile
-        self.source = source
 
     def step_time(self, work: StepWork, block_size: int = 16) -> float:
         return self.profile.step_time(work, block_size)
@@ -395,10 +385,10 @@ def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tens
     if step_profile != "auto":
         profile = load_profile(step_profile)
         check_profile(profile, model, dtype, tensor_parallel_size)
-        return ProfiledCostModel(model, hardware, dtype, profile, step_profile), f"step profile {step_profile}"
+        return ProfiledCostModel(model, hardware, dtype, profile), f"step profile {step_profile}"
     if not hardware.extra.get("from_machine_file"):
         return roofline, "roofline"
-    path = profile_path(this_machine(threads or usable_threads()), model, dtype)
+    path = profile_path(this_machine(threads or usable_cores()), model, dtype)
     if not path.is_file():
         return roofline, "roofline (no step profile of this model on this machine: `conveyor simulate calibrate`)"
     profile = load_profile(path)
@@ -406,4 +396,4 @@ def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tens
         check_profile(profile, model, dtype, tensor_parallel_size)
     except ProfileError as error:
         return roofline, f"roofline: {error}"
-    return ProfiledCostModel(model, hardware, dtype, profile, str(path)), f"step profile {path}"
+    return ProfiledCostModel(model, hardware, dtype, profile), f"step profile {path}"
