@@ -6,9 +6,8 @@ import os
 
 import torch
 
-from conveyor.core.config import EngineConfig
+from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.engine import Engine
-from conveyor.core.config import usable_cores
 
 
 def test_the_engine_uses_the_threads_asked_for_and_by_default_the_cores_it_may_use(tiny_model_dir) -> None:
