@@ -141,7 +141,7 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(profile, timed),
                                                "seconds": round(time.perf_counter() - started, 1)})
     path = save_profile(profile, engine.model_config)
-    print_profile(profile, timed)
+    print_profile(profile)
     print(f"calibrated in {profile.fit['seconds']:.0f} s; saved to {path}")
     return profile
 
@@ -149,16 +149,14 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
 def _fit_report(profile: StepProfile, timed: list[tuple[Probe, list[tuple[StepWork, float]]]]) -> dict:
     errors = sorted(abs(profile.step_time(w) / s - 1) for _, samples in timed for w, s in samples)
     return {"median_step_error": errors[len(errors) // 2], "p90_step_error": errors[int(len(errors) * 0.9)],
-            "probes": [{"probe": p.name, "measured_s": sum(s for _, s in samples),
+            "probes": [{"probe": p.name, "steps": len(samples), "measured_s": sum(s for _, s in samples),
                         "predicted_s": sum(profile.step_time(w) for w, _ in samples)} for p, samples in timed]}
 
 
-def print_profile(profile: StepProfile, timed: list[tuple[Probe, list[tuple[StepWork, float]]]]) -> None:
-    rows = []
-    for probe, samples in timed:
-        measured = sum(s for _, s in samples)
-        predicted = sum(profile.step_time(w) for w, _ in samples)
-        rows.append([probe.name, len(samples), measured, predicted, f"{predicted / measured - 1:+.1%}"])
+def print_profile(profile: StepProfile) -> None:
+    """The profile, and how well it predicts each probe (``fit["probes"]``, as saved)."""
+    rows = [[p["probe"], p["steps"], p["measured_s"], p["predicted_s"],
+             f"{p['predicted_s'] / p['measured_s'] - 1:+.1%}"] for p in profile.fit["probes"]]
     print(format_table(["probe (all its steps)", "steps", "measured s", "predicted s", "error"], rows))
     print(format_table(["tokens in the step", "dense part + fixed cost, ms"],
                        [[t, s * 1000] for t, s in zip(profile.dense_tokens, profile.dense_s)]))

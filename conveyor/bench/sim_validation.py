@@ -14,6 +14,7 @@ import statistics
 import time
 from typing import Any
 
+from conveyor.bench.calibrate import Probe, time_probe
 from conveyor.bench.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.figures import request_figures
@@ -119,9 +120,7 @@ def _engine(engines: dict[str, Engine], config: EngineConfig, overrides: dict[st
         engines.clear()  # one loaded model at a time
         engine = engines[key] = Engine(dataclasses.replace(config, **overrides))
         # The simulator prices a warm engine: a first request pays for thread pools and first touches.
-        engine.add_request(list(range(1000, 1064)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
+        time_probe(engine, Probe("warm-up", ((0, 64, 4),)), random.Random(0))
     return engines[key]
 
 
