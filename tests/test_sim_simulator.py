@@ -224,3 +224,21 @@ def test_shared_prefixes_are_computed_once_per_prefix_in_the_simulator():
     # are indexed once computed): most of the shared tokens are saved, never more.
     assert prefix_tokens / 2 < saved <= prefix_tokens
     assert results[True]["ttft_mean_s"] < results[False]["ttft_mean_s"]
+
+
+def test_conversations_sharing_a_system_prompt_find_it_cached_on_their_first_turn():
+    own = multi_turn_shapes(8, seed=0, num_turns=2, output_len=8)
+    shared = multi_turn_shapes(8, seed=0, num_turns=2, output_len=8, num_system_prompts=2)
+    assert [s.question_lens for s in shared] == [s.question_lens for s in own]  # only the system prompts change
+    assert {s.system_id for s in shared} == {0, 1} and all(s.system_id is None for s in own)
+    assert all(s.system_len == shared[s.system_id].system_len for s in shared)
+    config = EngineConfig(num_kv_blocks=1024, block_size=16, max_num_seqs=1)  # one at a time: each sees the last
+    first_turns = {}
+    for name, shapes in (("own", own), ("shared", shared)):
+        one_turn = [dataclasses.replace(s, question_lens=s.question_lens[:1]) for s in shapes]
+        first_turns[name] = simulate(config, SMALL, [], conversations=one_turn)[0]
+    assert first_turns["own"]["prompt_tokens_computed"] == first_turns["own"]["prompt_tokens"]
+    # Two system prompts, each computed by its first conversation; the other six find all its full blocks.
+    reused = sum(s.system_len // 16 * 16 for s in shared[2:])
+    computed = first_turns["shared"]["prompt_tokens"] - first_turns["shared"]["prompt_tokens_computed"]
+    assert computed == reused

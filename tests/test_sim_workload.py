@@ -9,6 +9,7 @@ import statistics
 
 import pytest
 
+from conveyor.bench.workload import multi_turn_workload
 from conveyor.sim.workload import (
     LENGTH_PRESETS,
     WorkloadRequest,
@@ -75,3 +76,13 @@ def test_trace_files_round_trip_as_jsonl_and_read_as_csv(tmp_path):
     (tmp_path / "bad.csv").write_text("arrival_time,prompt_tokens\n1,2\n")
     with pytest.raises(ValueError, match="request 1 lacks"):
         read_trace_file(tmp_path / "bad.csv")
+
+
+def test_multi_turn_workload_shares_system_prompts_token_for_token():
+    conversations = multi_turn_workload(6, seed=3, vocab_size=1000, num_turns=2, num_system_prompts=2)
+    assert conversations[0].system_prompt == conversations[2].system_prompt == conversations[4].system_prompt
+    assert conversations[1].system_prompt == conversations[3].system_prompt != conversations[0].system_prompt
+    own = multi_turn_workload(6, seed=3, vocab_size=1000, num_turns=2)
+    assert len({tuple(c.system_prompt) for c in own}) == 6
+    with pytest.raises(ValueError, match="num_system_prompts"):
+        multi_turn_workload(2, seed=0, vocab_size=1000, num_system_prompts=-1)

@@ -196,20 +196,23 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
 def bench_serve(base_url: str, model: str | None, num_prompts: int, request_rate: float, seed: int,
                 output_range: tuple[int, int], vocab_size: int, slo_ttft: float | None, slo_tpot: float | None,
                 api_key: str | None, workload_kind: str = "longtail", extra: ExtraBody | None = None,
-                num_turns: int = 6) -> dict[str, Any]:
+                num_turns: int = 6, num_system_prompts: int = 0) -> dict[str, Any]:
     """``workload_kind``: ``longtail`` (``bench throughput``'s requests), ``shared-prefix`` (its shared-prefix
     requests: 8 prefixes of 400-800 tokens, questions of 16-48, ``output_range[1]`` output tokens) or
     ``multi-turn`` (``num_prompts`` conversations of ``num_turns`` turns, ``output_range[1]`` tokens per answer,
-    starting at ``request_rate`` conversations/s). ``extra``: fields sent with a share of the requests (not
+    starting at ``request_rate`` conversations/s, with their own system prompts or ``num_system_prompts`` shared
+    ones). ``extra``: fields sent with a share of the requests (not
     with ``multi-turn``, whose turns must stay plain answers to resend)."""
     if workload_kind == "multi-turn":
         if extra is not None:
             raise ValueError("--extra-body applies to the longtail and shared-prefix workloads, not multi-turn")
-        conversations = multi_turn_workload(num_prompts, seed, vocab_size, num_turns, output_len=output_range[1])
+        conversations = multi_turn_workload(num_prompts, seed, vocab_size, num_turns, output_range[1],
+                                            num_system_prompts)
         timings, elapsed = asyncio.run(run_conversations(base_url, model, conversations, request_rate, seed,
                                                          api_key))
         return {"workload": workload_kind, "request_rate": request_rate, "num_conversations": num_prompts,
-                "num_turns": num_turns, "seed": seed} | summarize(timings, elapsed, slo_ttft, slo_tpot)
+                "num_turns": num_turns, "num_system_prompts": num_system_prompts,
+                "seed": seed} | summarize(timings, elapsed, slo_ttft, slo_tpot)
     if workload_kind == "shared-prefix":
         workload = shared_prefix_workload(num_prompts, seed, vocab_size, output_len=output_range[1])
     elif workload_kind == "longtail":

@@ -84,15 +84,21 @@ class Conversation:
 
 
 def multi_turn_workload(num_conversations: int, seed: int, vocab_size: int, num_turns: int = 6,
-                        output_len: int = 64) -> list[Conversation]:
-    """Conversations with their own system prompts and questions (random token ids, seeded); lengths are the
-    simulator's (``multi_turn_shapes``), so it can predict the same workload."""
+                        output_len: int = 64, num_system_prompts: int = 0) -> list[Conversation]:
+    """Conversations with their own questions, and their own system prompts or ``num_system_prompts`` shared
+    ones (random token ids, seeded); lengths are the simulator's (``multi_turn_shapes``), so it can predict the
+    same workload."""
     rng = random.Random(f"{seed}:multi-turn-tokens")
-    return [
-        Conversation(_random_tokens(rng, shape.system_len, vocab_size),
-                     [_random_tokens(rng, n, vocab_size) for n in shape.question_lens], shape.output_len)
-        for shape in multi_turn_shapes(num_conversations, seed, num_turns, output_len=output_len)
-    ]
+    shared: dict[int, list[int]] = {}
+    conversations = []
+    for shape in multi_turn_shapes(num_conversations, seed, num_turns, output_len=output_len,
+                                   num_system_prompts=num_system_prompts):
+        system = _random_tokens(rng, shape.system_len, vocab_size)
+        if shape.system_id is not None:
+            system = shared.setdefault(shape.system_id, system)
+        conversations.append(Conversation(system, [_random_tokens(rng, n, vocab_size) for n in shape.question_lens],
+                                          shape.output_len))
+    return conversations
 
 
 # ----- the fixed workloads that engines are compared on (``conveyor bench compare``) -----------------

@@ -120,6 +120,9 @@ def _add_bench_serve(bench: Commands) -> None:
                      "prefixes (the server's cached_tokens are summed); multi-turn: --num-prompts conversations "
                      "of --num-turns turns, each resending its history when the previous answer is complete")
     srv.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
+    srv.add_argument("--num-system-prompts", type=int, default=0, help="multi-turn: conversations open with one "
+                     "of this many shared system prompts (a chat application's, sent by all its users); 0: each "
+                     "its own")
     srv.add_argument("--num-prompts", type=int, default=64)
     srv.add_argument("--seed", type=int, default=0)
     srv.add_argument("--output-len", default="8,512", help="min,max output tokens (long-tailed between); "
@@ -331,7 +334,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     result = bench_serve(args.base_url, args.model, args.num_prompts, args.request_rate, args.seed,
                          int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
                          args.api_key, args.workload, parse_extra_body(args.extra_body, args.extra_body_fraction),
-                         args.num_turns)
+                         args.num_turns, args.num_system_prompts)
     print_serve(result)
     write_json(result, args.json)
     return 0 if result["completed"] else 1

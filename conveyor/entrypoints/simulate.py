@@ -64,6 +64,9 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
                    "--request-rates); or a CSV/JSONL file of arrival_time, prompt_tokens, output_tokens")
     g.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: how many shared prefixes")
     g.add_argument("--num-turns", type=int, default=6, help="multi-turn: turns per conversation")
+    g.add_argument("--num-system-prompts", type=int, default=0,
+                   help="multi-turn: conversations open with one of this many shared system prompts (chat "
+                   "applications with many users); 0: each its own")
     g.add_argument("--num-tenants", type=int, default=150, help="multi-tenant: tenants, each with its own context")
     g.add_argument("--num-replicas", type=int, default=1, help="engine replicas behind one router")
     g.add_argument("--router-policy", default="cache-aware",
@@ -188,7 +191,8 @@ def _describe(config: EngineConfig) -> str:
 def _conversations(args: argparse.Namespace) -> list[ConversationShape]:
     if args.workload != "multi-turn":
         return []
-    return multi_turn_shapes(args.num_requests or 16, args.workload_seed, args.num_turns)
+    return multi_turn_shapes(args.num_requests or 16, args.workload_seed, args.num_turns,
+                             num_system_prompts=args.num_system_prompts)
 
 
 def _workloads(args: argparse.Namespace) -> tuple[list[float], list[list[WorkloadRequest]]]:

@@ -27,6 +27,7 @@ from conveyor.sim.workload import ConversationShape, WorkloadRequest
 
 FINISHED = RequestStatus.FINISHED
 SHARED_PREFIX_TOKEN = 1 << 40  # stand-in ids of shared prefixes, far from any request's own
+SYSTEM_PROMPT_TOKEN = 1 << 41  # stand-in ids of multi-turn conversations' shared system prompts
 MAX_IDLE_STEPS = 1000  # steps in a row that schedule nothing: the scheduler is stuck
 
 
@@ -154,7 +155,8 @@ class ConversationFeed:
 
     A turn's prompt is the conversation's history (system prompt, earlier questions, and the answers as the
     simulated engine produced them) and its new question, so the prefix cache sees what a chat client sends.
-    Stand-in ids: the system prompt and questions of conversation ``c`` use ids no other conversation uses.
+    Stand-in ids: the questions of conversation ``c`` use ids no other conversation uses, and so does its system
+    prompt unless the shape shares one (``system_id``).
     """
 
     def __init__(self, shapes: list[ConversationShape], max_model_len: int) -> None:
@@ -181,9 +183,14 @@ class ConversationFeed:
             return None
         return self._turn(index, now)
 
+    def system_token(self, index: int) -> int:
+        """A shared system prompt's stand-in id is the same in every conversation that opens with it."""
+        system_id = self.shapes[index].system_id
+        return -(index * 1000 + 1) if system_id is None else SYSTEM_PROMPT_TOKEN + system_id
+
     def _turn(self, index: int, now: float) -> Request:
         shape, turn = self.shapes[index], self.turns[index]
-        system = [] if turn else [-(index * 1000 + 1)] * shape.system_len
+        system = [] if turn else [self.system_token(index)] * shape.system_len
         prompt = self.histories[index] + system + [-(index * 1000 + turn + 2)] * shape.question_lens[turn]
         prompt = prompt[: self.max_model_len - 1]
         self._conversation_of[f"conv-{index}-{turn}"] = index

@@ -146,6 +146,7 @@ class ConversationShape:
     question_lens: tuple[int, ...]
     output_len: int
     arrival_time: float = 0.0
+    system_id: int | None = None  # conversations with the same id share one system prompt; None: its own
 
 
 def multi_turn_shapes(
@@ -155,14 +156,28 @@ def multi_turn_shapes(
     system_range: tuple[int, int] = (200, 400),
     question_range: tuple[int, int] = (32, 96),
     output_len: int = 64,
+    num_system_prompts: int = 0,
 ) -> list[ConversationShape]:
-    """Conversations all starting at once: the shape of ``bench throughput --workload multi-turn``."""
+    """Conversations all starting at once: the shape of ``bench throughput --workload multi-turn``.
+
+    ``num_system_prompts`` > 0: conversation ``c`` opens with shared system prompt ``c % num_system_prompts``
+    (one chat application's instructions, sent by all its users), whose length is drawn once; 0: every
+    conversation has its own."""
+    if num_system_prompts < 0:
+        raise ValueError(f"num_system_prompts must be >= 0, got {num_system_prompts}")
     rng = random.Random(f"{seed}:multi-turn-lengths")
-    return [
-        ConversationShape(rng.randint(*system_range), tuple(rng.randint(*question_range) for _ in range(num_turns)),
-                          output_len)
-        for _ in range(num_conversations)
-    ]
+    shared = random.Random(f"{seed}:multi-turn-system-prompts")
+    shared_lens = [shared.randint(*system_range) for _ in range(num_system_prompts)]
+    shapes = []
+    for index in range(num_conversations):
+        own_len = rng.randint(*system_range)
+        questions = tuple(rng.randint(*question_range) for _ in range(num_turns))
+        if num_system_prompts:
+            system_id = index % num_system_prompts
+            shapes.append(ConversationShape(shared_lens[system_id], questions, output_len, system_id=system_id))
+        else:
+            shapes.append(ConversationShape(own_len, questions, output_len))
+    return shapes
 
 
 def read_trace_file(path: str | Path) -> list[WorkloadRequest]:
