@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conveyor.bench.machine import MachineFigures
+from conveyor.bench.machine import MachineFigures, fastest_gemm, measure_native_gemm
 from conveyor.bench.roofline import decode_point, machine_cost_model
 from conveyor.entrypoints.cli import main
 from conveyor.sim.hardware import load_model_config
@@ -54,3 +54,18 @@ def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatc
     assert all(p["context_len"] == 16 and p["measured_tokens_per_s"] > 0 for p in measured)
     assert len(saved["points"]) == 4  # two batch sizes at each of two contexts
     assert MachineFigures.load(machine_json).gemm_flops > 0  # the figures the simulator's cpu-local reads
+    assert saved["machine"]["gemm_by"] in ("torch", "native 256-bit", "native 512-bit")
+
+
+def test_the_compute_roof_is_the_fastest_gemm_the_machine_has(monkeypatch):
+    """Where the engine's own GEMM beats torch's, the roof is the engine's: a bound it beats would read over 100%."""
+    native = measure_native_gemm(size=256, repeats=1)
+    if native is None:
+        pytest.skip("the native kernels cannot be built here (no C++ compiler)")
+    assert native[0] > 0 and native[1].startswith("native ")
+    monkeypatch.setattr("conveyor.bench.machine.measure_gemm", lambda dtype: 50e9)
+    monkeypatch.setattr("conveyor.bench.machine.measure_native_gemm", lambda: (80e9, "native 512-bit"))
+    assert fastest_gemm("float32") == (80e9, "native 512-bit")
+    assert fastest_gemm("bfloat16") == (50e9, "torch")  # the native GEMM is float32 only
+    monkeypatch.setattr("conveyor.bench.machine.measure_gemm", lambda dtype: 90e9)
+    assert fastest_gemm("float32") == (90e9, "torch")

@@ -99,7 +99,8 @@ def run_roofline(
 def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str:
     header = (
         f"machine: {machine.cpu}, {machine.threads} threads: {machine.memory_bandwidth / 1e9:.1f} GB/s read, "
-        f"{machine.gemm_flops / 1e9:.0f} GFLOP/s {machine.dtype} GEMM, ridge {machine.ridge_point:.1f} FLOP/byte"
+        f"{machine.gemm_flops / 1e9:.0f} GFLOP/s {machine.dtype} GEMM ({machine.gemm_by}), "
+        f"ridge {machine.ridge_point:.1f} FLOP/byte"
     )
     rows = []
     for p in points:
