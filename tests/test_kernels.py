@@ -55,6 +55,18 @@ def test_packed_linear_matches_f_linear(kernels, width, n, k):
         torch.testing.assert_close(kernels.packed_linear(x, packed, n), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
+def test_packed_weights_start_on_a_huge_page_boundary_and_outlive_their_source(kernels, width):
+    """Packed weights live in 2 MiB-aligned memory (where Linux may use huge pages for the weight stream), and
+    that memory belongs to the tensor: the source and every temporary can go."""
+    weight = torch.randn(1000, 576)
+    expected = F.linear(torch.ones(3, 576), weight)
+    packed = kernels.pack_linear_weight(weight, width)
+    del weight
+    assert packed.data_ptr() % (2 << 20) == 0
+    torch.testing.assert_close(kernels.packed_linear(torch.ones(3, 576), packed, 1000), expected, rtol=1e-5,
+                               atol=1e-4)
+
+
 def test_packed_linear_at_every_micro_kernel_height(kernels, width):
     """The heights the timing knob reaches (the 512-bit table has more than it runs by default)."""
     torch.manual_seed(width)

