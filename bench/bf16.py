@@ -4,7 +4,8 @@ GEMM GFLOP/s on SmolLM2-135M's shapes, float32 (512-bit) and bf16 weights, and t
 other heights (the packed_linear knob); then two engines on the default model, one per dtype, stepped in
 turn: decode tokens/s at batch 1, 8 and 64 and prefill tokens/s (8 prompts of 256 tokens); each figure the
 median of interleaved samples. Last, greedy agreement on W1 (64 chat prompts of 41 tokens, 128 tokens
-each): how many of the 64 bf16 outputs equal float32's token for token, and the mean common prefix.
+each): how many of the 64 bf16 outputs equal float32's token for token, and the mean common prefix; the same
+for PyTorch ops in bfloat16, for comparison.
 
     python bench/bf16.py [--quick] [--only gemm,heights,engine,agreement]
 """
@@ -117,21 +118,27 @@ def speed(engines: dict, rounds: int) -> None:
 
 
 def agreement(engines: dict) -> None:
+    """W1's greedy outputs of the bf16 engine, and of PyTorch ops in bfloat16 (what ``--dtype bfloat16`` runs
+    on a CPU without avx512_bf16) for comparison, against the float32 engine's."""
     from conveyor.bench.throughput import run_all_at_once
     from conveyor.bench.workload import w1_requests
+    from conveyor.core.config import EngineConfig
+    from conveyor.engine import Engine
 
     requests = w1_requests(engines["float32"].tokenizer)
-    outputs = {d: [o.token_ids for o in run_all_at_once(e, requests)[0]] for d, e in engines.items()}
-    prefixes = []
-    for a, b in zip(outputs["float32"], outputs["bfloat16"]):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        prefixes.append(same)
-    identical = sum(a == b for a, b in zip(outputs["float32"], outputs["bfloat16"]))
     length = len(requests[0].prompt_token_ids), requests[0].output_len
-    print(f"\nW1 greedy ({len(requests)} chat prompts of {length[0]} tokens, {length[1]} tokens each), "
-          f"bfloat16 against float32:\n  identical outputs {identical} / {len(requests)}; common prefix mean "
-          f"{statistics.mean(prefixes):.1f} tokens, median {statistics.median(prefixes):.0f}, "
-          f"shortest {min(prefixes)}", flush=True)
+    print(f"\nW1 greedy ({len(requests)} chat prompts of {length[0]} tokens, {length[1]} tokens each) against "
+          "float32's:")
+    want = [o.token_ids for o in run_all_at_once(engines["float32"], requests)[0]]
+    torch_ops = Engine(EngineConfig(dtype="bfloat16", kernels="torch", num_kv_blocks=1024))
+    for label, engine in (("bfloat16, native", engines["bfloat16"]), ("bfloat16, PyTorch ops", torch_ops)):
+        got = [o.token_ids for o in run_all_at_once(engine, requests)[0]]
+        prefixes = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    for a, b in zip(want, got)]
+        identical = sum(a == b for a, b in zip(want, got))
+        print(f"  {label:22} identical outputs {identical} / {len(requests)}; common prefix mean "
+              f"{statistics.mean(prefixes):.1f} tokens, median {statistics.median(prefixes):.0f}, "
+              f"shortest {min(prefixes)}", flush=True)
 
 
 def main() -> None:
