@@ -96,7 +96,7 @@ class Engine:
     def _use_native_kernels(self, model, dtype, device) -> None:
         """Native kernels run on CPU with the head sizes they are unrolled for: float32, or bfloat16 weights and
         KV cache where the build has the bfloat16 GEMMs (AVX512-BF16); elsewhere (or without a compiler) the
-        torch ops do, and a bfloat16 run that falls back says why (it is several times slower)."""
+        torch ops do, and a bfloat16 run that falls back says why (PyTorch ops in bf16 are much slower)."""
         import torch
 
         from conveyor.model.kernels import NATIVE_HEAD_SIZES, bfloat16_unavailable, kernel_width, native_kernels
