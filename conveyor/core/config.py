@@ -79,7 +79,8 @@ class EngineConfig:
     enable_prefix_caching: bool | None = _option(
         None, "keep the KV of full blocks after their requests end, found again by content, so a shared prompt "
         "prefix is computed once", unset="on for the paged layout")
-    kernels: str = _option("native", "native: the decoder stack in C++ on packed weights (float32 CPU); "
+    kernels: str = _option("native", "native: the decoder stack in C++ on packed weights (CPU: float32, and "
+                           "bfloat16 where the CPU has avx512_bf16); "
                            "torch: plain PyTorch ops, the reference", choices=("native", "torch"))
     num_threads: int | None = _option(None, "CPU threads the model's kernels use (torch/OpenMP); with "
                                       "--data-parallel-size, per replica", minimum=1,

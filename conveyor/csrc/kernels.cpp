@@ -18,6 +18,11 @@
 // (16 floats in zmm registers, and 32 of them, which lets the GEMM hold a larger
 // register tile). The caller picks one per call or per stack (with_path); a
 // weight is packed for one width. Threads: ATen's parallel_for (OpenMP).
+//
+// bfloat16, where the compiler targets AVX512-BF16: the GEMMs also run on bf16 weights (PathBf16, written
+// in intrinsics, since vdpbf16ps has no vector-extension spelling), and the stack then keeps its KV cache in
+// bf16. Only what is stored is bf16, at half the bytes: weights and K/V. Everything computed (accumulators,
+// norms, rotary, softmax, the activations between kernels) stays float32.
 
 #include <torch/extension.h>
 
@@ -28,10 +33,16 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -57,14 +68,21 @@ inline void storev(float* p, V v) {
 // registers (rows * vecs accumulators, plus the tile row and a broadcast, must fit the register file). Its
 // micro-kernels are built for 1 to TableRows rows, a few past MaxRows where that fits, so that other
 // heights can be timed (packed_linear's max_rows).
+// In (what the micro-kernel reads x as), Weight (the packed weight's element) and Cache (the KV cache's, in the
+// stack) are float here; PathBf16 has bf16 for all three.
 template <typename V, int Vecs, int MaxRows, int TableRows>
 struct GemmPath {
   using Vec = V;
+  using In = float;
+  using Weight = float;
+  using Cache = float;
   static constexpr int kLanes = sizeof(V) / sizeof(float);
   static constexpr int kVecs = Vecs;
   static constexpr int64_t kTile = kLanes * Vecs;
   static constexpr int kMaxRows = MaxRows;
   static constexpr int kTableRows = TableRows;
+  // Elements of one packed tile of a weight with k inputs.
+  static constexpr int64_t tile_elems(int64_t k) { return k * kTile; }
 };
 
 // 256 bits: 16 columns x 6 rows, 12 accumulators of the 16 ymm registers AVX2 has. Written in vector
@@ -76,56 +94,174 @@ using Path256 = GemmPath<v8, 2, 6, 6>;
 using Path512 = GemmPath<v16, 2, 8, 14>;
 #endif
 
-// rows x kTile outputs of one tile: y[r, 0:cols] = x[r, :] . tile[:, 0:cols]
-template <typename P, int Rows>
-void tile_kernel(const float* x, int64_t ldx, const float* tile, int64_t k_size, float* y, int64_t ldy,
-                 int64_t cols) {
-  using V = typename P::Vec;
-  V acc[Rows][P::kVecs];
-#pragma GCC unroll 16
-  for (int r = 0; r < Rows; ++r) {
+// Stores a register tile's row (vecs vectors) to y; the last tile of a width that is no multiple of the
+// tile's keeps only its `cols` columns.
+template <typename V, int Vecs>
+inline void store_tile_row(const V* acc, float* y, int64_t cols) {
+  constexpr int lanes = sizeof(V) / sizeof(float);
+  if (cols == lanes * Vecs) {
 #pragma GCC unroll 4
-    for (int v = 0; v < P::kVecs; ++v) acc[r][v] = V{};
-  }
-  for (int64_t k = 0; k < k_size; ++k) {
-    V w[P::kVecs];
-#pragma GCC unroll 4
-    for (int v = 0; v < P::kVecs; ++v) w[v] = loadv<V>(tile + k * P::kTile + v * P::kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) {
-      const float xv = x[r * ldx + k];
-#pragma GCC unroll 4
-      for (int v = 0; v < P::kVecs; ++v) acc[r][v] += w[v] * xv;
-    }
-  }
-  if (cols == P::kTile) {
-#pragma GCC unroll 16
-    for (int r = 0; r < Rows; ++r) {
-#pragma GCC unroll 4
-      for (int v = 0; v < P::kVecs; ++v) storev(y + r * ldy + v * P::kLanes, acc[r][v]);
-    }
+    for (int v = 0; v < Vecs; ++v) storev(y + v * lanes, acc[v]);
     return;
   }
-  for (int r = 0; r < Rows; ++r) {  // the last tile of a width that is no multiple of the tile's
-    alignas(64) float part[P::kTile];
-    for (int v = 0; v < P::kVecs; ++v) storev(part + v * P::kLanes, acc[r][v]);
-    std::copy(part, part + cols, y + r * ldy);
-  }
+  alignas(64) float part[lanes * Vecs];
+  for (int v = 0; v < Vecs; ++v) storev(part + v * lanes, acc[v]);
+  std::copy(part, part + cols, y);
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+// rows x kTile outputs of one tile: y[r, 0:cols] = x[r, :] . tile[:, 0:cols]. A struct rather than a function
+// template so that PathBf16 can have its own (a partial specialisation).
+template <typename P, int Rows>
+struct TileKernel {
+  static void run(const float* x, int64_t ldx, const float* tile, int64_t k_size, float* y, int64_t ldy,
+                  int64_t cols) {
+    using V = typename P::Vec;
+    V acc[Rows][P::kVecs];
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+      for (int v = 0; v < P::kVecs; ++v) acc[r][v] = V{};
+    }
+    for (int64_t k = 0; k < k_size; ++k) {
+      V w[P::kVecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < P::kVecs; ++v) w[v] = loadv<V>(tile + k * P::kTile + v * P::kLanes);
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        const float xv = x[r * ldx + k];
+#pragma GCC unroll 4
+        for (int v = 0; v < P::kVecs; ++v) acc[r][v] += w[v] * xv;
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) store_tile_row<V, P::kVecs>(acc[r], y + r * ldy, cols);
+  }
+};
 
-// tile_kernel<P, rows> by rows, 1 to P::kTableRows.
+template <typename P>
+using TileFn = void (*)(const typename P::In*, int64_t, const typename P::Weight*, int64_t, float*, int64_t, int64_t);
+
+// TileKernel<P, rows> by rows, 1 to P::kTableRows.
 template <typename P, int... Rows>
-constexpr std::array<TileFn, sizeof...(Rows) + 1> tile_table(std::integer_sequence<int, Rows...>) {
-  return {nullptr, tile_kernel<P, Rows + 1>...};
+constexpr std::array<TileFn<P>, sizeof...(Rows) + 1> tile_table(std::integer_sequence<int, Rows...>) {
+  return {nullptr, &TileKernel<P, Rows + 1>::run...};
 }
 template <typename P>
 constexpr auto kTileFns = tile_table<P>(std::make_integer_sequence<int, P::kTableRows>{});
 
 template <typename P>
-TileFn tile_fn(int rows) {
+TileFn<P> tile_fn(int rows) {
   return kTileFns<P>[rows];
+}
+
+// bfloat16 is the top half of a float32: widening is a 16-bit shift, narrowing rounds the low half away (to
+// nearest, ties to even, as torch's .to(torch.bfloat16) does; a NaN stays a NaN).
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512BF16__)
+// bfloat16 weights: 32 columns x 8 rows, 16 zmm accumulators, as on the 512-bit float path (the same register
+// budget; see README for the heights and widths timed). One vdpbf16ps multiplies 16 columns' pairs of
+// consecutive k by a broadcast pair of x and adds both products to float32 lanes: twice the multiply-adds of
+// a float FMA per instruction, from half the weight bytes.
+struct PathBf16 {
+  using Vec = v16;  // what the stack's float32 kernels (norm, rotary, SwiGLU's gate) run on
+  using In = uint16_t;
+  using Weight = uint16_t;
+  using Cache = uint16_t;
+  static constexpr int kLanes = 16;
+  static constexpr int kVecs = 2;
+  static constexpr int64_t kTile = 32;
+  static constexpr int kMaxRows = 8;
+  static constexpr int kTableRows = 14;
+  // A tile is [pairs, 32 columns, 2]: k rounded up to even, the pair (k, k + 1) of a column side by side,
+  // which is the operand vdpbf16ps multiplies lane by lane.
+  static constexpr int64_t tile_elems(int64_t k) { return (k + 1) / 2 * 2 * kTile; }
+};
+
+template <int Rows>
+struct TileKernel<PathBf16, Rows> {
+  // x: rows of bf16, ldx elements apart, each padded to an even length (round_rows_bf16).
+  static void run(const uint16_t* x, int64_t ldx, const uint16_t* tile, int64_t k_size, float* y, int64_t ldy,
+                  int64_t cols) {
+    constexpr int vecs = PathBf16::kVecs;
+    const int64_t pairs = (k_size + 1) / 2;
+    __m512 acc[Rows][vecs];
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 4
+      for (int v = 0; v < vecs; ++v) acc[r][v] = _mm512_setzero_ps();
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      __m512bh w[vecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < vecs; ++v) {
+        w[v] = (__m512bh)_mm512_loadu_si512(tile + 2 * (p * PathBf16::kTile + v * PathBf16::kLanes));
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < Rows; ++r) {
+        int32_t pair;  // x[r, 2p] in the low half, x[r, 2p + 1] in the high: the order of the weight's pair
+        __builtin_memcpy(&pair, x + r * ldx + 2 * p, sizeof pair);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int v = 0; v < vecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], xv);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      v16 out[vecs];
+      for (int v = 0; v < vecs; ++v) out[v] = (v16)acc[r][v];
+      store_tile_row<v16, vecs>(out, y + r * ldy, cols);
+    }
+  }
+};
+
+// x [m, k] float32 -> out [m, ld] bf16 (ld = k rounded up to even, a zero after an odd k), rounded to nearest
+// even: once per GEMM, so that no tile pass converts the same rows again.
+void round_rows_bf16(const float* x, int64_t m, int64_t k, uint16_t* out) {
+  const int64_t ld = (k + 1) / 2 * 2;
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const float* in = x + row * k;
+      uint16_t* o = out + row * ld;
+      int64_t i = 0;
+      for (; i + 32 <= k; i += 32) {
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + i + 16), _mm512_loadu_ps(in + i));
+        _mm512_storeu_si512(o + i, (__m512i)both);
+      }
+      for (; i < k; ++i) o[i] = bf16_bits(in[i]);
+      if (k % 2 != 0) o[k] = 0;
+    }
+  });
+}
+#endif
+
+// What a path's micro-kernel reads as x: the float32 rows themselves, or (PathBf16) the rows rounded to bf16
+// into a buffer of this thread's, reused by every GEMM it runs (a step runs over a hundred).
+template <typename P>
+struct GemmInput {
+  const typename P::In* data;
+  int64_t ld;
+};
+
+template <typename P>
+GemmInput<P> gemm_input(const float* x, int64_t m, int64_t k) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<P, PathBf16>) {
+    thread_local std::vector<uint16_t> rounded;
+    const int64_t ld = (k + 1) / 2 * 2;
+    if (static_cast<int64_t>(rounded.size()) < m * ld) rounded.resize(m * ld);
+    round_rows_bf16(x, m, k, rounded.data());
+    return {rounded.data(), ld};
+  } else
+#endif
+  {
+    return {x, k};
+  }
 }
 
 typedef float v4 __attribute__((vector_size(16)));
@@ -191,12 +327,30 @@ inline V silu_mul(V g, V u) {
   return g / (1.f + expv(-g)) * u;
 }
 
-// q . k over NV vectors V, in two accumulators to halve the dependency chain.
-template <typename V, int NV>
-inline float dot(const float* q, const float* k) {
+// A vector V of the KV cache's elements as float32: float as it is, bf16 widened in registers (the 16 bits
+// shifted into the top half of each lane), so that a bf16 cache is read at half the bytes and computed on
+// exactly as the float32 values it stands for.
+template <typename V>
+inline V loadc(const float* p) {
+  return loadv<V>(p);
+}
+template <typename V>
+inline V loadc(const uint16_t* p) {
+  typedef uint16_t Half __attribute__((vector_size(sizeof(V) / 2)));
+  Half half;
+  __builtin_memcpy(&half, p, sizeof half);
+  const typename IntOf<V>::type bits = __builtin_convertvector(half, typename IntOf<V>::type) << 16;
+  V v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// q . k over NV vectors V, in two accumulators to halve the dependency chain; k is a cache row (float or bf16).
+template <typename V, int NV, typename C>
+inline float dot(const float* q, const C* k) {
   constexpr int lanes = kLanesOf<V>;
-  V even = loadv<V>(q) * loadv<V>(k), odd = V{};
-  for (int j = 1; j < NV; ++j) (j % 2 ? odd : even) += loadv<V>(q + lanes * j) * loadv<V>(k + lanes * j);
+  V even = loadv<V>(q) * loadc<V>(k), odd = V{};
+  for (int j = 1; j < NV; ++j) (j % 2 ? odd : even) += loadv<V>(q + lanes * j) * loadc<V>(k + lanes * j);
   return sumv(even + odd);
 }
 
@@ -240,13 +394,13 @@ inline v8 sums8(const v8* a) {
 
 // q . k for 8 consecutive positions (keys token_stride apart) at once: q is loaded once per 8 keys, and the 8
 // sums are reduced together (each folded to 8 lanes first).
-template <typename V, int NV>
-inline v8 dot8(const float* q, const float* keys, int64_t token_stride) {
+template <typename V, int NV, typename C>
+inline v8 dot8(const float* q, const C* keys, int64_t token_stride) {
   constexpr int lanes = kLanesOf<V>;
   V acc[8] = {};
   for (int j = 0; j < NV; ++j) {
     const V qv = loadv<V>(q + lanes * j);
-    for (int p = 0; p < 8; ++p) acc[p] += qv * loadv<V>(keys + p * token_stride + lanes * j);
+    for (int p = 0; p < 8; ++p) acc[p] += qv * loadc<V>(keys + p * token_stride + lanes * j);
   }
   v8 folded[8];
   for (int p = 0; p < 8; ++p) folded[p] = fold8(acc[p]);
@@ -263,13 +417,14 @@ inline void softmax(float* s, int64_t n) {
   for (; i < n; ++i) s[i] *= inv;
 }
 
-// Asks for one slice of the next block (of `floats` floats) per head worked on in the current one: blocks lie
+// Asks for one slice of the next block (of `bytes` bytes) per head worked on in the current one: blocks lie
 // anywhere in the cache, so the hardware prefetcher cannot guess the next, and a step's KV is cold (the
 // whole model's weights streamed through since it was last read). Spread over the heads, the requests
 // arrive while the current block is computed on rather than all at once.
-inline void prefetch_slice(const float* next, int64_t floats, int64_t slice, int64_t slices) {
-  for (int64_t line = slice * floats / 16 / slices; line < (slice + 1) * floats / 16 / slices; ++line) {
-    __builtin_prefetch(next + line * 16);
+inline void prefetch_slice(const void* next, int64_t bytes, int64_t slice, int64_t slices) {
+  const char* base = static_cast<const char*>(next);
+  for (int64_t line = slice * bytes / 64 / slices; line < (slice + 1) * bytes / 64 / slices; ++line) {
+    __builtin_prefetch(base + line * 64);
   }
 }
 
@@ -277,27 +432,28 @@ inline void prefetch_slice(const float* next, int64_t floats, int64_t slice, int
 // Blocks are the outer loop, heads the inner one: a position's K (and V) for every KV head is one contiguous
 // run in the cache, so each block is read from memory once, in order, and then serves all those heads from L1.
 // q and out point at the row's head 0; scores holds (kv_end - kv_begin) * group * ctx floats. A head is NV
-// vectors V.
-template <typename V, int NV>
-void attend_row(const float* q, const float* k_cache, const float* v_cache, const int64_t* table, int64_t ctx,
+// vectors V; the cache holds C (float, or bf16 bits).
+template <typename V, int NV, typename C>
+void attend_row(const float* q, const C* k_cache, const C* v_cache, const int64_t* table, int64_t ctx,
                 const CacheShape& shape, int64_t kv_begin, int64_t kv_end, int64_t group, float scale,
                 float* scores, float* out) {
   constexpr int lanes = kLanesOf<V>;
   constexpr int64_t dim = lanes * NV;
   const int64_t stride = shape.token_stride(), heads = (kv_end - kv_begin) * group, h0 = kv_begin * group;
-  const auto block_at = [&](const float* cache, int64_t block) { return cache + table[block] * shape.block_stride(); };
+  const int64_t block_bytes = shape.block_stride() * static_cast<int64_t>(sizeof(C));
+  const auto block_at = [&](const C* cache, int64_t block) { return cache + table[block] * shape.block_stride(); };
   for (int64_t first = 0; first < ctx; first += shape.block_size) {
     const int64_t block = first / shape.block_size, n = std::min(shape.block_size, ctx - first);
-    const float* keys = block_at(k_cache, block);
-    const float* next = first + n < ctx ? block_at(k_cache, block + 1) : block_at(v_cache, 0);  // V follows K
+    const C* keys = block_at(k_cache, block);
+    const C* next = first + n < ctx ? block_at(k_cache, block + 1) : block_at(v_cache, 0);  // V follows K
     for (int64_t h = 0; h < heads; ++h) {
-      prefetch_slice(next, shape.block_stride(), h, heads);
+      prefetch_slice(next, block_bytes, h, heads);
       const float* qh = q + (h0 + h) * dim;
-      const float* kh = keys + (h0 + h) / group * dim;
+      const C* kh = keys + (h0 + h) / group * dim;
       float* s = scores + h * ctx + first;
       int64_t i = 0;
-      for (; i + 8 <= n; i += 8) storev(s + i, dot8<V, NV>(qh, kh + i * stride, stride) * scale);
-      for (; i < n; ++i) s[i] = dot<V, NV>(qh, kh + i * stride) * scale;
+      for (; i + 8 <= n; i += 8) storev(s + i, dot8<V, NV, C>(qh, kh + i * stride, stride) * scale);
+      for (; i < n; ++i) s[i] = dot<V, NV, C>(qh, kh + i * stride) * scale;
     }
   }
   for (int64_t h = 0; h < heads; ++h) softmax<V>(scores + h * ctx, ctx);
@@ -305,11 +461,11 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
   constexpr int kChunk = NV <= 8 ? NV : NV / 2;
   for (int64_t first = 0; first < ctx; first += shape.block_size) {
     const int64_t block = first / shape.block_size, n = std::min(shape.block_size, ctx - first);
-    const float* values = block_at(v_cache, block);
-    const float* next = first + n < ctx ? block_at(v_cache, block + 1) : nullptr;
+    const C* values = block_at(v_cache, block);
+    const C* next = first + n < ctx ? block_at(v_cache, block + 1) : nullptr;
     for (int64_t h = 0; h < heads; ++h) {
-      if (next != nullptr) prefetch_slice(next, shape.block_stride(), h, heads);
-      const float* vh = values + (h0 + h) / group * dim;
+      if (next != nullptr) prefetch_slice(next, block_bytes, h, heads);
+      const C* vh = values + (h0 + h) / group * dim;
       const float* p = scores + h * ctx + first;
       float* o = out + (h0 + h) * dim;
       for (int j0 = 0; j0 < NV; j0 += kChunk) {
@@ -317,7 +473,7 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
         for (int c = 0; c < kChunk; ++c) acc[c] = first == 0 ? V{} : loadv<V>(o + lanes * (j0 + c));
         for (int64_t i = 0; i < n; ++i) {
           const V weight = splatv<V>(p[i]);
-          for (int c = 0; c < kChunk; ++c) acc[c] += loadv<V>(vh + i * stride + lanes * (j0 + c)) * weight;
+          for (int c = 0; c < kChunk; ++c) acc[c] += loadc<V>(vh + i * stride + lanes * (j0 + c)) * weight;
         }
         for (int c = 0; c < kChunk; ++c) storev(o + lanes * (j0 + c), acc[c]);
       }
@@ -325,21 +481,22 @@ void attend_row(const float* q, const float* k_cache, const float* v_cache, cons
   }
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t, const CacheShape&,
-                          int64_t, int64_t, int64_t, float, float*, float*);
+template <typename C>
+using AttendFn = void (*)(const float*, const C*, const C*, const int64_t*, int64_t, const CacheShape&, int64_t,
+                          int64_t, int64_t, float, float*, float*);
 
-// Head sizes with their own unrolled kernel (the accumulators stay in registers) in vectors V; others are
-// refused. A head of 8 is narrower than 16 lanes: the 512-bit path runs it on 8.
-template <typename V>
-AttendFn attend_fn(int64_t dim) {
+// Head sizes with their own unrolled kernel (the accumulators stay in registers) in vectors V over a cache of
+// C; others are refused. A head of 8 is narrower than 16 lanes: the 512-bit path runs it on 8.
+template <typename V, typename C = float>
+AttendFn<C> attend_fn(int64_t dim) {
   constexpr int lanes = kLanesOf<V>;
   switch (dim) {
-    case 8: return attend_row<v8, 1>;
-    case 16: return attend_row<V, 16 / lanes>;
-    case 32: return attend_row<V, 32 / lanes>;
-    case 64: return attend_row<V, 64 / lanes>;
-    case 96: return attend_row<V, 96 / lanes>;
-    case 128: return attend_row<V, 128 / lanes>;
+    case 8: return attend_row<v8, 1, C>;
+    case 16: return attend_row<V, 16 / lanes, C>;
+    case 32: return attend_row<V, 32 / lanes, C>;
+    case 64: return attend_row<V, 64 / lanes, C>;
+    case 96: return attend_row<V, 96 / lanes, C>;
+    case 128: return attend_row<V, 128 / lanes, C>;
     default: return nullptr;
   }
 }
@@ -368,15 +525,16 @@ void for_each_tile_pass(int64_t m, int64_t tiles, int max_rows, const Pass& pass
 }
 
 // y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight for path P. max_rows (0: the path's
-// own) is the micro-kernel's height, a knob for timing other heights.
+// own) is the micro-kernel's height, a knob for timing other heights. x and y are float32 on every path.
 template <typename P>
-void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t n, const float* bias, float* y,
-                 int max_rows = 0) {
+void linear_rows(const float* x, int64_t m, int64_t k, const typename P::Weight* packed, int64_t n,
+                 const float* bias, float* y, int max_rows = 0) {
   constexpr int64_t tile_cols = P::kTile;
+  const GemmInput<P> in = gemm_input<P>(x, m, k);
   for_each_tile_pass(m, (n + tile_cols - 1) / tile_cols, max_rows > 0 ? max_rows : P::kMaxRows,
                      [&](int64_t tile, int64_t row, int rows) {
     const int64_t col = tile * tile_cols, cols = std::min(tile_cols, n - col);
-    tile_fn<P>(rows)(x + row * k, k, packed + tile * k * tile_cols, k, y + row * n + col, n, cols);
+    tile_fn<P>(rows)(in.data + row * in.ld, in.ld, packed + tile * P::tile_elems(k), k, y + row * n + col, n, cols);
     if (bias != nullptr) {
       for (int64_t r = row; r < row + rows; ++r) {
         for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
@@ -390,16 +548,18 @@ void linear_rows(const float* x, int64_t m, int64_t k, const float* packed, int6
 // and writes only their product: the [m, 2I] projection never goes through memory, and no separate pass
 // reads it back.
 template <typename P>
-void swiglu_rows(const float* x, int64_t m, int64_t k, const float* packed, int64_t intermediate, const float* bias,
-                 float* out) {
+void swiglu_rows(const float* x, int64_t m, int64_t k, const typename P::Weight* packed, int64_t intermediate,
+                 const float* bias, float* out) {
   using V = typename P::Vec;
   constexpr int64_t tile_cols = P::kTile;
   const int64_t tiles = intermediate / tile_cols;
+  const GemmInput<P> in = gemm_input<P>(x, m, k);
   for_each_tile_pass(m, tiles, P::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
     alignas(64) float gate[P::kMaxRows * tile_cols], up[P::kMaxRows * tile_cols];
     const int64_t col = tile * tile_cols;
-    tile_fn<P>(rows)(x + row * k, k, packed + tile * k * tile_cols, k, gate, tile_cols, tile_cols);
-    tile_fn<P>(rows)(x + row * k, k, packed + (tile + tiles) * k * tile_cols, k, up, tile_cols, tile_cols);
+    const typename P::In* xs = in.data + row * in.ld;
+    tile_fn<P>(rows)(xs, in.ld, packed + tile * P::tile_elems(k), k, gate, tile_cols, tile_cols);
+    tile_fn<P>(rows)(xs, in.ld, packed + (tile + tiles) * P::tile_elems(k), k, up, tile_cols, tile_cols);
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < tile_cols; c += P::kLanes) {
         V g = loadv<V>(gate + r * tile_cols + c), u = loadv<V>(up + r * tile_cols + c);
@@ -491,12 +651,19 @@ void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* 
 }
 
 // Copies this step's K and V rows (row_stride apart) into their cache slots.
+// A bf16 cache gets them rounded to nearest even (as torch's .to(torch.bfloat16)).
+inline void store_cache_row(const float* from, int64_t n, float* to) { std::copy(from, from + n, to); }
+inline void store_cache_row(const float* from, int64_t n, uint16_t* to) {
+  for (int64_t i = 0; i < n; ++i) to[i] = bf16_bits(from[i]);
+}
+
+template <typename C>
 void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_stride, const int64_t* slots,
-                   const CacheShape& shape, float* k_cache, float* v_cache) {
+                   const CacheShape& shape, C* k_cache, C* v_cache) {
   const int64_t width = shape.token_stride();
   for (int64_t t = 0; t < tokens; ++t) {
-    std::copy(k + t * row_stride, k + t * row_stride + width, k_cache + slots[t] * width);
-    std::copy(v + t * row_stride, v + t * row_stride + width, v_cache + slots[t] * width);
+    store_cache_row(k + t * row_stride, width, k_cache + slots[t] * width);
+    store_cache_row(v + t * row_stride, width, v_cache + slots[t] * width);
   }
 }
 
@@ -504,11 +671,11 @@ void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_s
 // tables[row_seq[r]] and sees positions [0, context_lens[r]). A decode row is one query at the end of its
 // context; the rows of a prompt chunk each see the prompt up to themselves, which makes the mask causal.
 // query rows are row_stride apart, heads contiguous within a row; out is [rows, heads * dim].
-template <typename V>
-void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const float* k_cache,
-                    const float* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
+template <typename V, typename C>
+void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const C* k_cache,
+                    const C* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
                     const int64_t* row_seq, const int64_t* context_lens, float scale, float* out) {
-  const AttendFn attend = attend_fn<V>(shape.dim);
+  const AttendFn<C> attend = attend_fn<V, C>(shape.dim);
   TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96 or 128)");
   const int64_t group = heads / shape.kv_heads;
   // A whole row per work item when there are rows enough to share out (each block is then read once per row);
@@ -552,21 +719,64 @@ void with_path(int64_t width, const F& f) {
               width == 512 ? "the CPU lacks avx512f" : "widths are 256 or 512", ")");
 }
 
-// The width a packed weight was laid out for, from its tile's columns (0: none of ours).
+// Whether this build has the bfloat16 GEMMs (the compiler targets AVX512-BF16).
+bool has_bfloat16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Runs f(P{}) with the GEMM path for bf16 weights (512 bits only: vdpbf16ps works on zmm registers here) or
+// for float32 ones of a width; what this build lacks is an error naming the missing feature.
+template <typename F>
+void with_gemm_path(int64_t width, bool bf16, const F& f) {
+  if (!bf16) return with_path(width, f);
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(width == 512, "the bfloat16 kernels are 512-bit, not ", width);
+  return f(PathBf16{});
+#else
+  TORCH_CHECK(false, "no bfloat16 kernels in this build (the CPU lacks avx512_bf16)");
+#endif
+}
+
+// The width a packed weight was laid out for, from its tile's columns (0: none of ours). A float32 weight is
+// [tiles, K, T]; a bf16 one [tiles, ceil(K / 2), 32, 2].
 int64_t packed_width(const torch::Tensor& packed) {
+  if (packed.scalar_type() == torch::kBFloat16) {
+    return has_bfloat16() && packed.dim() == 4 && packed.size(2) == 32 && packed.size(3) == 2 ? 512 : 0;
+  }
   int64_t width = 0;
   for (const int64_t w : kernel_widths()) {
     with_path(w, [&](auto path) {
-      if (packed.dim() == 3 && packed.size(2) == decltype(path)::kTile) width = w;
+      if (packed.dim() == 3 && packed.scalar_type() == torch::kFloat32 && packed.size(2) == decltype(path)::kTile) {
+        width = w;
+      }
     });
   }
   return width;
+}
+
+// The inputs a packed weight of k inputs has in its second dimension (pairs of them for bf16).
+int64_t packed_inputs(int64_t k, bool bf16) { return bf16 ? (k + 1) / 2 : k; }
+
+// A tensor's elements as path P's weight (float, or bf16 bits), once its dtype is checked.
+template <typename P>
+const typename P::Weight* weight_data(const torch::Tensor& t) {
+  return static_cast<const typename P::Weight*>(t.data_ptr());
 }
 
 const float* optional_data(const torch::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<float>(); }
 
 void check_float_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be a contiguous float32 tensor");
+}
+
+// A KV cache: contiguous, float32 or bfloat16 (bf16 when `bf16`, where the caller knows which).
+void check_cache(const torch::Tensor& t, const char* name, bool bf16) {
+  TORCH_CHECK(t.scalar_type() == (bf16 ? torch::kBFloat16 : torch::kFloat32) && t.is_contiguous(), name,
+              " must be a contiguous ", bf16 ? "bfloat16" : "float32", " tensor");
 }
 
 torch::Tensor as_int64(const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); }
@@ -588,34 +798,48 @@ void check_rows(const torch::Tensor& tables, const torch::Tensor& row_seq, const
 
 // ----- Tensor-level entry points (also what the tests compare with PyTorch) -----
 
-// A float32 tensor of `numel` elements in memory that Linux may back with 2 MiB pages (transparent huge pages,
+// An uninitialized contiguous tensor in memory that Linux may back with 2 MiB pages (transparent huge pages,
 // asked for with madvise: most distributions enable them only on request). A decode step streams every
 // weight once; on 4 KiB pages the stream crosses a page every 4 KiB, each a TLB miss and a restart for the
 // hardware prefetcher. Measured over all the default model's weights, both kinds in one process and in turn,
 // at 1 and 8 rows: 6-16% faster. Where the kernel declines, the memory is ordinary pages; nothing else changes.
-torch::Tensor empty_on_huge_pages(int64_t numel) {
+torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, torch::ScalarType dtype) {
   constexpr size_t kHugePage = size_t{1} << 21;
-  const size_t bytes = (static_cast<size_t>(numel) * sizeof(float) + 4095) / 4096 * 4096;
+  int64_t numel = 1;
+  for (const int64_t size : sizes) numel *= size;
+  const size_t bytes = (static_cast<size_t>(numel) * c10::elementSize(dtype) + 4095) / 4096 * 4096;
   void* data = nullptr;
   TORCH_CHECK(posix_memalign(&data, kHugePage, std::max<size_t>(bytes, 4096)) == 0, "out of memory packing a weight");
 #if defined(MADV_HUGEPAGE)
   madvise(data, bytes, MADV_HUGEPAGE);  // advice: an error leaves ordinary pages
 #endif
-  return torch::from_blob(data, {numel}, [](void* p) { std::free(p); }, torch::TensorOptions().dtype(torch::kFloat32));
+  return torch::from_blob(data, sizes, [](void* p) { std::free(p); }, torch::TensorOptions().dtype(dtype));
 }
 
 // weight [N, K] -> packed [ceil(N / T), K, T], zero-padded past N, for the path of `width` bits (T = 16 for
-// 256, 32 for 512): the tile is as wide as that path's micro-kernel.
-torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "weight must be a 2-D float32 tensor");
+// 256, 32 for 512): the tile is as wide as that path's micro-kernel. With bfloat16, [ceil(N / 32), ceil(K / 2),
+// 32, 2] in bf16 (a float32 weight rounded to nearest even), zero-padded past N and K: each column's pairs of
+// consecutive k side by side, as vdpbf16ps reads them.
+torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width, bool bfloat16) {
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (dtype == torch::kFloat32 || (bfloat16 && dtype == torch::kBFloat16)),
+              "weight must be a 2-D float32 tensor (or bfloat16, packed for the bfloat16 kernels)");
   torch::Tensor packed;
-  with_path(width, [&](auto path) {
+  with_gemm_path(width, bfloat16, [&](auto path) {
     constexpr int64_t tile = decltype(path)::kTile;
     const int64_t n = weight.size(0), k = weight.size(1), tiles = (n + tile - 1) / tile;
-    auto padded = torch::zeros({tiles * tile, k}, weight.options());
-    padded.narrow(0, 0, n).copy_(weight);
-    packed = empty_on_huge_pages(tiles * k * tile).view({tiles, k, tile});
-    packed.copy_(padded.view({tiles, tile, k}).transpose(1, 2));
+    if (!bfloat16) {
+      auto padded = torch::zeros({tiles * tile, k}, weight.options());
+      padded.narrow(0, 0, n).copy_(weight);
+      packed = empty_on_huge_pages({tiles, k, tile}, torch::kFloat32);
+      packed.copy_(padded.view({tiles, tile, k}).transpose(1, 2));
+      return;
+    }
+    const int64_t pairs = (k + 1) / 2;
+    auto padded = torch::zeros({tiles * tile, 2 * pairs}, weight.options().dtype(torch::kBFloat16));
+    padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+    packed = empty_on_huge_pages({tiles, pairs, tile, 2}, torch::kBFloat16);
+    packed.copy_(padded.view({tiles, tile, pairs, 2}).permute({0, 2, 1, 3}));
   });
   return packed;
 }
@@ -625,28 +849,32 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width) {
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   const int64_t width = packed_width(packed);
+  const bool bf16 = packed.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(width > 0 && packed.is_contiguous(), "packed weight expected");
   const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed.size(1) == k, "x has ", k, " features, the weight expects ", packed.size(1));
+  TORCH_CHECK(packed_inputs(k, bf16) == packed.size(1), "x has ", k, " features, the weight expects ",
+              bf16 ? 2 * packed.size(1) : packed.size(1), bf16 ? " (or one fewer)" : "");
   TORCH_CHECK(n <= packed.size(0) * packed.size(2), "n is larger than the packed weight");
   auto xc = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
-  with_path(width, [&](auto path) {
+  with_gemm_path(width, bf16, [&](auto path) {
     using P = decltype(path);
     TORCH_CHECK(max_rows >= 0 && max_rows <= P::kTableRows, "max_rows above ", P::kTableRows, " for ", width, " bits");
-    linear_rows<P>(xc.data_ptr<float>(), m, k, packed.data_ptr<float>(), n, nullptr, y.data_ptr<float>(),
+    linear_rows<P>(xc.data_ptr<float>(), m, k, weight_data<P>(packed), n, nullptr, y.data_ptr<float>(),
                    static_cast<int>(max_rows));
   });
   return y;
 }
 
-// query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D]; block_tables [S, max_blocks]; row_seq [T]
-// (which table each row uses); context_lens [T]. Returns [T, H, D].
+// query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D], both float32 or both bfloat16 (widened to
+// float32 as they are read); block_tables [S, max_blocks]; row_seq [T] (which table each row uses);
+// context_lens [T]. Returns [T, H, D] float32.
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& row_seq,
                               const torch::Tensor& context_lens, double scale, int64_t width) {
-  check_float_rows(k_cache, "k_cache");
-  check_float_rows(v_cache, "v_cache");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  check_cache(k_cache, "k_cache", bf16);
+  check_cache(v_cache, "v_cache", bf16);
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3, "query must be [T, H, D] float32");
   auto q = query.contiguous();
   auto tables = as_int64(block_tables), seqs = as_int64(row_seq), lens = as_int64(context_lens);
@@ -657,11 +885,17 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   check_rows(tables, seqs, lens, shape.block_size);
   auto out = torch::empty_like(q);
   with_path(width, [&](auto path) {
-    attention_rows<typename decltype(path)::Vec>(q.data_ptr<float>(), rows, heads * dim, heads,
-                                                 k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), shape,
-                                                 tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
-                                                 lens.data_ptr<int64_t>(), static_cast<float>(scale),
-                                                 out.data_ptr<float>());
+    const auto attend = [&](const auto* k, const auto* v) {
+      attention_rows<typename decltype(path)::Vec>(q.data_ptr<float>(), rows, heads * dim, heads, k, v, shape,
+                                                   tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
+                                                   lens.data_ptr<int64_t>(), static_cast<float>(scale),
+                                                   out.data_ptr<float>());
+    };
+    if (bf16) {
+      attend(static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()));
+    } else {
+      attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    }
   });
   return out;
 }
@@ -710,19 +944,22 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up, int64_t width) {
 
 // A Llama-family decoder's layers on packed weights. One forward runs every layer for a flat batch of
 // prompt and decode rows: in eager PyTorch the same step is about twelve dispatches per layer, each costing
-// Python and allocator time that at batch 1 adds up to a third of the step.
+// Python and allocator time that at batch 1 adds up to a third of the step. With bfloat16, its weights are
+// packed bf16 and its KV cache is bf16; norms, biases and everything computed stay float32.
 class NativeLlama {
  public:
   NativeLlama(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
-              torch::Tensor final_norm, int64_t width)
+              torch::Tensor final_norm, int64_t width, bool bfloat16)
       : heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(hidden), intermediate_(intermediate),
-        eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()), width_(width) {
+        eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()), width_(width), bf16_(bfloat16) {
     TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
-    with_path(width, [](auto) {});  // refuses a width this build lacks
+    with_gemm_path(width, bfloat16, [](auto) {});  // refuses a width (or bf16) this build lacks
     TORCH_CHECK(attend_fn<v8>(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
+    check_float_rows(final_norm_, "final_norm");
   }
 
-  // Weights packed by pack_linear_weight for this stack's width; a bias may be an empty tensor.
+  // Weights packed by pack_linear_weight for this stack's width and dtype; norms and biases float32 (a bias
+  // may be an empty tensor).
   void add_layer(torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o,
                  torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor gate_up_bias, torch::Tensor down,
                  torch::Tensor down_bias) {
@@ -731,6 +968,9 @@ class NativeLlama {
     check_packed(o, heads_ * dim_, hidden_);
     check_packed(gate_up, hidden_, 2 * intermediate_);
     check_packed(down, intermediate_, hidden_);
+    for (const auto* t : {&input_norm, &post_norm, &qkv_bias, &gate_up_bias, &down_bias}) {
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
+    }
     layers_.push_back({input_norm.contiguous(), qkv, qkv_bias.contiguous(), o, post_norm.contiguous(), gate_up,
                        gate_up_bias.contiguous(), down, down_bias.contiguous()});
   }
@@ -742,7 +982,7 @@ class NativeLlama {
                         torch::Tensor& kv_cache, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
                         const torch::Tensor& row_seq, const torch::Tensor& context_lens) {
     check_float_rows(x, "x");
-    check_float_rows(kv_cache, "kv_cache");
+    check_cache(kv_cache, "kv_cache", bf16_);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
                     kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
                 "kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim]");
@@ -761,7 +1001,7 @@ class NativeLlama {
                     slots.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(),
                     lens.data_ptr<int64_t>()};
     auto out = torch::empty({tokens, hidden_}, x.options());
-    with_path(width_, [&](auto path) { run<decltype(path)>(step, out.data_ptr<float>()); });
+    with_gemm_path(width_, bf16_, [&](auto path) { run<decltype(path)>(step, out.data_ptr<float>()); });
     return out;
   }
 
@@ -782,6 +1022,7 @@ class NativeLlama {
   template <typename P>
   void run(const Step& step, float* out) {
     using V = typename P::Vec;
+    using C = typename P::Cache;
     const int64_t tokens = step.tokens;
     const int64_t q_width = heads_ * dim_, qkv_width = (heads_ + 2 * kv_heads_) * dim_;
     auto opts = final_norm_.options();
@@ -801,28 +1042,28 @@ class NativeLlama {
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
-      float* k_cache = kv_cache.data_ptr<float>() + l * layer_stride;
-      float* v_cache = k_cache + kv_stride;
+      C* k_cache = static_cast<C*>(kv_cache.data_ptr()) + l * layer_stride;
+      C* v_cache = k_cache + kv_stride;
       // The previous layer's MLP output joins the residual stream on the way into this layer's norm.
       rms_norm_rows<V>(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
-      linear_rows<P>(np, tokens, hidden_, w.qkv.data_ptr<float>(), qkv_width, optional_data(w.qkv_bias), qkvp);
+      linear_rows<P>(np, tokens, hidden_, weight_data<P>(w.qkv), qkv_width, optional_data(w.qkv_bias), qkvp);
       rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, step.cos, step.sin);
       write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, step.slots, step.shape,
                     k_cache, v_cache);
       // Attention on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
       attention_rows<v8>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, step.tables, step.table_width,
                       step.row_seq, step.context_lens, scale, ap);
-      linear_rows<P>(ap, tokens, q_width, w.o.data_ptr<float>(), hidden_, nullptr, dp);
+      linear_rows<P>(ap, tokens, q_width, weight_data<P>(w.o), hidden_, nullptr, dp);
       rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       if (fused_swiglu) {
-        swiglu_rows<P>(np, tokens, hidden_, w.gate_up.data_ptr<float>(), intermediate_, optional_data(w.gate_up_bias),
+        swiglu_rows<P>(np, tokens, hidden_, weight_data<P>(w.gate_up), intermediate_, optional_data(w.gate_up_bias),
                        actp);
       } else {
-        linear_rows<P>(np, tokens, hidden_, w.gate_up.data_ptr<float>(), 2 * intermediate_,
+        linear_rows<P>(np, tokens, hidden_, weight_data<P>(w.gate_up), 2 * intermediate_,
                        optional_data(w.gate_up_bias), gp);
         silu_and_mul_rows<V>(gp, tokens, intermediate_, actp);
       }
-      linear_rows<P>(actp, tokens, intermediate_, w.down.data_ptr<float>(), hidden_, optional_data(w.down_bias), dp);
+      linear_rows<P>(actp, tokens, intermediate_, weight_data<P>(w.down), hidden_, optional_data(w.down_bias), dp);
     }
     rms_norm_rows<V>(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_, out);
   }
@@ -832,15 +1073,17 @@ class NativeLlama {
   };
 
   void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) const {
-    TORCH_CHECK(packed_width(packed) == width_ && packed.size(1) == k && packed.is_contiguous() &&
+    TORCH_CHECK(packed_width(packed) == width_ && (packed.scalar_type() == torch::kBFloat16) == bf16_ &&
+                    packed.size(1) == packed_inputs(k, bf16_) && packed.is_contiguous() &&
                     packed.size(0) * packed.size(2) >= n,
-                "a [", n, ", ", k, "] weight packed for ", width_, " bits expected");
+                "a [", n, ", ", k, "] weight packed for ", width_, " bits", bf16_ ? " in bfloat16" : "", " expected");
   }
 
   int64_t heads_, kv_heads_, dim_, hidden_, intermediate_;
   float eps_;
   torch::Tensor final_norm_;
   int64_t width_;
+  bool bf16_;
   std::vector<Layer> layers_;
 };
 
@@ -850,8 +1093,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   using pybind11::arg;
   m.def("kernel_widths", &kernel_widths, "the vector widths in bits this build has kernels for");
+  m.def("has_bfloat16", &has_bfloat16, "whether this build has the bfloat16 GEMMs (avx512_bf16)");
   m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/T, K, T] for a path's width",
-        arg("weight"), arg("width") = 256, release_gil());
+        arg("weight"), arg("width") = 256, arg("bfloat16") = false, release_gil());
   m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", arg("x"), arg("packed"),
         arg("n"), arg("max_rows") = 0, release_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", arg("x"), arg("weight"), arg("eps"),
@@ -863,7 +1107,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("row_seq"), arg("context_lens"), arg("scale"),
         arg("width") = 256, release_gil());
   pybind11::class_<NativeLlama>(m, "NativeLlama", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, int64_t>())
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, int64_t, bool>(),
+           arg("heads"), arg("kv_heads"), arg("head_dim"), arg("hidden"), arg("intermediate"), arg("eps"),
+           arg("final_norm"), arg("width"), arg("bfloat16") = false)
       .def("add_layer", &NativeLlama::add_layer)
       .def("forward", &NativeLlama::forward, release_gil());
 }

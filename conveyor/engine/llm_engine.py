@@ -72,6 +72,7 @@ class Engine:
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
         model = load_model(folder, dtype, device, self.max_model_len)
         self.kernel_width: int | None = None  # the native kernels' vector width in bits; None: torch ops
+        self.kernel_dtype: str | None = None  # what the native stack's weights and KV cache are stored in
         self._use_native_kernels(model, dtype, device)
         vocab_size = self.model_config.vocab_size
         self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
@@ -93,21 +94,30 @@ class Engine:
         return self.core.trace
 
     def _use_native_kernels(self, model, dtype, device) -> None:
-        """Native kernels run float32 on CPU with the head sizes they are unrolled for; elsewhere (or without
-        a compiler) the torch ops do."""
+        """Native kernels run on CPU with the head sizes they are unrolled for: float32, or bfloat16 weights and
+        KV cache where the build has the bfloat16 GEMMs (AVX512-BF16); elsewhere (or without a compiler) the
+        torch ops do, and a bfloat16 run that falls back says why (PyTorch ops in bf16 are much slower)."""
         import torch
 
-        from conveyor.model.kernels import NATIVE_HEAD_SIZES, kernel_width, native_kernels
+        from conveyor.model.kernels import NATIVE_HEAD_SIZES, bfloat16_unavailable, kernel_width, native_kernels
 
-        if self.config.kernels != "native" or dtype != torch.float32 or device.type != "cpu":
+        if self.config.kernels != "native" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
             return
         if self.model_config.head_dim not in NATIVE_HEAD_SIZES:
             return
         kernels = native_kernels()
-        if kernels is not None:
-            self.kernel_width = kernel_width(kernels)
-            logger.info("native kernels: %d-bit vectors", self.kernel_width)
-            model.use_native_kernels(kernels, self.kernel_width)
+        if kernels is None:
+            return
+        width, bfloat16 = kernel_width(kernels), dtype == torch.bfloat16
+        if bfloat16 and (why := bfloat16_unavailable(kernels, width)) is not None:
+            logger.warning("--dtype bfloat16 runs on PyTorch ops, not the native kernels: %s", why)
+            return
+        self.kernel_width, self.kernel_dtype = width, "bfloat16" if bfloat16 else "float32"
+        if bfloat16:
+            logger.info("native kernels: %d-bit vectors, bfloat16 weights and KV cache", width)
+        else:
+            logger.info("native kernels: %d-bit vectors", width)
+        model.use_native_kernels(kernels, width, bfloat16)
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.core.trace`)."""

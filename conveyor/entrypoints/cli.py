@@ -354,7 +354,8 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
     engine = Engine(config)
-    print(f"kernels: {f'native, {engine.kernel_width}-bit vectors' if engine.kernel_width else 'torch ops'}")
+    native = f"native, {engine.kernel_width}-bit vectors" if engine.kernel_width else "torch ops"
+    print(f"kernels: {native}{', bfloat16 weights and KV cache' if engine.kernel_dtype == 'bfloat16' else ''}")
     print_decode(run_decode(engine, batch_sizes, args.prompt_len, args.steps, args.seed))
     return 0
 

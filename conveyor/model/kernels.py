@@ -15,6 +15,10 @@ into what another target has, NEON's 128 on ARM: the portable path) and 512
 bits where the compiler targets AVX-512F. The engine runs the widest the
 build has; ``CONVEYOR_KERNEL_WIDTH=256`` (or ``512``) forces one, and a
 width the CPU cannot run is refused, never swapped for another.
+
+Where the compiler targets AVX512-BF16, the build also has GEMMs on
+bfloat16 weights (512-bit, ``has_bfloat16()``): the engine runs them, with a
+bfloat16 KV cache, for ``--dtype bfloat16``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ LOCK_NAME = "lock"  # torch.utils.cpp_extension's build lock, in the build folde
 STALE_LOCK_S = 600.0  # a build takes one or two minutes; a lock this old was left by a killed one
 WIDTH_ENV = "CONVEYOR_KERNEL_WIDTH"
 WIDTH_FEATURES = {256: "avx2 or any other vector unit (portable)", 512: "avx512f"}  # what each width needs
+BF16_FEATURE = "avx512_bf16"  # what the bfloat16 GEMMs need (the /proc/cpuinfo flag)
+BF16_WIDTH = 512  # the bfloat16 GEMMs' only width
 
 
 class StaleBuildLock(RuntimeError):
@@ -133,3 +139,14 @@ def kernel_width(kernels: ModuleType) -> int:
             f"{WIDTH_ENV}={wanted}: this CPU lacks {WIDTH_FEATURES[int(wanted)]} (the kernels have {available} bits)"
         )
     return int(wanted)
+
+
+def bfloat16_unavailable(kernels: ModuleType, width: int) -> str | None:
+    """Why the native stack cannot run bfloat16 weights here (None: it can). Without the bfloat16 GEMMs in the
+    build (a CPU without avx512_bf16, or a compiler that does not target it), or with a width forced below
+    theirs."""
+    if not getattr(kernels, "has_bfloat16", lambda: False)():
+        return f"this CPU lacks {BF16_FEATURE} (or the compiler does not target it)"
+    if width != BF16_WIDTH:
+        return f"the bfloat16 kernels are {BF16_WIDTH}-bit and {WIDTH_ENV}={width}"
+    return None

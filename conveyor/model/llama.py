@@ -25,24 +25,26 @@ class Linear(nn.Linear):
 
     Packed, the weight is tiles of 16 output columns (32 for the 512-bit
     kernels), each contiguous, which a decode step streams at close to memory
-    bandwidth (see csrc/kernels.cpp).
+    bandwidth (see csrc/kernels.cpp). Packed in bfloat16, the tiles hold pairs
+    of consecutive inputs side by side, at half the bytes; inputs and outputs
+    stay float32 either way.
     """
 
     kernels: ModuleType | None = None
     packed: torch.Tensor | None = None
 
-    def pack(self, kernels: ModuleType, width: int = 256, keep_weight: bool = False) -> None:
-        """Pack for the kernels of ``width`` bits (the layout follows that path's tile)."""
+    def pack(self, kernels: ModuleType, width: int = 256, keep_weight: bool = False, bfloat16: bool = False) -> None:
+        """Pack for the kernels of ``width`` bits (the layout follows that path's tile), in bfloat16 if asked."""
         self.kernels = kernels
-        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous(), width)
+        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous(), width, bfloat16)
         if not keep_weight:  # the plain copy would double the model's memory
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        y = self.kernels.packed_linear(x, self.packed, self.out_features)
-        return y if self.bias is None else y + self.bias
+        y = self.kernels.packed_linear(x.float(), self.packed, self.out_features)
+        return y if self.bias is None else y + self.bias.float()
 
 
 class RMSNorm(nn.Module):
@@ -163,7 +165,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """The decoder in PyTorch ops (any device and dtype, and the reference), or, once
-    :meth:`use_native_kernels` has run, the same layers in one native call per step (float32 on CPU)."""
+    :meth:`use_native_kernels` has run, the same layers in one native call per step (on CPU: float32, or
+    bfloat16 weights and KV cache with float32 activations)."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -185,6 +188,7 @@ class LlamaModel(nn.Module):
         """Hidden states of every token; ``kv_cache`` is [layers, 2, blocks, block_size, kv_heads, head_dim]."""
         x = self.embed_tokens(input_ids)
         if self.native is not None:
+            x = x.float()  # the native stack's residual stream is float32 whatever the weights' dtype
             rows = meta.native
             cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
             return self.native.forward(
@@ -195,24 +199,27 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, layer_cache, meta)
         return self.norm(x)
 
-    def use_native_kernels(self, kernels: ModuleType, width: int = 256) -> None:
-        """Pack every projection for the native kernels of ``width`` bits and hand the layers to one native
-        stack (float32 on CPU only). The layers' plain weights are freed; the LM head stays a (packed) Linear
-        run from Python, on the sampled rows only."""
+    def use_native_kernels(self, kernels: ModuleType, width: int = 256, bfloat16: bool = False) -> None:
+        """Pack every projection for the native kernels of ``width`` bits (in bfloat16 if asked: then the KV
+        cache the stack is handed must be bfloat16 too) and hand the layers to one native stack, on CPU. The
+        layers' plain weights are freed; the LM head stays a (packed) Linear run from Python, on the sampled
+        rows only. Norm weights, biases and the rotary tables go to the stack in float32."""
         tied = self.lm_head.weight is self.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(kernels, width, keep_weight=module is self.lm_head and tied)
+                module.pack(kernels, width, keep_weight=module is self.lm_head and tied, bfloat16=bfloat16)
+        if self.rotary.cos.dtype != torch.float32:  # a model cast to bfloat16 cast its tables: build them again
+            self.rotary = RotaryEmbedding(self.config, self.rotary.cos.shape[0]).to(self.rotary.cos.device)
         c = self.config
         self.native = kernels.NativeLlama(
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
-            self.norm.weight.detach(), width,
+            _f32(self.norm.weight), width, bfloat16,
         )
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.native.add_layer(
-                layer.input_layernorm.weight.detach(), attn.qkv_proj.packed, _bias(attn.qkv_proj), attn.o_proj.packed,
-                layer.post_attention_layernorm.weight.detach(), mlp.gate_up_proj.packed, _bias(mlp.gate_up_proj),
+                _f32(layer.input_layernorm.weight), attn.qkv_proj.packed, _bias(attn.qkv_proj), attn.o_proj.packed,
+                _f32(layer.post_attention_layernorm.weight), mlp.gate_up_proj.packed, _bias(mlp.gate_up_proj),
                 mlp.down_proj.packed, _bias(mlp.down_proj),
             )
 
@@ -221,6 +228,11 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """A norm weight or bias as the native stack takes it: float32 on every stack (a copy for other dtypes)."""
+    return t.detach().float().contiguous()
+
+
 def _bias(layer: Linear) -> torch.Tensor:
     """The native stack takes an empty tensor for "no bias"."""
-    return torch.empty(0) if layer.bias is None else layer.bias.detach()
+    return torch.empty(0) if layer.bias is None else _f32(layer.bias)
