@@ -282,3 +282,13 @@ def test_compare_refuses_unknown_peers_and_bad_sizes_before_running_anything():
     assert main(["bench", "compare", "--peers", "openvino,elsewhere"]) == 2
     assert main(["bench", "compare", "--w1-single", "65"]) == 2
     assert main(["bench", "compare", "--limit", "0"]) == 2
+
+
+def test_conveyor_runs_the_comparison_in_the_dtype_asked_and_says_so():
+    from conveyor.bench.compare import conveyor_on_workloads
+
+    workloads, result, _ = conveyor_on_workloads(("W1@1",), w1_single=1, limit=1, max_output_len=4, threads=1,
+                                                 dtype="bfloat16")
+    assert result.engine == "Conveyor (bfloat16)"
+    assert [len(ids) for ids in result.results["W1@1"].output_token_ids] == [4]
+    assert len(workloads) == 1 and workloads[0].name == "W1@1"

@@ -3,7 +3,9 @@
 Its CPU plugin keeps the KV cache in 8-bit integers by default (KV_CACHE_PRECISION
 u8), a lossy compression that reads a quarter of the bytes per attended
 position. Every other engine here keeps it in float32, so that is this runner's
-default too (``--kv-cache-precision f32``); ``u8`` runs its own default.
+default too (``--kv-cache-precision f32``); ``u8`` runs its own default. Inference runs
+in f32 (``--inference-precision f32``) unless told ``bf16``; ``default`` for either
+leaves the choice to OpenVINO (inference in bf16 on CPUs with AVX512-BF16 or AMX).
 
 Token-id prompts, greedy, exactly ``output_len`` tokens (ignore_eos, with
 min_new_tokens = max_new_tokens). Requests go in through ``add_request`` and the
@@ -26,16 +28,19 @@ MAX_NUM_BATCHED_TOKENS = 2048
 CACHE_SIZE_GB = 2
 
 
-def make_pipeline(model_dir: str, kv_cache_precision: str, threads: int,
-                  prefix_caching: bool = False) -> ov_genai.ContinuousBatchingPipeline:
+def make_pipeline(model_dir: str, kv_cache_precision: str, threads: int, prefix_caching: bool = False,
+                  inference_precision: str = "f32") -> ov_genai.ContinuousBatchingPipeline:
+    """``default`` for a precision leaves it to OpenVINO (inference: bf16 where the CPU has AVX512-BF16 or
+    AMX, else f32; KV cache: u8)."""
     scheduler = ov_genai.SchedulerConfig()
     scheduler.cache_size = CACHE_SIZE_GB
     scheduler.max_num_seqs = MAX_NUM_SEQS
     scheduler.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     scheduler.dynamic_split_fuse = True
     scheduler.enable_prefix_caching = prefix_caching  # off: every engine computes every prompt (W1, W2)
-    properties = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": kv_cache_precision,
+    properties = {"INFERENCE_PRECISION_HINT": inference_precision, "KV_CACHE_PRECISION": kv_cache_precision,
                   "INFERENCE_NUM_THREADS": threads}
+    properties = {key: value for key, value in properties.items() if value != "default"}
     return ov_genai.ContinuousBatchingPipeline(model_dir, scheduler, "CPU", properties)
 
 
@@ -69,15 +74,18 @@ def run_together(pipe: ov_genai.ContinuousBatchingPipeline, requests: list[peer_
 
 if __name__ == "__main__":
     parser = peer_io.argument_parser(__doc__.splitlines()[0], peer_io.PEERS / "openvino" / "model")
-    parser.add_argument("--kv-cache-precision", choices=("f32", "u8"), default="f32")
+    parser.add_argument("--kv-cache-precision", choices=("f32", "u8", "default"), default="f32")
+    parser.add_argument("--inference-precision", choices=("f32", "bf16", "default"), default="f32")
     args = parser.parse_args()
     pipes: dict[bool, ov_genai.ContinuousBatchingPipeline] = {}
 
     def pipeline(prefix_caching: bool) -> ov_genai.ContinuousBatchingPipeline:
         if prefix_caching not in pipes:  # built when a workload needs it
-            pipes[prefix_caching] = make_pipeline(args.model, args.kv_cache_precision, args.threads, prefix_caching)
+            pipes[prefix_caching] = make_pipeline(args.model, args.kv_cache_precision, args.threads, prefix_caching,
+                                                  args.inference_precision)
         return pipes[prefix_caching]
 
-    peer_io.main(f"OpenVINO GenAI ContinuousBatchingPipeline, KV {args.kv_cache_precision}", ov_genai.__version__, args,
+    label = f"OpenVINO GenAI ContinuousBatchingPipeline, {args.inference_precision}, KV {args.kv_cache_precision}"
+    peer_io.main(label, ov_genai.__version__, args,
                  lambda requests: run_together(pipeline(False), requests),
                  lambda requests: run_together(pipeline(True), requests))

@@ -55,6 +55,11 @@ PEERS = (
     # OpenVINO's own default: an 8-bit KV cache (lossy; every other engine here keeps float32).
     Peer("openvino-u8kv", "run_openvino.py", ".peers/openvino/bin/python",
          (".peers/openvino/model/openvino_model.xml",), "setup_openvino.sh", ("--kv-cache-precision", "u8")),
+    # OpenVINO's defaults throughout: its inference precision (bf16 on CPUs with AVX512-BF16 or AMX) and KV cache
+    # (u8): the peer for `--dtype bfloat16`.
+    Peer("openvino-default", "run_openvino.py", ".peers/openvino/bin/python",
+         (".peers/openvino/model/openvino_model.xml",), "setup_openvino.sh",
+         ("--inference-precision", "default", "--kv-cache-precision", "default")),
     Peer("llamacpp", "run_llamacpp.py", None,
          (".peers/llama.cpp/build/bin/llama-server", ".peers/llama.cpp/model-f32.gguf"), "setup_llamacpp.sh"),
     Peer("vllm", "run_vllm.py", ".peers/vllm/bin/python", (".peers/vllm/.ready", ".peers/model/config.json"),
@@ -130,13 +135,13 @@ def _conveyor_together(engine: Engine, requests: list[SyntheticRequest]) -> list
             for o in outputs]
 
 
-def run_conveyor(engines: dict[bool, Engine], workloads: list[Workload]) -> EngineResult:
+def run_conveyor(engines: dict[bool, Engine], workloads: list[Workload], name: str = "Conveyor") -> EngineResult:
     """The same protocol as the peer runners (bench/peers/peer_io.py): one warm-up, then each workload, on the
     engine with prefix caching on or off as the workload says (``engines[workload.prefix_caching]``)."""
     first = workloads[0].requests[0]
     for engine in engines.values():
         _conveyor_together(engine, [SyntheticRequest(first.prompt_token_ids, WARMUP_TOKENS)])
-    result = EngineResult("Conveyor", version("conveyor"))
+    result = EngineResult(name, version("conveyor"))
     for workload in workloads:
         engine = engines[workload.prefix_caching]
         start = time.perf_counter()
@@ -297,18 +302,24 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | None, max_output_len: int | None,
-                          threads: int | None = None) -> tuple[list[Workload], EngineResult, int | None]:
-    """Conveyor with its default configuration; the workloads come from its tokenizer. Returns them, its
-    result and the model's EOS id. The engine is dropped on return: its memory is free before the peers start."""
+                          threads: int | None = None, dtype: str = "float32",
+                          ) -> tuple[list[Workload], EngineResult, int | None]:
+    """Conveyor with its default configuration (in ``dtype``); the workloads come from its tokenizer. Returns
+    them, its result and the model's EOS id. The engine is dropped on return: its memory is free before the
+    peers start."""
     from conveyor.bench.workload import comparison_workloads
     from conveyor.core.config import EngineConfig
 
-    engine = Engine(EngineConfig(enable_prefix_caching=False, num_threads=threads))  # as every peer runs W1 and W2
+    def engine_with(caching: bool) -> Engine:  # prefix caching off as every peer runs W1 and W2; on for SP
+        return Engine(EngineConfig(enable_prefix_caching=caching, num_threads=threads, dtype=dtype))
+
+    engine = engine_with(False)
     workloads = comparison_workloads(engine.tokenizer, engine.model_config.vocab_size, w1_single, names)
     workloads = shrink(workloads, limit, max_output_len)
-    engines = {caching: engine if not caching else Engine(EngineConfig(enable_prefix_caching=True, num_threads=threads))
-               for caching in {w.prefix_caching for w in workloads}}
-    return workloads, run_conveyor(engines, workloads), engine.tokenizer.eos_token_id
+    engines = {caching: engine if not caching else engine_with(True) for caching in {w.prefix_caching
+                                                                                   for w in workloads}}
+    name = "Conveyor" if dtype == "float32" else f"Conveyor ({dtype})"
+    return workloads, run_conveyor(engines, workloads, name), engine.tokenizer.eos_token_id
 
 
 def select_peers(names: list[str]) -> list[Peer]:
@@ -320,9 +331,10 @@ def select_peers(names: list[str]) -> list[Peer]:
 
 
 def compare(workload_names: list[str], peer_names: list[str], w1_single: int, limit: int | None = None,
-            max_output_len: int | None = None, output: str | None = None, num_threads: int | None = None) -> int:
-    """Run everything on ``num_threads`` threads each (default: the usable cores), print machine info and the
-    table, write JSON to ``output``."""
+            max_output_len: int | None = None, output: str | None = None, num_threads: int | None = None,
+            dtype: str = "float32") -> int:
+    """Run everything on ``num_threads`` threads each (default: the usable cores), Conveyor in ``dtype``, print
+    machine info and the table, write JSON to ``output``."""
     if not 1 <= w1_single <= 64:
         raise ValueError(f"--w1-single must be in [1, 64], got {w1_single}")
     if (limit is not None and limit < 1) or (max_output_len is not None and max_output_len < 1):
@@ -336,7 +348,7 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
     machine = machine_info(threads)
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
     workloads, conveyor, eos_token_id = conveyor_on_workloads(tuple(workload_names), w1_single, limit,
-                                                              max_output_len, threads)
+                                                              max_output_len, threads, dtype)
     gc.collect()  # the engine's KV pool and weights, before the peers need the memory
     comparison = Comparison(machine, workloads, eos_token_id, conveyor, run_peers(peers, workloads, threads=threads))
     print(comparison.table())

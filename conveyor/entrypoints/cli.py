@@ -107,6 +107,8 @@ def _add_bench_compare(bench: Commands) -> None:
     cmp.add_argument("-o", "--output", default=None, help="write machine, figures and agreement as JSON")
     cmp.add_argument("--num-threads", type=int, default=None,
                      help="CPU threads of Conveyor and of every peer alike (default: the cores this process may use)")
+    cmp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                     help="Conveyor's weights and KV cache (the peers run as each is set up: see bench/peers/)")
 
 
 def _add_bench_serve(bench: Commands) -> None:
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             from conveyor.bench.compare import compare
 
             return compare(args.workloads.split(","), args.peers.split(",") if args.peers else [], args.w1_single,
-                           args.limit, args.max_output_len, args.output, args.num_threads)
+                           args.limit, args.max_output_len, args.output, args.num_threads, args.dtype)
         if args.command == "plot":
             return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":
