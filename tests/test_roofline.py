@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -39,7 +40,7 @@ def test_intensity_grows_with_the_batch_until_compute_bound():
     assert bounds[4] / bounds[3] < 2  # past the ridge point: compute-bound, little gain left
 
 
-def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch):
+def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch, capsys):
     machine_json = tmp_path / "machine.json"
     monkeypatch.setattr("conveyor.bench.machine.machine_file", lambda: machine_json)
     picture, table = tmp_path / "roof.png", tmp_path / "roof.json"
@@ -47,6 +48,7 @@ def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatc
             "--measured-context-len", "16", "--steps", "2", "-o", str(picture), "--json", str(table),
             "--num-kv-blocks", "64"]
     assert main(argv) == 0
+    assert re.search(r"^kernels: (native, (256|512)-bit vectors|torch ops)", capsys.readouterr().out, re.MULTILINE)
     assert picture.stat().st_size > 10_000
     saved = json.loads(table.read_text())
     measured = [p for p in saved["points"] if p["measured_tokens_per_s"] is not None]

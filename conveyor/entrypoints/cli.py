@@ -356,10 +356,15 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
     engine = Engine(config)
-    native = f"native, {engine.kernel_width}-bit vectors" if engine.kernel_width else "torch ops"
-    print(f"kernels: {native}{', bfloat16 weights and KV cache' if engine.kernel_dtype == 'bfloat16' else ''}")
+    print(f"kernels: {_kernels_in_use(engine)}")
     print_decode(run_decode(engine, batch_sizes, args.prompt_len, args.steps, args.seed))
     return 0
+
+
+def _kernels_in_use(engine) -> str:
+    """What runs the model's layers, as ``bench decode`` and ``roofline`` print it."""
+    native = f"native, {engine.kernel_width}-bit vectors" if engine.kernel_width else "torch ops"
+    return native + (", bfloat16 weights and KV cache" if engine.kernel_dtype == "bfloat16" else "")
 
 
 def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -377,6 +382,7 @@ def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"machine figures saved to {machine.save()}", flush=True)
     config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
     engine = Engine(config)
+    print(f"kernels: {_kernels_in_use(engine)}", flush=True)
     points = run_roofline(engine, machine, batch_sizes, context_lens, args.measured_context_len, args.steps, args.seed)
     print(format_roofline(points, machine))
     plot_roofline(points, machine, args.output)
