@@ -17,36 +17,17 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
 from functools import partial
 
 import torch
 
+from conveyor.bench.interleave import interleaved
 from conveyor.model.kernels import BF16_FEATURE, native_kernels
 
 # (name, K, N): SmolLM2-135M's projections (qkv and gate/up fused as the engine packs them) and its LM head.
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576), ("lm_head", 576, 49152)]
 ROWS = [1, 8, 64, 256]
 DTYPES = ("float32", "bfloat16")
-
-
-def timed(call: Callable[[], object], min_s: float) -> float:
-    """Seconds per call, over as many calls as fill min_s."""
-    call()
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < min_s or calls < 2:
-        call()
-        calls += 1
-    return elapsed / calls
-
-
-def interleaved(variants: dict[str, Callable[[], object]], samples: int, min_s: float) -> dict[str, float]:
-    """Median seconds per call of each variant, sampled in turn."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(samples):
-        for name, call in variants.items():
-            times[name].append(timed(call, min_s))
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def gemm(kernels, samples: int, min_s: float) -> None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.model.kernels import WIDTH_FEATURES, native_kernels
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
@@ -61,3 +63,18 @@ def tiny_hf_model(tiny_model_dir: Path):
 
     return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
+
+# The native kernels, and each vector width the CPU can run (tests/test_kernels.py, tests/test_bf16.py).
+@pytest.fixture(scope="module")
+def kernels():
+    module = native_kernels()
+    assert module is not None, "the native kernels should build on the test machine (needs a C++ compiler)"
+    return module
+
+
+@pytest.fixture(params=sorted(WIDTH_FEATURES), ids=lambda width: f"{width}bit")
+def width(request, kernels) -> int:
+    """Each vector width in turn; one this CPU cannot run is skipped, naming the feature it lacks."""
+    if request.param not in kernels.kernel_widths():
+        pytest.skip(f"CPU lacks {WIDTH_FEATURES[request.param]}: no {request.param}-bit kernels to check")
+    return request.param

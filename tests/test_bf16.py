@@ -19,14 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import BF16_FEATURE, WIDTH_ENV, WIDTH_FEATURES, bfloat16_unavailable, native_kernels
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = native_kernels()
-    assert module is not None, "the native kernels should build on the test machine (needs a C++ compiler)"
-    return module
+from conveyor.model.kernels import BF16_FEATURE, WIDTH_ENV, bfloat16_unavailable
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +28,6 @@ def bf16(kernels):
     if not kernels.has_bfloat16():
         pytest.skip(f"CPU lacks {BF16_FEATURE}: no bfloat16 kernels to check")
     return kernels
-
-
-@pytest.fixture(params=sorted(WIDTH_FEATURES), ids=lambda width: f"{width}bit")
-def width(request, kernels) -> int:
-    if request.param not in kernels.kernel_widths():
-        pytest.skip(f"CPU lacks {WIDTH_FEATURES[request.param]}: no {request.param}-bit kernels to check")
-    return request.param
 
 
 def rounded(t: torch.Tensor) -> torch.Tensor:

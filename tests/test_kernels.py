@@ -17,23 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import WIDTH_FEATURES, native_kernels
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = native_kernels()
-    assert module is not None, "the native kernels should build on the test machine (needs a C++ compiler)"
-    return module
-
-
-@pytest.fixture(params=sorted(WIDTH_FEATURES), ids=lambda width: f"{width}bit")
-def width(request, kernels) -> int:
-    """Each vector width in turn; one this CPU cannot run is skipped, naming the feature it lacks."""
-    if request.param not in kernels.kernel_widths():
-        pytest.skip(f"CPU lacks {WIDTH_FEATURES[request.param]}: no {request.param}-bit kernels to check")
-    return request.param
-
 
 def test_an_avx512_cpu_gets_the_512_bit_kernels(kernels):
     """The 512-bit path is only ever skipped on a CPU without AVX-512F, never lost on one that has it."""
