@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from conveyor.bench.interleave import interleaved
+from conveyor.bench.interleave import gemm_ab, interleaved
 from conveyor.model.kernels import BF16_FEATURE, native_kernels
 
 # (name, K, N): SmolLM2-135M's projections (qkv and gate/up fused as the engine packs them) and its LM head.
@@ -33,15 +33,8 @@ DTYPES = ("float32", "bfloat16")
 def gemm(kernels, samples: int, min_s: float) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     print(f"\nGEMM GFLOP/s, {torch.get_num_threads()} thread(s): float32 (512-bit) | bf16 | ratio")
-    for name, k, n in SHAPES:
-        weight = torch.randn(n, k)
-        packed = {dtype: kernels.pack_linear_weight(weight, 512, dtype == "bfloat16") for dtype in DTYPES}
-        for m in ROWS:
-            x = torch.randn(m, k)
-            secs = interleaved({d: partial(kernels.packed_linear, x, packed[d], n) for d in DTYPES}, samples, min_s)
-            flops = 2 * m * k * n / 1e9
-            print(f"  {name:8} M={m:<4} {flops / secs['float32']:7.1f} | {flops / secs['bfloat16']:7.1f} | "
-                  f"{secs['float32'] / secs['bfloat16']:.3f}x", flush=True)
+    gemm_ab(kernels, SHAPES, ROWS, {dtype: partial(kernels.pack_linear_weight, width=512, bfloat16=dtype == "bfloat16")
+                                    for dtype in DTYPES}, samples, min_s)
 
 
 def heights(kernels, samples: int, min_s: float) -> None:

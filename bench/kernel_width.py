@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from conveyor.bench.interleave import interleaved
+from conveyor.bench.interleave import gemm_ab, interleaved
 from conveyor.model.kernels import WIDTH_ENV, native_kernels
 
 # (name, K, N): SmolLM2-135M's projections (qkv and gate/up fused as the engine packs them) and its LM head.
@@ -28,15 +28,8 @@ ROWS = [1, 8, 32, 64, 256]
 def gemm(kernels, threads: int, samples: int, min_s: float) -> None:
     torch.set_num_threads(threads)
     print(f"\nGEMM GFLOP/s, {threads} thread(s): 256-bit | 512-bit | ratio")
-    for name, k, n in SHAPES:
-        weight = torch.randn(n, k)
-        packed = {w: kernels.pack_linear_weight(weight, w) for w in (256, 512)}
-        for m in ROWS:
-            x = torch.randn(m, k)
-            secs = interleaved({w: partial(kernels.packed_linear, x, packed[w], n) for w in packed}, samples, min_s)
-            flops = 2 * m * k * n / 1e9
-            print(f"  {name:8} M={m:<4} {flops / secs[256]:7.1f} | {flops / secs[512]:7.1f} | "
-                  f"{secs[256] / secs[512]:.3f}x", flush=True)
+    gemm_ab(kernels, SHAPES, ROWS, {w: partial(kernels.pack_linear_weight, width=w) for w in (256, 512)}, samples,
+            min_s)
 
 
 def heights(kernels, samples: int, min_s: float) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from functools import partial
 
-from conveyor.bench.interleave import interleaved, timed
+from conveyor.bench.interleave import gemm_ab, interleaved, timed
 
 
 def test_timed_fills_the_time_asked_and_divides_by_the_calls():
@@ -22,3 +23,11 @@ def test_interleaved_samples_the_variants_in_turn():
     assert set(figures) == {"a", "b"} and figures["b"] > figures["a"]
     switches = sum(1 for first, second in itertools.pairwise(order) if first != second)
     assert switches == 5  # a..a b..b a..a b..b a..a b..b: three samples each, alternating
+
+
+def test_gemm_ab_prints_both_packings_and_their_ratio(kernels, capsys):
+    pack = {label: partial(kernels.pack_linear_weight, width=256) for label in ("A", "B")}
+    gemm_ab(kernels, [("tiny", 16, 40)], [1, 3], pack, samples=1, min_s=0.001)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in lines] == [["tiny", "M=1"], ["tiny", "M=3"]]
+    assert all(float(line.split()[2]) > 0 and line.endswith("x") for line in lines)
