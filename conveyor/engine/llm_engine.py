@@ -113,11 +113,16 @@ class Engine:
             logger.warning("--dtype bfloat16 runs on PyTorch ops, not the native kernels: %s", why)
             return
         self.kernel_width, self.kernel_dtype = width, "bfloat16" if bfloat16 else "float32"
-        if bfloat16:
-            logger.info("native kernels: %d-bit vectors, bfloat16 weights and KV cache", width)
-        else:
-            logger.info("native kernels: %d-bit vectors", width)
+        logger.info("native kernels: %s", self.native_kernels_summary)
         model.use_native_kernels(kernels, width, bfloat16)
+
+    @property
+    def native_kernels_summary(self) -> str | None:
+        """The native stack's vector width and, for bfloat16, what it stores in bf16; None on torch ops."""
+        if self.kernel_width is None:
+            return None
+        stored = ", bfloat16 weights and KV cache" if self.kernel_dtype == "bfloat16" else ""
+        return f"{self.kernel_width}-bit vectors{stored}"
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.core.trace`)."""

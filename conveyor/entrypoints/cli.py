@@ -363,8 +363,8 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def _kernels_in_use(engine) -> str:
     """What runs the model's layers, as ``bench decode`` and ``roofline`` print it."""
-    native = f"native, {engine.kernel_width}-bit vectors" if engine.kernel_width else "torch ops"
-    return native + (", bfloat16 weights and KV cache" if engine.kernel_dtype == "bfloat16" else "")
+    summary = engine.native_kernels_summary
+    return f"native, {summary}" if summary else "torch ops"
 
 
 def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
