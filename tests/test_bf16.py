@@ -147,7 +147,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want).norm() / want.norm())
 
 
-def _stack_errors(kernels, intermediate_size: int, rows: int) -> tuple[float, float]:
+def _stack_errors(kernels, intermediate_size: int, rows: int, torch_rows=None) -> tuple[float, float]:
     """A prompt of ``rows`` tokens after a cached prefix of 5, through the float32 torch layers (the
     reference), the native bf16 stack and the torch layers in bfloat16, all on the same bf16-valued weights:
     the native stack's and torch bf16's relative errors in the hidden states. The native stack's bf16 cache
@@ -168,7 +168,7 @@ def _stack_errors(kernels, intermediate_size: int, rows: int) -> tuple[float, fl
     want_cache, native_cache, bf16_cache = cache.clone(), cache.bfloat16(), cache.bfloat16()
     with torch.inference_mode():
         want = model(ids, positions, want_cache, AttentionMetadata(slots, [], prefills))
-        native.use_native_kernels(kernels, 512, bfloat16=True)
+        native.use_native_kernels(kernels, 512, bfloat16=True, torch_rows=torch_rows)
         meta = AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1))
         got = native(ids, positions, native_cache, meta)
         other = torch_bf16(ids, positions, bf16_cache, AttentionMetadata(slots, [], prefills))
@@ -189,6 +189,16 @@ def test_native_bf16_stack_is_closer_to_float32_than_the_torch_bf16_layers(bf16,
     native_error, torch_error = _stack_errors(bf16, intermediate_size, rows)
     assert native_error < 0.01, (native_error, torch_error)
     assert native_error <= torch_error, (native_error, torch_error)
+
+
+@pytest.mark.parametrize("rows", [3, 70])
+def test_bf16_stack_with_its_gemms_on_torch_stays_close_to_float32(bf16, rows):
+    """--kernels auto may route bf16 GEMMs to torch's (oneDNN: AMX where the CPU has it); the stack's result
+    stays within 1% of the float32 layers."""
+    every_row = [(1, 2**62)]
+    routes = {name: every_row for name in ("qkv", "o", "gate_up", "down")}
+    native_error, torch_error = _stack_errors(bf16, 96, rows, torch_rows=routes)
+    assert native_error < 0.01, (native_error, torch_error)
 
 
 def test_bfloat16_unavailable_names_what_is_missing():

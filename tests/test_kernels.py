@@ -228,8 +228,10 @@ def _stack_model(intermediate_size: int):
     return model
 
 
-def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tables, decodes, prefills, block_size=4):
-    """The same step through the PyTorch layers and through NativeLlama: equal hidden states and caches."""
+def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tables, decodes, prefills, block_size=4,
+                                 torch_rows=None):
+    """The same step through the PyTorch layers and through NativeLlama (with some GEMMs routed to torch's if
+    asked): equal hidden states and caches."""
     from conveyor.model.attention import AttentionMetadata, NativeRows
 
     config = model.config
@@ -239,7 +241,7 @@ def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tabl
     torch_cache = cache.clone()
     with torch.inference_mode():
         want = model(ids, positions, torch_cache, AttentionMetadata(slots, decodes, prefills))
-        model.use_native_kernels(kernels, width)
+        model.use_native_kernels(kernels, width, torch_rows=torch_rows)
         got = model(ids, positions, cache, AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1)))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
@@ -274,6 +276,75 @@ def test_native_stack_matches_the_torch_layers_on_a_long_prompt(kernels, width, 
     _assert_native_stack_matches(
         kernels, width, _stack_model(intermediate_size), positions, row_seq, tables, [], prefills
     )
+
+
+EVERY_ROW = [(1, 2**62)]
+
+
+@pytest.mark.parametrize(
+    "routes",
+    [
+        {name: EVERY_ROW for name in ("qkv", "o", "gate_up", "down")},
+        {"qkv": [(1, 11)], "down": [(12, 12)]},  # this 12-row step: qkv and down on torch's GEMM, o and gate_up not
+    ],
+    ids=["all-on-torch", "some-on-torch"],
+)
+def test_native_stack_with_gemms_routed_to_torch_matches_the_torch_layers(kernels, width, routes):
+    """--kernels auto may hand some projections at some row counts to torch's GEMM inside the stack."""
+    from conveyor.model.attention import DecodeGroup, PrefillChunk
+
+    torch.manual_seed(5)
+    tables = torch.tensor([[3, 9, 4, 0], [7, 1, 0, 0], [12, 15, 2, 0]])
+    positions = torch.cat([torch.arange(5, 10), torch.arange(0, 6), torch.tensor([10])])
+    row_seq = torch.tensor([0] * 5 + [1] * 6 + [2])
+    decodes = [DecodeGroup(11, 12, tables[2:3], (torch.arange(16) < 11).view(1, 1, 1, 16))]
+    prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
+    prefills = [PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)]
+    _assert_native_stack_matches(
+        kernels, width, _stack_model(80), positions, row_seq, tables, decodes, prefills, torch_rows=routes
+    )
+
+
+def test_a_long_prompt_with_gate_up_on_torch_skips_the_fused_swiglu(kernels, width):
+    """70 rows would fuse SwiGLU into the packed gate/up GEMM; routed to torch's GEMM, the gate/up projection
+    goes through memory and the separate SwiGLU instead, with the same result."""
+    from conveyor.model.attention import PrefillChunk
+
+    torch.manual_seed(6)
+    tables = torch.randperm(32)[:18].view(1, 18)
+    positions, row_seq = torch.arange(70), torch.zeros(70, dtype=torch.long)
+    _assert_native_stack_matches(
+        kernels, width, _stack_model(96), positions, row_seq, tables, [], [PrefillChunk(0, 70, 0, tables[0], None)],
+        torch_rows={"gate_up": [(65, 2**62)]},
+    )
+
+
+def test_the_lm_head_routed_to_torch_at_some_row_counts(kernels):
+    """The LM head runs from Python: rows in its torch_rows take F.linear on the kept weight, others the
+    packed kernels; both give the plain layer's result."""
+    from conveyor.model.llama import Linear
+
+    torch.manual_seed(7)
+    layer = Linear(48, 300, bias=False)
+    inputs = [torch.randn(rows, 48) for rows in (1, 9, 70)]
+    want = [F.linear(x, layer.weight) for x in inputs]
+    layer.pack(kernels, keep_weight=True)
+    layer.torch_rows = ((9, 64),)
+    for x, expected in zip(inputs, want):
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_routing_a_projection_needs_its_plain_weight_and_a_known_name(kernels):
+    model = _stack_model(80)
+    model.use_native_kernels(kernels)  # no routes: the plain weights are freed
+    with pytest.raises(RuntimeError, match="gate_up has no plain weight"):
+        model.native.route_to_torch("gate_up", 1, 8)
+    with pytest.raises(RuntimeError, match="no projection named mlp"):
+        model.native.route_to_torch("mlp", 1, 8)
+    with pytest.raises(RuntimeError, match="no range of row counts"):
+        model.native.route_to_torch("qkv", 9, 8)
+    with pytest.raises(ValueError, match="no projection named"):
+        _stack_model(80).use_native_kernels(kernels, torch_rows={"attention": [(1, 1)]})
 
 
 def test_kernels_release_the_gil_while_they_compute(kernels):

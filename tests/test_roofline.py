@@ -47,8 +47,12 @@ def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatc
     argv = ["roofline", "--model", str(tiny_model_dir), "--batch-sizes", "1,3", "--context-lens", "64",
             "--measured-context-len", "16", "--steps", "2", "-o", str(picture), "--json", str(table),
             "--num-kv-blocks", "64"]
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))  # a first start: --kernels auto measures
     assert main(argv) == 0
-    assert re.search(r"^kernels: (native, (256|512)-bit vectors|torch ops)", capsys.readouterr().out, re.MULTILINE)
+    out = capsys.readouterr().out
+    assert re.search(r"^kernels: (native, (256|512)-bit vectors|torch ops)", out, re.MULTILINE)
+    assert re.search(r"^kernels: native, .*; auto \(measured in", out, re.MULTILINE)
+    assert re.search(r"^\| lm_head +\| 65\+ +\|.*\| (native-(256|512)|torch) +\|$", out, re.MULTILINE), out
     assert picture.stat().st_size > 10_000
     saved = json.loads(table.read_text())
     measured = [p for p in saved["points"] if p["measured_tokens_per_s"] is not None]
@@ -56,6 +60,7 @@ def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatc
     assert all(p["context_len"] == 16 and p["measured_tokens_per_s"] > 0 for p in measured)
     assert len(saved["points"]) == 4  # two batch sizes at each of two contexts
     assert MachineFigures.load(machine_json).gemm_flops > 0  # the figures the simulator's cpu-local reads
+    assert set(saved["kernel_choice"]["seconds"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
     assert saved["machine"]["gemm_by"] in ("torch", "native 256-bit", "native 512-bit")
 
 

@@ -19,6 +19,7 @@ from conveyor.bench.machine import MachineFigures
 from conveyor.bench.report import format_table
 from conveyor.core.model_config import ModelConfig
 from conveyor.engine import Engine
+from conveyor.model.kernel_choice import KernelChoice
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import HardwareSpec
 
@@ -112,3 +113,13 @@ def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str
         ["batch", "context", "FLOP/byte", "bound tok/s", "measured tok/s", "% of bound"], rows
     )
     return f"{header}\n\n{table}"
+
+
+def format_kernel_choice(choice: KernelChoice) -> str:
+    """``--kernels auto``'s measurement: microseconds per call of each candidate GEMM, by projection and
+    row count, and which one runs."""
+    rows = choice.table()
+    candidates = sorted({key for row in rows for key in row} - {"projection", "rows", "chosen"})
+    headers = ["projection", "rows", *(f"{c} (us)" for c in candidates), "chosen"]
+    body = [[row["projection"], row["rows"], *(row[c] for c in candidates), row["chosen"]] for row in rows]
+    return format_table(headers, body)

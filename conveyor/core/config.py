@@ -79,9 +79,11 @@ class EngineConfig:
     enable_prefix_caching: bool | None = _option(
         None, "keep the KV of full blocks after their requests end, found again by content, so a shared prompt "
         "prefix is computed once", unset="on for the paged layout")
-    kernels: str = _option("native", "native: the decoder stack in C++ on packed weights (CPU: float32, and "
+    kernels: str = _option("auto", "auto: the native stack, each projection and batch size on the GEMM this "
+                           "machine measured fastest (the packed kernels or torch's; timed on a first start, then "
+                           "cached); native: the decoder stack in C++ on packed weights (CPU: float32, and "
                            "bfloat16 where the CPU has avx512_bf16); "
-                           "torch: plain PyTorch ops, the reference", choices=("native", "torch"))
+                           "torch: plain PyTorch ops, the reference", choices=("auto", "native", "torch"))
     num_threads: int | None = _option(None, "CPU threads the model's kernels use (torch/OpenMP); with "
                                       "--data-parallel-size, per replica", minimum=1,
                                       unset="the cores this process may use (per replica: divided among them)")

@@ -23,6 +23,10 @@
 // in intrinsics, since vdpbf16ps has no vector-extension spelling), and the stack then keeps its KV cache in
 // bf16. Only what is stored is bf16, at half the bytes: weights and K/V. Everything computed (accumulators,
 // norms, rotary, softmax, the activations between kernels) stays float32.
+//
+// Inside the stack, a projection can hand some row counts to torch's own GEMM (oneDNN / MKL, and AMX for bf16
+// where the CPU has it) on a plain copy of its weight: `--kernels auto` times both once per machine and
+// routes each (projection, row count class) to the faster (NativeLlama::route_to_torch).
 
 #include <torch/extension.h>
 
@@ -36,6 +40,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -942,6 +947,24 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up, int64_t width) {
 
 // ----- The whole decoder stack in one call -----
 
+// y [m, n] = x [m, k] . W^T (+ bias) through torch's own GEMM, on the plain weight [n, k] (float32 or bf16: then
+// x is rounded to bf16 for the product, as F.linear on bf16 weights does). x and y stay float32.
+void torch_linear(const float* x, int64_t m, int64_t k, const torch::Tensor& weight, const torch::Tensor& bias,
+                  float* y) {
+  auto xt = torch::from_blob(const_cast<float*>(x), {m, k});
+  auto yt = torch::from_blob(y, {m, weight.size(0)});
+  if (weight.scalar_type() == torch::kFloat32) {
+    if (bias.numel() == 0) {
+      at::mm_out(yt, xt, weight.t());
+    } else {
+      at::addmm_out(yt, bias, xt, weight.t());
+    }
+    return;
+  }
+  yt.copy_(at::linear(xt.to(weight.scalar_type()), weight));
+  if (bias.numel() != 0) yt.add_(bias);
+}
+
 // A Llama-family decoder's layers on packed weights. One forward runs every layer for a flat batch of
 // prompt and decode rows: in eager PyTorch the same step is about twelve dispatches per layer, each costing
 // Python and allocator time that at batch 1 adds up to a third of the step. With bfloat16, its weights are
@@ -959,20 +982,35 @@ class NativeLlama {
   }
 
   // Weights packed by pack_linear_weight for this stack's width and dtype; norms and biases float32 (a bias
-  // may be an empty tensor).
+  // may be an empty tensor). A projection that route_to_torch will send to torch's GEMM also needs its plain
+  // weight [N, K] (float32, or bf16 on a bf16 stack); the others take an empty tensor.
   void add_layer(torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o,
                  torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor gate_up_bias, torch::Tensor down,
-                 torch::Tensor down_bias) {
+                 torch::Tensor down_bias, torch::Tensor qkv_plain, torch::Tensor o_plain, torch::Tensor gate_up_plain,
+                 torch::Tensor down_plain) {
     const int64_t qkv_width = (heads_ + 2 * kv_heads_) * dim_;
-    check_packed(qkv, hidden_, qkv_width);
-    check_packed(o, heads_ * dim_, hidden_);
-    check_packed(gate_up, hidden_, 2 * intermediate_);
-    check_packed(down, intermediate_, hidden_);
-    for (const auto* t : {&input_norm, &post_norm, &qkv_bias, &gate_up_bias, &down_bias}) {
+    Layer layer{input_norm.contiguous(), post_norm.contiguous(),
+                {projection(qkv, qkv_bias, qkv_plain, hidden_, qkv_width),
+                 projection(o, torch::empty({0}), o_plain, heads_ * dim_, hidden_),
+                 projection(gate_up, gate_up_bias, gate_up_plain, hidden_, 2 * intermediate_),
+                 projection(down, down_bias, down_plain, intermediate_, hidden_)}};
+    for (const auto* t : {&layer.input_norm, &layer.post_norm}) {
       TORCH_CHECK(t->scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
     }
-    layers_.push_back({input_norm.contiguous(), qkv, qkv_bias.contiguous(), o, post_norm.contiguous(), gate_up,
-                       gate_up_bias.contiguous(), down, down_bias.contiguous()});
+    layers_.push_back(std::move(layer));
+  }
+
+  // From now on, steps of lo..hi rows (inclusive) run projection `name` (qkv, o, gate_up or down) on torch's
+  // GEMM instead of the packed kernels. Every layer added so far must have that projection's plain weight.
+  void route_to_torch(const std::string& name, int64_t lo, int64_t hi) {
+    const auto it = std::find(kProjectionNames.begin(), kProjectionNames.end(), name);
+    TORCH_CHECK(it != kProjectionNames.end(), "no projection named ", name, " (qkv, o, gate_up, down)");
+    TORCH_CHECK(lo >= 1 && lo <= hi, "rows ", lo, "..", hi, " is no range of row counts");
+    const auto which = static_cast<size_t>(it - kProjectionNames.begin());
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(layer.projections[which].plain.numel() > 0, name, " has no plain weight to hand torch's GEMM");
+    }
+    torch_rows_[which].push_back({lo, hi});
   }
 
   // x [T, hidden] embedded tokens (consumed: it carries the residual stream); cos / sin [T, head_dim] at each
@@ -1031,7 +1069,8 @@ class NativeLlama {
     // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (here: 5% off a
     // forward of 64 rows); below that the step is a weight stream, which reads faster as one stream in order
     // (2% slower fused at 1 and 8 rows). A tile must not straddle gate and up.
-    const bool fused_swiglu = tokens >= kRowsPerBlock && intermediate_ % P::kTile == 0;
+    const bool fused_swiglu =
+        tokens >= kRowsPerBlock && intermediate_ % P::kTile == 0 && !on_torch(kGateUp, tokens);
     auto gate_up = torch::empty({fused_swiglu ? 0 : tokens, 2 * intermediate_}, opts);
     auto act = torch::empty({tokens, intermediate_}, opts);
     float* xp = step.x;
@@ -1046,31 +1085,55 @@ class NativeLlama {
       C* v_cache = k_cache + kv_stride;
       // The previous layer's MLP output joins the residual stream on the way into this layer's norm.
       rms_norm_rows<V>(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
-      linear_rows<P>(np, tokens, hidden_, weight_data<P>(w.qkv), qkv_width, optional_data(w.qkv_bias), qkvp);
+      project<P>(w, kQkv, np, tokens, hidden_, qkvp);
       rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, step.cos, step.sin);
       write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, step.slots, step.shape,
                     k_cache, v_cache);
       // Attention on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
       attention_rows<v8>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, step.tables, step.table_width,
                       step.row_seq, step.context_lens, scale, ap);
-      linear_rows<P>(ap, tokens, q_width, weight_data<P>(w.o), hidden_, nullptr, dp);
+      project<P>(w, kO, ap, tokens, q_width, dp);
       rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       if (fused_swiglu) {
-        swiglu_rows<P>(np, tokens, hidden_, weight_data<P>(w.gate_up), intermediate_, optional_data(w.gate_up_bias),
-                       actp);
+        const Projection& gate_up = w.projections[kGateUp];
+        swiglu_rows<P>(np, tokens, hidden_, weight_data<P>(gate_up.packed), intermediate_,
+                       optional_data(gate_up.bias), actp);
       } else {
-        linear_rows<P>(np, tokens, hidden_, weight_data<P>(w.gate_up), 2 * intermediate_,
-                       optional_data(w.gate_up_bias), gp);
+        project<P>(w, kGateUp, np, tokens, hidden_, gp);
         silu_and_mul_rows<V>(gp, tokens, intermediate_, actp);
       }
-      linear_rows<P>(actp, tokens, intermediate_, weight_data<P>(w.down), hidden_, optional_data(w.down_bias), dp);
+      project<P>(w, kDown, actp, tokens, intermediate_, dp);
     }
     rms_norm_rows<V>(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_, out);
   }
 
-  struct Layer {
-    torch::Tensor input_norm, qkv, qkv_bias, o, post_norm, gate_up, gate_up_bias, down, down_bias;
+  // A layer's projection: its packed weight, bias (float32, or empty) and plain weight (empty unless some row
+  // counts run it on torch's GEMM).
+  struct Projection {
+    torch::Tensor packed, bias, plain;
+    int64_t n;
   };
+  enum Which : size_t { kQkv, kO, kGateUp, kDown, kProjections };
+  static constexpr std::array<const char*, kProjections> kProjectionNames{"qkv", "o", "gate_up", "down"};
+  struct Layer {
+    torch::Tensor input_norm, post_norm;
+    std::array<Projection, kProjections> projections;
+  };
+  struct RowRange {
+    int64_t lo, hi;
+  };
+
+  Projection projection(const torch::Tensor& packed, const torch::Tensor& bias, const torch::Tensor& plain,
+                        int64_t k, int64_t n) const {
+    check_packed(packed, k, n);
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
+    TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "a bias of ", n, " expected");
+    const auto plain_dtype = bf16_ ? torch::kBFloat16 : torch::kFloat32;
+    TORCH_CHECK(plain.numel() == 0 || (plain.dim() == 2 && plain.size(0) == n && plain.size(1) == k &&
+                                       plain.scalar_type() == plain_dtype),
+                "a plain weight must be [", n, ", ", k, "] in the stack's dtype, or empty");
+    return {packed, bias.contiguous(), plain.numel() == 0 ? plain : plain.contiguous(), n};
+  }
 
   void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) const {
     TORCH_CHECK(packed_width(packed) == width_ && (packed.scalar_type() == torch::kBFloat16) == bf16_ &&
@@ -1079,12 +1142,28 @@ class NativeLlama {
                 "a [", n, ", ", k, "] weight packed for ", width_, " bits", bf16_ ? " in bfloat16" : "", " expected");
   }
 
+  bool on_torch(Which which, int64_t rows) const {
+    for (const RowRange& range : torch_rows_[which]) {
+      if (rows >= range.lo && rows <= range.hi) return true;
+    }
+    return false;
+  }
+
+  // y [rows, n] = x [rows, k] through a layer's projection: the packed kernels, or torch's GEMM where routed.
+  template <typename P>
+  void project(const Layer& layer, Which which, const float* x, int64_t rows, int64_t k, float* y) const {
+    const Projection& w = layer.projections[which];
+    if (on_torch(which, rows)) return torch_linear(x, rows, k, w.plain, w.bias, y);
+    linear_rows<P>(x, rows, k, weight_data<P>(w.packed), w.n, optional_data(w.bias), y);
+  }
+
   int64_t heads_, kv_heads_, dim_, hidden_, intermediate_;
   float eps_;
   torch::Tensor final_norm_;
   int64_t width_;
   bool bf16_;
   std::vector<Layer> layers_;
+  std::array<std::vector<RowRange>, kProjections> torch_rows_;
 };
 
 // The compute releases the GIL: it touches no Python object (arguments are converted before, the result
@@ -1111,5 +1190,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("hidden"), arg("intermediate"), arg("eps"),
            arg("final_norm"), arg("width"), arg("bfloat16") = false)
       .def("add_layer", &NativeLlama::add_layer)
+      .def("route_to_torch", &NativeLlama::route_to_torch, arg("name"), arg("lo"), arg("hi"))
       .def("forward", &NativeLlama::forward, release_gil());
 }

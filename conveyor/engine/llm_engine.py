@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
@@ -24,6 +25,9 @@ from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
 from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
 from conveyor.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from conveyor.model.kernel_choice import KernelChoice
 
 logger = logging.getLogger("conveyor.engine")
 
@@ -73,6 +77,7 @@ class Engine:
         model = load_model(folder, dtype, device, self.max_model_len)
         self.kernel_width: int | None = None  # the native kernels' vector width in bits; None: torch ops
         self.kernel_dtype: str | None = None  # what the native stack's weights and KV cache are stored in
+        self.kernel_choice: KernelChoice | None = None  # with --kernels auto: what this machine measured
         self._use_native_kernels(model, dtype, device)
         vocab_size = self.model_config.vocab_size
         self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
@@ -96,12 +101,19 @@ class Engine:
     def _use_native_kernels(self, model, dtype, device) -> None:
         """Native kernels run on CPU with the head sizes they are unrolled for: float32, or bfloat16 weights and
         KV cache where the build has the bfloat16 GEMMs (AVX512-BF16); elsewhere (or without a compiler) the
-        torch ops do, and a bfloat16 run that falls back says why (PyTorch ops in bf16 are much slower)."""
+        torch ops do, and a bfloat16 run that falls back says why (PyTorch ops in bf16 are much slower). With
+        ``--kernels auto``, each projection and batch size runs the GEMM this machine measured fastest."""
         import torch
 
-        from conveyor.model.kernels import NATIVE_HEAD_SIZES, bfloat16_unavailable, kernel_width, native_kernels
+        from conveyor.model.kernels import (
+            NATIVE_HEAD_SIZES,
+            bfloat16_unavailable,
+            candidate_widths,
+            kernel_width,
+            native_kernels,
+        )
 
-        if self.config.kernels != "native" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
+        if self.config.kernels == "torch" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
             return
         if self.model_config.head_dim not in NATIVE_HEAD_SIZES:
             return
@@ -112,17 +124,26 @@ class Engine:
         if bfloat16 and (why := bfloat16_unavailable(kernels, width)) is not None:
             logger.warning("--dtype bfloat16 runs on PyTorch ops, not the native kernels: %s", why)
             return
+        torch_rows = {}
+        if self.config.kernels == "auto":
+            from conveyor.model.kernel_choice import choose_kernels
+
+            widths = [width] if bfloat16 else candidate_widths(kernels)
+            self.kernel_choice = choose_kernels(kernels, model.projection_weights(), widths, bfloat16)
+            width, torch_rows = self.kernel_choice.width, self.kernel_choice.torch_rows()
         self.kernel_width, self.kernel_dtype = width, "bfloat16" if bfloat16 else "float32"
         logger.info("native kernels: %s", self.native_kernels_summary)
-        model.use_native_kernels(kernels, width, bfloat16)
+        model.use_native_kernels(kernels, width, bfloat16, torch_rows)
 
     @property
     def native_kernels_summary(self) -> str | None:
-        """The native stack's vector width and, for bfloat16, what it stores in bf16; None on torch ops."""
+        """The native stack's vector width, for bfloat16 what it stores in bf16, and with ``--kernels auto``
+        where torch's GEMM runs instead; None on torch ops."""
         if self.kernel_width is None:
             return None
         stored = ", bfloat16 weights and KV cache" if self.kernel_dtype == "bfloat16" else ""
-        return f"{self.kernel_width}-bit vectors{stored}"
+        chosen = f"; {self.kernel_choice.summary()}" if self.kernel_choice is not None else ""
+        return f"{self.kernel_width}-bit vectors{stored}{chosen}"
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.core.trace`)."""

@@ -369,7 +369,7 @@ def _kernels_in_use(engine) -> str:
 
 def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     from conveyor.bench.machine import measure_machine
-    from conveyor.bench.roofline import format_roofline, run_roofline
+    from conveyor.bench.roofline import format_kernel_choice, format_roofline, run_roofline
     from conveyor.bench.throughput import write_json
     from conveyor.engine import Engine
     from conveyor.viz.roofline import plot_roofline
@@ -383,12 +383,15 @@ def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
     engine = Engine(config)
     print(f"kernels: {_kernels_in_use(engine)}", flush=True)
+    if engine.kernel_choice is not None:
+        print(format_kernel_choice(engine.kernel_choice), flush=True)
     points = run_roofline(engine, machine, batch_sizes, context_lens, args.measured_context_len, args.steps, args.seed)
     print(format_roofline(points, machine))
     plot_roofline(points, machine, args.output)
     print(f"picture: {args.output}")
-    write_json({"machine": dataclasses.asdict(machine), "points": [dataclasses.asdict(p) for p in points]},
-               args.json)
+    choice = engine.kernel_choice and dataclasses.asdict(engine.kernel_choice)
+    write_json({"machine": dataclasses.asdict(machine), "points": [dataclasses.asdict(p) for p in points],
+                "kernel_choice": choice}, args.json)
     return 0
 
 

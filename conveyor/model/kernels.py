@@ -141,6 +141,12 @@ def kernel_width(kernels: ModuleType) -> int:
     return int(wanted)
 
 
+def candidate_widths(kernels: ModuleType) -> list[int]:
+    """The widths ``--kernels auto`` may choose between: the forced one alone (``CONVEYOR_KERNEL_WIDTH``), else
+    every width this build has."""
+    return [kernel_width(kernels)] if os.environ.get(WIDTH_ENV, "").strip() else list(kernels.kernel_widths())
+
+
 def bfloat16_unavailable(kernels: ModuleType, width: int) -> str | None:
     """Why the native stack cannot run bfloat16 weights here (None: it can). Without the bfloat16 GEMMs in the
     build (a CPU without avx512_bf16, or a compiler that does not target it), or with a width forced below

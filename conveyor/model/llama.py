@@ -10,6 +10,7 @@ to the attention metadata.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 
 import torch
@@ -19,6 +20,8 @@ from torch import nn
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")  # the GEMM shapes of a step, by projection
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` that can move its weight to the native kernel's packed layout.
@@ -27,11 +30,13 @@ class Linear(nn.Linear):
     kernels), each contiguous, which a decode step streams at close to memory
     bandwidth (see csrc/kernels.cpp). Packed in bfloat16, the tiles hold pairs
     of consecutive inputs side by side, at half the bytes; inputs and outputs
-    stay float32 either way.
+    stay float32 either way. Row counts in ``torch_rows`` (inclusive ranges)
+    run torch's own GEMM on the plain weight instead, which then stays.
     """
 
     kernels: ModuleType | None = None
     packed: torch.Tensor | None = None
+    torch_rows: tuple[tuple[int, int], ...] = ()
 
     def pack(self, kernels: ModuleType, width: int = 256, keep_weight: bool = False, bfloat16: bool = False) -> None:
         """Pack for the kernels of ``width`` bits (the layout follows that path's tile), in bfloat16 if asked."""
@@ -43,6 +48,8 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
+        if any(lo <= x.shape[0] <= hi for lo, hi in self.torch_rows):
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
         y = self.kernels.packed_linear(x.float(), self.packed, self.out_features)
         return y if self.bias is None else y + self.bias.float()
 
@@ -199,15 +206,25 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, layer_cache, meta)
         return self.norm(x)
 
-    def use_native_kernels(self, kernels: ModuleType, width: int = 256, bfloat16: bool = False) -> None:
+    def use_native_kernels(
+        self, kernels: ModuleType, width: int = 256, bfloat16: bool = False,
+        torch_rows: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+    ) -> None:
         """Pack every projection for the native kernels of ``width`` bits (in bfloat16 if asked: then the KV
         cache the stack is handed must be bfloat16 too) and hand the layers to one native stack, on CPU. The
-        layers' plain weights are freed; the LM head stays a (packed) Linear run from Python, on the sampled
-        rows only. Norm weights, biases and the rotary tables go to the stack in float32."""
+        layers' plain weights are freed, except where ``torch_rows`` routes a projection (``qkv``, ``o``,
+        ``gate_up``, ``down``, ``lm_head``) at some row counts (inclusive ranges) to torch's own GEMM; the LM
+        head stays a (packed) Linear run from Python, on the sampled rows only. Norm weights, biases and the
+        rotary tables go to the stack in float32."""
+        routes = {name: tuple(ranges) for name, ranges in (torch_rows or {}).items() if ranges}
+        unknown = set(routes) - set(PROJECTIONS)
+        if unknown:
+            raise ValueError(f"torch_rows: no projection named {sorted(unknown)} (expected {PROJECTIONS})")
         tied = self.lm_head.weight is self.embed_tokens.weight
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(kernels, width, keep_weight=module is self.lm_head and tied, bfloat16=bfloat16)
+        for name, module in self._projections():
+            module.pack(kernels, width, keep_weight=name in routes or (module is self.lm_head and tied),
+                        bfloat16=bfloat16)
+            module.torch_rows = routes.get(name, ()) if name == "lm_head" else ()
         if self.rotary.cos.dtype != torch.float32:  # a model cast to bfloat16 cast its tables: build them again
             self.rotary = RotaryEmbedding(self.config, self.rotary.cos.shape[0]).to(self.rotary.cos.device)
         c = self.config
@@ -221,7 +238,29 @@ class LlamaModel(nn.Module):
                 _f32(layer.input_layernorm.weight), attn.qkv_proj.packed, _bias(attn.qkv_proj), attn.o_proj.packed,
                 _f32(layer.post_attention_layernorm.weight), mlp.gate_up_proj.packed, _bias(mlp.gate_up_proj),
                 mlp.down_proj.packed, _bias(mlp.down_proj),
+                *(_plain(module, bfloat16) for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                          mlp.down_proj)),
             )
+        for name, ranges in routes.items():
+            for lo, hi in ranges if name != "lm_head" else ():
+                self.native.route_to_torch(name, lo, hi)
+
+    def _projections(self) -> list[tuple[str, Linear]]:
+        """Every Linear with the name its shape class goes by (each layer's share one name per projection)."""
+        named = [("lm_head", self.lm_head)]
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            named += [("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                      ("down", mlp.down_proj)]
+        return named
+
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        """One weight [N, K] of each projection shape (the first layer's, and the LM head's): what a kernel
+        choice times (:mod:`conveyor.model.kernel_choice`)."""
+        named = {}
+        for name, module in self._projections():
+            named.setdefault(name, module.weight.detach())
+        return named
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that are sampled, and only those."""
@@ -231,6 +270,13 @@ class LlamaModel(nn.Module):
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """A norm weight or bias as the native stack takes it: float32 on every stack (a copy for other dtypes)."""
     return t.detach().float().contiguous()
+
+
+def _plain(layer: Linear, bfloat16: bool) -> torch.Tensor:
+    """A projection's plain weight as the native stack takes it, in the stack's dtype: kept for torch's GEMM,
+    else empty."""
+    dtype = torch.bfloat16 if bfloat16 else torch.float32
+    return layer.weight.detach().to(dtype) if layer.weight.numel() else torch.empty(0, dtype=dtype)
 
 
 def _bias(layer: Linear) -> torch.Tensor:

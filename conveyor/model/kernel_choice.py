@@ -1,0 +1,230 @@
+"""``--kernels auto``: which GEMM runs each projection at each batch size, chosen by timing on this machine.
+
+The native kernels' packed GEMM is not the fastest at every shape on every
+CPU: on an AVX2 or AVX-512 machine it streams a decode step's weights faster
+than torch's ``F.linear`` (measured 1.3-4.7x on the default model), but where
+torch's oneDNN has AMX tiles (Sapphire Rapids and later, in bfloat16) a
+prompt's large GEMMs run faster there. So on a machine's first start, for
+each projection shape of the model (``qkv``, ``o``, ``gate_up``, ``down``, the
+LM head) and each class of row count a step brings (1, 2-8, 9-64, 65+), the
+candidates are timed once, interleaved round by round so that a noisy
+neighbour slows all of them alike: the packed kernels at each vector width
+the CPU has, and torch's GEMM. One width is packed for the whole model (two
+packings would double its memory); a (projection, class) goes to torch's
+GEMM only where that is clearly faster (:data:`TORCH_MARGIN`), since it
+keeps a second, plain copy of that weight. The choice is cached per CPU
+model, ISA, kernel build, torch version, dtype, thread count and model shape,
+so later starts read it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.core.cache_dir import cache_dir
+
+logger = logging.getLogger("conveyor")
+
+
+@dataclass(frozen=True, slots=True)
+class RowClass:
+    """Steps of ``lo``..``hi`` rows (inclusive), timed at ``timed_rows``."""
+
+    name: str
+    lo: int
+    hi: int
+    timed_rows: int
+
+
+ROW_CLASSES = (
+    RowClass("1", 1, 1, 1),
+    RowClass("2-8", 2, 8, 8),
+    RowClass("9-64", 9, 64, 64),
+    RowClass("65+", 65, 2**62, 256),
+)
+TORCH = "torch"
+TORCH_MARGIN = 0.9  # torch's GEMM must take under 90% of the packed kernels' time to be chosen
+ROUNDS = 5  # timed rounds per (projection, row class); the minimum is kept
+SHAPE_BUDGET_S = 2.0  # a projection whose rounds take longer stops early (a large model's LM head)
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
+CACHE_FILE = "kernel-choice.json"
+
+Seconds = dict[str, dict[str, dict[str, float]]]  # projection -> row class -> candidate -> seconds
+
+
+def native(width: int) -> str:
+    return f"native-{width}"
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """The packed width and the (projection, row class) pairs that run on torch's GEMM instead."""
+
+    width: int
+    bfloat16: bool
+    torch_classes: dict[str, list[str]]  # projection -> names of the row classes it runs on torch's GEMM
+    seconds: Seconds  # what was measured
+    measured_s: float  # how long measuring took
+    cached: bool = False  # read from the cache rather than measured in this process
+
+    def torch_rows(self) -> dict[str, list[tuple[int, int]]]:
+        """The routes as LlamaModel.use_native_kernels takes them: projection -> inclusive row ranges."""
+        by_name = {row_class.name: row_class for row_class in ROW_CLASSES}
+        return {
+            projection: [(by_name[name].lo, by_name[name].hi) for name in names]
+            for projection, names in self.torch_classes.items() if names
+        }
+
+    def summary(self) -> str:
+        """One line: where torch's GEMM runs (or that the packed kernels run everything), and whence."""
+        routed = [f"{projection} at {', '.join(names)} rows"
+                  for projection, names in self.torch_classes.items() if names]
+        where = "torch's GEMM for " + "; ".join(routed) if routed else "the packed kernels at every row count"
+        how = "from the cache" if self.cached else f"measured in {self.measured_s:.1f} s"
+        return f"auto ({how}): {where}"
+
+    def table(self) -> list[dict[str, str]]:
+        """The timings, one row per (projection, row class), in microseconds, with the choice."""
+        rows = []
+        for projection, by_class in self.seconds.items():
+            for name, by_candidate in by_class.items():
+                chosen = TORCH if name in self.torch_classes.get(projection, []) else native(self.width)
+                rows.append({"projection": projection, "rows": name, "chosen": chosen}
+                            | {candidate: f"{s * 1e6:.0f}" for candidate, s in by_candidate.items()})
+        return rows
+
+
+def decide(seconds: Seconds, widths: list[int]) -> tuple[int, dict[str, list[str]]]:
+    """The packed width and the torch routes for measured ``seconds``: the width whose packed kernels, each
+    (projection, class) taking torch's GEMM where that wins by the margin, sum to the least time relative
+    to the best at each point (so the LM head's milliseconds do not outvote the rest)."""
+    def routes(width: int) -> dict[str, list[str]]:
+        return {
+            projection: [name for name, s in by_class.items() if s[TORCH] < TORCH_MARGIN * s[native(width)]]
+            for projection, by_class in seconds.items()
+        }
+
+    def cost(width: int) -> float:
+        chosen = routes(width)
+        total = 0.0
+        for projection, by_class in seconds.items():
+            for name, s in by_class.items():
+                taken = s[TORCH] if name in chosen[projection] else s[native(width)]
+                total += taken / min(s.values())
+        return total
+
+    width = min(widths, key=lambda w: (cost(w), -w))
+    return width, routes(width)
+
+
+def time_candidates(candidates: Mapping[str, Callable[[], object]], rounds: int = ROUNDS,
+                    budget_s: float = SHAPE_BUDGET_S) -> dict[str, float]:
+    """The fastest of ``rounds`` calls of each candidate, the candidates taking turns each round (one
+    untimed call each first: packing's fresh pages and the allocator's first use are not the kernel)."""
+    for call in candidates.values():
+        call()
+    best = dict.fromkeys(candidates, float("inf"))
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for name, call in candidates.items():
+            began = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - began)
+        if time.perf_counter() - start > budget_s:
+            break
+    return best
+
+
+def measure(kernels: ModuleType, weights: Mapping[str, torch.Tensor], widths: list[int], bfloat16: bool) -> Seconds:
+    """Time each projection's weight at each row class: the packed kernels at each width, and torch's GEMM
+    (in bfloat16 on a bf16 model, as the stack would call it). One projection's packings at a time."""
+    seconds: Seconds = {}
+    for projection, weight in weights.items():
+        k = weight.shape[1]
+        plain = weight.to(torch.bfloat16 if bfloat16 else torch.float32).contiguous()
+        packed = {native(width): kernels.pack_linear_weight(weight.float(), width, bfloat16) for width in widths}
+        seconds[projection] = {}
+        for row_class in ROW_CLASSES:
+            x = torch.randn(row_class.timed_rows, k)
+            seconds[projection][row_class.name] = time_candidates(_calls(kernels, x, packed, plain))
+    return seconds
+
+
+def _calls(kernels: ModuleType, x: torch.Tensor, packed: Mapping[str, torch.Tensor],
+           plain: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Each candidate's GEMM of ``x`` as a call: the packed kernels at each width, and torch's."""
+    n = plain.shape[0]
+    calls: dict[str, Callable[[], object]] = {
+        name: (lambda p=p: kernels.packed_linear(x, p, n)) for name, p in packed.items()
+    }
+    calls[TORCH] = lambda: F.linear(x.to(plain.dtype), plain).float()
+    return calls
+
+
+def choose_kernels(kernels: ModuleType, weights: Mapping[str, torch.Tensor], widths: list[int],
+                   bfloat16: bool, cache: Path | None = None) -> KernelChoice:
+    """This machine's choice for a model with these projection ``weights``: from the cache when it has one for
+    the same CPU, build, torch, dtype, threads and shapes; else measured (a few seconds, said at warning
+    level since the default log shows it) and stored."""
+    cache = cache or cache_dir() / CACHE_FILE
+    key = choice_key(kernels.__name__, widths, bfloat16, torch.get_num_threads(),
+                     {name: list(weight.shape) for name, weight in weights.items()})
+    stored = _read(cache).get(key)
+    if stored is not None:
+        return KernelChoice(**stored | {"cached": True})
+    logger.warning("timing the native kernels against torch's GEMM on this machine (first start here: a few "
+                   "seconds, then cached in %s)", cache)
+    start = time.perf_counter()
+    seconds = measure(kernels, weights, widths, bfloat16)
+    width, torch_classes = decide(seconds, widths)
+    choice = KernelChoice(width, bfloat16, torch_classes, seconds, time.perf_counter() - start)
+    _write(cache, key, asdict(choice) | {"cached": False})
+    return choice
+
+
+def choice_key(build: str, widths: list[int], bfloat16: bool, threads: int, shapes: Mapping[str, list[int]]) -> str:
+    """Everything a choice depends on, as one string: the CPU's model name and vector ISA, the kernels' build
+    (its name carries the source, compiler target and torch), torch, the candidates, dtype, threads, shapes."""
+    cpu = cpu_identity()
+    return json.dumps([cpu, build, torch.__version__, widths, bfloat16, threads, sorted(shapes.items())])
+
+
+def cpu_identity() -> list[str]:
+    """The CPU's model name and which of the vector ISA flags that matter here it has."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and name == "unknown CPU":
+                name = value.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return [name, *(flag for flag in ISA_FLAGS if flag in flags)]
+
+
+def _read(cache: Path) -> dict:
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: measure again
+        return {}
+
+
+def _write(cache: Path, key: str, record: dict) -> None:
+    """Add a record, replacing the file in one rename so that a concurrent reader never sees half of it."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    records = _read(cache) | {key: record}
+    partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(records, indent=1))
+    partial.replace(cache)
