@@ -343,6 +343,15 @@ def test_routing_a_projection_needs_its_plain_weight_and_a_known_name(kernels):
         model.native.route_to_torch("mlp", 1, 8)
     with pytest.raises(RuntimeError, match="no range of row counts"):
         model.native.route_to_torch("qkv", 9, 8)
+    routed = kernels.NativeLlama(6, 2, 8, 48, 80, 1e-5, torch.ones(48), 256, False)
+    layer = model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    args = [torch.ones(48), attn.qkv_proj.packed, torch.empty(0), attn.o_proj.packed, torch.ones(48),
+            mlp.gate_up_proj.packed, torch.empty(0), mlp.down_proj.packed, torch.empty(0)]
+    routed.add_layer(*args, torch.empty(0), torch.empty(0), torch.randn(160, 48), torch.empty(0))
+    routed.route_to_torch("gate_up", 1, 8)
+    with pytest.raises(RuntimeError, match="gate_up is routed to torch's GEMM: every layer needs its plain weight"):
+        routed.add_layer(*args, *[torch.empty(0)] * 4)
     with pytest.raises(ValueError, match="no projection named"):
         _stack_model(80).use_native_kernels(kernels, torch_rows={"attention": [(1, 1)]})
 

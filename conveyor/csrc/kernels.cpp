@@ -997,6 +997,10 @@ class NativeLlama {
     for (const auto* t : {&layer.input_norm, &layer.post_norm}) {
       TORCH_CHECK(t->scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
     }
+    for (size_t which = 0; which < kProjections; ++which) {
+      TORCH_CHECK(torch_rows_[which].empty() || layer.projections[which].plain.numel() > 0, kProjectionNames[which],
+                  " is routed to torch's GEMM: every layer needs its plain weight");
+    }
     layers_.push_back(std::move(layer));
   }
 
