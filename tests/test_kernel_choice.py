@@ -27,9 +27,29 @@ def _seconds(native_512: float, native_256: float, torch_s: float, **torch_at: f
 
 def test_torch_is_chosen_only_where_it_wins_by_the_margin():
     seconds = _seconds(1.0, 1.5, 2.0, **{"65+": 0.5, "9-64": 0.95})  # 9-64: faster, within the margin
-    width, routes = decide(seconds, [256, 512])
+    width, routes, fused_classes = decide(seconds, [256, 512])
     assert width == 512
     assert routes == {"qkv": ["65+"]}
+    assert fused_classes == [], "no gate/up measured"
+
+
+def test_swiglu_is_fused_where_that_measured_faster_and_gate_up_stays_packed():
+    times = {"1": (1.0, 0.9, 5.0), "2-8": (1.0, 1.1, 5.0), "9-64": (1.0, 0.8, 5.0), "65+": (1.0, 0.8, 0.5)}
+    seconds = {"gate_up": {name: {"native-512": unfused, "native-512-fused": fused_s, TORCH: torch_s}
+                           for name, (unfused, fused_s, torch_s) in times.items()}}
+    width, routes, fused_classes = decide(seconds, [512])
+    assert routes == {"gate_up": ["65+"]}, "torch beats even the fused kernel there"
+    assert fused_classes == ["1", "9-64"], "fused where faster, and never where gate/up runs on torch's GEMM"
+    choice = KernelChoice(width, False, routes, fused_classes, seconds, 0.1)
+    assert [choice.chosen("gate_up", name) for name in times] == ["native-512-fused", "native-512",
+                                                                 "native-512-fused", TORCH]
+    assert choice.fused_rows() == [(1, 1), (9, 64)]
+    assert "SwiGLU fused at 1, 9-64 rows" in choice.summary()
+
+
+def test_torch_must_beat_the_faster_of_fused_and_unfused():
+    seconds = {"gate_up": {c.name: {"native-512": 1.0, "native-512-fused": 0.5, TORCH: 0.8} for c in ROW_CLASSES}}
+    assert decide(seconds, [512])[1] == {"gate_up": []}
 
 
 def test_the_width_is_the_one_that_costs_least_overall():
@@ -39,10 +59,10 @@ def test_the_width_is_the_one_that_costs_least_overall():
 
 
 def test_routes_become_row_ranges():
-    choice = KernelChoice(512, False, {"qkv": ["1", "65+"], "o": []}, {}, 0.0)
+    choice = KernelChoice(512, False, {"qkv": ["1", "65+"], "o": []}, [], {}, 0.0)
     assert choice.torch_rows() == {"qkv": [(1, 1), (65, 2**62)]}
-    assert "qkv at 1, 65+ rows" in choice.summary()
-    assert "packed kernels at every row count" in KernelChoice(512, False, {"o": []}, {}, 1.0).summary()
+    assert "qkv at 1, 65+ rows" in choice.summary() and "SwiGLU unfused" in choice.summary()
+    assert "packed kernels at every row count" in KernelChoice(512, False, {"o": []}, [], {}, 1.0).summary()
 
 
 def test_the_key_differs_by_cpu_isa_threads_dtype_and_shape(monkeypatch):
@@ -59,11 +79,13 @@ def test_the_key_differs_by_cpu_isa_threads_dtype_and_shape(monkeypatch):
 
 def test_a_choice_is_measured_once_then_read_from_the_cache(kernels, tmp_path):
     cache = tmp_path / "choice.json"
-    weights = {"qkv": torch.randn(96, 64), "lm_head": torch.randn(300, 64)}
+    weights = {"qkv": torch.randn(96, 64), "lm_head": torch.randn(300, 64), "gate_up": torch.randn(128, 64)}
     widths = list(kernels.kernel_widths())
     first = choose_kernels(kernels, weights, widths, False, cache)
     assert not first.cached and first.width in widths
-    assert set(first.seconds) == {"qkv", "lm_head"}
+    assert set(first.seconds) == {"qkv", "lm_head", "gate_up"}
+    assert {f"native-{w}-fused" for w in widths} <= set(first.seconds["gate_up"]["1"]), "64 = whole tiles"
+    assert "native-256-fused" not in first.seconds["qkv"]["1"]
     assert set(first.seconds["qkv"]) == {c.name for c in ROW_CLASSES}
     assert all(s > 0 for by_class in first.seconds.values() for t in by_class.values() for s in t.values())
     again = choose_kernels(kernels, weights, widths, False, cache)
@@ -87,8 +109,8 @@ def test_the_engine_on_every_gemm_routed_to_torch_matches_transformers(
     torch's GEMM everywhere (the timing and the stack around it are the real ones)."""
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(
-        kernel_choice, "decide", lambda seconds, widths: (max(widths), {p: [c.name for c in ROW_CLASSES]
-                                                                      for p in seconds})
+        kernel_choice, "decide",
+        lambda seconds, widths: (max(widths), {p: [c.name for c in ROW_CLASSES] for p in seconds}, []),
     )
     llm = LLM(str(tiny_model_dir), num_kv_blocks=1024, max_num_batched_tokens=128)
     assert "torch's GEMM for" in llm.engine.native_kernels_summary

@@ -229,9 +229,9 @@ def _stack_model(intermediate_size: int):
 
 
 def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tables, decodes, prefills, block_size=4,
-                                 torch_rows=None):
-    """The same step through the PyTorch layers and through NativeLlama (with some GEMMs routed to torch's if
-    asked): equal hidden states and caches."""
+                                 torch_rows=None, fused_swiglu_rows=None):
+    """The same step through the PyTorch layers and through NativeLlama (with some GEMMs routed to torch's,
+    and SwiGLU fused at given row counts, if asked): equal hidden states and caches."""
     from conveyor.model.attention import AttentionMetadata, NativeRows
 
     config = model.config
@@ -241,7 +241,7 @@ def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tabl
     torch_cache = cache.clone()
     with torch.inference_mode():
         want = model(ids, positions, torch_cache, AttentionMetadata(slots, decodes, prefills))
-        model.use_native_kernels(kernels, width, torch_rows=torch_rows)
+        model.use_native_kernels(kernels, width, torch_rows=torch_rows, fused_swiglu_rows=fused_swiglu_rows)
         got = model(ids, positions, cache, AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1)))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
@@ -316,6 +316,31 @@ def test_a_long_prompt_with_gate_up_on_torch_skips_the_fused_swiglu(kernels, wid
     _assert_native_stack_matches(
         kernels, width, _stack_model(96), positions, row_seq, tables, [], [PrefillChunk(0, 70, 0, tables[0], None)],
         torch_rows={"gate_up": [(65, 2**62)]},
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 8, 70])
+def test_packed_swiglu_matches_the_unfused_pair(kernels, width, rows):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(192, 40), torch.randn(rows, 40)
+    packed = kernels.pack_linear_weight(weight, width)
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.packed_swiglu(x, packed, 96), F.silu(gate) * up, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="whole"):
+        kernels.packed_swiglu(x, kernels.pack_linear_weight(torch.randn(160, 40), width), 80 if width == 512 else 88)
+
+
+@pytest.mark.parametrize(("rows", "fused_at"), [(3, [(1, 8)]), (70, [])], ids=["fused-at-3-rows", "unfused-at-70"])
+def test_the_stack_fuses_swiglu_at_the_row_counts_it_is_given(kernels, width, rows, fused_at):
+    """--kernels auto replaces the stack's own rule (fused from 64 rows) with the row counts it measured."""
+    from conveyor.model.attention import PrefillChunk
+
+    torch.manual_seed(rows)
+    tables = torch.randperm(32)[:18].view(1, 18)
+    positions, row_seq = torch.arange(rows), torch.zeros(rows, dtype=torch.long)
+    _assert_native_stack_matches(
+        kernels, width, _stack_model(96), positions, row_seq, tables, [], [PrefillChunk(0, rows, 0, tables[0], None)],
+        fused_swiglu_rows=fused_at,
     )
 
 

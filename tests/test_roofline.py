@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conveyor.bench.machine import MachineFigures, fastest_gemm, measure_native_gemm
+from conveyor.bench.machine import MachineFigures, fastest_gemm, fastest_read, measure_native_gemm
 from conveyor.bench.roofline import decode_point, machine_cost_model
 from conveyor.entrypoints.cli import main
 from conveyor.sim.hardware import load_model_config
@@ -61,7 +61,16 @@ def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatc
     assert len(saved["points"]) == 4  # two batch sizes at each of two contexts
     assert MachineFigures.load(machine_json).gemm_flops > 0  # the figures the simulator's cpu-local reads
     assert set(saved["kernel_choice"]["seconds"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
+    assert saved["machine"]["bandwidth_by"] in ("torch sum", "native 256-bit GEMV", "native 512-bit GEMV")
     assert saved["machine"]["gemm_by"] in ("torch", "native 256-bit", "native 512-bit")
+
+
+def test_the_bandwidth_roof_is_the_fastest_read_the_machine_has():
+    """Both reads are timed and the faster is the roof: a native GEMV that streams faster than torch's sum
+    would otherwise put batch 1 over 100% of its bound."""
+    bandwidth, by = fastest_read(num_bytes=64 * 2**20, repeats=2)
+    assert bandwidth > 1e9
+    assert by == "torch sum" or re.fullmatch(r"native (256|512)-bit GEMV", by)
 
 
 def test_the_compute_roof_is_the_fastest_gemm_the_machine_has(monkeypatch):

@@ -99,7 +99,8 @@ def run_roofline(
 
 def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str:
     header = (
-        f"machine: {machine.cpu}, {machine.threads} threads: {machine.memory_bandwidth / 1e9:.1f} GB/s read, "
+        f"machine: {machine.cpu}, {machine.threads} threads: {machine.memory_bandwidth / 1e9:.1f} GB/s read "
+        f"({machine.bandwidth_by}), "
         f"{machine.gemm_flops / 1e9:.0f} GFLOP/s {machine.dtype} GEMM ({machine.gemm_by}), "
         f"ridge {machine.ridge_point:.1f} FLOP/byte"
     )
@@ -121,5 +122,5 @@ def format_kernel_choice(choice: KernelChoice) -> str:
     rows = choice.table()
     candidates = sorted({key for row in rows for key in row} - {"projection", "rows", "chosen"})
     headers = ["projection", "rows", *(f"{c} (us)" for c in candidates), "chosen"]
-    body = [[row["projection"], row["rows"], *(row[c] for c in candidates), row["chosen"]] for row in rows]
+    body = [[row["projection"], row["rows"], *(row.get(c, "") for c in candidates), row["chosen"]] for row in rows]
     return format_table(headers, body)

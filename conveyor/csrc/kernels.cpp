@@ -871,6 +871,27 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return y;
 }
 
+// x [M, K] -> silu(x . Wg^T) * (x . Wu^T) [M, I], gate and up packed together as one [2I, K] weight (gate first,
+// I a whole number of the path's tiles): the stack's fused SwiGLU, callable alone to time it against the
+// unfused pair (packed_linear, then silu_and_mul).
+torch::Tensor packed_swiglu(const torch::Tensor& x, const torch::Tensor& packed, int64_t intermediate) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  const int64_t width = packed_width(packed);
+  const bool bf16 = packed.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(width > 0 && packed.is_contiguous(), "packed weight expected");
+  TORCH_CHECK(packed_inputs(x.size(1), bf16) == packed.size(1), "x has ", x.size(1), " features, the weight another");
+  auto xc = x.contiguous();
+  auto out = torch::empty({x.size(0), intermediate}, x.options());
+  with_gemm_path(width, bf16, [&](auto path) {
+    using P = decltype(path);
+    TORCH_CHECK(intermediate > 0 && intermediate % P::kTile == 0 && packed.size(0) * P::kTile == 2 * intermediate,
+                "gate and up must be whole ", P::kTile, "-column tiles, packed as one [2 * ", intermediate, ", K]");
+    swiglu_rows<P>(xc.data_ptr<float>(), x.size(0), x.size(1), weight_data<P>(packed), intermediate, nullptr,
+                   out.data_ptr<float>());
+  });
+  return out;
+}
+
 // query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D], both float32 or both bfloat16 (widened to
 // float32 as they are read); block_tables [S, max_blocks]; row_seq [T] (which table each row uses);
 // context_lens [T]. Returns [T, H, D] float32.
@@ -1017,6 +1038,15 @@ class NativeLlama {
     torch_rows_[which].push_back({lo, hi});
   }
 
+  // From now on, SwiGLU is fused into the packed gate/up GEMM at exactly these row counts (inclusive ranges).
+  void fuse_swiglu_at(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+    fused_rows_.clear();
+    for (const auto& [lo, hi] : ranges) {
+      TORCH_CHECK(lo >= 1 && lo <= hi, "rows ", lo, "..", hi, " is no range of row counts");
+      fused_rows_.push_back({lo, hi});
+    }
+  }
+
   // x [T, hidden] embedded tokens (consumed: it carries the residual stream); cos / sin [T, head_dim] at each
   // row's position; kv_cache [layers, 2, blocks, block_size, KVH, D]; slot_mapping [T]; block_tables
   // [S, max_blocks]; row_seq [T]; context_lens [T]. Returns the final-normed hidden states [T, hidden].
@@ -1070,11 +1100,9 @@ class NativeLlama {
     auto opts = final_norm_.options();
     auto normed = torch::empty({tokens, hidden_}, opts), qkv = torch::empty({tokens, qkv_width}, opts);
     auto attn = torch::empty({tokens, q_width}, opts), delta = torch::empty({tokens, hidden_}, opts);
-    // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (here: 5% off a
-    // forward of 64 rows); below that the step is a weight stream, which reads faster as one stream in order
-    // (2% slower fused at 1 and 8 rows). A tile must not straddle gate and up.
+    // A tile must not straddle gate and up; a gate/up on torch's GEMM goes through memory.
     const bool fused_swiglu =
-        tokens >= kRowsPerBlock && intermediate_ % P::kTile == 0 && !on_torch(kGateUp, tokens);
+        in_ranges(fused_rows_, tokens) && intermediate_ % P::kTile == 0 && !on_torch(kGateUp, tokens);
     auto gate_up = torch::empty({fused_swiglu ? 0 : tokens, 2 * intermediate_}, opts);
     auto act = torch::empty({tokens, intermediate_}, opts);
     float* xp = step.x;
@@ -1146,12 +1174,14 @@ class NativeLlama {
                 "a [", n, ", ", k, "] weight packed for ", width_, " bits", bf16_ ? " in bfloat16" : "", " expected");
   }
 
-  bool on_torch(Which which, int64_t rows) const {
-    for (const RowRange& range : torch_rows_[which]) {
+  static bool in_ranges(const std::vector<RowRange>& ranges, int64_t rows) {
+    for (const RowRange& range : ranges) {
       if (rows >= range.lo && rows <= range.hi) return true;
     }
     return false;
   }
+
+  bool on_torch(Which which, int64_t rows) const { return in_ranges(torch_rows_[which], rows); }
 
   // y [rows, n] = x [rows, k] through a layer's projection: the packed kernels, or torch's GEMM where routed.
   template <typename P>
@@ -1168,6 +1198,10 @@ class NativeLlama {
   bool bf16_;
   std::vector<Layer> layers_;
   std::array<std::vector<RowRange>, kProjections> torch_rows_;
+  // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (measured: 5% off
+  // a forward of 64 rows); below that the step is a weight stream, which reads faster as one stream in order
+  // (2% slower fused at 1 and 8 rows). The default; --kernels auto sets what it measures (fuse_swiglu_at).
+  std::vector<RowRange> fused_rows_{{kRowsPerBlock, std::numeric_limits<int64_t>::max()}};
 };
 
 // The compute releases the GIL: it touches no Python object (arguments are converted before, the result
@@ -1181,6 +1215,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("weight"), arg("width") = 256, arg("bfloat16") = false, release_gil());
   m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", arg("x"), arg("packed"),
         arg("n"), arg("max_rows") = 0, release_gil());
+  m.def("packed_swiglu", &packed_swiglu, "silu(x . Wg^T) * (x . Wu^T), gate and up packed as one weight",
+        arg("x"), arg("packed"), arg("intermediate"), release_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", arg("x"), arg("weight"), arg("eps"),
         arg("width") = 256, release_gil());
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place", arg("q"), arg("k"),
@@ -1195,5 +1231,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            arg("final_norm"), arg("width"), arg("bfloat16") = false)
       .def("add_layer", &NativeLlama::add_layer)
       .def("route_to_torch", &NativeLlama::route_to_torch, arg("name"), arg("lo"), arg("hi"))
+      .def("fuse_swiglu_at", &NativeLlama::fuse_swiglu_at, arg("ranges"))
       .def("forward", &NativeLlama::forward, release_gil());
 }

@@ -124,16 +124,17 @@ class Engine:
         if bfloat16 and (why := bfloat16_unavailable(kernels, width)) is not None:
             logger.warning("--dtype bfloat16 runs on PyTorch ops, not the native kernels: %s", why)
             return
-        torch_rows = {}
+        torch_rows, fused_rows = {}, None  # None: the stack's own rule for fusing SwiGLU
         if self.config.kernels == "auto":
             from conveyor.model.kernel_choice import choose_kernels
 
             widths = [width] if bfloat16 else candidate_widths(kernels)
             self.kernel_choice = choose_kernels(kernels, model.projection_weights(), widths, bfloat16)
             width, torch_rows = self.kernel_choice.width, self.kernel_choice.torch_rows()
+            fused_rows = self.kernel_choice.fused_rows()
         self.kernel_width, self.kernel_dtype = width, "bfloat16" if bfloat16 else "float32"
         logger.info("native kernels: %s", self.native_kernels_summary)
-        model.use_native_kernels(kernels, width, bfloat16, torch_rows)
+        model.use_native_kernels(kernels, width, bfloat16, torch_rows, fused_rows)
 
     @property
     def native_kernels_summary(self) -> str | None:

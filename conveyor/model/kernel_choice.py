@@ -9,10 +9,11 @@ each projection shape of the model (``qkv``, ``o``, ``gate_up``, ``down``, the
 LM head) and each class of row count a step brings (1, 2-8, 9-64, 65+), the
 candidates are timed once, interleaved round by round so that a noisy
 neighbour slows all of them alike: the packed kernels at each vector width
-the CPU has, and torch's GEMM. One width is packed for the whole model (two
-packings would double its memory); a (projection, class) goes to torch's
-GEMM only where that is clearly faster (:data:`TORCH_MARGIN`), since it
-keeps a second, plain copy of that weight. The choice is cached per CPU
+the CPU has, and torch's GEMM; the gate/up projection is timed with its
+SwiGLU, and on the packed kernels also fused into the GEMM. One width is
+packed for the whole model (two packings would double its memory); a
+(projection, class) goes to torch's GEMM only where that is clearly faster
+(:data:`TORCH_MARGIN`), since it keeps a second, plain copy of that weight. The choice is cached per CPU
 model, ISA, kernel build, torch version, dtype, thread count and model shape,
 so later starts read it.
 """
@@ -58,6 +59,8 @@ ROUNDS = 5  # timed rounds per (projection, row class); the minimum is kept
 SHAPE_BUDGET_S = 2.0  # a projection whose rounds take longer stops early (a large model's LM head)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
 CACHE_FILE = "kernel-choice.json"
+CHOICE_VERSION = 2  # what a cached record holds; a record of another version is measured again
+SWIGLU = "gate_up"  # the projection whose output goes through SwiGLU, fused into the packed GEMM or not
 
 Seconds = dict[str, dict[str, dict[str, float]]]  # projection -> row class -> candidate -> seconds
 
@@ -66,51 +69,74 @@ def native(width: int) -> str:
     return f"native-{width}"
 
 
+def fused(width: int) -> str:
+    """The packed gate/up GEMM at ``width`` with SwiGLU fused in (its output never goes through memory)."""
+    return f"native-{width}-fused"
+
+
+def packed_seconds(s: Mapping[str, float], width: int) -> float:
+    """The packed kernels' time at ``width`` at one point: fused or not, whichever is faster."""
+    return min(s[native(width)], s.get(fused(width), float("inf")))
+
+
 @dataclass(frozen=True, slots=True)
 class KernelChoice:
-    """The packed width and the (projection, row class) pairs that run on torch's GEMM instead."""
+    """The packed width, the (projection, row class) pairs that run on torch's GEMM instead, and the row
+    classes at which SwiGLU is fused into the packed gate/up GEMM."""
 
     width: int
     bfloat16: bool
     torch_classes: dict[str, list[str]]  # projection -> names of the row classes it runs on torch's GEMM
+    fused_classes: list[str]  # names of the row classes that fuse SwiGLU
     seconds: Seconds  # what was measured
     measured_s: float  # how long measuring took
     cached: bool = False  # read from the cache rather than measured in this process
 
     def torch_rows(self) -> dict[str, list[tuple[int, int]]]:
         """The routes as LlamaModel.use_native_kernels takes them: projection -> inclusive row ranges."""
-        by_name = {row_class.name: row_class for row_class in ROW_CLASSES}
-        return {
-            projection: [(by_name[name].lo, by_name[name].hi) for name in names]
-            for projection, names in self.torch_classes.items() if names
-        }
+        return {projection: _ranges(names) for projection, names in self.torch_classes.items() if names}
+
+    def fused_rows(self) -> list[tuple[int, int]]:
+        return _ranges(self.fused_classes)
 
     def summary(self) -> str:
-        """One line: where torch's GEMM runs (or that the packed kernels run everything), and whence."""
+        """One line: where torch's GEMM runs (or that the packed kernels run everything), where SwiGLU is
+        fused, and whence."""
         routed = [f"{projection} at {', '.join(names)} rows"
                   for projection, names in self.torch_classes.items() if names]
         where = "torch's GEMM for " + "; ".join(routed) if routed else "the packed kernels at every row count"
+        fusion = f"SwiGLU fused at {', '.join(self.fused_classes)} rows" if self.fused_classes else "SwiGLU unfused"
         how = "from the cache" if self.cached else f"measured in {self.measured_s:.1f} s"
-        return f"auto ({how}): {where}"
+        return f"auto ({how}): {where}; {fusion}"
+
+    def chosen(self, projection: str, row_class: str) -> str:
+        """The candidate that runs ``projection`` at ``row_class``."""
+        if row_class in self.torch_classes.get(projection, []):
+            return TORCH
+        return fused(self.width) if projection == SWIGLU and row_class in self.fused_classes else native(self.width)
 
     def table(self) -> list[dict[str, str]]:
         """The timings, one row per (projection, row class), in microseconds, with the choice."""
-        rows = []
-        for projection, by_class in self.seconds.items():
-            for name, by_candidate in by_class.items():
-                chosen = TORCH if name in self.torch_classes.get(projection, []) else native(self.width)
-                rows.append({"projection": projection, "rows": name, "chosen": chosen}
-                            | {candidate: f"{s * 1e6:.0f}" for candidate, s in by_candidate.items()})
-        return rows
+        return [
+            {"projection": projection, "rows": name, "chosen": self.chosen(projection, name)}
+            | {candidate: f"{s * 1e6:.0f}" for candidate, s in by_candidate.items()}
+            for projection, by_class in self.seconds.items() for name, by_candidate in by_class.items()
+        ]
 
 
-def decide(seconds: Seconds, widths: list[int]) -> tuple[int, dict[str, list[str]]]:
-    """The packed width and the torch routes for measured ``seconds``: the width whose packed kernels, each
-    (projection, class) taking torch's GEMM where that wins by the margin, sum to the least time relative
-    to the best at each point (so the LM head's milliseconds do not outvote the rest)."""
+def _ranges(names: list[str]) -> list[tuple[int, int]]:
+    by_name = {row_class.name: row_class for row_class in ROW_CLASSES}
+    return [(by_name[name].lo, by_name[name].hi) for name in names]
+
+
+def decide(seconds: Seconds, widths: list[int]) -> tuple[int, dict[str, list[str]], list[str]]:
+    """The packed width, the torch routes and the fused SwiGLU classes for measured ``seconds``: the width
+    whose packed kernels (fused or not), each (projection, class) taking torch's GEMM where that wins by the
+    margin, sum to the least time relative to the best at each point (so the LM head's milliseconds do not
+    outvote the rest)."""
     def routes(width: int) -> dict[str, list[str]]:
         return {
-            projection: [name for name, s in by_class.items() if s[TORCH] < TORCH_MARGIN * s[native(width)]]
+            projection: [name for name, s in by_class.items() if s[TORCH] < TORCH_MARGIN * packed_seconds(s, width)]
             for projection, by_class in seconds.items()
         }
 
@@ -119,12 +145,17 @@ def decide(seconds: Seconds, widths: list[int]) -> tuple[int, dict[str, list[str
         total = 0.0
         for projection, by_class in seconds.items():
             for name, s in by_class.items():
-                taken = s[TORCH] if name in chosen[projection] else s[native(width)]
+                taken = s[TORCH] if name in chosen[projection] else packed_seconds(s, width)
                 total += taken / min(s.values())
         return total
 
     width = min(widths, key=lambda w: (cost(w), -w))
-    return width, routes(width)
+    torch_classes = routes(width)
+    fused_classes = [
+        name for name, s in seconds.get(SWIGLU, {}).items()
+        if name not in torch_classes[SWIGLU] and s.get(fused(width), float("inf")) < s[native(width)]
+    ]
+    return width, torch_classes, fused_classes
 
 
 def time_candidates(candidates: Mapping[str, Callable[[], object]], rounds: int = ROUNDS,
@@ -147,27 +178,43 @@ def time_candidates(candidates: Mapping[str, Callable[[], object]], rounds: int 
 
 def measure(kernels: ModuleType, weights: Mapping[str, torch.Tensor], widths: list[int], bfloat16: bool) -> Seconds:
     """Time each projection's weight at each row class: the packed kernels at each width, and torch's GEMM
-    (in bfloat16 on a bf16 model, as the stack would call it). One projection's packings at a time."""
+    (in bfloat16 on a bf16 model, as the stack would call it); gate/up with its SwiGLU after it, and fused
+    into the packed GEMM where its halves are whole tiles. One projection's packings at a time."""
     seconds: Seconds = {}
     for projection, weight in weights.items():
         k = weight.shape[1]
         plain = weight.to(torch.bfloat16 if bfloat16 else torch.float32).contiguous()
-        packed = {native(width): kernels.pack_linear_weight(weight.float(), width, bfloat16) for width in widths}
+        packed = {width: kernels.pack_linear_weight(weight.float(), width, bfloat16) for width in widths}
         seconds[projection] = {}
         for row_class in ROW_CLASSES:
             x = torch.randn(row_class.timed_rows, k)
-            seconds[projection][row_class.name] = time_candidates(_calls(kernels, x, packed, plain))
+            calls = _swiglu_calls(kernels, x, packed, plain) if projection == SWIGLU else _calls(kernels, x, packed,
+                                                                                                  plain)
+            seconds[projection][row_class.name] = time_candidates(calls)
     return seconds
 
 
-def _calls(kernels: ModuleType, x: torch.Tensor, packed: Mapping[str, torch.Tensor],
+def _calls(kernels: ModuleType, x: torch.Tensor, packed: Mapping[int, torch.Tensor],
            plain: torch.Tensor) -> dict[str, Callable[[], object]]:
     """Each candidate's GEMM of ``x`` as a call: the packed kernels at each width, and torch's."""
     n = plain.shape[0]
     calls: dict[str, Callable[[], object]] = {
-        name: (lambda p=p: kernels.packed_linear(x, p, n)) for name, p in packed.items()
+        native(width): (lambda p=p: kernels.packed_linear(x, p, n)) for width, p in packed.items()
     }
     calls[TORCH] = lambda: F.linear(x.to(plain.dtype), plain).float()
+    return calls
+
+
+def _swiglu_calls(kernels: ModuleType, x: torch.Tensor, packed: Mapping[int, torch.Tensor],
+                  plain: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The gate/up candidates, each followed by SwiGLU as the stack runs it; the fused ones where the halves
+    are whole tiles of the packing (a tile must not straddle gate and up)."""
+    intermediate, width = plain.shape[0] // 2, max(packed)
+    calls = {name: (lambda gemm=gemm: kernels.silu_and_mul(gemm(), width))
+             for name, gemm in _calls(kernels, x, packed, plain).items()}
+    for w, p in packed.items():
+        if intermediate % p.shape[2] == 0:
+            calls[fused(w)] = lambda p=p: kernels.packed_swiglu(x, p, intermediate)
     return calls
 
 
@@ -181,13 +228,13 @@ def choose_kernels(kernels: ModuleType, weights: Mapping[str, torch.Tensor], wid
                      {name: list(weight.shape) for name, weight in weights.items()})
     stored = _read(cache).get(key)
     if stored is not None:
-        return KernelChoice(**stored | {"cached": True})
+        return KernelChoice(**stored | {"cached": True})  # the key's version matches the record's fields
     logger.warning("timing the native kernels against torch's GEMM on this machine (first start here: a few "
                    "seconds, then cached in %s)", cache)
     start = time.perf_counter()
     seconds = measure(kernels, weights, widths, bfloat16)
-    width, torch_classes = decide(seconds, widths)
-    choice = KernelChoice(width, bfloat16, torch_classes, seconds, time.perf_counter() - start)
+    width, torch_classes, fused_classes = decide(seconds, widths)
+    choice = KernelChoice(width, bfloat16, torch_classes, fused_classes, seconds, time.perf_counter() - start)
     _write(cache, key, asdict(choice) | {"cached": False})
     return choice
 
@@ -196,7 +243,8 @@ def choice_key(build: str, widths: list[int], bfloat16: bool, threads: int, shap
     """Everything a choice depends on, as one string: the CPU's model name and vector ISA, the kernels' build
     (its name carries the source, compiler target and torch), torch, the candidates, dtype, threads, shapes."""
     cpu = cpu_identity()
-    return json.dumps([cpu, build, torch.__version__, widths, bfloat16, threads, sorted(shapes.items())])
+    return json.dumps([CHOICE_VERSION, cpu, build, torch.__version__, widths, bfloat16, threads,
+                       sorted(shapes.items())])
 
 
 def cpu_identity() -> list[str]:

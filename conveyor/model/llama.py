@@ -209,13 +209,15 @@ class LlamaModel(nn.Module):
     def use_native_kernels(
         self, kernels: ModuleType, width: int = 256, bfloat16: bool = False,
         torch_rows: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+        fused_swiglu_rows: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """Pack every projection for the native kernels of ``width`` bits (in bfloat16 if asked: then the KV
         cache the stack is handed must be bfloat16 too) and hand the layers to one native stack, on CPU. The
         layers' plain weights are freed, except where ``torch_rows`` routes a projection (``qkv``, ``o``,
         ``gate_up``, ``down``, ``lm_head``) at some row counts (inclusive ranges) to torch's own GEMM; the LM
-        head stays a (packed) Linear run from Python, on the sampled rows only. Norm weights, biases and the
-        rotary tables go to the stack in float32."""
+        head stays a (packed) Linear run from Python, on the sampled rows only. ``fused_swiglu_rows`` replaces
+        the stack's own rule for when SwiGLU is fused into the packed gate/up GEMM. Norm weights, biases and
+        the rotary tables go to the stack in float32."""
         routes = {name: tuple(ranges) for name, ranges in (torch_rows or {}).items() if ranges}
         unknown = set(routes) - set(PROJECTIONS)
         if unknown:
@@ -244,6 +246,8 @@ class LlamaModel(nn.Module):
         for name, ranges in routes.items():
             for lo, hi in ranges if name != "lm_head" else ():
                 self.native.route_to_torch(name, lo, hi)
+        if fused_swiglu_rows is not None:
+            self.native.fuse_swiglu_at(list(fused_swiglu_rows))
 
     def _projections(self) -> list[tuple[str, Linear]]:
         """Every Linear with the name its shape class goes by (each layer's share one name per projection)."""
