@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conveyor.bench.machine import MachineFigures, fastest_gemm, fastest_read, measure_native_gemm
+from conveyor.bench.machine import MachineFigures, ReadProbe, fastest_gemm, measure_native_gemm
 from conveyor.bench.roofline import decode_point, machine_cost_model
 from conveyor.entrypoints.cli import main
 from conveyor.sim.hardware import load_model_config
@@ -58,6 +58,8 @@ def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatc
     measured = [p for p in saved["points"] if p["measured_tokens_per_s"] is not None]
     assert [p["batch_size"] for p in measured] == [1, 3]
     assert all(p["context_len"] == 16 and p["measured_tokens_per_s"] > 0 for p in measured)
+    assert all(p["read_bandwidth"] > 1e9 for p in measured), "the roof read again around each measurement"
+    assert all(p["read_bandwidth"] is None for p in saved["points"] if p["measured_tokens_per_s"] is None)
     assert len(saved["points"]) == 4  # two batch sizes at each of two contexts
     assert MachineFigures.load(machine_json).gemm_flops > 0  # the figures the simulator's cpu-local reads
     assert set(saved["kernel_choice"]["seconds"]) == {"qkv", "o", "gate_up", "down", "lm_head"}
@@ -68,7 +70,7 @@ def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatc
 def test_the_bandwidth_roof_is_the_fastest_read_the_machine_has():
     """Both reads are timed and the faster is the roof: a native GEMV that streams faster than torch's sum
     would otherwise put batch 1 over 100% of its bound."""
-    bandwidth, by = fastest_read(num_bytes=64 * 2**20, repeats=2)
+    bandwidth, by = ReadProbe(num_bytes=64 * 2**20).measure(repeats=2)
     assert bandwidth > 1e9
     assert by == "torch sum" or re.fullmatch(r"native (256|512)-bit GEMV", by)
 

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -58,36 +59,37 @@ def _best_seconds(fn, repeats: int) -> float:
     return best
 
 
-def measure_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Bytes/s of summing a float32 tensor far larger than the caches."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return num_bytes / _best_seconds(data.sum, repeats)
-
-
-def fastest_read(num_bytes: int = 512 * 2**20, repeats: int = 5) -> tuple[float, str]:
+class ReadProbe:
     """The machine's bandwidth roof: the faster of a torch ``sum`` and the native kernels streaming a packed
-    weight into one row (a decode step's GEMV), both over ``num_bytes``, taking turns so that both see the
-    same minutes of a machine whose bandwidth drifts. A roof below what the engine's own stream reaches
-    would put batch 1 over 100% of its bound (measured: the GEMV read 11-40% faster than the sum)."""
-    from conveyor.model.kernels import kernel_width, native_kernels
+    weight into one row (a decode step's GEMV), both over ``num_bytes``. A roof below what the engine's own
+    stream reaches would put batch 1 over 100% of its bound (measured: the GEMV read 11-40% faster than the
+    sum). Allocated once, so that a roofline can read again next to each measurement: this machine's
+    bandwidth drifts from one minute to the next."""
 
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    reads: dict[str, tuple[int, object]] = {"torch sum": (num_bytes, data.sum)}
-    kernels = native_kernels()
-    if kernels is not None:
-        width, k = kernel_width(kernels), 1024
-        packed = kernels.pack_linear_weight(torch.zeros(num_bytes // 4 // k, k), width)
-        x, n = torch.randn(1, k), packed.shape[0] * packed.shape[2]
-        reads[f"native {width}-bit GEMV"] = (packed.numel() * 4, lambda: kernels.packed_linear(x, packed, n))
-    for _, read in reads.values():
-        read()  # warm-up: page faults, thread pool start
-    best = dict.fromkeys(reads, float("inf"))
-    for _ in range(repeats):
-        for name, (_, read) in reads.items():
-            start = time.perf_counter()
-            read()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return max((size / best[name], name) for name, (size, _) in reads.items())
+    def __init__(self, num_bytes: int = 512 * 2**20) -> None:
+        from conveyor.model.kernels import kernel_width, native_kernels
+
+        data = torch.ones(num_bytes // 4, dtype=torch.float32)
+        self.reads: dict[str, tuple[int, Callable[[], object]]] = {"torch sum": (num_bytes, data.sum)}
+        kernels = native_kernels()
+        if kernels is not None:
+            width, k = kernel_width(kernels), 1024
+            packed = kernels.pack_linear_weight(torch.zeros(num_bytes // 4 // k, k), width)
+            x, n = torch.randn(1, k), packed.shape[0] * packed.shape[2]
+            self.reads[f"native {width}-bit GEMV"] = (packed.numel() * 4,
+                                                      lambda: kernels.packed_linear(x, packed, n))
+        for _, read in self.reads.values():
+            read()  # warm-up: page faults, thread pool start
+
+    def measure(self, repeats: int = 5) -> tuple[float, str]:
+        """Bytes/s of the faster read and its name; the reads take turns so that both see the same minute."""
+        best = dict.fromkeys(self.reads, float("inf"))
+        for _ in range(repeats):
+            for name, (_, read) in self.reads.items():
+                start = time.perf_counter()
+                read()
+                best[name] = min(best[name], time.perf_counter() - start)
+        return max((size / best[name], name) for name, (size, _) in self.reads.items())
 
 
 def measure_gemm(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: int = 3) -> float:
@@ -120,9 +122,9 @@ def fastest_gemm(dtype: str) -> tuple[float, str]:
     return max(best, native) if native is not None else best
 
 
-def measure_machine(dtype: str = "float32") -> MachineFigures:
+def measure_machine(dtype: str = "float32", probe: ReadProbe | None = None) -> MachineFigures:
     gemm_flops, gemm_by = fastest_gemm(dtype)
-    bandwidth, bandwidth_by = fastest_read()
+    bandwidth, bandwidth_by = (probe or ReadProbe()).measure()
     return MachineFigures(
         memory_bandwidth=bandwidth,
         gemm_flops=gemm_flops,

@@ -12,10 +12,10 @@ the same point.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 from conveyor.bench.decode import measure_decode
-from conveyor.bench.machine import MachineFigures
+from conveyor.bench.machine import MachineFigures, ReadProbe
 from conveyor.bench.report import format_table
 from conveyor.core.model_config import ModelConfig
 from conveyor.engine import Engine
@@ -32,6 +32,7 @@ class RooflinePoint:
     bytes_moved: float  # per decode step: weights + K/V read + K/V written
     bound_tokens_per_s: float  # the machine's limit for this step
     measured_tokens_per_s: float | None = None
+    read_bandwidth: float | None = None  # bytes/s: the roof read again around the measurement, which the bound uses
 
     @property
     def intensity(self) -> float:
@@ -79,22 +80,37 @@ def run_roofline(
     measured_context_len: int,
     steps: int,
     seed: int = 0,
+    probe: ReadProbe | None = None,
 ) -> list[RooflinePoint]:
-    """Bounds at every (batch, context); the engine measured at ``measured_context_len``."""
+    """Bounds at every (batch, context); the engine measured at ``measured_context_len``. With a ``probe``,
+    the bandwidth roof is read again just before and after each measurement and that point's bound uses their
+    mean: the machine's bandwidth drifts, and a roof read minutes earlier can be a tenth off."""
     cost = machine_cost_model(engine.model_config, machine)
     points = []
     for context_len in context_lens:
         for batch_size in batch_sizes:
             point = decode_point(cost, batch_size, context_len)
             if context_len == measured_context_len:
-                # The context grows by one token a step; measure around the nominal length.
-                prompt_len = max(context_len - steps // 2, 1)
-                measured = measure_decode(engine, batch_size, prompt_len, steps, seed)
-                point = RooflinePoint(**{**asdict(point), "measured_tokens_per_s": measured})
-                print(f"batch {batch_size}: {measured:.1f} tok/s ({measured / point.bound_tokens_per_s:.0%} of bound)",
-                      flush=True)
+                point = _measured_point(engine, machine, point, steps, seed, probe)
+                print(f"batch {batch_size}: {point.measured_tokens_per_s:.1f} tok/s "
+                      f"({point.share_of_bound:.0%} of bound)", flush=True)
             points.append(point)
     return points
+
+
+def _measured_point(engine: Engine, machine: MachineFigures, point: RooflinePoint, steps: int, seed: int,
+                    probe: ReadProbe | None) -> RooflinePoint:
+    """The engine's decode speed at the point (the context grows by one token a step: measured around the
+    nominal length), and the point's bound at the bandwidth read around it when there is a probe."""
+    prompt_len = max(point.context_len - steps // 2, 1)
+    before = probe.measure()[0] if probe is not None else None
+    measured = measure_decode(engine, point.batch_size, prompt_len, steps, seed)
+    if before is None:
+        return replace(point, measured_tokens_per_s=measured)
+    bandwidth = (before + probe.measure()[0]) / 2
+    cost = machine_cost_model(engine.model_config, replace(machine, memory_bandwidth=bandwidth))
+    bound = decode_point(cost, point.batch_size, point.context_len)
+    return replace(bound, measured_tokens_per_s=measured, read_bandwidth=bandwidth)
 
 
 def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str:
@@ -108,10 +124,11 @@ def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str
     for p in points:
         measured = "" if p.measured_tokens_per_s is None else round(p.measured_tokens_per_s, 1)
         share = "" if p.share_of_bound is None else f"{p.share_of_bound:.0%}"
-        rows.append([p.batch_size, p.context_len, round(p.intensity, 2), round(p.bound_tokens_per_s, 1),
+        read = "" if p.read_bandwidth is None else round(p.read_bandwidth / 1e9, 1)
+        rows.append([p.batch_size, p.context_len, round(p.intensity, 2), read, round(p.bound_tokens_per_s, 1),
                      measured, share])
     table = format_table(
-        ["batch", "context", "FLOP/byte", "bound tok/s", "measured tok/s", "% of bound"], rows
+        ["batch", "context", "FLOP/byte", "read GB/s", "bound tok/s", "measured tok/s", "% of bound"], rows
     )
     return f"{header}\n\n{table}"
 

@@ -368,7 +368,7 @@ def _kernels_in_use(engine) -> str:
 
 
 def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
-    from conveyor.bench.machine import measure_machine
+    from conveyor.bench.machine import ReadProbe, measure_machine
     from conveyor.bench.roofline import format_kernel_choice, format_roofline, run_roofline
     from conveyor.bench.throughput import write_json
     from conveyor.engine import Engine
@@ -378,14 +378,16 @@ def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     context_lens = [int(c) for c in args.context_lens.split(",")]
     if args.measured_context_len and args.measured_context_len not in context_lens:
         context_lens.insert(0, args.measured_context_len)
-    machine = measure_machine(config.dtype)
+    probe = ReadProbe()
+    machine = measure_machine(config.dtype, probe)
     print(f"machine figures saved to {machine.save()}", flush=True)
     config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
     engine = Engine(config)
     print(f"kernels: {_kernels_in_use(engine)}", flush=True)
     if engine.kernel_choice is not None:
         print(format_kernel_choice(engine.kernel_choice), flush=True)
-    points = run_roofline(engine, machine, batch_sizes, context_lens, args.measured_context_len, args.steps, args.seed)
+    points = run_roofline(engine, machine, batch_sizes, context_lens, args.measured_context_len, args.steps, args.seed,
+                          probe)
     print(format_roofline(points, machine))
     plot_roofline(points, machine, args.output)
     print(f"picture: {args.output}")
