@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conveyor.model.kernels import WIDTH_ENV, kernel_width
+from conveyor.model.kernels import WIDTH_ENV, candidate_widths, kernel_width
 
 AVX2_BUILD = SimpleNamespace(kernel_widths=lambda: [256])
 AVX512_BUILD = SimpleNamespace(kernel_widths=lambda: [256, 512])
@@ -24,6 +24,17 @@ def test_a_forced_width_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kernel_width(AVX512_BUILD) == 256
     monkeypatch.setenv(WIDTH_ENV, "512")
     assert kernel_width(AVX512_BUILD) == 512
+
+
+def test_auto_times_every_width_unless_one_is_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(WIDTH_ENV, raising=False)
+    assert candidate_widths(AVX512_BUILD) == [256, 512]
+    assert candidate_widths(AVX2_BUILD) == [256]
+    monkeypatch.setenv(WIDTH_ENV, "256")
+    assert candidate_widths(AVX512_BUILD) == [256]
+    monkeypatch.setenv(WIDTH_ENV, "512")
+    with pytest.raises(ValueError, match="lacks avx512f"):
+        candidate_widths(AVX2_BUILD)
 
 
 def test_a_forced_width_the_cpu_lacks_names_the_missing_feature(monkeypatch: pytest.MonkeyPatch) -> None:
