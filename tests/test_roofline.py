@@ -82,8 +82,20 @@ def test_the_compute_roof_is_the_fastest_gemm_the_machine_has(monkeypatch):
         pytest.skip("the native kernels cannot be built here (no C++ compiler)")
     assert native[0] > 0 and native[1].startswith("native ")
     monkeypatch.setattr("conveyor.bench.machine.measure_gemm", lambda dtype: 50e9)
-    monkeypatch.setattr("conveyor.bench.machine.measure_native_gemm", lambda: (80e9, "native 512-bit"))
+    monkeypatch.setattr("conveyor.bench.machine.measure_native_gemm",
+                        lambda bfloat16: (160e9, "native 512-bit bf16") if bfloat16 else (80e9, "native 512-bit"))
     assert fastest_gemm("float32") == (80e9, "native 512-bit")
-    assert fastest_gemm("bfloat16") == (50e9, "torch")  # the native GEMM is float32 only
+    assert fastest_gemm("bfloat16") == (160e9, "native 512-bit bf16")
+    assert fastest_gemm("float16") == (50e9, "torch")  # no native float16 GEMM
     monkeypatch.setattr("conveyor.bench.machine.measure_gemm", lambda dtype: 90e9)
     assert fastest_gemm("float32") == (90e9, "torch")
+
+
+def test_the_native_bf16_gemm_is_timed_where_the_cpu_has_it(kernels):
+    from conveyor.model.kernels import BF16_FEATURE
+
+    measured = measure_native_gemm(size=256, repeats=1, bfloat16=True)
+    if not kernels.has_bfloat16():
+        assert measured is None, f"no {BF16_FEATURE}: no native bf16 GEMM to time"
+        return
+    assert measured[0] > 0 and measured[1] == "native 512-bit bf16"

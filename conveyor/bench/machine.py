@@ -99,26 +99,26 @@ def measure_gemm(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: 
     return 2 * size**3 / _best_seconds(lambda: a @ b, repeats)
 
 
-def measure_native_gemm(size: int = 2048, repeats: int = 3) -> tuple[float, str] | None:
-    """FLOP/s of the native kernels' float32 GEMM on a ``size``-cubed product, at the vector width the engine
-    runs, and that width's name; None without the native kernels."""
-    from conveyor.model.kernels import kernel_width, native_kernels
+def measure_native_gemm(size: int = 2048, repeats: int = 3, bfloat16: bool = False) -> tuple[float, str] | None:
+    """FLOP/s of the native kernels' GEMM on a ``size``-cubed product (on bfloat16 weights if asked), at the
+    vector width the engine runs, and its name; None without the native kernels (or their bf16 GEMMs)."""
+    from conveyor.model.kernels import BF16_WIDTH, bfloat16_unavailable, kernel_width, native_kernels
 
     kernels = native_kernels()
-    if kernels is None:
+    if kernels is None or (bfloat16 and bfloat16_unavailable(kernels, BF16_WIDTH) is not None):
         return None
-    width = kernel_width(kernels)
-    packed = kernels.pack_linear_weight(torch.randn(size, size), width)
+    width = BF16_WIDTH if bfloat16 else kernel_width(kernels)
+    packed = kernels.pack_linear_weight(torch.randn(size, size), width, bfloat16)
     x = torch.randn(size, size)
     seconds = _best_seconds(lambda: kernels.packed_linear(x, packed, size, 0), repeats)
-    return 2 * size**3 / seconds, f"native {width}-bit"
+    return 2 * size**3 / seconds, f"native {width}-bit" + (" bf16" if bfloat16 else "")
 
 
 def fastest_gemm(dtype: str) -> tuple[float, str]:
-    """The machine's compute roof: the faster of torch's GEMM and, in float32, the native kernels'. A roof
-    below what the engine's own kernels reach would put the engine over 100% of its bound."""
+    """The machine's compute roof: the faster of torch's GEMM and, in float32 or bfloat16, the native kernels'.
+    A roof below what the engine's own kernels reach would put the engine over 100% of its bound."""
     best = (measure_gemm(DTYPES[dtype]), "torch")
-    native = measure_native_gemm() if dtype == "float32" else None
+    native = measure_native_gemm(bfloat16=dtype == "bfloat16") if dtype in ("float32", "bfloat16") else None
     return max(best, native) if native is not None else best
 
 
