@@ -2,7 +2,7 @@
 
 The native kernels' packed GEMM is not the fastest at every shape on every
 CPU: on an AVX2 or AVX-512 machine it streams a decode step's weights faster
-than torch's ``F.linear`` (measured 1.3-4.7x on the default model), but where
+than torch's ``F.linear`` (measured 1.1-4.8x on the default model), but where
 torch's oneDNN has AMX tiles (Sapphire Rapids and later, in bfloat16) a
 prompt's large GEMMs run faster there. So on a machine's first start, for
 each projection shape of the model (``qkv``, ``o``, ``gate_up``, ``down``, the
@@ -13,9 +13,9 @@ the CPU has, and torch's GEMM; the gate/up projection is timed with its
 SwiGLU, and on the packed kernels also fused into the GEMM. One width is
 packed for the whole model (two packings would double its memory); a
 (projection, class) goes to torch's GEMM only where that is clearly faster
-(:data:`TORCH_MARGIN`), since it keeps a second, plain copy of that weight. The choice is cached per CPU
-model, ISA, kernel build, torch version, dtype, thread count and model shape,
-so later starts read it.
+(:data:`TORCH_MARGIN`), since it keeps a second, plain copy of that weight.
+The choice is cached per CPU model, ISA, kernel build, torch version, dtype,
+thread count and model shape, so later starts read it.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ ROW_CLASSES = (
 TORCH = "torch"
 TORCH_MARGIN = 0.9  # torch's GEMM must take under 90% of the packed kernels' time to be chosen
 ROUNDS = 5  # timed rounds per (projection, row class); the minimum is kept
-SHAPE_BUDGET_S = 2.0  # a projection whose rounds take longer stops early (a large model's LM head)
+SHAPE_BUDGET_S = 2.0  # rounds at one (projection, row class) stop early past this (a large model's LM head)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
 CACHE_FILE = "kernel-choice.json"
 CHOICE_VERSION = 2  # what a cached record holds; a record of another version is measured again
