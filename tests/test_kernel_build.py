@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conveyor.model.kernels import LOCK_NAME, StaleBuildLock, build_key, compiler_target, wait_for_build_lock
+from conveyor.model.kernels import (
+    LOCK_NAME,
+    StaleBuildLock,
+    build_key,
+    compiler_target,
+    load_built,
+    wait_for_build_lock,
+)
 
 AVX2 = "c++ 12.2.0\n-march=znver3 -mavx2 -mfma -mno-avx512f"
 AVX512 = "c++ 12.2.0\n-march=znver3 -mavx2 -mfma -mavx512f -mavx512bw"
@@ -46,11 +56,39 @@ def test_a_planted_stale_lock_is_reported_not_waited_on(tmp_path: Path) -> None:
     assert time.monotonic() - started < 5
 
 
-def test_a_fresh_lock_is_waited_on_until_the_build_releases_it(tmp_path: Path) -> None:
+def test_a_fresh_lock_is_waited_on_until_the_build_releases_it(tmp_path: Path, caplog) -> None:
     lock = tmp_path / LOCK_NAME
     lock.touch()
     threading.Timer(0.3, lock.unlink).start()
     started = time.monotonic()
-    wait_for_build_lock(tmp_path, stale_after_s=600, poll_s=0.05)
+    with caplog.at_level("WARNING", logger="conveyor"):
+        wait_for_build_lock(tmp_path, stale_after_s=600, poll_s=0.05)
     assert 0.25 < time.monotonic() - started < 5
+    assert [r.message for r in caplog.records if "waiting for another process's build" in r.message], "said once"
+    assert len(caplog.records) == 1
     wait_for_build_lock(tmp_path)  # no lock: returns at once
+
+
+def test_a_built_extension_loads_without_the_lock_a_killed_start_left(kernels, tmp_path: Path) -> None:
+    """Every torch ``load`` takes the build lock, even to find nothing to build; a start killed then (Ctrl-C
+    while a server starts) left a lock that made the next start wait ten minutes. A binary already in the
+    keyed folder is imported without it."""
+    built = Path(kernels.__file__)
+    folder = tmp_path / "kernels" / built.parent.name
+    folder.mkdir(parents=True)
+    shutil.copy(built, folder / built.name)
+    (folder / LOCK_NAME).touch()  # fresh: a waiter would wait for it
+    code = "import torch; from conveyor.model.kernels import native_kernels; print(native_kernels().__file__)"
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], env=os.environ | {"CONVEYOR_CACHE_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == str(folder / built.name), out.stderr
+    assert time.monotonic() - started < 60, "loaded, not waited on the lock"
+
+
+def test_a_binary_that_does_not_load_is_built_again(tmp_path: Path, caplog) -> None:
+    (tmp_path / "conveyor_kernels_x.so").write_bytes(b"a link cut short")
+    with caplog.at_level("WARNING", logger="conveyor"):
+        assert load_built("conveyor_kernels_x", tmp_path) is None
+    assert "do not load" in caplog.text and "building them again" in caplog.text
+    assert load_built("conveyor_kernels_y", tmp_path) is None  # none built: nothing to say

@@ -80,9 +80,10 @@ def build_key(source: bytes, target: str, torch_version: str, python_abi: str) -
 
 
 def wait_for_build_lock(build_dir: Path, stale_after_s: float = STALE_LOCK_S, poll_s: float = 1.0) -> None:
-    """Wait while another process builds into ``build_dir``; raise StaleBuildLock for a lock older than
-    ``stale_after_s`` (torch's own wait would spin on it forever)."""
+    """Wait while another process builds into ``build_dir`` (saying so once); raise StaleBuildLock for a lock
+    older than ``stale_after_s`` (torch's own wait would spin on it forever)."""
     lock = build_dir / LOCK_NAME
+    said = False
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
@@ -93,7 +94,32 @@ def wait_for_build_lock(build_dir: Path, stale_after_s: float = STALE_LOCK_S, po
                 f"the native kernels' build lock {lock} is {age / 60:.0f} minutes old: the build that took it "
                 f"was killed. Delete that file (or the folder {build_dir}) and start again to rebuild."
             )
+        if not said:
+            logger.warning("waiting for another process's build of the native kernels (lock %s, %.0f s old; "
+                           "one older than %.0f minutes is reported as left by a killed build)",
+                           lock, age, stale_after_s / 60)
+            said = True
         time.sleep(poll_s)
+
+
+def load_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The extension already built in ``build_dir``, imported without torch's build lock; None when there is
+    none, or what is there does not load (a link cut short). The folder's key covers everything the binary
+    depends on, so a binary in it is this source's: no rebuild check is needed, and a start killed while
+    loading cannot leave behind a lock that the next start would wait on."""
+    import importlib.util
+
+    library = build_dir / f"{name}.so"
+    if not library.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as error:
+        logger.warning("the native kernels built in %s do not load (%s); building them again", build_dir, error)
+        return None
+    return module
 
 
 @functools.cache
@@ -105,13 +131,16 @@ def native_kernels() -> ModuleType | None:
     key = build_key(SOURCE.read_bytes(), compiler_target(), torch.__version__, sys.implementation.cache_tag)
     build_dir = cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
+    name = f"conveyor_kernels_{key}"
     try:
+        if (built := load_built(name, build_dir)) is not None:
+            return built
         wait_for_build_lock(build_dir)
         if not any(build_dir.glob("*.so")):
             # Warning level: the default, and a first start that pauses for a minute should say why.
             logger.warning("building the native kernels for this CPU in %s (once, about a minute)", build_dir)
         return load(
-            name=f"conveyor_kernels_{key}",
+            name=name,
             sources=[str(SOURCE)],
             # -fopenmp: ATen's parallel_for is OpenMP pragmas in a header, so without it the kernels run
             # on one thread. The library it links is torch's own libgomp, already loaded under that name.
