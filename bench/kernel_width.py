@@ -61,7 +61,8 @@ def attention(kernels, samples: int, min_s: float) -> None:
 
 
 def engines(batch_sizes: list[int], rounds: int, steps: int) -> None:
-    """Decode tokens/s of an engine per width (the engine reads the width when it packs the model)."""
+    """Decode tokens/s of an engine per width (the engine reads the width when it packs the model), both on
+    ``--kernels native``: the packed kernels everywhere, so that only the width differs."""
     from conveyor.bench.decode import measure_decode
     from conveyor.core.config import EngineConfig
     from conveyor.engine import Engine
@@ -69,7 +70,7 @@ def engines(batch_sizes: list[int], rounds: int, steps: int) -> None:
     built = {}
     for width in (256, 512):
         os.environ[WIDTH_ENV] = str(width)
-        built[width] = Engine(EngineConfig(num_kv_blocks=1024))
+        built[width] = Engine(EngineConfig(num_kv_blocks=1024, kernels="native"))
     os.environ.pop(WIDTH_ENV)
     print(f"\ndecode tok/s (SmolLM2-135M, prompt 64, {steps} steps), medians of {rounds}: 256-bit | 512-bit | ratio")
     for batch in batch_sizes:
