@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.core.cpu import Cpu
 from conveyor.model import kernel_choice
 from conveyor.model.kernel_choice import ROW_CLASSES, TORCH, KernelChoice, choice_key, choose_kernels, decide
 from tests.harness import hf_greedy
@@ -72,8 +73,9 @@ def test_the_key_differs_by_cpu_isa_threads_dtype_and_shape(monkeypatch):
     assert choice_key("build", [256, 512], False, 1, shapes) != base
     assert choice_key("build", [256, 512], False, 2, {"qkv": [96, 128]}) != base
     assert choice_key("other-build", [256, 512], False, 2, shapes) != base
-    name, *flags = kernel_choice.cpu_identity()
-    monkeypatch.setattr(kernel_choice, "cpu_identity", lambda: [name, *[f for f in flags if f != "avx512f"], "x"])
+    cpu = kernel_choice.this_cpu()
+    other = Cpu(cpu.model, (*[f for f in cpu.isa if f != "avx512f"], "x"))
+    monkeypatch.setattr(kernel_choice, "this_cpu", lambda: other)
     assert choice_key("build", [256, 512], False, 2, shapes) != base
 
 

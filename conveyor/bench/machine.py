@@ -9,6 +9,7 @@ simulator's ``cpu-local`` hardware use the figures of the machine they ran on.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from conveyor.core.cpu import this_cpu
+from conveyor.model.kernel_choice import time_candidates
 from conveyor.model.loader import DTYPES
 from conveyor.sim.hardware import machine_file
 
@@ -78,17 +81,10 @@ class ReadProbe:
             x, n = torch.randn(1, k), packed.shape[0] * packed.shape[2]
             self.reads[f"native {width}-bit GEMV"] = (packed.numel() * 4,
                                                       lambda: kernels.packed_linear(x, packed, n))
-        for _, read in self.reads.values():
-            read()  # warm-up: page faults, thread pool start
 
     def measure(self, repeats: int = 5) -> tuple[float, str]:
         """Bytes/s of the faster read and its name; the reads take turns so that both see the same minute."""
-        best = dict.fromkeys(self.reads, float("inf"))
-        for _ in range(repeats):
-            for name, (_, read) in self.reads.items():
-                start = time.perf_counter()
-                read()
-                best[name] = min(best[name], time.perf_counter() - start)
+        best = time_candidates({name: read for name, (_, read) in self.reads.items()}, repeats, budget_s=math.inf)
         return max((size / best[name], name) for name, (size, _) in self.reads.items())
 
 
@@ -138,10 +134,5 @@ def measure_machine(dtype: str = "float32", probe: ReadProbe | None = None) -> M
 
 
 def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    model = this_cpu().model
+    return f"{model} ({os.cpu_count()} cores)" if model else platform.processor() or platform.machine()

@@ -849,16 +849,23 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width, boo
   return packed;
 }
 
-// x [M, K] @ weight.T -> [M, N], the weight given packed by pack_linear_weight (its tile width picks the
-// path). max_rows > 0 runs the micro-kernel at that height instead of the path's own (for timing).
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t max_rows) {
+// x [M, K] float32 and a weight packed by pack_linear_weight for K inputs: checked; the packing's width.
+int64_t check_gemm_operands(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   const int64_t width = packed_width(packed);
   const bool bf16 = packed.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(width > 0 && packed.is_contiguous(), "packed weight expected");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(packed_inputs(k, bf16) == packed.size(1), "x has ", k, " features, the weight expects ",
+  TORCH_CHECK(packed_inputs(x.size(1), bf16) == packed.size(1), "x has ", x.size(1), " features, the weight expects ",
               bf16 ? 2 * packed.size(1) : packed.size(1), bf16 ? " (or one fewer)" : "");
+  return width;
+}
+
+// x [M, K] @ weight.T -> [M, N], the weight given packed by pack_linear_weight (its tile width picks the
+// path). max_rows > 0 runs the micro-kernel at that height instead of the path's own (for timing).
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t max_rows) {
+  const int64_t width = check_gemm_operands(x, packed);
+  const bool bf16 = packed.scalar_type() == torch::kBFloat16;
+  const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(n <= packed.size(0) * packed.size(2), "n is larger than the packed weight");
   auto xc = x.contiguous();
   auto y = torch::empty({m, n}, x.options());
@@ -875,11 +882,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // I a whole number of the path's tiles): the stack's fused SwiGLU, callable alone to time it against the
 // unfused pair (packed_linear, then silu_and_mul).
 torch::Tensor packed_swiglu(const torch::Tensor& x, const torch::Tensor& packed, int64_t intermediate) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  const int64_t width = packed_width(packed);
+  const int64_t width = check_gemm_operands(x, packed);
   const bool bf16 = packed.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(width > 0 && packed.is_contiguous(), "packed weight expected");
-  TORCH_CHECK(packed_inputs(x.size(1), bf16) == packed.size(1), "x has ", x.size(1), " features, the weight another");
   auto xc = x.contiguous();
   auto out = torch::empty({x.size(0), intermediate}, x.options());
   with_gemm_path(width, bf16, [&](auto path) {

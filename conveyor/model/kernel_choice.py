@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.core.cache_dir import cache_dir
+from conveyor.core.cpu import this_cpu
 
 logger = logging.getLogger("conveyor")
 
@@ -57,7 +58,6 @@ TORCH = "torch"
 TORCH_MARGIN = 0.9  # torch's GEMM must take under 90% of the packed kernels' time to be chosen
 ROUNDS = 5  # timed rounds per (projection, row class); the minimum is kept
 SHAPE_BUDGET_S = 2.0  # rounds at one (projection, row class) stop early past this (a large model's LM head)
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
 CACHE_FILE = "kernel-choice.json"
 CHOICE_VERSION = 2  # what a cached record holds; a record of another version is measured again
 SWIGLU = "gate_up"  # the projection whose output goes through SwiGLU, fused into the packed GEMM or not
@@ -242,24 +242,9 @@ def choose_kernels(kernels: ModuleType, weights: Mapping[str, torch.Tensor], wid
 def choice_key(build: str, widths: list[int], bfloat16: bool, threads: int, shapes: Mapping[str, list[int]]) -> str:
     """Everything a choice depends on, as one string: the CPU's model name and vector ISA, the kernels' build
     (its name carries the source, compiler target and torch), torch, the candidates, dtype, threads, shapes."""
-    cpu = cpu_identity()
-    return json.dumps([CHOICE_VERSION, cpu, build, torch.__version__, widths, bfloat16, threads,
+    cpu = this_cpu()
+    return json.dumps([CHOICE_VERSION, cpu.model, list(cpu.isa), build, torch.__version__, widths, bfloat16, threads,
                        sorted(shapes.items())])
-
-
-def cpu_identity() -> list[str]:
-    """The CPU's model name and which of the vector ISA flags that matter here it has."""
-    name, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown CPU":
-                name = value.strip()
-            elif key.strip() in ("flags", "Features") and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return [name, *(flag for flag in ISA_FLAGS if flag in flags)]
 
 
 def _read(cache: Path) -> dict:

@@ -244,8 +244,9 @@ class LlamaModel(nn.Module):
                                                           mlp.down_proj)),
             )
         for name, ranges in routes.items():
-            for lo, hi in ranges if name != "lm_head" else ():
-                self.native.route_to_torch(name, lo, hi)
+            if name != "lm_head":  # the LM head runs from Python: its routes are its Linear's torch_rows
+                for lo, hi in ranges:
+                    self.native.route_to_torch(name, lo, hi)
         if fused_swiglu_rows is not None:
             self.native.fuse_swiglu_at(list(fused_swiglu_rows))
 

@@ -40,11 +40,11 @@ from typing import Any
 
 from conveyor.core.cache_dir import cache_dir
 from conveyor.core.config import usable_cores
+from conveyor.core.cpu import this_cpu
 from conveyor.core.model_config import ModelConfig
 from conveyor.sim.cost import CostModel, StepWork
 from conveyor.sim.hardware import HardwareSpec
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "asimd", "sve")
 ENGINE_PACKAGES = ("core", "engine", "executor", "model", "csrc")  # the code a real step runs
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -276,19 +276,9 @@ def _solve(matrix: list[list[float]], vector: list[float]) -> list[float]:
 
 def this_machine(threads: int, device: str = "cpu") -> dict[str, Any]:
     """The CPU model, its vector ISA, the threads the engine uses, and the device (a GPU's name, or cpu)."""
-    cpu: str | None = None
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and cpu is None:
-                cpu = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags |= set(value.split())
-    except OSError:
-        pass
-    cpu = cpu or platform.processor() or platform.machine()
-    return {"cpu": cpu, "isa": [f for f in ISA_FLAGS if f in flags], "threads": threads, "device": device}
+    cpu = this_cpu()
+    model = cpu.model or platform.processor() or platform.machine()
+    return {"cpu": model, "isa": list(cpu.isa), "threads": threads, "device": device}
 
 
 def model_signature(model: ModelConfig) -> dict[str, Any]:

@@ -1,0 +1,34 @@
+"""The CPU at hand as Linux names it (``/proc/cpuinfo``): its model name and the vector extensions that decide
+which kernels can run and how fast. It labels what a measurement was taken on (the simulator's step profiles,
+the roofline's machine figures) and keys what is cached per machine (``--kernels auto``'s choice).
+Torch-free, so that the simulator reads the same identity as the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "asimd", "sve")
+
+
+@dataclass(frozen=True, slots=True)
+class Cpu:
+    model: str | None  # None where /proc/cpuinfo does not name it (another OS, some ARM kernels)
+    isa: tuple[str, ...]  # which of ISA_FLAGS it has, in that order
+
+
+def this_cpu() -> Cpu:
+    """The model name and vector extensions of this machine's CPU."""
+    model: str | None = None
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags |= set(value.split())
+    except OSError:
+        pass
+    return Cpu(model, tuple(flag for flag in ISA_FLAGS if flag in flags))
