@@ -2,7 +2,7 @@
 
 The native kernels' packed GEMM is not the fastest at every shape on every
 CPU: on an AVX2 or AVX-512 machine it streams a decode step's weights faster
-than torch's ``F.linear`` (measured 1.1-4.8x on the default model), but where
+than torch's ``F.linear`` (measured 1.2-5.0x on the default model), but where
 torch's oneDNN has AMX tiles (Sapphire Rapids and later, in bfloat16) a
 prompt's large GEMMs run faster there. So on a machine's first start, for
 each projection shape of the model (``qkv``, ``o``, ``gate_up``, ``down``, the
