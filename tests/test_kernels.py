@@ -11,6 +11,8 @@ decode rows. The whole native stack against the model's PyTorch layers.
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,25 @@ def test_packed_weights_start_on_a_huge_page_boundary_and_outlive_their_source(k
     assert packed.data_ptr() % (2 << 20) == 0
     torch.testing.assert_close(kernels.packed_linear(torch.ones(3, 576), packed, 1000), expected, rtol=1e-5,
                                atol=1e-4)
+
+
+def test_packing_into_a_slice_of_a_huge_page_buffer(kernels, width):
+    """What a model does with all its weights: each packed into its place in one buffer, which starts on a
+    2 MiB boundary; the result equals a weight packed on its own. A place of the wrong shape or dtype is refused."""
+    weights = [torch.randn(70, 40), torch.randn(33, 40), torch.randn(8, 96)]
+    shapes = [kernels.packed_shape(w.shape[0], w.shape[1], width) for w in weights]
+    assert shapes[0] == [3 if width == 512 else 5, 40, width // 16]
+    sizes = [math.prod(shape) for shape in shapes]
+    buffer = kernels.huge_page_buffer(sum(sizes))
+    assert buffer.data_ptr() % (2 << 20) == 0
+    for weight, shape, part in zip(weights, shapes, buffer.split(sizes)):
+        packed = kernels.pack_linear_weight(weight, width, out=part.view(shape))
+        assert packed.data_ptr() == part.data_ptr()
+        assert torch.equal(packed, kernels.pack_linear_weight(weight, width))
+    with pytest.raises(RuntimeError, match="out must be a contiguous float32 tensor of shape"):
+        kernels.pack_linear_weight(weights[0], width, out=buffer[: sizes[1]].view(shapes[1]))
+    with pytest.raises(RuntimeError, match="nothing to pack"):
+        kernels.packed_shape(0, 40, width)
 
 
 def test_packed_linear_at_every_micro_kernel_height(kernels, width):
@@ -115,16 +136,23 @@ def test_paged_attention_of_decode_rows_matches_reference(kernels, width, block_
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, width, rows):
-    """Fewer rows than threads to share out: each KV head of a row is its own work item."""
+    """Fewer rows than threads to share out: each row's context is split into one run of blocks per thread,
+    the parts merged after (a 13-token row has one block, so a thread's part of it is empty)."""
     torch.manual_seed(rows)
     block_size, heads, kv_heads, head_dim, num_blocks = 16, 9, 3, 64, 200
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
     tables = torch.stack([torch.randperm(num_blocks)[:60] for _ in range(rows)])
     lens = torch.tensor([950, 13, 411][:rows])
     query = torch.randn(rows, heads, head_dim)
-    got = kernels.paged_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125, width)
     want = _reference_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3, 5):  # parts of several sizes, and more parts than a short row has blocks
+            torch.set_num_threads(count)
+            got = kernels.paged_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125, width)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, n=count: f"{n} threads: {m}")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_paged_attention_of_prompt_rows_is_causal(kernels, width):
@@ -357,6 +385,20 @@ def test_the_lm_head_routed_to_torch_at_some_row_counts(kernels):
     layer.torch_rows = ((9, 64),)
     for x, expected in zip(inputs, want):
         torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_native_model_packs_its_weights_in_step_order_into_one_buffer(kernels, width):
+    """Every projection back to back in the order a step reads them (layer by layer: qkv, o, gate/up, down;
+    the LM head last), from a 2 MiB boundary; the KV cache the model hands out is zeroed, also on huge pages."""
+    model = _stack_model(80)
+    model.use_native_kernels(kernels, width)
+    packed = [module.packed for _, module in model._projections()]
+    assert packed[0].data_ptr() % (2 << 20) == 0
+    for before, after in itertools.pairwise(packed):
+        assert after.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
+    assert packed[-1] is model.lm_head.packed
+    cache = model.zeroed_kv_cache((2, 2, 8, 4, 2, 8), torch.float32, torch.device("cpu"))
+    assert cache.data_ptr() % (2 << 20) == 0 and not cache.any()
 
 
 def test_routing_a_projection_needs_its_plain_weight_and_a_known_name(kernels):

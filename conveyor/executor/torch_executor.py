@@ -40,10 +40,9 @@ class TorchExecutor:
         self.device = param.device
         self.block_size = block_size
         # Zeroed, not empty: padded decode rows read unused slots, which must hold finite numbers.
-        self.kv_cache = torch.zeros(
-            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-            dtype=param.dtype,
-            device=self.device,
+        self.kv_cache = model.zeroed_kv_cache(
+            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), param.dtype,
+            self.device,
         )
         # The swap space: same layout, in host memory (pinned when the device is a GPU, for fast copies).
         self.cpu_kv_cache = torch.zeros(

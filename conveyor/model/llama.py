@@ -38,10 +38,12 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     torch_rows: tuple[tuple[int, int], ...] = ()
 
-    def pack(self, kernels: ModuleType, width: int = 256, keep_weight: bool = False, bfloat16: bool = False) -> None:
-        """Pack for the kernels of ``width`` bits (the layout follows that path's tile), in bfloat16 if asked."""
+    def pack(self, kernels: ModuleType, width: int = 256, keep_weight: bool = False, bfloat16: bool = False,
+             out: torch.Tensor | None = None) -> None:
+        """Pack for the kernels of ``width`` bits (the layout follows that path's tile), in bfloat16 if asked;
+        into ``out`` if given (a view of the model's weight buffer, of ``kernels.packed_shape``)."""
         self.kernels = kernels
-        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous(), width, bfloat16)
+        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous(), width, bfloat16, out)
         if not keep_weight:  # the plain copy would double the model's memory
             self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
@@ -184,6 +186,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.native = None  # the kernels' NativeLlama, holding the packed layers
+        self.kernels: ModuleType | None = None  # the native kernels' module, once use_native_kernels has run
 
     def forward(
         self,
@@ -222,11 +225,9 @@ class LlamaModel(nn.Module):
         unknown = set(routes) - set(PROJECTIONS)
         if unknown:
             raise ValueError(f"torch_rows: no projection named {sorted(unknown)} (expected {PROJECTIONS})")
-        tied = self.lm_head.weight is self.embed_tokens.weight
-        for name, module in self._projections():
-            module.pack(kernels, width, keep_weight=name in routes or (module is self.lm_head and tied),
-                        bfloat16=bfloat16)
-            module.torch_rows = routes.get(name, ()) if name == "lm_head" else ()
+        self.kernels = kernels
+        self._pack_projections(kernels, width, bfloat16, keep=set(routes))
+        self.lm_head.torch_rows = routes.get("lm_head", ())
         if self.rotary.cos.dtype != torch.float32:  # a model cast to bfloat16 cast its tables: build them again
             self.rotary = RotaryEmbedding(self.config, self.rotary.cos.shape[0]).to(self.rotary.cos.device)
         c = self.config
@@ -250,14 +251,28 @@ class LlamaModel(nn.Module):
         if fused_swiglu_rows is not None:
             self.native.fuse_swiglu_at(list(fused_swiglu_rows))
 
+    def _pack_projections(self, kernels: ModuleType, width: int, bfloat16: bool, keep: set[str]) -> None:
+        """Pack every projection into one buffer on huge pages, in the order a step reads them: a decode step
+        is then nearly one stream (kernels.cpp, huge_page_buffer). Each plain weight is freed as soon as it is
+        packed, except the projections in ``keep`` and a LM head tied to the embedding."""
+        named = self._projections()
+        shapes = [kernels.packed_shape(m.out_features, m.in_features, width, bfloat16) for _, m in named]
+        sizes = [math.prod(shape) for shape in shapes]
+        buffer = kernels.huge_page_buffer(sum(sizes), bfloat16)
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        for (name, module), shape, part in zip(named, shapes, buffer.split(sizes), strict=True):
+            keep_weight = name in keep or (module is self.lm_head and tied)
+            module.pack(kernels, width, keep_weight=keep_weight, bfloat16=bfloat16, out=part.view(shape))
+
     def _projections(self) -> list[tuple[str, Linear]]:
-        """Every Linear with the name its shape class goes by (each layer's share one name per projection)."""
-        named = [("lm_head", self.lm_head)]
+        """Every Linear, in the order a step runs them, with the name its shape class goes by (each layer's
+        share one name per projection)."""
+        named = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             named += [("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                       ("down", mlp.down_proj)]
-        return named
+        return [*named, ("lm_head", self.lm_head)]
 
     def projection_weights(self) -> dict[str, torch.Tensor]:
         """One weight [N, K] of each projection shape (the first layer's, and the LM head's): what a kernel
@@ -266,6 +281,15 @@ class LlamaModel(nn.Module):
         for name, module in self._projections():
             named.setdefault(name, module.weight.detach())
         return named
+
+    def zeroed_kv_cache(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The KV cache, zeroed. For the native stack, on huge pages where Linux grants them: a step's attention
+        reads blocks that lie anywhere in the cache, and on 4 KiB pages each block is a TLB miss or more
+        (measured in a decode step at context 128 on Zen 4: attention 0.62 ms on 4 KiB pages, 0.54 on 2 MiB)."""
+        if self.kernels is None or device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        buffer = self.kernels.huge_page_buffer(math.prod(shape), dtype == torch.bfloat16)
+        return buffer.view(shape).zero_()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that are sampled, and only those."""
