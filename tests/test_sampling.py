@@ -19,7 +19,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine import RequestOutput
-from conveyor.executor.sampler import Sampler
+from conveyor.executor.sampler import Sampler, argmax_rows
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 MAX_MODEL_LEN = 128
@@ -341,3 +341,16 @@ def test_eos_stops_unless_ignored(real_llm: LLM, free_runs: list[RequestOutput])
     assert len(ignored.token_ids) == ANSWER_TOKENS
     # The same greedy tokens up to EOS, which was produced and then ignored.
     assert ignored.token_ids[: len(answered.token_ids)] == answered.token_ids
+
+
+def test_argmax_rows_agrees_with_torch_on_ties_and_nan():
+    """The greedy pick (NumPy's argmax on CPU) is torch's: the first of equal logits, and a NaN wins."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 49152)
+    logits[1, [7, 900]] = 50.0  # a tie: the first
+    logits[2, 300] = float("nan")
+    logits[3] = 0.0  # all equal: index 0
+    logits[4, -1] = float("inf")
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist() == argmax_rows(logits[:, :].t().contiguous().t())
+    assert argmax_rows(logits)[1:5] == [7, 300, 0, 49151]
+    assert argmax_rows(logits.bfloat16()) == logits.bfloat16().argmax(dim=-1).tolist()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 
 from conveyor.bench.report import format_table
 from conveyor.core.sampling import SamplingParams
@@ -16,6 +17,16 @@ from conveyor.engine import Engine
 
 def measure_decode(engine: Engine, batch_size: int, prompt_len: int, steps: int, seed: int) -> float:
     """Output tokens/s over ``steps`` steps in which all ``batch_size`` requests decode."""
+    tokens, seconds = next(decode_slices(engine, batch_size, prompt_len, steps, seed, slices=1))
+    return tokens / seconds
+
+
+def decode_slices(
+    engine: Engine, batch_size: int, prompt_len: int, steps: int, seed: int, slices: int
+) -> Iterator[tuple[int, float]]:
+    """Prefills ``batch_size`` requests, then yields (output tokens, seconds) for each of ``slices`` runs of
+    ``steps`` decode steps. The engine waits between yields, so the caller can measure the machine between
+    runs (the roofline reads its bandwidth there); the requests end when the generator does."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     warmup = 2
@@ -25,19 +36,21 @@ def measure_decode(engine: Engine, batch_size: int, prompt_len: int, steps: int,
     ids = [f"decode-{i}" for i in range(batch_size)]
     for request_id in ids:
         engine.add_request([rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)], params, request_id)
-    # Prefill (it may take several steps under the token budget), then a couple of warm-up decodes.
-    produced = dict.fromkeys(ids, 0)  # output tokens per request, as the step outputs report them
-    while engine.stats().num_waiting or min(produced.values()) < warmup:
-        _count_tokens(engine, produced)
-    before = sum(produced.values())
-    start = time.perf_counter()
-    for _ in range(steps):
-        _count_tokens(engine, produced)
-    elapsed = time.perf_counter() - start
-    num_tokens = sum(produced.values()) - before  # counted, not assumed: a preempted request produces nothing
-    for request_id in ids:
-        engine.abort_request(request_id)
-    return num_tokens / elapsed
+    try:
+        # Prefill (it may take several steps under the token budget), then a couple of warm-up decodes.
+        produced = dict.fromkeys(ids, 0)  # output tokens per request, as the step outputs report them
+        while engine.stats().num_waiting or min(produced.values()) < warmup:
+            _count_tokens(engine, produced)
+        for _ in range(slices):
+            before = sum(produced.values())
+            start = time.perf_counter()
+            for _ in range(steps):
+                _count_tokens(engine, produced)
+            elapsed = time.perf_counter() - start
+            yield sum(produced.values()) - before, elapsed  # counted: a preempted request produces nothing
+    finally:
+        for request_id in ids:
+            engine.abort_request(request_id)
 
 
 def _count_tokens(engine: Engine, produced: dict[str, int]) -> None:

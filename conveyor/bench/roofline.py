@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from conveyor.bench.decode import measure_decode
+from conveyor.bench.decode import decode_slices, measure_decode
 from conveyor.bench.machine import MachineFigures, ReadProbe
 from conveyor.bench.report import format_table
 from conveyor.core.model_config import ModelConfig
@@ -22,6 +22,8 @@ from conveyor.engine import Engine
 from conveyor.model.kernel_choice import KernelChoice
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import HardwareSpec
+
+SLICES = 4  # runs of --steps steps per measured batch, with the machine's bandwidth read between them
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +85,8 @@ def run_roofline(
     probe: ReadProbe | None = None,
 ) -> list[RooflinePoint]:
     """Bounds at every (batch, context); the engine measured at ``measured_context_len``. With a ``probe``,
-    the bandwidth roof is read again just before and after each measurement and that point's bound uses their
-    mean: the machine's bandwidth drifts, and a roof read minutes earlier can be a tenth off."""
+    the bandwidth roof is read again around each run of steps measured and that run is held against what was
+    read (_measured_point): the machine's bandwidth drifts, and a roof read minutes earlier can be half off."""
     cost = machine_cost_model(engine.model_config, machine)
     points = []
     for context_len in context_lens:
@@ -101,16 +103,27 @@ def run_roofline(
 def _measured_point(engine: Engine, machine: MachineFigures, point: RooflinePoint, steps: int, seed: int,
                     probe: ReadProbe | None) -> RooflinePoint:
     """The engine's decode speed at the point (the context grows by one token a step: measured around the
-    nominal length), and the point's bound at the bandwidth read around it when there is a probe."""
-    prompt_len = max(point.context_len - steps // 2, 1)
-    before = probe.measure()[0] if probe is not None else None
-    measured = measure_decode(engine, point.batch_size, prompt_len, steps, seed)
-    if before is None:
-        return replace(point, measured_tokens_per_s=measured)
-    bandwidth = (before + probe.measure()[0]) / 2
-    cost = machine_cost_model(engine.model_config, replace(machine, memory_bandwidth=bandwidth))
-    bound = decode_point(cost, point.batch_size, point.context_len)
-    return replace(bound, measured_tokens_per_s=measured, read_bandwidth=bandwidth)
+    nominal length), and with a probe, the point's bound at the bandwidth read around it. The steps then run
+    in SLICES runs with the bandwidth read between them: this machine's memory can change speed by half
+    within seconds, and each run is held against the bandwidth read on either side of it (the bound is the
+    time the machine at its roof would take for all the runs' tokens)."""
+    if probe is None:
+        prompt_len = max(point.context_len - steps // 2, 1)
+        return replace(point, measured_tokens_per_s=measure_decode(engine, point.batch_size, prompt_len, steps, seed))
+    prompt_len = max(point.context_len - SLICES * steps // 2, 1)
+    tokens = seconds = bound_seconds = read_seconds = 0.0
+    before = probe.measure()[0]
+    for slice_tokens, slice_seconds in decode_slices(engine, point.batch_size, prompt_len, steps, seed, SLICES):
+        after = probe.measure()[0]
+        bandwidth = (before + after) / 2
+        cost = machine_cost_model(engine.model_config, replace(machine, memory_bandwidth=bandwidth))
+        bound = decode_point(cost, point.batch_size, point.context_len).bound_tokens_per_s
+        tokens, seconds = tokens + slice_tokens, seconds + slice_seconds
+        bound_seconds += slice_tokens / bound
+        read_seconds += bandwidth * slice_seconds
+        before = after
+    return replace(point, bound_tokens_per_s=tokens / bound_seconds, measured_tokens_per_s=tokens / seconds,
+                   read_bandwidth=read_seconds / seconds)
 
 
 def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str:

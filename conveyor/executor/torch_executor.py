@@ -73,7 +73,9 @@ class TorchExecutor:
         if not sample_rows:
             return {}
         rows, sampled = zip(*sample_rows)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if rows[-1] != len(rows) - 1:  # else every row samples (a batch of decodes): no gather needed
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler.sample_batch(logits, list(sampled), self._constrain)
         self.last_logprobs = {sampled[row].request_id: found for row, found in logprobs.items()}
         return {s.request_id: t for s, t in zip(sampled, tokens)}
