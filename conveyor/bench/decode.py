@@ -17,7 +17,9 @@ from conveyor.engine import Engine
 
 def measure_decode(engine: Engine, batch_size: int, prompt_len: int, steps: int, seed: int) -> float:
     """Output tokens/s over ``steps`` steps in which all ``batch_size`` requests decode."""
-    tokens, seconds = next(decode_slices(engine, batch_size, prompt_len, steps, seed, slices=1))
+    runs = decode_slices(engine, batch_size, prompt_len, steps, seed, slices=1)
+    tokens, seconds = next(runs)
+    runs.close()  # ends the requests
     return tokens / seconds
 
 

@@ -890,8 +890,9 @@ std::vector<int64_t> packed_shape(int64_t n, int64_t k, int64_t width, bool bflo
 // A 1-D buffer of `numel` float32 (or bf16) elements on huge pages where Linux grants them: what a model packs
 // all its weights into, back to back in the order a step reads them. Packed one allocation each, a weight
 // smaller than 2 MiB (or a large one's tail) is on 4 KiB pages, since a huge page must lie wholly inside
-// the advised range; measured with the default model's 121 GEMVs of a decode step in turn, on 2 threads:
-// 1.25-1.36x the time of one GEMV over the same bytes apart, 1.05-1.07x in one buffer.
+// the advised range. Measured with the default model's 120 layer GEMVs in turn, on 2 threads, in a C++
+// harness: 1.25-1.36x the time of one GEMV over the same bytes apart, 1.05-1.07x in one buffer (in the engine,
+// whose separate weights mostly got huge pages anyway, 1.00-1.02x a decode step).
 torch::Tensor huge_page_buffer(int64_t numel, bool bfloat16) {
   TORCH_CHECK(numel > 0, "an empty buffer");
   return empty_on_huge_pages({numel}, bfloat16 ? torch::kBFloat16 : torch::kFloat32);
