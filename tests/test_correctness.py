@@ -160,3 +160,27 @@ def test_default_model_alone_and_batched(default_llm, default_references):
     batched = default_llm.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in batched] == references
     assert "Paris" in batched[0].text
+
+
+def test_the_lm_head_runs_on_the_sampled_rows_only(tiny_model_dir):
+    """A step of decodes and a prompt chunk that does not reach its prompt's end: one row samples per decode,
+    none of the chunk's rows does, and only the sampled rows go through the LM head."""
+    from conveyor.core.config import EngineConfig
+    from conveyor.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_num_batched_tokens=37))
+    model = engine.executor.model
+    rows_seen = []
+    compute_logits = model.compute_logits
+
+    def recording(hidden):
+        rows_seen.append(hidden.shape[0])
+        return compute_logits(hidden)
+
+    model.compute_logits = recording
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request(list(range(5, 15)), params, "short")
+    engine.step()  # the short prompt whole: one row samples
+    engine.add_request(list(range(20, 120)), params, "long")
+    engine.step()  # the short one decodes; 36 of the long prompt's 100 tokens: not its last
+    assert rows_seen == [1, 1]

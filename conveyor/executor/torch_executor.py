@@ -73,7 +73,7 @@ class TorchExecutor:
         if not sample_rows:
             return {}
         rows, sampled = zip(*sample_rows)
-        if rows[-1] != len(rows) - 1:  # else every row samples (a batch of decodes): no gather needed
+        if len(rows) != hidden.shape[0]:  # else every row samples (a batch of decodes): no gather needed
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
         tokens, logprobs = self.sampler.sample_batch(logits, list(sampled), self._constrain)
