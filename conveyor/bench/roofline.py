@@ -111,7 +111,7 @@ def _measured_point(engine: Engine, machine: MachineFigures, point: RooflinePoin
         prompt_len = max(point.context_len - steps // 2, 1)
         return replace(point, measured_tokens_per_s=measure_decode(engine, point.batch_size, prompt_len, steps, seed))
     prompt_len = max(point.context_len - SLICES * steps // 2, 1)
-    tokens = seconds = bound_seconds = read_seconds = 0.0
+    tokens = seconds = bound_seconds = bandwidth_x_seconds = 0.0
     before = probe.measure()[0]
     for slice_tokens, slice_seconds in decode_slices(engine, point.batch_size, prompt_len, steps, seed, SLICES):
         after = probe.measure()[0]
@@ -120,10 +120,10 @@ def _measured_point(engine: Engine, machine: MachineFigures, point: RooflinePoin
         bound = decode_point(cost, point.batch_size, point.context_len).bound_tokens_per_s
         tokens, seconds = tokens + slice_tokens, seconds + slice_seconds
         bound_seconds += slice_tokens / bound
-        read_seconds += bandwidth * slice_seconds
+        bandwidth_x_seconds += bandwidth * slice_seconds
         before = after
     return replace(point, bound_tokens_per_s=tokens / bound_seconds, measured_tokens_per_s=tokens / seconds,
-                   read_bandwidth=read_seconds / seconds)
+                   read_bandwidth=bandwidth_x_seconds / seconds)
 
 
 def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str:

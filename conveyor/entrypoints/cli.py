@@ -186,7 +186,8 @@ def _add_roofline(commands: Commands) -> None:
     roof.add_argument("--context-lens", default="128,512,2048", help="contexts for the bound table")
     roof.add_argument("--measured-context-len", type=int, default=128,
                       help="context at which the engine is measured (0: bounds only)")
-    roof.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    roof.add_argument("--steps", type=int, default=8,
+                      help="timed decode steps per run (each batch size: 4 runs, the bandwidth read between them)")
     roof.add_argument("-o", "--output", default="roofline.png", help="the picture (PNG)")
     roof.add_argument("--json", default=None, help="also write the table here")
     add_engine_args(roof)
