@@ -64,7 +64,7 @@ def tiny_hf_model(tiny_model_dir: Path):
     return LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-# The native kernels, and each vector width the CPU can run (tests/test_kernels.py, tests/test_bf16.py).
+# The native kernels, and each vector width the CPU can run (test_kernels, test_native_stack, test_bf16).
 @pytest.fixture(scope="module")
 def kernels():
     module = native_kernels()

@@ -134,7 +134,7 @@ def test_attention_refuses_k_and_v_of_different_dtypes(kernels):
 
 def _bf16_valued_model(intermediate_size: int):
     """tests.test_kernels' random two-layer model (biases everywhere), its weights rounded to bf16 values."""
-    from tests.test_kernels import _stack_model
+    from tests.test_native_stack import _stack_model
 
     model = _stack_model(intermediate_size)
     with torch.no_grad():
@@ -152,7 +152,8 @@ def _stack_errors(kernels, intermediate_size: int, rows: int, torch_rows=None) -
     reference), the native bf16 stack and the torch layers in bfloat16, all on the same bf16-valued weights:
     the native stack's and torch bf16's relative errors in the hidden states. The native stack's bf16 cache
     must hold the reference's K/V rounded."""
-    from conveyor.model.attention import AttentionMetadata, NativeRows, PrefillChunk
+    from conveyor.model.attention import AttentionMetadata, PrefillChunk
+    from conveyor.model.llama import StepInputs
 
     torch.manual_seed(rows)
     model, block_size = _bf16_valued_model(intermediate_size), 4
@@ -169,8 +170,8 @@ def _stack_errors(kernels, intermediate_size: int, rows: int, torch_rows=None) -
     with torch.inference_mode():
         want = model(ids, positions, want_cache, AttentionMetadata(slots, [], prefills))
         native.use_native_kernels(kernels, 512, bfloat16=True, torch_rows=torch_rows)
-        meta = AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1))
-        got = native(ids, positions, native_cache, meta)
+        inputs = StepInputs(ids.tolist(), positions.tolist(), slots.tolist(), tables.tolist(), row_seq.tolist(), [])
+        got, _ = native.run_native(inputs, native_cache)
         other = torch_bf16(ids, positions, bf16_cache, AttentionMetadata(slots, [], prefills))
     assert got.dtype == torch.float32 and native_cache.dtype == torch.bfloat16
     written = native_cache.flatten(2, 3)[:, :, slots], want_cache.flatten(2, 3)[:, :, slots]

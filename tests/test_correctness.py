@@ -169,15 +169,15 @@ def test_the_lm_head_runs_on_the_sampled_rows_only(tiny_model_dir):
     from conveyor.engine import Engine
 
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_num_batched_tokens=37))
-    model = engine.executor.model
+    sampler = engine.executor.sampler
     rows_seen = []
-    compute_logits = model.compute_logits
+    sample_batch = sampler.sample_batch
 
-    def recording(hidden):
-        rows_seen.append(hidden.shape[0])
-        return compute_logits(hidden)
+    def recording(logits, *args):  # the LM head's output, native stack or PyTorch ops alike
+        rows_seen.append(logits.shape[0])
+        return sample_batch(logits, *args)
 
-    model.compute_logits = recording
+    sampler.sample_batch = recording
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine.add_request(list(range(5, 15)), params, "short")
     engine.step()  # the short prompt whole: one row samples

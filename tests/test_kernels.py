@@ -6,12 +6,11 @@ column counts that do not fill a 16- or 32-wide tile, odd K, row counts
 around the 6- and 8-row micro-kernels and the 64-row block. Paged attention: contexts of one
 token, exactly a block, and ragged lengths; block tables in random order;
 grouped-query heads; block sizes 1, 4 and 16; prompt rows (causal) beside
-decode rows. The whole native stack against the model's PyTorch layers.
+decode rows. The whole stack: tests/test_native_stack.py.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from pathlib import Path
 
@@ -239,114 +238,6 @@ def test_rotary_matches_torch(kernels, width, dim):
     torch.testing.assert_close((q, k), (want_q, want_k), rtol=1e-5, atol=1e-5)
 
 
-def _stack_model(intermediate_size: int):
-    """A random two-layer model with biases on every projection that may carry one."""
-    from conveyor.core.model_config import ModelConfig
-    from conveyor.model.llama import LlamaModel
-
-    config = ModelConfig(
-        vocab_size=300, hidden_size=48, intermediate_size=intermediate_size, num_layers=2, num_heads=6,
-        num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
-        tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
-    )
-    model = LlamaModel(config, max_positions=128)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.2)
-    return model
-
-
-def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tables, decodes, prefills, block_size=4,
-                                 torch_rows=None, fused_swiglu_rows=None):
-    """The same step through the PyTorch layers and through NativeLlama (with some GEMMs routed to torch's,
-    and SwiGLU fused at given row counts, if asked): equal hidden states and caches."""
-    from conveyor.model.attention import AttentionMetadata, NativeRows
-
-    config = model.config
-    slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])
-    cache = torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim)
-    ids = torch.randint(0, config.vocab_size, (len(positions),))
-    torch_cache = cache.clone()
-    with torch.inference_mode():
-        want = model(ids, positions, torch_cache, AttentionMetadata(slots, decodes, prefills))
-        model.use_native_kernels(kernels, width, torch_rows=torch_rows, fused_swiglu_rows=fused_swiglu_rows)
-        got = model(ids, positions, cache, AttentionMetadata(slots, [], [], NativeRows(tables, row_seq, positions + 1)))
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
-
-
-def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels, width):
-    """A prompt with a cached prefix, a fresh prompt and a decode row in one step."""
-    from conveyor.model.attention import DecodeGroup, PrefillChunk
-
-    torch.manual_seed(5)
-    tables = torch.tensor([[3, 9, 4, 0], [7, 1, 0, 0], [12, 15, 2, 0]])
-    # seq 0: prefix of 5 cached, chunk at 5..9; seq 1: fresh prompt 0..5; seq 2: decode at position 10.
-    positions = torch.cat([torch.arange(5, 10), torch.arange(0, 6), torch.tensor([10])])
-    row_seq = torch.tensor([0] * 5 + [1] * 6 + [2])
-    decode_mask = (torch.arange(16) < 11).view(1, 1, 1, 16)
-    prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
-    decodes = [DecodeGroup(11, 12, tables[2:3], decode_mask)]
-    prefills = [PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)]
-    _assert_native_stack_matches(kernels, width, _stack_model(80), positions, row_seq, tables, decodes, prefills)
-
-
-@pytest.mark.parametrize("intermediate_size", [96, 80, 72])
-def test_native_stack_matches_the_torch_layers_on_a_long_prompt(kernels, width, intermediate_size):
-    """70 rows: enough for SwiGLU to be fused into the gate/up projection where the intermediate size is a
-    whole number of tiles (96 on both paths, 80 on the 16-column one), and the unfused path where it is not."""
-    from conveyor.model.attention import PrefillChunk
-
-    torch.manual_seed(6)
-    tables = torch.randperm(32)[:18].view(1, 18)
-    positions, row_seq = torch.arange(70), torch.zeros(70, dtype=torch.long)
-    prefills = [PrefillChunk(0, 70, 0, tables[0], None)]
-    _assert_native_stack_matches(
-        kernels, width, _stack_model(intermediate_size), positions, row_seq, tables, [], prefills
-    )
-
-
-EVERY_ROW = [(1, 2**62)]
-
-
-@pytest.mark.parametrize(
-    "routes",
-    [
-        {name: EVERY_ROW for name in ("qkv", "o", "gate_up", "down")},
-        {"qkv": [(1, 11)], "down": [(12, 12)]},  # this 12-row step: qkv and down on torch's GEMM, o and gate_up not
-    ],
-    ids=["all-on-torch", "some-on-torch"],
-)
-def test_native_stack_with_gemms_routed_to_torch_matches_the_torch_layers(kernels, width, routes):
-    """--kernels auto may hand some projections at some row counts to torch's GEMM inside the stack."""
-    from conveyor.model.attention import DecodeGroup, PrefillChunk
-
-    torch.manual_seed(5)
-    tables = torch.tensor([[3, 9, 4, 0], [7, 1, 0, 0], [12, 15, 2, 0]])
-    positions = torch.cat([torch.arange(5, 10), torch.arange(0, 6), torch.tensor([10])])
-    row_seq = torch.tensor([0] * 5 + [1] * 6 + [2])
-    decodes = [DecodeGroup(11, 12, tables[2:3], (torch.arange(16) < 11).view(1, 1, 1, 16))]
-    prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
-    prefills = [PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)]
-    _assert_native_stack_matches(
-        kernels, width, _stack_model(80), positions, row_seq, tables, decodes, prefills, torch_rows=routes
-    )
-
-
-def test_a_long_prompt_with_gate_up_on_torch_skips_the_fused_swiglu(kernels, width):
-    """70 rows would fuse SwiGLU into the packed gate/up GEMM; routed to torch's GEMM, the gate/up projection
-    goes through memory and the separate SwiGLU instead, with the same result."""
-    from conveyor.model.attention import PrefillChunk
-
-    torch.manual_seed(6)
-    tables = torch.randperm(32)[:18].view(1, 18)
-    positions, row_seq = torch.arange(70), torch.zeros(70, dtype=torch.long)
-    _assert_native_stack_matches(
-        kernels, width, _stack_model(96), positions, row_seq, tables, [], [PrefillChunk(0, 70, 0, tables[0], None)],
-        torch_rows={"gate_up": [(65, 2**62)]},
-    )
-
-
 @pytest.mark.parametrize("rows", [1, 8, 70])
 def test_packed_swiglu_matches_the_unfused_pair(kernels, width, rows):
     torch.manual_seed(rows)
@@ -356,71 +247,6 @@ def test_packed_swiglu_matches_the_unfused_pair(kernels, width, rows):
     torch.testing.assert_close(kernels.packed_swiglu(x, packed, 96), F.silu(gate) * up, rtol=1e-4, atol=1e-4)
     with pytest.raises(RuntimeError, match="whole"):
         kernels.packed_swiglu(x, kernels.pack_linear_weight(torch.randn(160, 40), width), 80 if width == 512 else 88)
-
-
-@pytest.mark.parametrize(("rows", "fused_at"), [(3, [(1, 8)]), (70, [])], ids=["fused-at-3-rows", "unfused-at-70"])
-def test_the_stack_fuses_swiglu_at_the_row_counts_it_is_given(kernels, width, rows, fused_at):
-    """--kernels auto replaces the stack's own rule (fused from 64 rows) with the row counts it measured."""
-    from conveyor.model.attention import PrefillChunk
-
-    torch.manual_seed(rows)
-    tables = torch.randperm(32)[:18].view(1, 18)
-    positions, row_seq = torch.arange(rows), torch.zeros(rows, dtype=torch.long)
-    _assert_native_stack_matches(
-        kernels, width, _stack_model(96), positions, row_seq, tables, [], [PrefillChunk(0, rows, 0, tables[0], None)],
-        fused_swiglu_rows=fused_at,
-    )
-
-
-def test_the_lm_head_routed_to_torch_at_some_row_counts(kernels):
-    """The LM head runs from Python: rows in its torch_rows take F.linear on the kept weight, others the
-    packed kernels; both give the plain layer's result."""
-    from conveyor.model.llama import Linear
-
-    torch.manual_seed(7)
-    layer = Linear(48, 300, bias=False)
-    inputs = [torch.randn(rows, 48) for rows in (1, 9, 70)]
-    want = [F.linear(x, layer.weight) for x in inputs]
-    layer.pack(kernels, keep_weight=True)
-    layer.torch_rows = ((9, 64),)
-    for x, expected in zip(inputs, want):
-        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
-
-
-def test_a_native_model_packs_its_weights_in_step_order_into_one_buffer(kernels, width):
-    """Every projection back to back in the order a step reads them (layer by layer: qkv, o, gate/up, down;
-    the LM head last), from a 2 MiB boundary; the KV cache the model hands out is zeroed, also on huge pages."""
-    model = _stack_model(80)
-    model.use_native_kernels(kernels, width)
-    packed = [module.packed for _, module in model._projections()]
-    assert packed[0].data_ptr() % (2 << 20) == 0
-    for before, after in itertools.pairwise(packed):
-        assert after.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
-    assert packed[-1] is model.lm_head.packed
-    cache = model.zeroed_kv_cache((2, 2, 8, 4, 2, 8), torch.float32, torch.device("cpu"))
-    assert cache.data_ptr() % (2 << 20) == 0 and not cache.any()
-
-
-def test_routing_a_projection_needs_its_plain_weight_and_a_known_name(kernels):
-    model = _stack_model(80)
-    model.use_native_kernels(kernels)  # no routes: the plain weights are freed
-    with pytest.raises(RuntimeError, match="gate_up has no plain weight"):
-        model.native.route_to_torch("gate_up", 1, 8)
-    with pytest.raises(RuntimeError, match="no projection named mlp"):
-        model.native.route_to_torch("mlp", 1, 8)
-    with pytest.raises(RuntimeError, match="no range of row counts"):
-        model.native.route_to_torch("qkv", 9, 8)
-    routed = kernels.NativeLlama(6, 2, 8, 48, 80, 1e-5, torch.ones(48), 256, False)
-    layer = model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    args = [torch.ones(48), attn.qkv_proj.packed, torch.empty(0), attn.o_proj.packed, torch.ones(48),
-            mlp.gate_up_proj.packed, torch.empty(0), mlp.down_proj.packed, torch.empty(0)]
-    routed.add_layer(*args, torch.empty(0), torch.empty(0), torch.randn(160, 48), torch.empty(0))
-    routed.route_to_torch("gate_up", 1, 8)
-    with pytest.raises(RuntimeError, match="gate_up is routed to torch's GEMM: every layer needs its plain weight"):
-        routed.add_layer(*args, *[torch.empty(0)] * 4)
-    with pytest.raises(ValueError, match="no projection named"):
-        _stack_model(80).use_native_kernels(kernels, torch_rows={"attention": [(1, 1)]})
 
 
 def test_kernels_release_the_gil_while_they_compute(kernels):

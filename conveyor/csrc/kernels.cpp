@@ -42,6 +42,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -1110,11 +1111,17 @@ class NativeLlama {
   }
 
   // From now on, steps of lo..hi rows (inclusive) run projection `name` (qkv, o, gate_up or down) on torch's
-  // GEMM instead of the packed kernels. Every layer added so far must have that projection's plain weight.
+  // GEMM instead of the packed kernels; for lm_head, LM heads over lo..hi logit rows do. Every layer added so
+  // far (or set_io, for lm_head) must have handed that projection's plain weight.
   void route_to_torch(const std::string& name, int64_t lo, int64_t hi) {
-    const auto it = std::find(kProjectionNames.begin(), kProjectionNames.end(), name);
-    TORCH_CHECK(it != kProjectionNames.end(), "no projection named ", name, " (qkv, o, gate_up, down)");
     TORCH_CHECK(lo >= 1 && lo <= hi, "rows ", lo, "..", hi, " is no range of row counts");
+    if (name == "lm_head") {
+      TORCH_CHECK(lm_head_.plain.numel() > 0, "lm_head has no plain weight to hand torch's GEMM (set_io)");
+      lm_head_torch_rows_.push_back({lo, hi});
+      return;
+    }
+    const auto it = std::find(kProjectionNames.begin(), kProjectionNames.end(), name);
+    TORCH_CHECK(it != kProjectionNames.end(), "no projection named ", name, " (qkv, o, gate_up, down, lm_head)");
     const auto which = static_cast<size_t>(it - kProjectionNames.begin());
     for (const Layer& layer : layers_) {
       TORCH_CHECK(layer.projections[which].plain.numel() > 0, name, " has no plain weight to hand torch's GEMM");
@@ -1131,34 +1138,73 @@ class NativeLlama {
     }
   }
 
-  // x [T, hidden] embedded tokens (consumed: it carries the residual stream); cos / sin [T, head_dim] at each
-  // row's position; kv_cache [layers, 2, blocks, block_size, KVH, D]; slot_mapping [T]; block_tables
-  // [S, max_blocks]; row_seq [T]; context_lens [T]. Returns the final-normed hidden states [T, hidden].
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        torch::Tensor& kv_cache, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-                        const torch::Tensor& row_seq, const torch::Tensor& context_lens) {
-    check_float_rows(x, "x");
+  // What a step's inputs are looked up in, and its last projection: the token embedding [vocab, hidden]
+  // (float32, or bf16 on a bf16 model), the rotary tables cos / sin [positions, head_dim] float32, and the LM
+  // head packed like the layers' projections (its plain weight [vocab, hidden] in the stack's dtype when
+  // route_to_torch sends some row counts of it to torch's GEMM, else empty).
+  void set_io(torch::Tensor embedding, torch::Tensor cos, torch::Tensor sin, torch::Tensor lm_head,
+              torch::Tensor lm_head_plain) {
+    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_ && embedding.is_contiguous() &&
+                    (embedding.scalar_type() == torch::kFloat32 || embedding.scalar_type() == torch::kBFloat16),
+                "the embedding must be a contiguous [vocab, ", hidden_, "] float32 or bfloat16 tensor");
+    check_float_rows(cos, "cos");
+    check_float_rows(sin, "sin");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dim_ && sin.sizes() == cos.sizes(), "cos and sin must be [positions, ",
+                dim_, "]");
+    embedding_ = embedding;
+    cos_ = cos;
+    sin_ = sin;
+    lm_head_ = projection(lm_head, torch::empty({0}), lm_head_plain, hidden_, embedding.size(0));
+  }
+
+  // One step over a flat batch of T rows, its inputs as plain lists (the caller builds no tensor for them):
+  // each row's token and position, the KV slot it writes, which sequence it belongs to (row_seq, an index
+  // into block_tables, one table per sequence), and logit_rows, the rows the LM head runs on. A row sees
+  // positions [0, position] of its sequence: a decode row its whole context, a prompt row the prompt up to
+  // itself. kv_cache is [layers, 2, blocks, block_size, KVH, D]. Returns the final-normed hidden states
+  // [T, hidden] and the logits [logit rows, vocab], both float32.
+  std::tuple<torch::Tensor, torch::Tensor> step(const std::vector<int64_t>& token_ids,
+                                                const std::vector<int64_t>& positions, torch::Tensor& kv_cache,
+                                                const std::vector<int64_t>& slots,
+                                                const std::vector<std::vector<int64_t>>& block_tables,
+                                                const std::vector<int64_t>& row_seq,
+                                                const std::vector<int64_t>& logit_rows) {
+    TORCH_CHECK(embedding_.defined(), "set_io must run before the first step");
     check_cache(kv_cache, "kv_cache", bf16_);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
                     kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
                 "kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim]");
-    const int64_t tokens = x.size(0);
-    auto slots = as_int64(slot_mapping), tables = as_int64(block_tables), seqs = as_int64(row_seq);
-    auto lens = as_int64(context_lens);
-    auto cosc = cos.contiguous(), sinc = sin.contiguous();
+    const int64_t tokens = static_cast<int64_t>(token_ids.size());
+    TORCH_CHECK(positions.size() == token_ids.size() && slots.size() == token_ids.size() &&
+                    row_seq.size() == token_ids.size(),
+                "token_ids, positions, slots and row_seq must have one entry per row");
     const CacheShape shape{kv_cache.size(3), kv_heads_, dim_};
-    const int64_t cache_slots = kv_cache.size(2) * shape.block_size, width = tables.size(1);
+    const StepTables tables = step_tables(block_tables, kv_cache.size(2));
+    std::vector<int64_t> context_lens(tokens);
     for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t slot = slots.data_ptr<int64_t>()[t];
-      TORCH_CHECK(slot >= 0 && slot < cache_slots, "slot ", slot, " outside the cache");
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < kv_cache.size(2) * shape.block_size, "slot ", slots[t],
+                  " outside the cache");
+      TORCH_CHECK(positions[t] >= 0 && positions[t] < cos_.size(0), "position ", positions[t], " outside the ",
+                  cos_.size(0), " the rotary tables cover");
+      TORCH_CHECK(row_seq[t] >= 0 && row_seq[t] < static_cast<int64_t>(block_tables.size()), "row ", t,
+                  " names block table ", row_seq[t], " of ", block_tables.size());
+      context_lens[t] = positions[t] + 1;
+      TORCH_CHECK(context_lens[t] <= static_cast<int64_t>(block_tables[row_seq[t]].size()) * shape.block_size,
+                  "row ", t, ": position ", positions[t], " is past its sequence's blocks");
     }
-    check_rows(tables, seqs, lens, shape.block_size);
-    const Step step{tokens, x.data_ptr<float>(), cosc.data_ptr<float>(), sinc.data_ptr<float>(), &kv_cache, shape,
-                    slots.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), width, seqs.data_ptr<int64_t>(),
-                    lens.data_ptr<int64_t>()};
+    for (const int64_t row : logit_rows) TORCH_CHECK(row >= 0 && row < tokens, "logit row ", row, " of ", tokens);
+    auto x = embed(token_ids);
+    auto cos = rows_of(cos_, positions), sin = rows_of(sin_, positions);
+    const Step step{tokens, x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), &kv_cache, shape,
+                    slots.data(), tables.ids.data(), tables.width, row_seq.data(), context_lens.data()};
     auto out = torch::empty({tokens, hidden_}, x.options());
-    with_gemm_path(width_, bf16_, [&](auto path) { run<decltype(path)>(step, out.data_ptr<float>()); });
-    return out;
+    torch::Tensor logits;
+    with_gemm_path(width_, bf16_, [&](auto path) {
+      using P = decltype(path);
+      run<P>(step, out.data_ptr<float>());
+      logits = lm_head_logits<P>(out, logit_rows);
+    });
+    return {out, logits};
   }
 
  private:
@@ -1173,6 +1219,63 @@ class NativeLlama {
     int64_t table_width;
     const int64_t *row_seq, *context_lens;
   };
+
+  // A step's block tables, padded with block 0 to the longest, each block checked to lie in the cache.
+  struct StepTables {
+    std::vector<int64_t> ids;
+    int64_t width;
+  };
+
+  static StepTables step_tables(const std::vector<std::vector<int64_t>>& tables, int64_t num_blocks) {
+    int64_t width = 1;
+    for (const auto& table : tables) width = std::max<int64_t>(width, static_cast<int64_t>(table.size()));
+    std::vector<int64_t> ids(tables.size() * width, 0);
+    for (size_t seq = 0; seq < tables.size(); ++seq) {
+      for (size_t i = 0; i < tables[seq].size(); ++i) {
+        const int64_t block = tables[seq][i];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " outside the cache of ", num_blocks);
+        ids[seq * width + i] = block;
+      }
+    }
+    return {std::move(ids), width};
+  }
+
+  // The embedding rows of the step's tokens, float32 [T, hidden] (widened from a bf16 table).
+  torch::Tensor embed(const std::vector<int64_t>& token_ids) const {
+    const int64_t vocab = embedding_.size(0);
+    for (const int64_t id : token_ids) TORCH_CHECK(id >= 0 && id < vocab, "token id ", id, " outside the vocabulary");
+    auto ids = torch::from_blob(const_cast<int64_t*>(token_ids.data()), {static_cast<int64_t>(token_ids.size())},
+                                torch::kInt64);
+    return embedding_.index_select(0, ids).to(torch::kFloat32).contiguous();
+  }
+
+  // Rows `index` of a float32 table, [index.size(), columns].
+  static torch::Tensor rows_of(const torch::Tensor& table, const std::vector<int64_t>& index) {
+    auto out = torch::empty({static_cast<int64_t>(index.size()), table.size(1)}, table.options());
+    const int64_t columns = table.size(1);
+    for (size_t i = 0; i < index.size(); ++i) {
+      std::copy_n(table.data_ptr<float>() + index[i] * columns, columns, out.data_ptr<float>() + i * columns);
+    }
+    return out;
+  }
+
+  // The LM head on rows `rows` of the final hidden states: the packed kernels, or torch's GEMM where routed.
+  template <typename P>
+  torch::Tensor lm_head_logits(const torch::Tensor& hidden, const std::vector<int64_t>& rows) const {
+    const int64_t m = static_cast<int64_t>(rows.size());
+    bool every_row = m == hidden.size(0);  // a batch of decodes samples every row: no gather
+    for (int64_t i = 0; every_row && i < m; ++i) every_row = rows[i] == i;
+    const torch::Tensor x = every_row ? hidden : rows_of(hidden, rows);
+    auto logits = torch::empty({m, lm_head_.n}, hidden.options());
+    if (m == 0) return logits;
+    if (in_ranges(lm_head_torch_rows_, m)) {
+      torch_linear(x.data_ptr<float>(), m, hidden_, lm_head_.plain, lm_head_.bias, logits.data_ptr<float>());
+    } else {
+      linear_rows<P>(x.data_ptr<float>(), m, hidden_, weight_data<P>(lm_head_.packed), lm_head_.n, nullptr,
+                     logits.data_ptr<float>());
+    }
+    return logits;
+  }
 
   // Every layer and the final norm on path P; out [tokens, hidden].
   template <typename P>
@@ -1282,6 +1385,9 @@ class NativeLlama {
   bool bf16_;
   std::vector<Layer> layers_;
   std::array<std::vector<RowRange>, kProjections> torch_rows_;
+  torch::Tensor embedding_, cos_, sin_;  // set_io's
+  Projection lm_head_;
+  std::vector<RowRange> lm_head_torch_rows_;
   // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (measured: 5% off
   // a forward of 64 rows); below that the step is a weight stream, which reads faster as one stream in order
   // (2% slower fused at 1 and 8 rows). The default; --kernels auto sets what it measures (fuse_swiglu_at).
@@ -1320,5 +1426,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &NativeLlama::add_layer)
       .def("route_to_torch", &NativeLlama::route_to_torch, arg("name"), arg("lo"), arg("hi"))
       .def("fuse_swiglu_at", &NativeLlama::fuse_swiglu_at, arg("ranges"))
-      .def("forward", &NativeLlama::forward, release_gil());
+      .def("set_io", &NativeLlama::set_io, arg("embedding"), arg("cos"), arg("sin"), arg("lm_head"),
+           arg("lm_head_plain"))
+      .def("step", &NativeLlama::step, arg("token_ids"), arg("positions"), arg("kv_cache"), arg("slots"),
+           arg("block_tables"), arg("row_seq"), arg("logit_rows"), release_gil());
 }

@@ -2,8 +2,9 @@
 
 It owns the KV tensor ([layers, 2, blocks, block_size, kv_heads, head_dim]),
 packs the step's tokens into one flat batch (decode rows first, then prompt
-chunks), builds the attention metadata once for all layers, runs the model,
-computes logits only for rows that sample, and samples.
+chunks), runs the model (on the native stack, one call on plain lists; on
+PyTorch ops, with attention metadata built once for all layers), computes
+logits only for rows that sample, and samples.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from conveyor.core.logprobs import TokenLogprob
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.executor.logprobs import token_logprobs
 from conveyor.executor.sampler import Constrain, Sampler
-from conveyor.model.attention import AttentionMetadata, DecodeGroup, NativeRows, PrefillChunk
-from conveyor.model.llama import LlamaModel
+from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from conveyor.model.llama import LlamaModel, StepInputs
 
 
 class TorchExecutor:
@@ -67,16 +68,16 @@ class TorchExecutor:
         if output.is_empty:
             return {}
         batch = sorted(output.scheduled, key=_row_order)
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        inputs = self._inputs(batch)
+        if self.model.native is not None:  # the whole model in one native call (LlamaModel.use_native_kernels)
+            hidden, logits = self.model.run_native(inputs, self.kv_cache)
+        else:
+            hidden, logits = self._run_torch(batch, inputs)
         self._prompt_logprobs(batch, hidden)
-        if not sample_rows:
+        sampled = [item for item in batch if item.samples_token]
+        if not sampled:
             return {}
-        rows, sampled = zip(*sample_rows)
-        if len(rows) != hidden.shape[0]:  # else every row samples (a batch of decodes): no gather needed
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        tokens, logprobs = self.sampler.sample_batch(logits, list(sampled), self._constrain)
+        tokens, logprobs = self.sampler.sample_batch(logits, sampled, self._constrain)
         self.last_logprobs = {sampled[row].request_id: found for row, found in logprobs.items()}
         return {s.request_id: t for s, t in zip(sampled, tokens)}
 
@@ -103,32 +104,33 @@ class TorchExecutor:
             device, cpu = zip(*output.blocks_to_swap_out)
             self.cpu_kv_cache[:, :, list(cpu)] = self.kv_cache[:, :, list(device)].cpu()
 
-    def _prepare(
-        self, batch: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, ScheduledRequest]]]:
+    def _inputs(self, batch: list[ScheduledRequest]) -> StepInputs:
+        """The step's rows in batch order: each request's scheduled tokens, their positions and KV slots; the
+        LM head's rows are the last of each chunk that samples."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[tuple[int, ScheduledRequest]] = []
-        for item in batch:
+        inputs = StepInputs([], [], [], [item.block_ids for item in batch], [], [])
+        for seq, item in enumerate(batch):
             start, end = item.start_position, item.context_len
-            input_ids.extend(item.token_ids)
-            positions.extend(range(start, end))
+            inputs.token_ids.extend(item.token_ids)
+            inputs.positions.extend(range(start, end))
             table = item.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            inputs.row_seq.extend([seq] * (end - start))
             if item.samples_token:
-                sample_rows.append((len(input_ids) - 1, item))
-        positions_tensor = self._tensor(positions)
-        if self.model.native is not None:  # the model runs as one native stack (LlamaModel.use_native_kernels)
-            row_seq = [seq for seq, item in enumerate(batch) for _ in range(item.num_scheduled_tokens)]
-            native = NativeRows(self._padded_tables(batch), self._tensor(row_seq), positions_tensor + 1)
-            meta = AttentionMetadata(slot_mapping=self._tensor(slots), decodes=[], prefills=[], native=native)
-        else:
-            meta = self._torch_metadata(batch, slots)
-        return self._tensor(input_ids), positions_tensor, meta, sample_rows
+                inputs.logit_rows.append(len(inputs.token_ids) - 1)
+        return inputs
 
-    def _torch_metadata(self, batch: list[ScheduledRequest], slots: list[int]) -> AttentionMetadata:
+    def _run_torch(self, batch: list[ScheduledRequest], inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model in PyTorch ops: the final hidden states, and the logits of the rows that sample."""
+        meta = self._torch_metadata(batch, self._tensor(inputs.slots))
+        hidden = self.model(self._tensor(inputs.token_ids), self._tensor(inputs.positions), self.kv_cache, meta)
+        rows = inputs.logit_rows
+        if not rows:
+            return hidden, hidden[:0]
+        sampled = hidden if len(rows) == hidden.shape[0] else hidden[self._tensor(rows)]  # all rows: no gather
+        return hidden, self.model.compute_logits(sampled)
+
+    def _torch_metadata(self, batch: list[ScheduledRequest], slots: torch.Tensor) -> AttentionMetadata:
         """Decode rows in groups of similar context, and one causal chunk per prompt (see model/attention.py)."""
         num_decodes = sum(1 for s in batch if s.num_scheduled_tokens == 1)
         first_rows = itertools.accumulate((item.num_scheduled_tokens for item in batch), initial=0)
@@ -136,7 +138,7 @@ class TorchExecutor:
             self._prefill_chunk(item, row) for item, row in zip(batch, first_rows) if item.num_scheduled_tokens > 1
         ]
         return AttentionMetadata(
-            slot_mapping=self._tensor(slots), decodes=self._decode_groups(batch[:num_decodes]), prefills=prefills
+            slot_mapping=slots, decodes=self._decode_groups(batch[:num_decodes]), prefills=prefills
         )
 
     def _decode_groups(self, decodes: list[ScheduledRequest]) -> list[DecodeGroup]:

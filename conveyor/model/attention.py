@@ -8,9 +8,9 @@ long-tailed batch does not pad every row to its longest request. Each prompt
 chunk attends causally to its own cached prefix plus itself.
 
 With the native kernels the whole decoder stack runs in one native call
-(csrc/kernels.cpp), whose attention reads every row's context, prompt rows
-and decode rows alike, through its sequence's block table (``NativeRows``);
-no grouping, no padded copy.
+(csrc/kernels.cpp, LlamaModel.run_native), whose attention reads every
+row's context, prompt rows and decode rows alike, through its sequence's
+block table; no grouping, no padded copy, and none of this metadata.
 """
 
 from __future__ import annotations
@@ -47,24 +47,12 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
-class NativeRows:
-    """Every row of the step for the native stack: row ``r`` sees positions ``[0, context_lens[r])`` of
-    sequence ``row_seq[r]``, whose blocks are ``block_tables[row_seq[r]]``; for a prompt row that is the
-    prompt up to itself (the causal mask), for a decode row its whole context."""
-
-    block_tables: torch.Tensor  # [sequences, max_blocks] int64, padded with block 0
-    row_seq: torch.Tensor  # [rows] int64
-    context_lens: torch.Tensor  # [rows] int64: position + 1
-
-
-@dataclass(slots=True)
 class AttentionMetadata:
     """Built once per step by the executor and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
-    native: NativeRows | None = None  # replaces ``decodes`` and ``prefills`` when the native stack runs
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -21,6 +22,21 @@ from conveyor.core.model_config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")  # the GEMM shapes of a step, by projection
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs as plain lists: row ``r`` holds token ``token_ids[r]`` at ``positions[r]``, writes
+    its K/V to cache slot ``slots[r]`` and belongs to sequence ``row_seq[r]``, whose blocks are
+    ``block_tables[row_seq[r]]``; the LM head runs on ``logit_rows``. The native stack takes them as they are
+    (run_native); the PyTorch path makes tensors of them."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    block_tables: list[list[int]]
+    row_seq: list[int]
+    logit_rows: list[int]
 
 
 class Linear(nn.Linear):
@@ -196,18 +212,21 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states of every token; ``kv_cache`` is [layers, 2, blocks, block_size, kv_heads, head_dim]."""
-        x = self.embed_tokens(input_ids)
         if self.native is not None:
-            x = x.float()  # the native stack's residual stream is float32 whatever the weights' dtype
-            rows = meta.native
-            cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
-            return self.native.forward(
-                x, cos, sin, kv_cache, meta.slot_mapping, rows.block_tables, rows.row_seq, rows.context_lens
-            )
+            raise RuntimeError("this model runs as one native stack (use_native_kernels): step it with run_native")
+        x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         for layer, layer_cache in zip(self.layers, kv_cache):
             x = layer(x, rope, layer_cache, meta)
         return self.norm(x)
+
+    def run_native(self, step: StepInputs, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step on the native stack: the final hidden states of every row and the logits of
+        ``step.logit_rows``, both float32. Embedding, every layer and the LM head run in that one call, and its
+        inputs go in as the lists the executor built: at batch 1 each tensor built, indexed or cast around the
+        call cost a cold cache's worth of time after the weights streamed through."""
+        return self.native.step(step.token_ids, step.positions, kv_cache, step.slots, step.block_tables,
+                                step.row_seq, step.logit_rows)
 
     def use_native_kernels(
         self, kernels: ModuleType, width: int = 256, bfloat16: bool = False,
@@ -217,8 +236,9 @@ class LlamaModel(nn.Module):
         """Pack every projection for the native kernels of ``width`` bits (in bfloat16 if asked: then the KV
         cache the stack is handed must be bfloat16 too) and hand the layers to one native stack, on CPU. The
         layers' plain weights are freed, except where ``torch_rows`` routes a projection (``qkv``, ``o``,
-        ``gate_up``, ``down``, ``lm_head``) at some row counts (inclusive ranges) to torch's own GEMM; the LM
-        head stays a (packed) Linear run from Python, on the sampled rows only. ``fused_swiglu_rows`` replaces
+        ``gate_up``, ``down``, ``lm_head``) at some row counts (inclusive ranges) to torch's own GEMM. The stack
+        runs the LM head on a step's sampled rows (run_native); its packed Linear still serves compute_logits
+        (prompt logprobs). ``fused_swiglu_rows`` replaces
         the stack's own rule for when SwiGLU is fused into the packed gate/up GEMM. Norm weights, biases and
         the rotary tables go to the stack in float32."""
         routes = {name: tuple(ranges) for name, ranges in (torch_rows or {}).items() if ranges}
@@ -244,10 +264,13 @@ class LlamaModel(nn.Module):
                 *(_plain(module, bfloat16) for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                           mlp.down_proj)),
             )
+        # Only a routed LM head hands over its plain weight (a tied one keeps the embedding's, not needed else).
+        head_plain = _plain(self.lm_head, bfloat16) if "lm_head" in routes else _no_weight(bfloat16)
+        self.native.set_io(self.embed_tokens.weight.detach(), self.rotary.cos, self.rotary.sin, self.lm_head.packed,
+                           head_plain)
         for name, ranges in routes.items():
-            if name != "lm_head":  # the LM head runs from Python: its routes are its Linear's torch_rows
-                for lo, hi in ranges:
-                    self.native.route_to_torch(name, lo, hi)
+            for lo, hi in ranges:
+                self.native.route_to_torch(name, lo, hi)
         if fused_swiglu_rows is not None:
             self.native.fuse_swiglu_at(list(fused_swiglu_rows))
 
@@ -304,8 +327,13 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 def _plain(layer: Linear, bfloat16: bool) -> torch.Tensor:
     """A projection's plain weight as the native stack takes it, in the stack's dtype: kept for torch's GEMM,
     else empty."""
-    dtype = torch.bfloat16 if bfloat16 else torch.float32
-    return layer.weight.detach().to(dtype) if layer.weight.numel() else torch.empty(0, dtype=dtype)
+    weight = layer.weight.detach()
+    return weight.to(torch.bfloat16 if bfloat16 else torch.float32) if weight.numel() else _no_weight(bfloat16)
+
+
+def _no_weight(bfloat16: bool) -> torch.Tensor:
+    """The empty tensor the native stack takes for "no plain weight", in its dtype."""
+    return torch.empty(0, dtype=torch.bfloat16 if bfloat16 else torch.float32)
 
 
 def _bias(layer: Linear) -> torch.Tensor:
