@@ -171,7 +171,7 @@ def _stack_errors(kernels, intermediate_size: int, rows: int, torch_rows=None) -
         want = model(ids, positions, want_cache, AttentionMetadata(slots, [], prefills))
         native.use_native_kernels(kernels, 512, bfloat16=True, torch_rows=torch_rows)
         inputs = StepInputs(ids.tolist(), positions.tolist(), slots.tolist(), tables.tolist(), row_seq.tolist(), [])
-        got, _ = native.run_native(inputs, native_cache)
+        got, _, _ = native.run_native(inputs, native_cache)
         other = torch_bf16(ids, positions, bf16_cache, AttentionMetadata(slots, [], prefills))
     assert got.dtype == torch.float32 and native_cache.dtype == torch.bfloat16
     written = native_cache.flatten(2, 3)[:, :, slots], want_cache.flatten(2, 3)[:, :, slots]

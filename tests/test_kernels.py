@@ -279,3 +279,19 @@ def test_kernels_release_the_gil_while_they_compute(kernels):
     # Holding the GIL, the calls would stop this loop for a whole call each; released, only the OS scheduler
     # (two cores shared with the kernel's threads) delays it.
     assert len(gaps) >= 3 and max(gaps) < max(call / 2, 0.02), (call, max(gaps))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 33, 49152])
+def test_argmax_matches_torch_on_ties_nan_and_infinities(kernels, width, n):
+    """The greedy pick the stack makes: torch's argmax, the first of equals, a NaN (the first) winning."""
+    torch.manual_seed(n)
+    x = torch.randn(8, n)
+    x[1] = 0.0  # all equal
+    x[2, [n - 1, n // 2]] = 50.0  # a tie: the first
+    x[3, n - 1] = float("nan")  # a NaN in the tail past the last whole vector
+    x[4, [n // 3, n - 1]] = float("nan")
+    x[5] = float("-inf")
+    x[6, n // 2] = float("inf")
+    assert kernels.argmax(x, width) == x.argmax(dim=-1).tolist()
+    assert kernels.argmax(x[:0], width) == []
+

@@ -143,3 +143,13 @@ def test_a_request_made_elsewhere_is_checked_against_this_models_vocabulary(tiny
     with pytest.raises(ValueError, match="logit_bias: token ids must be below the vocabulary size"):
         engine.add_request(made)
     assert not engine.has_unfinished_requests()
+
+
+def test_an_argmax_handed_in_counts_only_for_unprocessed_logits() -> None:
+    """The native stack hands the sampler each row's argmax of the raw logits: a greedy batch takes it as
+    it is, and a batch whose logits a bias changes picks from the changed logits instead."""
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    plain = SamplingParams(temperature=0.0, max_tokens=4)
+    biased = SamplingParams(temperature=0.0, max_tokens=4, logit_bias={3: 10.0})
+    assert Sampler().sample_batch(logits.clone(), [scheduled(0, plain, [2], [])], argmax=[1])[0] == [1]
+    assert Sampler().sample_batch(logits.clone(), [scheduled(0, biased, [2], [])], argmax=[1])[0] == [3]

@@ -52,7 +52,8 @@ def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tabl
         model.use_native_kernels(kernels, width, torch_rows=torch_rows, fused_swiglu_rows=fused_swiglu_rows)
         inputs = StepInputs(ids.tolist(), positions.tolist(), slots.tolist(), tables.tolist(), row_seq.tolist(),
                             logit_rows)
-        got, got_logits = model.run_native(inputs, cache)
+        got, got_logits, greedy = model.run_native(inputs, cache)
+    assert greedy == got_logits.argmax(dim=-1).tolist()
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
@@ -179,8 +180,8 @@ def test_a_native_step_refuses_inputs_outside_its_tables(kernels):
     cache = model.zeroed_kv_cache((2, 2, 8, 4, 2, 8), torch.float32, torch.device("cpu"))
     good = dict(token_ids=[5, 6], positions=[0, 1], slots=[12, 13], block_tables=[[3]], row_seq=[0, 0],
                 logit_rows=[1])
-    hidden, logits = model.run_native(StepInputs(**good), cache)
-    assert hidden.shape == (2, 48) and logits.shape == (1, model.config.vocab_size)
+    hidden, logits, greedy = model.run_native(StepInputs(**good), cache)
+    assert hidden.shape == (2, 48) and logits.shape == (1, model.config.vocab_size) and len(greedy) == 1
     cases = {
         "token id 9999 outside the vocabulary": dict(token_ids=[5, 9999]),
         "block 8 outside the cache": dict(block_tables=[[8]]),

@@ -697,6 +697,57 @@ void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* 
   });
 }
 
+// Whether any lane of a comparison's mask is set.
+template <typename I>
+inline bool any_lane(I mask) {
+  bool any = false;
+  for (size_t lane = 0; lane < sizeof(I) / sizeof(int32_t); ++lane) any |= mask[lane] != 0;
+  return any;
+}
+
+// The index of the largest of x[0, n): the first of equals, and the first NaN if there is one (a NaN counts as
+// largest, as torch's and NumPy's argmax have it). A vector pass finds the maximum, a second its first place.
+template <typename V>
+int64_t argmax_row(const float* x, int64_t n) {
+  constexpr int64_t lanes = kLanesOf<V>;
+  using I = typename IntOf<V>::type;
+  V top = splatv<V>(-std::numeric_limits<float>::infinity());
+  I unordered{};
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const V v = loadv<V>(x + i);
+    unordered |= v != v;
+    top = v > top ? v : top;
+  }
+  bool nan = any_lane(unordered);
+  float best = top[0];
+  for (int64_t lane = 1; lane < lanes; ++lane) best = std::max(best, top[lane]);
+  for (; i < n; ++i) {
+    nan |= std::isnan(x[i]);
+    best = x[i] > best ? x[i] : best;
+  }
+  const V best_v = splatv<V>(best);
+  i = 0;
+  for (; i + lanes <= n; i += lanes) {  // skip whole vectors without it
+    const V v = loadv<V>(x + i);
+    if (any_lane(nan ? v != v : v == best_v)) break;
+  }
+  for (; i < n; ++i) {
+    if (nan ? std::isnan(x[i]) : x[i] == best) return i;
+  }
+  return 0;  // n == 0
+}
+
+// argmax_row of each row of x [rows, n], rows shared between the threads.
+template <typename V>
+std::vector<int64_t> argmax_rows(const float* x, int64_t rows, int64_t n) {
+  std::vector<int64_t> out(rows);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) out[row] = argmax_row<V>(x + row * n, n);
+  });
+  return out;
+}
+
 // Copies this step's K and V rows (row_stride apart) into their cache slots.
 // A bf16 cache gets them rounded to nearest even (as torch's .to(torch.bfloat16)).
 inline void store_cache_row(const float* from, int64_t n, float* to) { std::copy(from, from + n, to); }
@@ -1051,6 +1102,17 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up, int64_t width) {
   return out;
 }
 
+// The index of each row's largest value in x [rows, n] float32 (the first of equals; a NaN counts as largest).
+std::vector<int64_t> argmax(const torch::Tensor& x, int64_t width) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  auto xc = x.contiguous();
+  std::vector<int64_t> out;
+  with_path(width, [&](auto path) {
+    out = argmax_rows<typename decltype(path)::Vec>(xc.data_ptr<float>(), xc.size(0), xc.size(1));
+  });
+  return out;
+}
+
 // ----- The whole decoder stack in one call -----
 
 // y [m, n] = x [m, k] . W^T (+ bias) through torch's own GEMM, on the plain weight [n, k] (float32 or bf16: then
@@ -1162,8 +1224,9 @@ class NativeLlama {
   // into block_tables, one table per sequence), and logit_rows, the rows the LM head runs on. A row sees
   // positions [0, position] of its sequence: a decode row its whole context, a prompt row the prompt up to
   // itself. kv_cache is [layers, 2, blocks, block_size, KVH, D]. Returns the final-normed hidden states
-  // [T, hidden] and the logits [logit rows, vocab], both float32.
-  std::tuple<torch::Tensor, torch::Tensor> step(const std::vector<int64_t>& token_ids,
+  // [T, hidden] and the logits [logit rows, vocab], both float32, and each logit row's argmax (the greedy
+  // token, taken while the logits are still in cache).
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>> step(const std::vector<int64_t>& token_ids,
                                                 const std::vector<int64_t>& positions, torch::Tensor& kv_cache,
                                                 const std::vector<int64_t>& slots,
                                                 const std::vector<std::vector<int64_t>>& block_tables,
@@ -1199,12 +1262,14 @@ class NativeLlama {
                     slots.data(), tables.ids.data(), tables.width, row_seq.data(), context_lens.data()};
     auto out = torch::empty({tokens, hidden_}, x.options());
     torch::Tensor logits;
+    std::vector<int64_t> greedy;
     with_gemm_path(width_, bf16_, [&](auto path) {
       using P = decltype(path);
       run<P>(step, out.data_ptr<float>());
       logits = lm_head_logits<P>(out, logit_rows);
+      greedy = argmax_rows<typename P::Vec>(logits.data_ptr<float>(), logits.size(0), logits.size(1));
     });
-    return {out, logits};
+    return {out, logits, greedy};
   }
 
  private:
@@ -1411,6 +1476,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("n"), arg("max_rows") = 0, release_gil());
   m.def("packed_swiglu", &packed_swiglu, "silu(x . Wg^T) * (x . Wu^T), gate and up packed as one weight",
         arg("x"), arg("packed"), arg("intermediate"), release_gil());
+  m.def("argmax", &argmax, "the index of each row's largest value (first of equals; NaN counts as largest)",
+        arg("x"), arg("width") = 256, release_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", arg("x"), arg("weight"), arg("eps"),
         arg("width") = 256, release_gil());
   m.def("rotary_embedding", &rotary_embedding, "rotary embedding of q and k, in place", arg("q"), arg("k"),

@@ -52,10 +52,12 @@ class Sampler:
         self._seeded = torch.Generator()
 
     def sample_batch(
-        self, logits: torch.Tensor, batch: list[ScheduledRequest], constrain: Constrain | None = None
+        self, logits: torch.Tensor, batch: list[ScheduledRequest], constrain: Constrain | None = None,
+        argmax: list[int] | None = None,
     ) -> tuple[list[int], dict[int, TokenLogprob]]:
         """The token of each row of ``logits`` [len(batch), vocab], and the logprobs of the rows that asked
-        (row -> TokenLogprob), taken from the logits before anything changed them."""
+        (row -> TokenLogprob), taken from the logits before anything changed them. ``argmax``: each row's
+        argmax of these logits, where the caller has it already (the native stack's)."""
         params = [item.sampling_params for item in batch]
         logprob_rows = [row for row, p in enumerate(params) if p.logprobs is not None]
         raw = logits[torch.tensor(logprob_rows, dtype=torch.long, device=logits.device)] if logprob_rows else None
@@ -63,16 +65,21 @@ class Sampler:
             if constrain is not None and any(p.structured_output is not None for p in params):
                 constrain(logits, batch)
             apply_processors(logits, batch)
-        tokens = self.sample(logits, params, [item.num_output_tokens for item in batch])
+            argmax = None  # of the logits as they were
+        tokens = self.sample(logits, params, [item.num_output_tokens for item in batch], argmax)
         if raw is None:
             return tokens, {}
         num_top = [params[row].logprobs or 0 for row in logprob_rows]
         found = token_logprobs(raw, [tokens[row] for row in logprob_rows], num_top)
         return tokens, dict(zip(logprob_rows, found))
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int]) -> list[int]:
-        """``logits`` [n, vocab] float32; ``token_indices[i]`` = how many tokens row i's request already output."""
-        greedy = argmax_rows(logits)
+    def sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], token_indices: list[int],
+        argmax: list[int] | None = None,
+    ) -> list[int]:
+        """``logits`` [n, vocab] float32; ``token_indices[i]`` = how many tokens row i's request already output;
+        ``argmax``, where given, each row's argmax of ``logits``."""
+        greedy = list(argmax) if argmax is not None else argmax_rows(logits)
         if all(p.greedy for p in params):
             return greedy
         cpu_logits = logits.cpu()

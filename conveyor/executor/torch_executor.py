@@ -58,9 +58,10 @@ class TorchExecutor:
         self.last_logprobs: dict[str, TokenLogprob] = {}
         self.last_prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Run one step; return the token sampled for each request whose chunk ended at its last token."""
+        """Run one step; return the token sampled for each request whose chunk ended at its last token. (No
+        inference_mode around it: the loaded model's weights need no gradient, and entering and leaving the
+        mode took 40 us of a batch-1 step, its code cold after the weights streamed through.)"""
         self._swap(output)
         self.last_logprobs, self.last_prompt_logprobs = {}, {}
         if self._forget is not None and output.finished_request_ids:
@@ -69,15 +70,16 @@ class TorchExecutor:
             return {}
         batch = sorted(output.scheduled, key=_row_order)
         inputs = self._inputs(batch)
+        argmax = None
         if self.model.native is not None:  # the whole model in one native call (LlamaModel.use_native_kernels)
-            hidden, logits = self.model.run_native(inputs, self.kv_cache)
+            hidden, logits, argmax = self.model.run_native(inputs, self.kv_cache)
         else:
             hidden, logits = self._run_torch(batch, inputs)
         self._prompt_logprobs(batch, hidden)
         sampled = [item for item in batch if item.samples_token]
         if not sampled:
             return {}
-        tokens, logprobs = self.sampler.sample_batch(logits, sampled, self._constrain)
+        tokens, logprobs = self.sampler.sample_batch(logits, sampled, self._constrain, argmax)
         self.last_logprobs = {sampled[row].request_id: found for row, found in logprobs.items()}
         return {s.request_id: t for s, t in zip(sampled, tokens)}
 
@@ -120,6 +122,7 @@ class TorchExecutor:
                 inputs.logit_rows.append(len(inputs.token_ids) - 1)
         return inputs
 
+    @torch.inference_mode()
     def _run_torch(self, batch: list[ScheduledRequest], inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The model in PyTorch ops: the final hidden states, and the logits of the rows that sample."""
         meta = self._torch_metadata(batch, self._tensor(inputs.slots))

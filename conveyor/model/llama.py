@@ -220,9 +220,10 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, layer_cache, meta)
         return self.norm(x)
 
-    def run_native(self, step: StepInputs, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_native(self, step: StepInputs, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """One step on the native stack: the final hidden states of every row and the logits of
-        ``step.logit_rows``, both float32. Embedding, every layer and the LM head run in that one call, and its
+        ``step.logit_rows``, both float32, and each logit row's argmax (its greedy token, found while the logits
+        were in cache). Embedding, every layer and the LM head run in that one call, and its
         inputs go in as the lists the executor built: at batch 1 each tensor built, indexed or cast around the
         call cost a cold cache's worth of time after the weights streamed through."""
         return self.native.step(step.token_ids, step.positions, kv_cache, step.slots, step.block_tables,
