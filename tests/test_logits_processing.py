@@ -153,3 +153,15 @@ def test_an_argmax_handed_in_counts_only_for_unprocessed_logits() -> None:
     biased = SamplingParams(temperature=0.0, max_tokens=4, logit_bias={3: 10.0})
     assert Sampler().sample_batch(logits.clone(), [scheduled(0, plain, [2], [])], argmax=[1])[0] == [1]
     assert Sampler().sample_batch(logits.clone(), [scheduled(0, biased, [2], [])], argmax=[1])[0] == [3]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+def test_processed_logits_with_logprobs_on_either_model_path(tiny_model_dir: Path, kernels: str) -> None:
+    """Bias, penalties, logprobs and prompt logprobs change or read the logits in place on the PyTorch path
+    (whose tensors come from inference mode) and on the native stack alike."""
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=128, kernels=kernels)
+    params = SamplingParams(temperature=0.0, max_tokens=6, logit_bias={5: 100.0}, presence_penalty=0.5,
+                            repetition_penalty=1.2, logprobs=2, prompt_logprobs=1)
+    out = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)[0]
+    assert out.token_ids == [5] * 6
+    assert len(out.logprobs) == 6 and len(out.prompt_logprobs) == 4

@@ -60,8 +60,8 @@ class TorchExecutor:
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the token sampled for each request whose chunk ended at its last token. (No
-        inference_mode around it: the loaded model's weights need no gradient, and entering and leaving the
-        mode took 40 us of a batch-1 step, its code cold after the weights streamed through.)"""
+        grad mode set around it all: the loaded model's weights need no gradient, and entering and leaving
+        inference_mode took 40 us of a batch-1 step, its code cold after the weights streamed through.)"""
         self._swap(output)
         self.last_logprobs, self.last_prompt_logprobs = {}, {}
         if self._forget is not None and output.finished_request_ids:
@@ -122,7 +122,7 @@ class TorchExecutor:
                 inputs.logit_rows.append(len(inputs.token_ids) - 1)
         return inputs
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the sampler changes these logits in place after it has ended
     def _run_torch(self, batch: list[ScheduledRequest], inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The model in PyTorch ops: the final hidden states, and the logits of the rows that sample."""
         meta = self._torch_metadata(batch, self._tensor(inputs.slots))
