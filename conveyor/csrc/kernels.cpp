@@ -8,8 +8,10 @@
 // 2. Attention straight over the paged KV cache. Each query row reads its own
 //    context through its sequence's block table; nothing is gathered into a
 //    padded copy, and decode rows and prompt rows of any length share one call.
-// 3. The whole decoder stack (NativeLlama) in one call per step, so that no
-//    Python or tensor dispatch runs between the thirty layers' kernels.
+// 3. The whole model (NativeLlama: embedding, the thirty layers, the LM head
+//    on the sampled rows and their argmax) in one call per step, on inputs
+//    handed over as plain lists, so that no Python or tensor dispatch runs
+//    between the kernels, nor around them.
 //
 // Vectors are GCC/Clang vector extensions rather than intrinsics, so the same
 // source builds for AVX2 or NEON with -march=native. Every kernel comes in two
