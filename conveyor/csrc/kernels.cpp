@@ -1311,19 +1311,14 @@ class NativeLlama {
   torch::Tensor embed(const std::vector<int64_t>& token_ids) const {
     const int64_t vocab = embedding_.size(0);
     for (const int64_t id : token_ids) TORCH_CHECK(id >= 0 && id < vocab, "token id ", id, " outside the vocabulary");
-    auto ids = torch::from_blob(const_cast<int64_t*>(token_ids.data()), {static_cast<int64_t>(token_ids.size())},
-                                torch::kInt64);
-    return embedding_.index_select(0, ids).to(torch::kFloat32).contiguous();
+    return rows_of(embedding_, token_ids).to(torch::kFloat32);
   }
 
-  // Rows `index` of a float32 table, [index.size(), columns].
+  // Rows `index` of a table [rows, columns], contiguous [index.size(), columns] in the table's dtype.
   static torch::Tensor rows_of(const torch::Tensor& table, const std::vector<int64_t>& index) {
-    auto out = torch::empty({static_cast<int64_t>(index.size()), table.size(1)}, table.options());
-    const int64_t columns = table.size(1);
-    for (size_t i = 0; i < index.size(); ++i) {
-      std::copy_n(table.data_ptr<float>() + index[i] * columns, columns, out.data_ptr<float>() + i * columns);
-    }
-    return out;
+    auto ids = torch::from_blob(const_cast<int64_t*>(index.data()), {static_cast<int64_t>(index.size())},
+                                torch::kInt64);
+    return table.index_select(0, ids);
   }
 
   // The LM head on rows `rows` of the final hidden states: the packed kernels, or torch's GEMM where routed.
