@@ -18,6 +18,7 @@ from conveyor.model.kernels import (
     build_key,
     compiler_target,
     load_built,
+    source_bytes,
     wait_for_build_lock,
 )
 
@@ -33,6 +34,18 @@ def test_the_key_changes_with_the_target_isa_and_with_everything_else_the_binary
     assert build_key(b"source", AVX2, "2.14.0", "cpython-311") != base
     assert build_key(b"source", AVX2, "2.13.0", "cpython-312") != base
     assert build_key(b"source", AVX2, "2.13.0", "cpython-311") == base
+
+
+def test_the_sources_a_key_covers_are_the_unit_and_every_header_beside_it(tmp_path: Path) -> None:
+    unit = tmp_path / "kernels.cpp"
+    unit.write_text('#include "vec.h"')
+    (tmp_path / "vec.h").write_text("int f();")
+    before = source_bytes(unit)
+    (tmp_path / "vec.h").write_text("int g();")
+    assert source_bytes(unit) != before, "a header's change must make a new build"
+    (tmp_path / "gemm.h").write_text("")
+    assert b"gemm.h" in source_bytes(unit), "a new header counts too"
+    assert b"vec.h" in source_bytes(), "the package's own unit has headers"
 
 
 def test_the_compiler_target_names_this_cpus_instruction_set() -> None:

@@ -1,9 +1,9 @@
-"""The native CPU kernels (``conveyor/csrc/kernels.cpp``), built on first use and cached.
+"""The native CPU kernels (``conveyor/csrc``: kernels.cpp and its headers), built on first use and cached.
 
 The build takes about a minute once per machine and source version; later
 starts load it in a fraction of a second. The build folder lives in
 Conveyor's cache directory under a key of everything the binary depends on:
-the source, the instruction set the compiler targets (``-march=native``
+the sources, the instruction set the compiler targets (``-march=native``
 means different code on an AVX2 and an AVX-512 CPU, and a cache shared
 between machines must never hand one the other's binary: that ends in
 SIGILL, which no ``except`` catches), the compiler, torch and the Python
@@ -36,8 +36,8 @@ from types import ModuleType
 from conveyor.core.cache_dir import cache_dir
 
 logger = logging.getLogger("conveyor")
-NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # attention is unrolled for these (kernels.cpp, attend_fn)
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"
+NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # attention is unrolled for these (csrc/attention.h, attend_fn)
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"  # the one translation unit
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LOCK_NAME = "lock"  # torch.utils.cpp_extension's build lock, in the build folder
 STALE_LOCK_S = 600.0  # a build takes one or two minutes; a lock this old was left by a killed one
@@ -69,6 +69,13 @@ def compiler_target(compiler: str | None = None) -> str:
 def _target_options(cc1_line: str) -> list[str]:
     """The target-specific options of a cc1 command line (-march=..., -mavx2, -mno-avx512f, --param cache sizes)."""
     return [option for option in cc1_line.split() if option.startswith(("-march=", "-mtune=", "-m"))]
+
+
+def source_bytes(source: Path | None = None) -> bytes:
+    """The translation unit and every header beside it, in a fixed order: what the build compiles."""
+    source = source or SOURCE
+    files = [source, *sorted(source.parent.glob("*.h"))]
+    return b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in files)
 
 
 def build_key(source: bytes, target: str, torch_version: str, python_abi: str) -> str:
@@ -128,7 +135,7 @@ def native_kernels() -> ModuleType | None:
     import torch
     from torch.utils.cpp_extension import load
 
-    key = build_key(SOURCE.read_bytes(), compiler_target(), torch.__version__, sys.implementation.cache_tag)
+    key = build_key(source_bytes(), compiler_target(), torch.__version__, sys.implementation.cache_tag)
     build_dir = cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
     name = f"conveyor_kernels_{key}"

@@ -1,0 +1,369 @@
+// The whole model in one call per step: the token embedding, every decoder layer, the LM head on the rows that
+// are sampled and each logit row's argmax, on inputs handed over as plain lists, so that no Python or tensor
+// dispatch runs between the kernels, nor around them.
+//
+// Inside the stack, a projection can hand some row counts to torch's own GEMM (oneDNN / MKL, and AMX for bf16
+// where the CPU has it) on a plain copy of its weight: `--kernels auto` times both once per machine and
+// routes each (projection, row count class) to the faster (NativeLlama::route_to_torch).
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "attention.h"
+#include "gemm.h"
+#include "rows.h"
+#include "tensors.h"
+
+namespace conveyor {
+
+// y [m, n] = x [m, k] . W^T (+ bias) through torch's own GEMM, on the plain weight [n, k] (float32 or bf16: then
+// x is rounded to bf16 for the product, as F.linear on bf16 weights does). x and y stay float32.
+inline void torch_linear(const float* x, int64_t m, int64_t k, const torch::Tensor& weight,
+                         const torch::Tensor& bias, float* y) {
+  auto xt = torch::from_blob(const_cast<float*>(x), {m, k});
+  auto yt = torch::from_blob(y, {m, weight.size(0)});
+  if (weight.scalar_type() == torch::kFloat32) {
+    if (bias.numel() == 0) {
+      at::mm_out(yt, xt, weight.t());
+    } else {
+      at::addmm_out(yt, bias, xt, weight.t());
+    }
+    return;
+  }
+  yt.copy_(at::linear(xt.to(weight.scalar_type()), weight));
+  if (bias.numel() != 0) yt.add_(bias);
+}
+
+// A Llama-family decoder's layers on packed weights. One forward runs every layer for a flat batch of
+// prompt and decode rows: in eager PyTorch the same step is about twelve dispatches per layer, each costing
+// Python and allocator time that at batch 1 adds up to a third of the step. With bfloat16, its weights are
+// packed bf16 and its KV cache is bf16; norms, biases and everything computed stay float32.
+class NativeLlama {
+ public:
+  NativeLlama(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
+              torch::Tensor final_norm, int64_t width, bool bfloat16)
+      : heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(hidden), intermediate_(intermediate),
+        eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()), width_(width), bf16_(bfloat16) {
+    TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+    with_gemm_path(width, bfloat16, [](auto) {});  // refuses a width (or bf16) this build lacks
+    TORCH_CHECK(attend_fn<v8>(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
+    check_float_rows(final_norm_, "final_norm");
+  }
+
+  // Weights packed by pack_linear_weight for this stack's width and dtype; norms and biases float32 (a bias
+  // may be an empty tensor). A projection that route_to_torch will send to torch's GEMM also needs its plain
+  // weight [N, K] (float32, or bf16 on a bf16 stack); the others take an empty tensor.
+  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o,
+                 torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor gate_up_bias, torch::Tensor down,
+                 torch::Tensor down_bias, torch::Tensor qkv_plain, torch::Tensor o_plain, torch::Tensor gate_up_plain,
+                 torch::Tensor down_plain) {
+    const int64_t qkv_width = (heads_ + 2 * kv_heads_) * dim_;
+    Layer layer{input_norm.contiguous(), post_norm.contiguous(),
+                {projection(qkv, qkv_bias, qkv_plain, hidden_, qkv_width),
+                 projection(o, torch::empty({0}), o_plain, heads_ * dim_, hidden_),
+                 projection(gate_up, gate_up_bias, gate_up_plain, hidden_, 2 * intermediate_),
+                 projection(down, down_bias, down_plain, intermediate_, hidden_)}};
+    for (const auto* t : {&layer.input_norm, &layer.post_norm}) {
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
+    }
+    for (size_t which = 0; which < kProjections; ++which) {
+      TORCH_CHECK(torch_rows_[which].empty() || layer.projections[which].plain.numel() > 0, kProjectionNames[which],
+                  " is routed to torch's GEMM: every layer needs its plain weight");
+    }
+    layers_.push_back(std::move(layer));
+  }
+
+  // From now on, steps of lo..hi rows (inclusive) run projection `name` (qkv, o, gate_up or down) on torch's
+  // GEMM instead of the packed kernels; for lm_head, LM heads over lo..hi logit rows do. Every layer added so
+  // far (or set_io, for lm_head) must have handed that projection's plain weight.
+  void route_to_torch(const std::string& name, int64_t lo, int64_t hi) {
+    TORCH_CHECK(lo >= 1 && lo <= hi, "rows ", lo, "..", hi, " is no range of row counts");
+    if (name == "lm_head") {
+      TORCH_CHECK(lm_head_.plain.numel() > 0, "lm_head has no plain weight to hand torch's GEMM (set_io)");
+      lm_head_torch_rows_.push_back({lo, hi});
+      return;
+    }
+    const auto it = std::find(kProjectionNames.begin(), kProjectionNames.end(), name);
+    TORCH_CHECK(it != kProjectionNames.end(), "no projection named ", name, " (qkv, o, gate_up, down, lm_head)");
+    const auto which = static_cast<size_t>(it - kProjectionNames.begin());
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(layer.projections[which].plain.numel() > 0, name, " has no plain weight to hand torch's GEMM");
+    }
+    torch_rows_[which].push_back({lo, hi});
+  }
+
+  // From now on, SwiGLU is fused into the packed gate/up GEMM at exactly these row counts (inclusive ranges).
+  void fuse_swiglu_at(const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+    fused_rows_.clear();
+    for (const auto& [lo, hi] : ranges) {
+      TORCH_CHECK(lo >= 1 && lo <= hi, "rows ", lo, "..", hi, " is no range of row counts");
+      fused_rows_.push_back({lo, hi});
+    }
+  }
+
+  // What a step's inputs are looked up in, and its last projection: the token embedding [vocab, hidden]
+  // (float32, or bf16 on a bf16 model), the rotary tables cos / sin [positions, head_dim] float32, and the LM
+  // head packed like the layers' projections (its plain weight [vocab, hidden] in the stack's dtype when
+  // route_to_torch sends some row counts of it to torch's GEMM, else empty).
+  void set_io(torch::Tensor embedding, torch::Tensor cos, torch::Tensor sin, torch::Tensor lm_head,
+              torch::Tensor lm_head_plain) {
+    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_ && embedding.is_contiguous() &&
+                    (embedding.scalar_type() == torch::kFloat32 || embedding.scalar_type() == torch::kBFloat16),
+                "the embedding must be a contiguous [vocab, ", hidden_, "] float32 or bfloat16 tensor");
+    check_float_rows(cos, "cos");
+    check_float_rows(sin, "sin");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dim_ && sin.sizes() == cos.sizes(), "cos and sin must be [positions, ",
+                dim_, "]");
+    embedding_ = embedding;
+    cos_ = cos;
+    sin_ = sin;
+    lm_head_ = projection(lm_head, torch::empty({0}), lm_head_plain, hidden_, embedding.size(0));
+  }
+
+  // One step over a flat batch of T rows, its inputs as plain lists (the caller builds no tensor for them):
+  // each row's token and position, the KV slot it writes, which sequence it belongs to (row_seq, an index
+  // into block_tables, one table per sequence), and logit_rows, the rows the LM head runs on. A row sees
+  // positions [0, position] of its sequence: a decode row its whole context, a prompt row the prompt up to
+  // itself. kv_cache is [layers, 2, blocks, block_size, KVH, D]. Returns the final-normed hidden states
+  // [T, hidden] and the logits [logit rows, vocab], both float32, and each logit row's argmax (the greedy
+  // token, taken while the logits are still in cache).
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>> step(const std::vector<int64_t>& token_ids,
+                                                const std::vector<int64_t>& positions, torch::Tensor& kv_cache,
+                                                const std::vector<int64_t>& slots,
+                                                const std::vector<std::vector<int64_t>>& block_tables,
+                                                const std::vector<int64_t>& row_seq,
+                                                const std::vector<int64_t>& logit_rows) {
+    TORCH_CHECK(embedding_.defined(), "set_io must run before the first step");
+    check_cache(kv_cache, "kv_cache", bf16_);
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
+                    kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
+                "kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim]");
+    const int64_t tokens = static_cast<int64_t>(token_ids.size());
+    TORCH_CHECK(positions.size() == token_ids.size() && slots.size() == token_ids.size() &&
+                    row_seq.size() == token_ids.size(),
+                "token_ids, positions, slots and row_seq must have one entry per row");
+    const CacheShape shape{kv_cache.size(3), kv_heads_, dim_};
+    const StepTables tables = step_tables(block_tables, kv_cache.size(2));
+    std::vector<int64_t> context_lens(tokens);
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < kv_cache.size(2) * shape.block_size, "slot ", slots[t],
+                  " outside the cache");
+      TORCH_CHECK(positions[t] >= 0 && positions[t] < cos_.size(0), "position ", positions[t], " outside the ",
+                  cos_.size(0), " the rotary tables cover");
+      TORCH_CHECK(row_seq[t] >= 0 && row_seq[t] < static_cast<int64_t>(block_tables.size()), "row ", t,
+                  " names block table ", row_seq[t], " of ", block_tables.size());
+      context_lens[t] = positions[t] + 1;
+      TORCH_CHECK(context_lens[t] <= static_cast<int64_t>(block_tables[row_seq[t]].size()) * shape.block_size,
+                  "row ", t, ": position ", positions[t], " is past its sequence's blocks");
+    }
+    for (const int64_t row : logit_rows) TORCH_CHECK(row >= 0 && row < tokens, "logit row ", row, " of ", tokens);
+    auto x = embed(token_ids);
+    auto cos = rows_of(cos_, positions), sin = rows_of(sin_, positions);
+    const Step step{tokens, x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), &kv_cache, shape,
+                    slots.data(), tables.ids.data(), tables.width, row_seq.data(), context_lens.data()};
+    auto out = torch::empty({tokens, hidden_}, x.options());
+    torch::Tensor logits;
+    std::vector<int64_t> greedy;
+    with_gemm_path(width_, bf16_, [&](auto path) {
+      using P = decltype(path);
+      run<P>(step, out.data_ptr<float>());
+      logits = lm_head_logits<P>(out, logit_rows);
+      greedy = argmax_rows<typename P::Vec>(logits.data_ptr<float>(), logits.size(0), logits.size(1));
+    });
+    return {out, logits, greedy};
+  }
+
+ private:
+  // One forward's inputs, checked.
+  struct Step {
+    int64_t tokens;
+    float *x;
+    const float *cos, *sin;
+    torch::Tensor* kv_cache;
+    CacheShape shape;
+    const int64_t *slots, *tables;
+    int64_t table_width;
+    const int64_t *row_seq, *context_lens;
+  };
+
+  // A step's block tables, padded with block 0 to the longest, each block checked to lie in the cache.
+  struct StepTables {
+    std::vector<int64_t> ids;
+    int64_t width;
+  };
+
+  static StepTables step_tables(const std::vector<std::vector<int64_t>>& tables, int64_t num_blocks) {
+    int64_t width = 1;
+    for (const auto& table : tables) width = std::max<int64_t>(width, static_cast<int64_t>(table.size()));
+    std::vector<int64_t> ids(tables.size() * width, 0);
+    for (size_t seq = 0; seq < tables.size(); ++seq) {
+      for (size_t i = 0; i < tables[seq].size(); ++i) {
+        const int64_t block = tables[seq][i];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " outside the cache of ", num_blocks);
+        ids[seq * width + i] = block;
+      }
+    }
+    return {std::move(ids), width};
+  }
+
+  // The embedding rows of the step's tokens, float32 [T, hidden] (widened from a bf16 table).
+  torch::Tensor embed(const std::vector<int64_t>& token_ids) const {
+    const int64_t vocab = embedding_.size(0);
+    for (const int64_t id : token_ids) TORCH_CHECK(id >= 0 && id < vocab, "token id ", id, " outside the vocabulary");
+    return rows_of(embedding_, token_ids).to(torch::kFloat32);
+  }
+
+  // Rows `index` of a table [rows, columns], contiguous [index.size(), columns] in the table's dtype.
+  static torch::Tensor rows_of(const torch::Tensor& table, const std::vector<int64_t>& index) {
+    auto ids = torch::from_blob(const_cast<int64_t*>(index.data()), {static_cast<int64_t>(index.size())},
+                                torch::kInt64);
+    return table.index_select(0, ids);
+  }
+
+  // The LM head on rows `rows` of the final hidden states: the packed kernels, or torch's GEMM where routed.
+  template <typename P>
+  torch::Tensor lm_head_logits(const torch::Tensor& hidden, const std::vector<int64_t>& rows) const {
+    const int64_t m = static_cast<int64_t>(rows.size());
+    bool every_row = m == hidden.size(0);  // a batch of decodes samples every row: no gather
+    for (int64_t i = 0; every_row && i < m; ++i) every_row = rows[i] == i;
+    const torch::Tensor x = every_row ? hidden : rows_of(hidden, rows);
+    auto logits = torch::empty({m, lm_head_.n}, hidden.options());
+    if (m == 0) return logits;
+    if (in_ranges(lm_head_torch_rows_, m)) {
+      torch_linear(x.data_ptr<float>(), m, hidden_, lm_head_.plain, lm_head_.bias, logits.data_ptr<float>());
+    } else {
+      linear_rows<P>(x.data_ptr<float>(), m, hidden_, weight_data<P>(lm_head_.packed), lm_head_.n, nullptr,
+                     logits.data_ptr<float>());
+    }
+    return logits;
+  }
+
+  // Every layer and the final norm on path P; out [tokens, hidden].
+  template <typename P>
+  void run(const Step& step, float* out) {
+    using V = typename P::Vec;
+    using C = typename P::Cache;
+    const int64_t tokens = step.tokens;
+    const int64_t q_width = heads_ * dim_, qkv_width = (heads_ + 2 * kv_heads_) * dim_;
+    auto opts = final_norm_.options();
+    auto normed = torch::empty({tokens, hidden_}, opts), qkv = torch::empty({tokens, qkv_width}, opts);
+    auto attn = torch::empty({tokens, q_width}, opts), delta = torch::empty({tokens, hidden_}, opts);
+    // A tile must not straddle gate and up; a gate/up on torch's GEMM goes through memory.
+    const bool fused_swiglu =
+        in_ranges(fused_rows_, tokens) && intermediate_ % P::kTile == 0 && !on_torch(kGateUp, tokens);
+    auto gate_up = torch::empty({fused_swiglu ? 0 : tokens, 2 * intermediate_}, opts);
+    auto act = torch::empty({tokens, intermediate_}, opts);
+    float* xp = step.x;
+    float *np = normed.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *ap = attn.data_ptr<float>();
+    float *dp = delta.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
+    const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
+    const torch::Tensor& kv_cache = *step.kv_cache;
+    const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& w = layers_[l];
+      C* k_cache = static_cast<C*>(kv_cache.data_ptr()) + l * layer_stride;
+      C* v_cache = k_cache + kv_stride;
+      // The previous layer's MLP output joins the residual stream on the way into this layer's norm.
+      rms_norm_rows<V>(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
+      project<P>(w, kQkv, np, tokens, hidden_, qkvp);
+      rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, step.cos, step.sin);
+      write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, step.slots, step.shape,
+                    k_cache, v_cache);
+      // Attention on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
+      attention_rows<v8>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, step.tables, step.table_width,
+                      step.row_seq, step.context_lens, scale, ap);
+      project<P>(w, kO, ap, tokens, q_width, dp);
+      rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
+      if (fused_swiglu) {
+        const Projection& gate_up = w.projections[kGateUp];
+        swiglu_rows<P>(np, tokens, hidden_, weight_data<P>(gate_up.packed), intermediate_,
+                       optional_data(gate_up.bias), actp);
+      } else {
+        project<P>(w, kGateUp, np, tokens, hidden_, gp);
+        silu_and_mul_rows<V>(gp, tokens, intermediate_, actp);
+      }
+      project<P>(w, kDown, actp, tokens, intermediate_, dp);
+    }
+    rms_norm_rows<V>(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_, out);
+  }
+
+  // A layer's projection: its packed weight, bias (float32, or empty) and plain weight (empty unless some row
+  // counts run it on torch's GEMM).
+  struct Projection {
+    torch::Tensor packed, bias, plain;
+    int64_t n;
+  };
+  enum Which : size_t { kQkv, kO, kGateUp, kDown, kProjections };
+  static constexpr std::array<const char*, kProjections> kProjectionNames{"qkv", "o", "gate_up", "down"};
+  struct Layer {
+    torch::Tensor input_norm, post_norm;
+    std::array<Projection, kProjections> projections;
+  };
+  struct RowRange {
+    int64_t lo, hi;
+  };
+
+  Projection projection(const torch::Tensor& packed, const torch::Tensor& bias, const torch::Tensor& plain,
+                        int64_t k, int64_t n) const {
+    check_packed(packed, k, n);
+    TORCH_CHECK(bias.scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
+    TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "a bias of ", n, " expected");
+    const auto plain_dtype = bf16_ ? torch::kBFloat16 : torch::kFloat32;
+    TORCH_CHECK(plain.numel() == 0 || (plain.dim() == 2 && plain.size(0) == n && plain.size(1) == k &&
+                                       plain.scalar_type() == plain_dtype),
+                "a plain weight must be [", n, ", ", k, "] in the stack's dtype, or empty");
+    return {packed, bias.contiguous(), plain.numel() == 0 ? plain : plain.contiguous(), n};
+  }
+
+  void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) const {
+    TORCH_CHECK(packed_width(packed) == width_ && (packed.scalar_type() == torch::kBFloat16) == bf16_ &&
+                    packed.size(1) == packed_inputs(k, bf16_) && packed.is_contiguous() &&
+                    packed.size(0) * packed.size(2) >= n,
+                "a [", n, ", ", k, "] weight packed for ", width_, " bits", bf16_ ? " in bfloat16" : "", " expected");
+  }
+
+  static bool in_ranges(const std::vector<RowRange>& ranges, int64_t rows) {
+    for (const RowRange& range : ranges) {
+      if (rows >= range.lo && rows <= range.hi) return true;
+    }
+    return false;
+  }
+
+  bool on_torch(Which which, int64_t rows) const { return in_ranges(torch_rows_[which], rows); }
+
+  // y [rows, n] = x [rows, k] through a layer's projection: the packed kernels, or torch's GEMM where routed.
+  template <typename P>
+  void project(const Layer& layer, Which which, const float* x, int64_t rows, int64_t k, float* y) const {
+    const Projection& w = layer.projections[which];
+    if (on_torch(which, rows)) return torch_linear(x, rows, k, w.plain, w.bias, y);
+    linear_rows<P>(x, rows, k, weight_data<P>(w.packed), w.n, optional_data(w.bias), y);
+  }
+
+  int64_t heads_, kv_heads_, dim_, hidden_, intermediate_;
+  float eps_;
+  torch::Tensor final_norm_;
+  int64_t width_;
+  bool bf16_;
+  std::vector<Layer> layers_;
+  std::array<std::vector<RowRange>, kProjections> torch_rows_;
+  torch::Tensor embedding_, cos_, sin_;  // set_io's
+  Projection lm_head_;
+  std::vector<RowRange> lm_head_torch_rows_;
+  // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (measured: 5% off
+  // a forward of 64 rows); below that the step is a weight stream, which reads faster as one stream in order
+  // (2% slower fused at 1 and 8 rows). The default; --kernels auto sets what it measures (fuse_swiglu_at).
+  std::vector<RowRange> fused_rows_{{kRowsPerBlock, std::numeric_limits<int64_t>::max()}};
+};
+
+}  // namespace conveyor

@@ -1,0 +1,67 @@
+// Checks at the tensor boundary: what the entry points (kernels.cpp) and the stack (native_llama.h) verify
+// before they hand raw pointers to the kernels, which read through them unchecked.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "gemm.h"
+
+namespace conveyor {
+
+// The width a packed weight was laid out for, from its tile's columns (0: none of ours). A float32 weight is
+// [tiles, K, T]; a bf16 one [tiles, ceil(K / 2), 32, 2].
+inline int64_t packed_width(const torch::Tensor& packed) {
+  if (packed.scalar_type() == torch::kBFloat16) {
+    return has_bfloat16() && packed.dim() == 4 && packed.size(2) == 32 && packed.size(3) == 2 ? 512 : 0;
+  }
+  int64_t width = 0;
+  for (const int64_t w : kernel_widths()) {
+    with_path(w, [&](auto path) {
+      if (packed.dim() == 3 && packed.scalar_type() == torch::kFloat32 && packed.size(2) == decltype(path)::kTile) {
+        width = w;
+      }
+    });
+  }
+  return width;
+}
+
+// The inputs a packed weight of k inputs has in its second dimension (pairs of them for bf16).
+inline int64_t packed_inputs(int64_t k, bool bf16) { return bf16 ? (k + 1) / 2 : k; }
+
+// A tensor's elements as path P's weight (float, or bf16 bits), once its dtype is checked.
+template <typename P>
+const typename P::Weight* weight_data(const torch::Tensor& t) {
+  return static_cast<const typename P::Weight*>(t.data_ptr());
+}
+
+inline const float* optional_data(const torch::Tensor& t) { return t.numel() == 0 ? nullptr : t.data_ptr<float>(); }
+
+inline void check_float_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be a contiguous float32 tensor");
+}
+
+// A KV cache: contiguous, float32 or bfloat16 (bf16 when `bf16`, where the caller knows which).
+inline void check_cache(const torch::Tensor& t, const char* name, bool bf16) {
+  TORCH_CHECK(t.scalar_type() == (bf16 ? torch::kBFloat16 : torch::kFloat32) && t.is_contiguous(), name,
+              " must be a contiguous ", bf16 ? "bfloat16" : "float32", " tensor");
+}
+
+inline torch::Tensor as_int64(const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); }
+
+// Every row must name one of the block tables and a context that table covers: attention_rows reads
+// through both unchecked. All three tensors int64 and contiguous (as_int64).
+inline void check_rows(const torch::Tensor& tables, const torch::Tensor& row_seq,
+                       const torch::Tensor& context_lens, int64_t block_size) {
+  const int64_t* seqs = row_seq.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t row = 0; row < row_seq.numel(); ++row) {
+    TORCH_CHECK(seqs[row] >= 0 && seqs[row] < tables.size(0), "row ", row, " names block table ", seqs[row], " of ",
+                tables.size(0));
+    TORCH_CHECK(lens[row] >= 1 && lens[row] <= tables.size(1) * block_size, "context length outside the block table");
+  }
+}
+
+}  // namespace conveyor
