@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from conveyor.core.cache_dir import make_cache_folder
 from conveyor.core.cpu import this_cpu
 from conveyor.model.kernel_choice import time_candidates
 from conveyor.model.loader import DTYPES
@@ -43,7 +44,7 @@ class MachineFigures:
 
     def save(self, path: Path | None = None) -> Path:
         path = path or machine_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_cache_folder(path.parent)
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
         return path
 

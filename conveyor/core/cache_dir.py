@@ -8,10 +8,30 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+CACHE_ENV = "CONVEYOR_CACHE_DIR"
+
+
+class CacheDirError(OSError):
+    """A folder of Conveyor's cache cannot be created; the message names it and how to choose another."""
+
 
 def cache_dir() -> Path:
     """``$CONVEYOR_CACHE_DIR``, else ``$XDG_CACHE_HOME/conveyor``, else ``~/.cache/conveyor``."""
-    root = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
+    root = os.environ.get(CACHE_ENV) or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "conveyor"
     )
     return Path(root)
+
+
+def make_cache_folder(folder: Path) -> Path:
+    """Create ``folder`` (in the cache) if it is missing. One that cannot be (a file in the way, a read-only
+    disk, no permission) raises CacheDirError naming the folder and CONVEYOR_CACHE_DIR, rather than a bare
+    OSError from deep inside whatever was being cached."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CacheDirError(
+            f"cannot create the folder {folder} ({error.strerror or error}); Conveyor keeps its converted models, "
+            f"compiled kernels and measured figures under {cache_dir()}: set {CACHE_ENV} to a folder it can write"
+        ) from error
+    return folder

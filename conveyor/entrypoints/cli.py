@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from conveyor.bench.workload import WORKLOADS
+from conveyor.core.cache_dir import CacheDirError
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.bench == "throughput":
             return _bench_throughput(args, config)
         return _bench_decode(args, config)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, FileNotFoundError, CacheDirError) as error:
         print(f"conveyor: error: {error}", file=sys.stderr)
         return 2
 

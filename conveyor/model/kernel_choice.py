@@ -32,7 +32,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.cache_dir import cache_dir
+from conveyor.core.cache_dir import cache_dir, make_cache_folder
 from conveyor.core.cpu import this_cpu
 
 logger = logging.getLogger("conveyor")
@@ -255,9 +255,14 @@ def _read(cache: Path) -> dict:
 
 
 def _write(cache: Path, key: str, record: dict) -> None:
-    """Add a record, replacing the file in one rename so that a concurrent reader never sees half of it."""
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    records = _read(cache) | {key: record}
-    partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps(records, indent=1))
-    partial.replace(cache)
+    """Add a record, replacing the file in one rename so that a concurrent reader never sees half of it. A
+    cache that cannot be written costs the next start the measurement again, not this one its engine."""
+    try:
+        make_cache_folder(cache.parent)
+        records = _read(cache) | {key: record}
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        partial.write_text(json.dumps(records, indent=1))
+        partial.replace(cache)
+    except OSError as error:
+        logger.warning("the kernel choice could not be stored in %s (%s); the next start measures it again",
+                       cache, error)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from conveyor.core.cache_dir import cache_dir
+from conveyor.core.cache_dir import cache_dir, make_cache_folder
 
 logger = logging.getLogger("conveyor")
 NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # attention is unrolled for these (csrc/attention.h, attend_fn)
@@ -137,9 +137,9 @@ def native_kernels() -> ModuleType | None:
 
     key = build_key(source_bytes(), compiler_target(), torch.__version__, sys.implementation.cache_tag)
     build_dir = cache_dir() / "kernels" / key
-    build_dir.mkdir(parents=True, exist_ok=True)
     name = f"conveyor_kernels_{key}"
     try:
+        make_cache_folder(build_dir)
         if (built := load_built(name, build_dir)) is not None:
             return built
         wait_for_build_lock(build_dir)
@@ -156,7 +156,7 @@ def native_kernels() -> ModuleType | None:
             build_directory=str(build_dir),
             verbose=os.environ.get("CONVEYOR_VERBOSE_BUILD") == "1",
         )
-    except Exception as error:  # no compiler, no ninja, a stale lock, unsupported platform: run on torch ops
+    except Exception as error:  # no compiler, no ninja, a stale lock, no cache folder: run on torch ops
         logger.warning("native kernels unavailable (%s); using PyTorch ops", error)
         return None
 

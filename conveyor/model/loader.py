@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conveyor.core.cache_dir import cache_dir
+from conveyor.core.cache_dir import cache_dir, make_cache_folder
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.llama import LlamaModel
 
@@ -53,7 +53,7 @@ def _converted_gguf(path: Path) -> Path:
 
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir() / "models" / f"{path.stem}-{key}"
+    target = make_cache_folder(cache_dir() / "models") / f"{path.stem}-{key}"
     if not (target / "config.json").is_file():
         convert_gguf_to_hf(path, target)
     return target
