@@ -57,6 +57,10 @@ class Engine:
         self.config = config
         self.clock = clock
         self.num_threads = config.num_threads or usable_cores()
+        if self.num_threads > usable_cores():
+            logger.warning("--num-threads %d is more than the %d cores this process may use: threads will share "
+                           "cores, and every parallel loop waits for its slowest (expect slower steps)",
+                           self.num_threads, usable_cores())
         torch.set_num_threads(self.num_threads)
         folder = resolve_model(config.model)
         self.model_path = folder
