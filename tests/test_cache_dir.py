@@ -28,6 +28,10 @@ def blocked_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def test_a_folder_that_cannot_be_made_is_named_with_the_way_out(blocked_cache: Path) -> None:
     with pytest.raises(CacheDirError, match=f"{blocked_cache}/models.*set {CACHE_ENV} to a folder it can write"):
         make_cache_folder(blocked_cache / "models")
+    elsewhere = blocked_cache.parent / "another-file"
+    elsewhere.write_text("")
+    with pytest.raises(CacheDirError, match=r"another-file/x \(Not a directory\)$"):
+        make_cache_folder(elsewhere / "x")  # outside the cache: no advice about CONVEYOR_CACHE_DIR
     assert make_cache_folder(blocked_cache.parent / "fine") == blocked_cache.parent / "fine"
 
 

@@ -24,14 +24,15 @@ def cache_dir() -> Path:
 
 
 def make_cache_folder(folder: Path) -> Path:
-    """Create ``folder`` (in the cache) if it is missing. One that cannot be (a file in the way, a read-only
-    disk, no permission) raises CacheDirError naming the folder and CONVEYOR_CACHE_DIR, rather than a bare
-    OSError from deep inside whatever was being cached."""
+    """Create ``folder`` if it is missing. One that cannot be (a file in the way, a read-only disk, no
+    permission) raises CacheDirError naming the folder, and CONVEYOR_CACHE_DIR where it lies in the cache,
+    rather than a bare OSError from deep inside whatever was being cached."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise CacheDirError(
-            f"cannot create the folder {folder} ({error.strerror or error}); Conveyor keeps its converted models, "
-            f"compiled kernels and measured figures under {cache_dir()}: set {CACHE_ENV} to a folder it can write"
-        ) from error
+        message = f"cannot create the folder {folder} ({error.strerror or error})"
+        if folder.is_relative_to(cache_dir()):
+            message += (f"; Conveyor keeps its converted models, compiled kernels and measured figures under "
+                        f"{cache_dir()}: set {CACHE_ENV} to a folder it can write")
+        raise CacheDirError(message) from error
     return folder

@@ -156,7 +156,7 @@ def native_kernels() -> ModuleType | None:
             build_directory=str(build_dir),
             verbose=os.environ.get("CONVEYOR_VERBOSE_BUILD") == "1",
         )
-    except Exception as error:  # no compiler, no ninja, a stale lock, no cache folder: run on torch ops
+    except Exception as error:  # no compiler, ninja, cache folder; a stale lock; another platform: torch ops
         logger.warning("native kernels unavailable (%s); using PyTorch ops", error)
         return None
 
