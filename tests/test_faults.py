@@ -129,8 +129,9 @@ def test_every_request_ends_exactly_once_in_the_ledger(tiny_model_dir, monkeypat
         counts = engine.request_counts()
         assert counts.open == 0 and counts.submitted == len(jobs)
         assert counts.finished + counts.aborted + counts.errored == counts.submitted
-        # The ledger and the callers agree; a caller that left after its last token counts as finished.
-        assert counts.errored == seen.count("errored") > 0
+        # The ledger and the callers agree, but for callers that left: their abort reaches the loop thread
+        # between steps, and a request can finish (after its last token) or fail with its step before then.
+        assert counts.errored >= seen.count("errored") > 0
         assert counts.finished >= seen.count("finished") and counts.aborted <= seen.count("aborted")
         for _ in range(200):  # aborts reach the loop thread between its steps
             if not engine.stats().num_unfinished:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conveyor.model.gguf import _unpermute_rope_rows, convert_gguf_to_hf
-from conveyor.model.loader import default_model_path
+from conveyor.model.loader import conversion_key, default_model_path
 
 # transformers (imported lazily, inside the tests) and huggingface_hub read these once, on import.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -147,3 +147,23 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     order = [h * head_dim + (j % 2) * half + j // 2 for h in range(heads) for j in range(head_dim)]
     assert np.array_equal(_unpermute_rope_rows(hf[order], heads), hf)
     assert np.array_equal(_unpermute_rope_rows(hf[order][:, 0], heads), hf[:, 0])  # 1-D (bias) rows too
+
+
+def test_a_conversion_is_keyed_by_the_files_contents_not_its_place(tmp_path: pathlib.Path, monkeypatch) -> None:
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "cache"))
+    data = bytes(range(256)) * 4096
+    first, second = tmp_path / "a" / GGUF_NAME, tmp_path / "b" / GGUF_NAME
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    os.utime(second, ns=(10**18, 10**18))
+    key = conversion_key(first)
+    assert conversion_key(second) == key, "another install of the same file: the same folder"
+    assert conversion_key(first) == key, "and again, from the remembered digest"
+    for offset in (0, len(data) // 2, len(data) - 1):  # any byte, a header's or a tensor's
+        changed = bytearray(data)
+        changed[offset] ^= 1
+        second.write_bytes(changed)
+        os.utime(second, ns=(10**18 + offset + 1, 10**18 + offset + 1))
+        assert conversion_key(second) != key
+    assert len(conversion_key(MODEL_DIR / GGUF_NAME)) == 12

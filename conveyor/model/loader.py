@@ -48,12 +48,43 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     raise FileNotFoundError(f"model: {str(model)!r} is neither a HF model folder nor a .gguf file")
 
 
+CONVERTER = Path(__file__).with_name("gguf.py")
+
+
+def conversion_key(path: Path) -> str:
+    """What a GGUF file's conversion depends on: the file's contents (SHA-256) and the converter's own source.
+    Not where the file lies or when it was written: a fresh virtual environment, or a reinstall of the same
+    wheel, finds the conversion already made (a key of path and mtime made each of them another half-gigabyte
+    copy). Hashing reads the whole file (0.07 s for the default model's 98 MB, seconds for a large model), so
+    the digest is remembered per file location, size and mtime, and read once."""
+    stat = path.stat()
+    where = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    memo = cache_dir() / "models" / ".digests" / hashlib.sha256(where.encode()).hexdigest()[:16]
+    try:
+        digest = memo.read_text()
+    except OSError:
+        with path.open("rb") as file:
+            digest = hashlib.file_digest(file, "sha256").hexdigest()
+        _remember(memo, digest)
+    return hashlib.sha256(CONVERTER.read_bytes() + digest.encode()).hexdigest()[:12]
+
+
+def _remember(memo: Path, digest: str) -> None:
+    """Store a digest in one rename (a concurrent reader sees all of it or nothing); a cache that cannot be
+    written only costs the next start the hash again."""
+    try:
+        make_cache_folder(memo.parent)
+        partial = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        partial.write_text(digest)
+        partial.replace(memo)
+    except OSError:
+        pass
+
+
 def _converted_gguf(path: Path) -> Path:
     from conveyor.model.gguf import convert_gguf_to_hf
 
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = make_cache_folder(cache_dir() / "models") / f"{path.stem}-{key}"
+    target = make_cache_folder(cache_dir() / "models") / f"{path.stem}-{conversion_key(path)}"
     if not (target / "config.json").is_file():
         convert_gguf_to_hf(path, target)
     return target
