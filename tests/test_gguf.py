@@ -7,13 +7,14 @@ the Q/K row permutation shows up as a parameter mismatch rather than only as bad
 import json
 import os
 import pathlib
+import time
 
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from conveyor.model.gguf import _unpermute_rope_rows, convert_gguf_to_hf
+from conveyor.model.gguf import STALE_PARTIAL_S, _remove_stale_partials, _unpermute_rope_rows, convert_gguf_to_hf
 from conveyor.model.loader import conversion_key, default_model_path
 
 # transformers (imported lazily, inside the tests) and huggingface_hub read these once, on import.
@@ -167,3 +168,42 @@ def test_a_conversion_is_keyed_by_the_files_contents_not_its_place(tmp_path: pat
         os.utime(second, ns=(10**18 + offset + 1, 10**18 + offset + 1))
         assert conversion_key(second) != key
     assert len(conversion_key(MODEL_DIR / GGUF_NAME)) == 12
+
+
+def test_a_killed_conversions_staging_folder_is_removed_and_a_live_ones_kept(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "model"
+    stale, live, other = tmp_path / ".model.partial-0", tmp_path / ".model.partial-1", tmp_path / ".other.partial-0"
+    for folder in (stale, live, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"x")
+    old = time.time() - STALE_PARTIAL_S - 60
+    for entry in (stale, stale / "model.safetensors", other, other / "model.safetensors"):
+        os.utime(entry, (old, old))
+    _remove_stale_partials(out)
+    assert not stale.exists(), "left by a kill: removed"
+    assert live.exists(), "still being written: kept"
+    assert other.exists(), "another model's: not this conversion's to remove"
+
+
+def test_a_second_process_converting_the_same_file_uses_the_first_ones_folder(tmp_path, monkeypatch) -> None:
+    import conveyor.model.gguf as converter
+    from conveyor.model.loader import resolve_model
+
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+
+    def lose_the_race(gguf_path, out_dir):  # the other process publishes first; our rename then fails
+        pathlib.Path(out_dir).mkdir(parents=True)
+        (pathlib.Path(out_dir) / "config.json").write_text("{}")
+        raise OSError(39, "Directory not empty")
+
+    monkeypatch.setattr(converter, "convert_gguf_to_hf", lose_the_race)
+    folder = resolve_model(None)
+    assert (folder / "config.json").read_text() == "{}" and folder.parent == tmp_path / "models"
+
+    def fail(gguf_path, out_dir):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(converter, "convert_gguf_to_hf", fail)
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path / "empty"))
+    with pytest.raises(OSError, match="No space left"):
+        resolve_model(None)

@@ -14,6 +14,7 @@ import math
 import os
 import pathlib
 import shutil
+import time
 import uuid
 from typing import Any
 
@@ -85,6 +86,7 @@ def convert_gguf_to_hf(
     config = _build_config(reader, arch, hparams, tensors, rope_freqs, dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(out)
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex}"
     staging.mkdir()  # unlike tempfile.mkdtemp this honours the umask, so the final folder gets normal permissions
     try:
@@ -374,6 +376,21 @@ def _save_tokenizer(src: pathlib.Path, out: pathlib.Path, max_length: int) -> No
     for key in ("is_local", "local_files_only", "gguf_file"):
         tokenizer.init_kwargs.pop(key, None)
     tokenizer.save_pretrained(str(out), save_jinja_files=False)
+
+
+STALE_PARTIAL_S = 600.0  # a staging folder is written in seconds; one untouched this long was left by a kill
+
+
+def _remove_stale_partials(out: pathlib.Path) -> None:
+    """Delete staging folders of ``out`` that a killed conversion left behind (a kill skips the cleanup below;
+    each can hold a model's worth of bytes). One still being written is newer than STALE_PARTIAL_S: kept."""
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        try:
+            newest = max(entry.stat().st_mtime for entry in [partial, *partial.iterdir()])
+        except OSError:  # gone meanwhile, or not a folder
+            continue
+        if time.time() - newest > STALE_PARTIAL_S:
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def _move_into_place(staging: pathlib.Path, out: pathlib.Path) -> None:

@@ -86,7 +86,13 @@ def _converted_gguf(path: Path) -> Path:
 
     target = make_cache_folder(cache_dir() / "models") / f"{path.stem}-{conversion_key(path)}"
     if not (target / "config.json").is_file():
-        convert_gguf_to_hf(path, target)
+        try:
+            convert_gguf_to_hf(path, target)
+        except OSError:
+            # Another process (a second server started at the same time) converted the same file first: its
+            # folder is this one, and the converter never overwrites it.
+            if not (target / "config.json").is_file():
+                raise
     return target
 
 
