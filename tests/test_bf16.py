@@ -112,13 +112,15 @@ def _reference_attention(query, k_cache, v_cache, tables, row_seq, lens, scale):
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 2, 8), (9, 3, 64), (2, 1, 128)])
 def test_attention_over_a_bf16_cache_matches_sdpa_on_the_rounded_values(bf16, width, block_size, heads, kv_heads,
                                                                            head_dim):
-    """Decode rows of ragged contexts and two prompt chunks (causal) in one call, over a bf16 cache."""
+    """Decode rows of ragged contexts and three prompt chunks (causal) in one call, over a bf16 cache; the
+    last chunk (positions 200..239) long enough for the tiled kernel."""
     torch.manual_seed(block_size + head_dim)
-    cache = torch.randn(2, 200, block_size, kv_heads, head_dim).bfloat16()
-    max_blocks = 160 // block_size
-    tables = torch.stack([torch.randperm(200)[:max_blocks] for _ in range(5)])
-    row_seq = torch.tensor([0, 1, 2] + [3] * 6 + [4] * 4)
-    lens = torch.cat([torch.tensor([1, block_size + 1, 160]), torch.arange(1, 7), torch.arange(40, 44)])
+    cache = torch.randn(2, 400, block_size, kv_heads, head_dim).bfloat16()
+    max_blocks = 320 // block_size
+    tables = torch.stack([torch.randperm(400)[:max_blocks] for _ in range(6)])
+    row_seq = torch.tensor([0, 1, 2] + [3] * 6 + [4] * 4 + [5] * 40)
+    lens = torch.cat([torch.tensor([1, block_size + 1, 160]), torch.arange(1, 7), torch.arange(40, 44),
+                      torch.arange(201, 241)])
     query = torch.randn(len(row_seq), heads, head_dim)
     got = bf16.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5, width)
     want = _reference_attention(query, cache[0].float(), cache[1].float(), tables, row_seq, lens, head_dim**-0.5)

@@ -169,6 +169,25 @@ def test_paged_attention_of_prompt_rows_is_causal(kernels, width):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (2, 1, 128), (3, 1, 96), (6, 2, 8)])
+def test_paged_attention_of_long_prompt_chunks_matches_reference(kernels, width, block_size, heads, kv_heads,
+                                                                  head_dim):
+    """Prompt chunks whose rows see 192 positions or more go through the tiled kernel (blocks of up to 64
+    consecutive rows), the rest row by row: a fresh 250-token prompt (two blocks of each), a 57-row chunk at
+    positions 300..356 after a cached prefix, and decode rows between them."""
+    torch.manual_seed(block_size + head_dim)
+    num_blocks = 1200 // block_size
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    tables = torch.stack([torch.randperm(num_blocks)[: 400 // block_size] for _ in range(4)])
+    row_seq = torch.tensor([0] * 250 + [2] + [1] * 57 + [3])
+    lens = torch.cat([torch.arange(1, 251), torch.tensor([77]), torch.arange(301, 358), torch.tensor([399])])
+    query = torch.randn(len(row_seq), heads, head_dim)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5, width)
+    want = _reference_attention(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_rejects_a_context_past_its_table(kernels):
     cache = torch.randn(2, 8, 4, 1, 8)
     args = torch.tensor([[0, 1]]), torch.tensor([0])

@@ -38,6 +38,23 @@ def offline(tiny_model_dir):
 MESSAGES = [{"role": "user", "content": "Name three rivers."}]
 
 
+def assert_same_logprobs(got, want) -> None:
+    """Equal, but for logprobs to 1e-5: the second of two equal requests finds the first one's prompt blocks
+    cached and computes the rest of its prompt in a batch of another shape, which may change a last bit."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert_same_logprobs(got[key], want[key])
+    elif isinstance(want, list):
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert_same_logprobs(g, w)
+    else:
+        assert got == want
+
+
 def test_chat_logprobs_streamed_equal_unstreamed_equal_offline(client, offline):
     full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0,
                                           logprobs=True, top_logprobs=3)
@@ -52,7 +69,7 @@ def test_chat_logprobs_streamed_equal_unstreamed_equal_offline(client, offline):
                                             logprobs=True, top_logprobs=3, stream=True)
     streamed = [entry for chunk in stream if chunk.choices and chunk.choices[0].logprobs
                 for entry in chunk.choices[0].logprobs.content]
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    assert_same_logprobs([e.model_dump() for e in streamed], [e.model_dump() for e in content])
     prompt = offline.get_tokenizer().apply_chat_template(MESSAGES)
     out = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)[0]
     assert [e.logprob for e in content] == pytest.approx([e.logprob for e in out.logprobs], abs=1e-5)
@@ -72,7 +89,7 @@ def test_completion_logprobs_and_echo_streamed_equal_unstreamed(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.text
     streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [x for s in streamed for x in s.tokens] == logprobs.tokens
-    assert [x for s in streamed for x in s.token_logprobs] == logprobs.token_logprobs
+    assert_same_logprobs([x for s in streamed for x in s.token_logprobs], logprobs.token_logprobs)
     assert [x for s in streamed for x in s.text_offset] == logprobs.text_offset
     plain = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None and full.text == "The quick brown fox" + plain.choices[0].text

@@ -14,6 +14,7 @@
 #include <limits>
 #include <vector>
 
+#include "gemm.h"
 #include "vec.h"
 
 namespace conveyor {
@@ -231,11 +232,194 @@ void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_s
   }
 }
 
+// ----- Prompt rows in tiles -----
+
+// A cache element as float32.
+inline float cache_float(float x) { return x; }
+inline float cache_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// What one thread's prompt tiles work in, reused from tile to tile.
+struct TileScratch {
+  std::vector<float> keys, values, scores, products, out, max, sum;
+};
+
+// One chunk of n positions from `start` of KV head kv, packed as GEMM tiles (zeros past n): keys as one
+// [dim, chunk] tile (position i in column i), values as dim / chunk tiles of [chunk, chunk] (position i in
+// row i). The blocks of the paged cache lie anywhere: each position is looked up in the table.
+template <typename C>
+void pack_chunk(const C* k_cache, const C* v_cache, const int64_t* table, const CacheShape& shape, int64_t kv,
+                int64_t start, int64_t n, int64_t chunk, TileScratch& scratch) {
+  const int64_t dim = shape.dim;
+  std::fill(scratch.keys.begin(), scratch.keys.end(), 0.f);
+  std::fill(scratch.values.begin(), scratch.values.end(), 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = start + i;
+    const int64_t slot = table[pos / shape.block_size] * shape.block_size + pos % shape.block_size;
+    const C* key = k_cache + slot * shape.token_stride() + kv * dim;
+    const C* value = v_cache + slot * shape.token_stride() + kv * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      scratch.keys[d * chunk + i] = cache_float(key[d]);
+      scratch.values[(d / chunk) * chunk * chunk + i * chunk + d % chunk] = cache_float(value[d]);
+    }
+  }
+}
+
+// Folds one chunk's scores for `rows` rows of query head h from tile row `row0` (rows x chunk, unscaled,
+// positions from `start`) into their running max and sum, and turns them into weights in place: tile row r
+// sees positions up to first + r, the rest weigh 0. What was accumulated before is rescaled to the new max
+// (once a row has seen position 0 its max is finite).
+template <typename V>
+inline void online_softmax(TileScratch& scratch, int64_t tile_rows, int64_t row0, int rows, int64_t first,
+                           int64_t start, int64_t chunk, float scale, int64_t h, int64_t padded) {
+  constexpr int64_t lanes = kLanesOf<V>;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t row = row0 + r;
+    float* s = scratch.scores.data() + r * chunk;
+    const int64_t seen = std::clamp<int64_t>(first + row + 1 - start, 0, chunk);  // this chunk's positions it sees
+    if (seen == 0) {
+      std::fill(s, s + chunk, 0.f);
+      continue;
+    }
+    float& top = scratch.max[h * tile_rows + row];
+    float& total = scratch.sum[h * tile_rows + row];
+    float chunk_top = -std::numeric_limits<float>::infinity();
+    if (seen == chunk) {
+      V lane_top = loadv<V>(s);
+      for (int64_t i = lanes; i < chunk; i += lanes) {
+        const V next = loadv<V>(s + i);
+        lane_top = next > lane_top ? next : lane_top;
+      }
+      for (int64_t lane = 0; lane < lanes; ++lane) chunk_top = std::max(chunk_top, lane_top[lane]);
+    } else {  // the last chunk a row sees: the positions past it weigh exp(-inf), nothing
+      for (int64_t i = 0; i < seen; ++i) chunk_top = std::max(chunk_top, s[i]);
+      std::fill(s + seen, s + chunk, -std::numeric_limits<float>::infinity());
+    }
+    const float new_top = std::max(top, chunk_top * scale);  // scale > 0: the max of the scaled scores
+    const float rescale = std::exp(top - new_top);            // exp(-inf) = 0 before the first chunk
+    V added{};
+    for (int64_t i = 0; i < chunk; i += lanes) {
+      const V e = expv(loadv<V>(s + i) * scale - new_top);
+      storev(s + i, e);
+      added += e;
+    }
+    std::fill(s + seen, s + chunk, 0.f);  // expv floors at e^-87 (1e-38), which these add to the sum at most
+    total = total * rescale + sumv(added);
+    top = new_top;
+    if (rescale != 1.f) {
+      float* o = scratch.out.data() + (h * tile_rows + row) * padded;
+      for (int64_t d = 0; d < padded; d += lanes) storev(o + d, loadv<V>(o + d) * rescale);
+    }
+  }
+}
+
+// Attention of `rows` consecutive prompt rows of one sequence (the first at position `first`, row r seeing
+// positions [0, first + r]) as small GEMMs on the GEMM path's micro-kernel, flash-attention style: for each
+// chunk of P::kTile positions and each KV head, the chunk's keys and values are packed as GEMM tiles once and
+// serve every row of the block for all the head's query heads, in register tiles of P::kMaxRows rows: S = Q
+// K^T (rows x chunk), an online softmax that rescales what came before, and O += P V. Per row, attend_row
+// computes each score as its own dot product summed across lanes; here a score is one lane of a register
+// tile, and a key is read once per block of rows rather than once per query head and row. q and out point at
+// the first row's head 0, row_stride and out_stride apart.
+template <typename P, typename C>
+void attend_prompt_tile(const float* q, int64_t row_stride, int64_t rows, int64_t first, const C* k_cache,
+                        const C* v_cache, const int64_t* table, const CacheShape& shape, int64_t group, float scale,
+                        float* out, int64_t out_stride, TileScratch& scratch) {
+  constexpr int64_t chunk = P::kTile;
+  const int64_t dim = shape.dim, dim_tiles = (dim + chunk - 1) / chunk, padded = dim_tiles * chunk;
+  scratch.keys.resize(dim * chunk);
+  scratch.values.resize(dim_tiles * chunk * chunk);
+  scratch.scores.resize(P::kMaxRows * chunk);
+  scratch.products.resize(P::kMaxRows * padded);
+  scratch.out.resize(group * rows * padded);
+  scratch.max.resize(group * rows);
+  scratch.sum.resize(group * rows);
+  for (int64_t kv = 0; kv < shape.kv_heads; ++kv) {
+    std::fill(scratch.out.begin(), scratch.out.end(), 0.f);
+    std::fill(scratch.max.begin(), scratch.max.end(), -std::numeric_limits<float>::infinity());
+    std::fill(scratch.sum.begin(), scratch.sum.end(), 0.f);
+    for (int64_t start = 0; start < first + rows; start += chunk) {
+      pack_chunk(k_cache, v_cache, table, shape, kv, start, std::min(chunk, first + rows - start), chunk, scratch);
+      // Register tiles of rows from the first that sees this chunk (position start: row start - first).
+      for (int64_t row0 = std::max<int64_t>(0, (start - first) / P::kMaxRows * P::kMaxRows); row0 < rows;
+           row0 += P::kMaxRows) {
+        const int tile_rows = static_cast<int>(std::min<int64_t>(P::kMaxRows, rows - row0));
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = q + row0 * row_stride + (kv * group + h) * dim;
+          tile_fn<P>(tile_rows)(qh, row_stride, scratch.keys.data(), dim, scratch.scores.data(), chunk, chunk);
+          online_softmax<typename P::Vec>(scratch, rows, row0, tile_rows, first, start, chunk, scale, h, padded);
+          for (int64_t j = 0; j < dim_tiles; ++j) {
+            tile_fn<P>(tile_rows)(scratch.scores.data(), chunk, scratch.values.data() + j * chunk * chunk, chunk,
+                                  scratch.products.data() + j * chunk, padded, chunk);
+          }
+          float* o = scratch.out.data() + (h * rows + row0) * padded;
+          for (int64_t i = 0; i < tile_rows * padded; ++i) o[i] += scratch.products[i];
+        }
+      }
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.f / scratch.sum[h * rows + r];
+        const float* o = scratch.out.data() + (h * rows + r) * padded;
+        float* dst = out + r * out_stride + (kv * group + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = o[d] * inv;
+      }
+    }
+  }
+}
+
+// A work item of attention_rows: `rows` rows from `row` (more than one: a prompt tile), or part `part` of one
+// row's context.
+struct RowRun {
+  int64_t row, rows, part;
+};
+
+// Every row in `parts` parts, row-major (item row * parts + part).
+inline std::vector<RowRun> single_rows(int64_t rows, int64_t parts) {
+  std::vector<RowRun> items;
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t part = 0; part < parts; ++part) items.push_back({row, 1, part});
+  }
+  return items;
+}
+
+// A block of prompt rows goes through attend_prompt_tile where its last row sees this many positions; below,
+// its rows go one at a time. Prefill of 8 prompts at once, tiles against rows (Zen 4, 2 threads): 0.98x at
+// 128 tokens, 1.02x at 256, 1.03x at 512, 1.13x at 1536.
+constexpr int64_t kTileMinContext = 192;
+
+// The rows in blocks: consecutive rows of one sequence at consecutive positions (a prompt chunk) go up to
+// max_rows at a time, where the block's last row sees kTileMinContext positions or more (attend_prompt_tile);
+// other rows (a decode, a short prompt's) are items of their own.
+inline std::vector<RowRun> prompt_tiles(int64_t rows, const int64_t* row_seq, const int64_t* context_lens,
+                                        int64_t max_rows) {
+  std::vector<RowRun> items;
+  for (int64_t row = 0; row < rows;) {
+    int64_t n = 1;
+    while (row + n < rows && n < max_rows && row_seq[row + n] == row_seq[row] &&
+           context_lens[row + n] == context_lens[row] + n) {
+      ++n;
+    }
+    if (n > 1 && context_lens[row + n - 1] >= kTileMinContext) {
+      items.push_back({row, n, 0});
+    } else {
+      for (int64_t i = 0; i < n; ++i) items.push_back({row + i, 1, 0});
+    }
+    row += n;
+  }
+  return items;
+}
+
 // Attention of every query row over the paged cache: row r belongs to the sequence whose block table is
 // tables[row_seq[r]] and sees positions [0, context_lens[r]). A decode row is one query at the end of its
 // context; the rows of a prompt chunk each see the prompt up to themselves, which makes the mask causal.
-// query rows are row_stride apart, heads contiguous within a row; out is [rows, heads * dim].
-template <typename V, typename C>
+// query rows are row_stride apart, heads contiguous within a row; out is [rows, heads * dim]. Rows one at a
+// time run on vectors V, prompt chunks in tiles on the float32 GEMM path P (attend_prompt_tile).
+template <typename V, typename P, typename C>
 void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const C* k_cache,
                     const C* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
                     const int64_t* row_seq, const int64_t* context_lens, float scale, float* out) {
@@ -245,27 +429,39 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
   // A whole row per work item when there are rows enough to share out; otherwise each row's context in one
   // run of whole blocks per thread, merged after (one row, 2 threads: each reads half the K and V, in order;
   // split by KV head instead, 3 of them took 1.5x as long, each thread reading every block's slices).
-  const int64_t parts = rows >= 2 * threads ? 1 : threads, items = rows * parts, part_size = out_size + 2 * heads;
-  std::vector<float> partials(parts > 1 ? items * part_size : 0);
+  const int64_t parts = rows >= 2 * threads ? 1 : threads, part_size = out_size + 2 * heads;
+  const std::vector<RowRun> items =
+      parts > 1 ? single_rows(rows, parts) : prompt_tiles(rows, row_seq, context_lens, kRowsPerBlock);
+  const int64_t count = static_cast<int64_t>(items.size());
+  std::vector<float> partials(parts > 1 ? count * part_size : 0);
   // Items are dealt out in turn rather than in halves: a prompt's later rows see longer contexts, and
   // halves would leave one thread all the long ones.
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, items));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, count));
   at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    TileScratch scratch;
     for (int64_t worker = begin; worker < end; ++worker) {
-      for (int64_t item = worker; item < items; item += workers) {
-        const int64_t row = item / parts, part = item % parts, ctx = context_lens[row];
+      for (int64_t item = worker; item < count; item += workers) {
+        const RowRun run = items[item];
+        const int64_t row = run.row, ctx = context_lens[row];
+        const int64_t* table = tables + row_seq[row] * table_width;
+        if (run.rows > 1) {
+          attend_prompt_tile<P>(query + row * row_stride, row_stride, run.rows, ctx - 1,
+                                       k_cache, v_cache, table, shape, group, scale, out + row * out_size, out_size,
+                                       scratch);
+          continue;
+        }
         const int64_t blocks = (ctx + shape.block_size - 1) / shape.block_size;
-        const Span span{part * blocks / parts * shape.block_size,
-                        std::min(ctx, (part + 1) * blocks / parts * shape.block_size)};
+        const Span span{run.part * blocks / parts * shape.block_size,
+                        std::min(ctx, (run.part + 1) * blocks / parts * shape.block_size)};
         float* stats = parts > 1 ? partials.data() + item * part_size + out_size : nullptr;
         if (span.begin >= span.end) {  // fewer blocks than parts: this one saw nothing
           for (int64_t h = 0; h < heads; ++h) stats[2 * h] = stats[2 * h + 1] = 0.f;
           continue;
         }
         scores.resize(heads * (span.end - span.begin));
-        attend(query + row * row_stride, k_cache, v_cache, tables + row_seq[row] * table_width, span, shape, group,
-               scale, scores.data(), parts > 1 ? partials.data() + item * part_size : out + row * out_size, stats);
+        attend(query + row * row_stride, k_cache, v_cache, table, span, shape, group, scale, scores.data(),
+               parts > 1 ? partials.data() + item * part_size : out + row * out_size, stats);
       }
     }
   });

@@ -173,10 +173,10 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   auto out = torch::empty_like(q);
   with_path(width, [&](auto path) {
     const auto attend = [&](const auto* k, const auto* v) {
-      attention_rows<typename decltype(path)::Vec>(q.data_ptr<float>(), rows, heads * dim, heads, k, v, shape,
-                                                   tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
-                                                   lens.data_ptr<int64_t>(), static_cast<float>(scale),
-                                                   out.data_ptr<float>());
+      using P = decltype(path);
+      attention_rows<typename P::Vec, P>(q.data_ptr<float>(), rows, heads * dim, heads, k, v, shape,
+                                         tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
+                                         lens.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<float>());
     };
     if (bf16) {
       attend(static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()));

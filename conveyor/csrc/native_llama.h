@@ -280,9 +280,10 @@ class NativeLlama {
       rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, step.cos, step.sin);
       write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, step.slots, step.shape,
                     k_cache, v_cache);
-      // Attention on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
-      attention_rows<v8>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, step.tables, step.table_width,
-                      step.row_seq, step.context_lens, scale, ap);
+      // Rows one at a time on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
+      attention_rows<v8, typename FloatPath<P>::type>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape,
+                                                      step.tables, step.table_width, step.row_seq, step.context_lens,
+                                                      scale, ap);
       project<P>(w, kO, ap, tokens, q_width, dp);
       rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       if (fused_swiglu) {
