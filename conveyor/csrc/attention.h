@@ -269,12 +269,12 @@ void pack_chunk(const C* k_cache, const C* v_cache, const int64_t* table, const 
   }
 }
 
-// Folds one chunk's scores for `rows` rows of query head h from tile row `row0` (rows x chunk, unscaled,
-// positions from `start`) into their running max and sum, and turns them into weights in place: tile row r
-// sees positions up to first + r, the rest weigh 0. What was accumulated before is rescaled to the new max
-// (once a row has seen position 0 its max is finite).
+// Folds one chunk's scores (scratch.scores: `rows` x chunk, unscaled, positions from `start`) for the block's
+// rows row0.. of query head h into their running max and sum, and turns them into weights in place: block row
+// b sees positions up to first + b, the rest weigh 0. Their outputs so far are rescaled to the new max (once
+// a row has seen position 0 its max is finite). The running max and sum are block_rows apart per head.
 template <typename V>
-inline void online_softmax(TileScratch& scratch, int64_t tile_rows, int64_t row0, int rows, int64_t first,
+inline void online_softmax(TileScratch& scratch, int64_t block_rows, int64_t row0, int rows, int64_t first,
                            int64_t start, int64_t chunk, float scale, int64_t h, int64_t padded) {
   constexpr int64_t lanes = kLanesOf<V>;
   for (int r = 0; r < rows; ++r) {
@@ -285,8 +285,8 @@ inline void online_softmax(TileScratch& scratch, int64_t tile_rows, int64_t row0
       std::fill(s, s + chunk, 0.f);
       continue;
     }
-    float& top = scratch.max[h * tile_rows + row];
-    float& total = scratch.sum[h * tile_rows + row];
+    float& top = scratch.max[h * block_rows + row];
+    float& total = scratch.sum[h * block_rows + row];
     float chunk_top = -std::numeric_limits<float>::infinity();
     if (seen == chunk) {
       V lane_top = loadv<V>(s);
@@ -311,7 +311,7 @@ inline void online_softmax(TileScratch& scratch, int64_t tile_rows, int64_t row0
     total = total * rescale + sumv(added);
     top = new_top;
     if (rescale != 1.f) {
-      float* o = scratch.out.data() + (h * tile_rows + row) * padded;
+      float* o = scratch.out.data() + (h * block_rows + row) * padded;
       for (int64_t d = 0; d < padded; d += lanes) storev(o + d, loadv<V>(o + d) * rescale);
     }
   }
