@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from conveyor.core.cache_dir import make_cache_folder
+from conveyor.core.cache_dir import write_cache_file
 from conveyor.core.cpu import this_cpu
 from conveyor.model.kernel_choice import time_candidates
 from conveyor.model.loader import DTYPES
@@ -44,8 +44,7 @@ class MachineFigures:
 
     def save(self, path: Path | None = None) -> Path:
         path = path or machine_file()
-        make_cache_folder(path.parent)
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        write_cache_file(path, json.dumps(asdict(self), indent=2) + "\n")
         return path
 
     @classmethod

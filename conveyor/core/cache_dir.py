@@ -36,3 +36,12 @@ def make_cache_folder(folder: Path) -> Path:
                         f"{cache_dir()}: set {CACHE_ENV} to a folder it can write")
         raise CacheDirError(message) from error
     return folder
+
+
+def write_cache_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``, creating its folder (make_cache_folder), through a file of this process's
+    renamed into place: a concurrent reader sees the old file or the new one, never half of either."""
+    make_cache_folder(path.parent)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    partial.write_text(text)
+    partial.replace(path)

@@ -234,15 +234,6 @@ void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_s
 
 // ----- Prompt rows in tiles -----
 
-// A cache element as float32.
-inline float cache_float(float x) { return x; }
-inline float cache_float(uint16_t bits) {
-  const uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  __builtin_memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // What one thread's prompt tiles work in, reused from tile to tile.
 struct TileScratch {
   std::vector<float> keys, values, scores, products, out, max, sum;

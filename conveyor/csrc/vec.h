@@ -34,6 +34,16 @@ inline uint16_t bf16_bits(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// A cache element (float, or bf16 bits) as float32: widening bf16 is the 16-bit shift back; loadc below does
+// the same for a whole vector.
+inline float cache_float(float x) { return x; }
+inline float cache_float(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 typedef float v4 __attribute__((vector_size(16)));
 
 inline float sum8(v8 v) {

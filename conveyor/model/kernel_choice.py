@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -32,7 +31,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.cache_dir import cache_dir, make_cache_folder
+from conveyor.core.cache_dir import cache_dir, write_cache_file
 from conveyor.core.cpu import this_cpu
 
 logger = logging.getLogger("conveyor")
@@ -258,11 +257,7 @@ def _write(cache: Path, key: str, record: dict) -> None:
     """Add a record, replacing the file in one rename so that a concurrent reader never sees half of it. A
     cache that cannot be written costs the next start the measurement again, not this one its engine."""
     try:
-        make_cache_folder(cache.parent)
-        records = _read(cache) | {key: record}
-        partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-        partial.write_text(json.dumps(records, indent=1))
-        partial.replace(cache)
+        write_cache_file(cache, json.dumps(_read(cache) | {key: record}, indent=1))
     except OSError as error:
         logger.warning("the kernel choice could not be stored in %s (%s); the next start measures it again",
                        cache, error)

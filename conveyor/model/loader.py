@@ -8,6 +8,7 @@ seconds, and every other tool (transformers, peers) can read the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from conveyor.core.cache_dir import cache_dir, make_cache_folder
+from conveyor.core.cache_dir import cache_dir, make_cache_folder, write_cache_file
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.llama import LlamaModel
 
@@ -65,20 +66,9 @@ def conversion_key(path: Path) -> str:
     except OSError:
         with path.open("rb") as file:
             digest = hashlib.file_digest(file, "sha256").hexdigest()
-        _remember(memo, digest)
+        with contextlib.suppress(OSError):  # a cache that cannot be written costs the next start the hash again
+            write_cache_file(memo, digest)
     return hashlib.sha256(CONVERTER.read_bytes() + digest.encode()).hexdigest()[:12]
-
-
-def _remember(memo: Path, digest: str) -> None:
-    """Store a digest in one rename (a concurrent reader sees all of it or nothing); a cache that cannot be
-    written only costs the next start the hash again."""
-    try:
-        make_cache_folder(memo.parent)
-        partial = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-        partial.write_text(digest)
-        partial.replace(memo)
-    except OSError:
-        pass
 
 
 def _converted_gguf(path: Path) -> Path:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.core.cache_dir import cache_dir, make_cache_folder
+from conveyor.core.cache_dir import cache_dir, write_cache_file
 from conveyor.core.config import usable_cores
 from conveyor.core.cpu import this_cpu
 from conveyor.core.model_config import ModelConfig
@@ -313,8 +313,7 @@ def profile_path(machine: dict[str, Any], model: ModelConfig, dtype: str) -> Pat
 
 def save_profile(profile: StepProfile, model: ModelConfig) -> Path:
     path = profile_path(profile.machine, model, profile.dtype)
-    make_cache_folder(path.parent)
-    path.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    write_cache_file(path, json.dumps(profile.to_json(), indent=2) + "\n")
     return path
 
 
