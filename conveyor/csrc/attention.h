@@ -379,8 +379,8 @@ inline std::vector<RowRun> single_rows(int64_t rows, int64_t parts) {
 }
 
 // A block of prompt rows goes through attend_prompt_tile where its last row sees this many positions; below,
-// its rows go one at a time. Prefill of 8 prompts at once, tiles against rows (Zen 4, 2 threads): 0.98x at
-// 128 tokens, 1.02x at 256, 1.03x at 512, 1.13x at 1536.
+// its rows go one at a time. Prefill of prompts submitted at once, tiles against rows (Zen 4, 2 threads):
+// 0.98x at 128 tokens, 1.02x at 256, 1.03-1.05x at 512, 1.10x at 1024, 1.13x at 1536.
 constexpr int64_t kTileMinContext = 192;
 
 // The rows in blocks: consecutive rows of one sequence at consecutive positions (a prompt chunk) go up to
