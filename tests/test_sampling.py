@@ -248,6 +248,27 @@ def test_max_model_len_ends_the_request_with_length(tiny_llm: LLM) -> None:
     assert all(o.finish_reason == "length" for o in outputs)
 
 
+@pytest.mark.parametrize(
+    ("temperature", "min_p", "allowed"),
+    [
+        (1.0, 0.5, {1, 3}),  # p >= 0.25: 0.5 and 0.3
+        (1.0, 0.2, {0, 1, 3}),  # p >= 0.1
+        (1.0, 1.0, {1}),  # only the likeliest
+        (1.0, 0.0, {0, 1, 2, 3}),  # disabled
+        # After temperature, as vLLM applies it: at 2 the probabilities go as sqrt(p), 0.39 0.71 0.22 0.55 (/1.87),
+        # so 0.5 of the likeliest keeps 0.15 too, which it dropped at temperature 1.
+        (2.0, 0.5, {0, 1, 3}),
+    ],
+)
+def test_min_p_drops_tokens_under_min_p_times_the_likeliest(temperature: float, min_p: float,
+                                                            allowed: set[int]) -> None:
+    row = logits_of([0.15, 0.5, 0.05, 0.3])
+    drawn = Counter(draw(Sampler(seed=0), row, SamplingParams(temperature=temperature, min_p=min_p), 4000))
+    assert set(drawn) == allowed
+    if (temperature, allowed) == (1.0, {1, 3}):
+        assert abs(drawn[1] / 4000 - 0.625) < 0.04  # renormalised over the kept set: 0.5 / 0.8
+
+
 # ----- the real model: stop strings and EOS -----------------------------------
 
 # A short system prompt keeps prefill cheap; each decode step of the real model costs a good fraction of a
@@ -297,8 +318,9 @@ def stop_string_runs(real_llm: LLM, free_runs: list[RequestOutput]) -> StopRuns:
     limit = first_completion(real_llm, free.token_ids, stop)
     assert limit < len(free.token_ids), f"pick a stop string that ends before the output does: {free.text!r}"
     params = [SamplingParams(temperature=0.0, max_tokens=COUNT_TOKENS, stop=[stop]),
-              SamplingParams(temperature=0.0, max_tokens=limit, stop=[stop])]
-    return stop, real_llm.chat([COUNT, COUNT], params, use_tqdm=False)
+              SamplingParams(temperature=0.0, max_tokens=limit, stop=[stop]),
+              SamplingParams(temperature=0.0, max_tokens=COUNT_TOKENS, stop=[stop], include_stop_str_in_output=True)]
+    return stop, real_llm.chat([COUNT, COUNT, COUNT], params, use_tqdm=False)
 
 
 def test_stop_string_cuts_text_before_it(free_runs: list[RequestOutput], stop_string_runs: StopRuns) -> None:
@@ -323,6 +345,18 @@ def test_stop_string_on_the_last_allowed_token_still_stops(
     assert out.text == free_text[: free_text.find(stop)], (out.text, stop)
     assert out.finish_reason == "stop"
     assert out.stop_reason == stop
+
+
+def test_include_stop_str_in_output_ends_the_text_after_it(
+    free_runs: list[RequestOutput], stop_string_runs: StopRuns
+) -> None:
+    """vLLM's include_stop_str_in_output: the same stop, the text now ends with the stop string itself."""
+    stop, outputs = stop_string_runs
+    free_text = free_runs[0].text
+    out = outputs[2]
+    assert out.text == free_text[: free_text.find(stop) + len(stop)], (out.text, stop)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == outputs[0].token_ids  # the same tokens; only the text differs
 
 
 def test_eos_stops_unless_ignored(real_llm: LLM, free_runs: list[RequestOutput]) -> None:

@@ -1,12 +1,14 @@
 """The OpenAI parameters beyond max_tokens and temperature, through a real server and the official client:
 logprobs in both endpoints' shapes (streamed chunks add up to the whole answer), echo, several prompts in
-one completion request, penalties, response_format and vLLM's guided_* fields; bad values get a 400 naming
-the field."""
+one completion request, penalties, response_format and vLLM's guided_* fields; what else clients send (nulls,
+OpenAI's fields that ask for nothing missing, vLLM's min_p, include_stop_str_in_output, skip_special_tokens,
+continue_final_message, echo on chat, continuous usage); bad values get a 400 naming the field."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import httpx
 import openai
@@ -176,6 +178,22 @@ def test_openai_client_response_format_and_guided_fields(client, offline):
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "store": True}, "store"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "modalities": ["text", "audio"]}, "modalities.1"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "service_tier": "flex"}, "service_tier"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "metadata": {str(i): "x" for i in range(17)}}, "metadata"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": False}},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
+    ("/tokenize", {"messages": MESSAGES, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
 ])
 def test_bad_values_get_400_naming_the_field(server, path, body, param):
     response = httpx.post(f"{server}{path}", json=body, timeout=60)
@@ -183,3 +201,116 @@ def test_bad_values_get_400_naming_the_field(server, path, body, param):
     error = response.json()["error"]
     assert error["param"] == param, error
     assert "Traceback" not in response.text and "/project/" not in error["message"]
+
+
+def _chat_text(server: str, body: dict) -> str:
+    response = httpx.post(f"{server}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES} | body,
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_a_null_is_the_same_as_leaving_the_field_out(server):
+    """OpenAI's API takes null for every optional field: temperature null is its default (1), not greedy."""
+    plain = {"max_tokens": 8, "seed": 11}
+    nulls = {name: None for name in (
+        "temperature", "top_p", "top_k", "min_p", "n", "stop", "presence_penalty", "frequency_penalty", "logit_bias",
+        "logprobs", "top_logprobs", "response_format", "stream", "stream_options", "user", "tools", "tool_choice",
+        "metadata", "service_tier", "max_completion_tokens", "chat_template_kwargs", "echo")}
+    assert _chat_text(server, plain | nulls) == _chat_text(server, plain)
+    assert _chat_text(server, plain | {"temperature": 1.0}) == _chat_text(server, plain)  # seeded: reproducible
+    assert _chat_text(server, plain | {"temperature": 0}) != _chat_text(server, plain)  # null was not read as 0
+
+
+def test_openai_fields_that_ask_for_nothing_missing_change_nothing(client):
+    """What OpenAI's own clients and SDKs send beside the prompt is accepted where it asks for nothing this
+    server lacks, through the official client, and the answer is the plain one."""
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    dressed = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, metadata={"team": "eval"}, store=False,
+        service_tier="auto", modalities=["text"], tool_choice="none", parallel_tool_calls=True, user="u-1")
+    assert dressed.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_continue_final_message_and_echo_on_chat(server, client, offline):
+    """vLLM's continue_final_message renders the final (assistant) message open, so the model continues it;
+    echo repeats it ahead of the continuation. Streamed, unstreamed, offline and /tokenize agree."""
+    started = "The first river is"
+    messages = [*MESSAGES, {"role": "assistant", "content": started}]
+    prompt = offline.get_tokenizer().apply_chat_template(messages, False, continue_final_message=True)
+    assert offline.get_tokenizer().decode(prompt).endswith(started)  # no end-of-turn after it
+    params = SamplingParams(temperature=0, max_tokens=6)
+    continued = offline.generate([prompt], params, use_tqdm=False)[0].text
+    assert offline.chat(messages, params, use_tqdm=False, add_generation_prompt=False,
+                        continue_final_message=True)[0].text == continued
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=extra)
+    assert plain.choices[0].message.content == continued and plain.usage.prompt_tokens == len(prompt)
+    # add_generation_prompt left out: continuing the final message leaves the generation prompt out by itself.
+    echoed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            extra_body={"continue_final_message": True, "echo": True})
+    assert echoed.choices[0].message.content == started + continued
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, extra_body={"continue_final_message": True, "echo": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == started + continued
+    tokenized = httpx.post(f"{server}/tokenize", json={"messages": messages, **extra}, timeout=60).json()
+    assert tokenized["tokens"] == prompt
+    # echo repeats only an assistant's final message: after a user's, the reply is the plain one.
+    assert _chat_text(server, {"max_tokens": 6, "temperature": 0, "echo": True}) == _chat_text(
+        server, {"max_tokens": 6, "temperature": 0})
+
+
+def test_include_stop_str_in_output_and_skip_special_tokens(client, offline):
+    prompt = [1000 + 13 * i for i in range(8)]
+    free = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].text
+    stop = free[len(free) // 3: len(free) // 3 + 3]
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+    kept = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].text == free[: free.find(stop)]
+    assert kept.choices[0].text == free[: free.find(stop) + len(stop)]
+    assert kept.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop],
+                                       stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == kept.choices[0].text
+    special = offline.get_tokenizer().encode("<|im_start|>")[-1]  # a special token, not EOS
+    forced = {"logit_bias": {str(special): 100}}
+    hidden = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=forced)
+    shown = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body=forced | {"skip_special_tokens": False})
+    assert hidden.choices[0].text == "" and shown.choices[0].text == "<|im_start|>" * 2
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    def chunks(options: dict) -> list[dict]:
+        body = {"prompt": "Rivers flow", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+                "stream_options": options}
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+            lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        return [json.loads(line) for line in lines[:-1]]
+
+    every = chunks({"include_usage": True, "continuous_usage_stats": True})
+    counts = [c["usage"]["completion_tokens"] for c in every if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 5
+    assert every[-1]["choices"] == [] and every[-1]["usage"]["completion_tokens"] == 5
+    assert len({c["usage"]["prompt_tokens"] for c in every}) == 1
+    # As vLLM reads it: without include_usage there is no usage at all.
+    assert all("usage" not in c for c in chunks({"continuous_usage_stats": True}))
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir, tmp_path):
+    """chat_template_kwargs are the template's own variables: a template that reads one renders it."""
+    from conveyor.engine.tokenizer import Tokenizer
+
+    shutil.copy(tiny_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!!{% endif %}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "hello"}]
+    assert tokenizer.decode(tokenizer.apply_chat_template(messages, template_kwargs={"shout": True})) == "hello!!"
+    assert tokenizer.decode(tokenizer.apply_chat_template(messages)) == "hello"
+    with pytest.raises(ValueError, match="chat_template_kwargs: add_generation_prompt, messages"):
+        tokenizer.apply_chat_template(messages, template_kwargs={"messages": [], "add_generation_prompt": False})

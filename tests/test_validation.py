@@ -83,6 +83,9 @@ def serve_two(llm: LLM, bad_calls: list[BadCall]) -> dict[str, RequestOutput]:
         ("top_p", {"top_p": -0.5}),
         ("top_p", {"top_p": 1.01}),
         ("top_p", {"top_p": math.nan}),
+        ("min_p", {"min_p": -0.1}),
+        ("min_p", {"min_p": 1.5}),
+        ("min_p", {"min_p": math.nan}),
         ("top_k", {"top_k": -2}),
         ("top_k", {"top_k": 1.5}),
         ("seed", {"seed": 1.5}),
@@ -99,7 +102,7 @@ def test_bad_sampling_params_name_the_field(field: str, options: dict[str, Any])
 
 def test_good_sampling_params_are_accepted() -> None:
     """The boundaries of each range are valid; -1 is an alias for 'top-k disabled'."""
-    params = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=-1, seed=0, stop="x")
+    params = SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, seed=0, stop="x")
     assert params.top_k == 0
     assert params.stop == ("x",)
     assert params.greedy

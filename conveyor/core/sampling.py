@@ -29,7 +29,8 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     ``temperature == 0`` (or below 1e-5) means greedy. ``top_k == 0`` (or -1) disables top-k,
-    ``top_p == 1`` disables nucleus sampling. A ``seed`` makes the request's
+    ``top_p == 1`` disables nucleus sampling, ``min_p == 0`` disables min-p (vLLM's: after temperature, a
+    token less likely than ``min_p`` times the likeliest one is dropped). A ``seed`` makes the request's
     random draws its own: the same seed gives the same tokens whatever else
     is in the batch.
 
@@ -41,6 +42,7 @@ class SamplingParams:
     ``prompt_logprobs`` the same for every prompt token after the first; both are computed from the raw
     model distribution, before penalties, bias, temperature or constraints (as vLLM does by default).
     ``structured_output`` constrains the text to a JSON schema, any JSON object, a regex or a choice.
+    A stop string ends the text before it, or after it with ``include_stop_str_in_output`` (vLLM's name).
     """
 
     max_tokens: int = 16
@@ -48,10 +50,12 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -88,6 +92,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -70,7 +70,8 @@ class LogprobState:
 class TextState:
     """One request's text so far: incremental detokenization, stop strings, and what was already streamed."""
 
-    __slots__ = ("_detokenizer", "_held_back", "_num_sent", "_num_tokens", "prompt", "stop", "stop_string", "text")
+    __slots__ = ("_detokenizer", "_held_back", "_include_stop", "_num_sent", "_num_tokens", "prompt", "stop",
+                 "stop_string", "text")
 
     def __init__(self, request: Request, tokenizer: Tokenizer) -> None:
         params = request.sampling_params
@@ -78,6 +79,7 @@ class TextState:
         self.stop = params.stop
         self.text = ""
         self.stop_string: str | None = None  # the stop string that ended the text, once one did
+        self._include_stop = params.include_stop_str_in_output  # the text ends after the stop string, not before
         self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         # A stream holds back a tail that may be the start of a stop string, so it never shows one.
         self._held_back = max((len(s) for s in self.stop), default=1) - 1
@@ -100,7 +102,7 @@ class TextState:
         if not hits:
             return False
         at, self.stop_string = min(hits)
-        self.text = self.text[:at]
+        self.text = self.text[: at + len(self.stop_string) if self._include_stop else at]
         return True
 
     def delta(self, finished: bool) -> str:

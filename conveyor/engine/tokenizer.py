@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +36,34 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """The messages rendered by the model's chat template and tokenized: ending with the header of the
+        assistant's answer, or with the final message left open for the model to continue; ``template_kwargs``
+        are further variables the template may read."""
         if not self._tok.chat_template:
             raise ValueError("messages: this model has no chat template; send a plain prompt instead")
         from jinja2 import TemplateError
 
+        taken = sorted(set(template_kwargs or ()) & self._template_arguments())
+        if taken:
+            raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set there (the server sets them)")
         try:
-            ids = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+            ids = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                continue_final_message=continue_final_message, tokenize=True,
+                                                **(template_kwargs or {}))
         except TemplateError as error:  # the template refused these messages (roles, order, ...)
             raise ValueError(f"messages: the chat template refused them: {error}") from None
+        except ValueError as error:  # e.g. a final message the template's output does not end with
+            raise ValueError(f"messages: {error}") from None
         # Newer transformers return a BatchEncoding here, older ones a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    def _template_arguments(self) -> frozenset[str]:
+        """Names a template kwarg may not take: transformers' own arguments, and ``messages``."""
+        names = inspect.signature(self._tok.apply_chat_template).parameters
+        return frozenset(name for name in names if name != "kwargs") | {"messages"}
 
 
 class IncrementalDetokenizer:

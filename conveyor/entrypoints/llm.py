@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -57,10 +57,17 @@ class LLM:
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of ``{"role", "content"}``) or a list of them."""
+        """One conversation (a list of ``{"role", "content"}``) or a list of them, rendered by the model's chat
+        template as vLLM's ``LLM.chat`` does: ending with the assistant's header, or, with
+        ``continue_final_message`` (and ``add_generation_prompt=False``), leaving the final message open for the
+        model to continue; ``chat_template_kwargs`` are further variables for the template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt, continue_final_message,
+                                                      chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests: list[tuple[str, int]], use_tqdm: bool) -> list[RequestOutput]:

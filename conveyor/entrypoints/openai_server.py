@@ -46,6 +46,7 @@ from conveyor.entrypoints.protocol import (
     TokenizeRequest,
     message_dicts,
 )
+from conveyor.entrypoints.response_shapes import ChatShape, CompletionShape, ResponseShape, usage
 
 logger = logging.getLogger("conveyor.server")
 T = TypeVar("T")
@@ -293,9 +294,10 @@ class _Serving:
         """Template, tokenize and check a chat request (call through ``off_loop``)."""
         self.check_model(body.model)
         try:
-            prompt = self.tokenizer.apply_chat_template(body.message_dicts())
+            prompt = self.tokenizer.apply_chat_template(body.message_dicts(), **body.template_options())
         except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "messages") from None
+            param, message = body.field_error(str(error))
+            raise APIError(400, message, "invalid_request_error", param) from None
         return self.make_request(body, prompt, "chatcmpl")
 
     def _check_prompt_length(self, num_tokens: int) -> None:
@@ -304,7 +306,7 @@ class _Serving:
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", "prompt") from None
 
-    async def respond(self, body: SamplingRequest, requests: list[EngineRequest], fmt: _Format, raw: Request):
+    async def respond(self, body: SamplingRequest, requests: list[EngineRequest], fmt: ResponseShape, raw: Request):
         """Stream the requests' outputs as server-sent events, or wait for the last and answer it whole.
 
         Either way a client that disconnects aborts its requests at once, queued or running: their queue
@@ -312,8 +314,7 @@ class _Serving:
         """
         stream = open_streams(self.engine, requests)  # overloaded or dead: 503 at once, from the handlers above
         if body.stream:  # the headers go out now; the tokens follow, and a disconnect cancels the stream
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse(stream, fmt, include_usage), media_type="text/event-stream")
+            return StreamingResponse(_sse(stream, fmt, *body.usage_in_stream()), media_type="text/event-stream")
         finals: dict[int, RequestOutput] = {}  # the latest output of each choice (n > 1 or several prompts)
         watcher = asyncio.create_task(_close_on_disconnect(raw, stream))
         try:
@@ -368,9 +369,10 @@ def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
         try:
             if body.prompt is not None:
                 return tokenizer.encode(body.prompt)
-            return tokenizer.apply_chat_template(message_dicts(body.messages), body.add_generation_prompt)
+            return tokenizer.apply_chat_template(message_dicts(body.messages), **body.template_options())
         except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "messages") from None
+            message = str(error)
+            raise APIError(400, message, "invalid_request_error", message.split(":")[0]) from None
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -399,17 +401,17 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", "prompt") from None
         requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
-        fmt = _CompletionFormat(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo)
+        fmt = CompletionShape(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo)
         return await serving.respond(body, requests, fmt, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         request = await serving.off_loop(serving.make_chat_request, body)
-        fmt = _ChatFormat(request.request_id, model_name, LogprobFormatter(serving.tokenizer))
+        fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed())
         return await serving.respond(body, [request], fmt, raw)
 
 
-async def _sse(stream: OutputStream, fmt: _Format, include_usage: bool):
+async def _sse(stream: OutputStream, fmt: ResponseShape, include_usage: bool, usage_every_chunk: bool):
     def event(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
@@ -418,7 +420,8 @@ async def _sse(stream: OutputStream, fmt: _Format, include_usage: bool):
         async for output in stream:
             is_first = output.index not in latest
             latest[output.index] = output
-            yield event(fmt.chunk(output, is_first))
+            chunk = fmt.chunk(output, is_first)
+            yield event(chunk | {"usage": usage(list(latest.values()))} if usage_every_chunk else chunk)
         if include_usage and latest:
             yield event(fmt.usage_chunk(list(latest.values())))
     except (EngineDead, RequestFailed) as error:
@@ -427,73 +430,3 @@ async def _sse(stream: OutputStream, fmt: _Format, include_usage: bool):
     finally:
         stream.close()  # a client gone mid-stream lands here too (the response's task is cancelled): abort
     yield "data: [DONE]\n\n"
-
-
-def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
-    """A response's usage: each prompt once, the completion tokens of all its choices."""
-    prompts = {o.request_id: o for o in outputs}.values()
-    prompt = sum(len(o.prompt_token_ids) for o in prompts)
-    completion = sum(len(o.token_ids) for o in outputs)
-    cached = sum(o.num_cached_tokens for o in prompts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-class _Format:
-    object_full = ""
-    object_chunk = ""
-
-    def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echo: bool = False) -> None:
-        self.request_id, self.model, self.created = request_id, model, int(time.time())
-        self.logprobs, self.echo = logprobs, echo
-        self._echoed: set[int] = set()  # choices whose stream has sent the prompt (echo)
-
-    def echoed_text(self, output: RequestOutput, text: str) -> str:
-        """``text`` after the prompt, with echo, in a full answer or a choice's first chunk."""
-        if not self.echo or output.index in self._echoed:
-            return text
-        self._echoed.add(output.index)
-        prompt = output.prompt
-        if prompt is None:
-            prompt = self.logprobs.tokenizer_decode(output.prompt_token_ids)
-        return prompt + text
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}
-
-    def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, []) | {"usage": _usage(outputs)}
-
-
-class _CompletionFormat(_Format):
-    object_full = object_chunk = "text_completion"
-
-    def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": o.index, "text": self.echoed_text(o, o.text), "finish_reason": o.finish_reason,
-                    "logprobs": self.logprobs.completion_full(o, self.echo), "stop_reason": o.stop_reason}
-                   for o in outputs]
-        return self._envelope(self.object_full, choices) | {"usage": _usage(outputs)}
-
-    def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
-        choice = {"index": output.index, "text": self.echoed_text(output, output.delta_text),
-                  "finish_reason": output.finish_reason, "logprobs": self.logprobs.completion_delta(output, self.echo)}
-        return self._envelope(self.object_chunk, [choice])
-
-
-class _ChatFormat(_Format):
-    object_full = "chat.completion"
-    object_chunk = "chat.completion.chunk"
-
-    def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
-                    "logprobs": None if o.logprobs is None else self.logprobs.chat(o.logprobs)}
-                   for o in outputs]
-        return self._envelope(self.object_full, choices) | {"usage": _usage(outputs)}
-
-    def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": output.delta_text} if is_first else {"content": output.delta_text}
-        choice = {"index": output.index, "delta": delta, "finish_reason": output.finish_reason,
-                  "logprobs": self.logprobs.chat_delta(output)}
-        return self._envelope(self.object_chunk, [choice])

@@ -2,16 +2,23 @@
 
 Fields the engine does not support yet are declared so that a request using
 them gets a 400 that says so, rather than being silently ignored; fields
-nobody declared are refused too. vLLM's extra fields (``repetition_penalty``,
-``min_tokens``, ``prompt_logprobs``, ``guided_json`` / ``guided_regex`` /
-``guided_choice``) are accepted as vLLM accepts them.
+nobody declared are refused too. A JSON null means "not given", as in
+OpenAI's API. OpenAI's fields that ask for nothing this server lacks are
+accepted: ``user``, ``metadata``, ``store`` false, ``service_tier`` auto or
+default, ``modalities`` text, ``tool_choice`` none or auto (no tools),
+``parallel_tool_calls``. vLLM's extra fields (``repetition_penalty``,
+``min_p``, ``min_tokens``, ``prompt_logprobs``, ``include_stop_str_in_output``,
+``skip_special_tokens``, ``guided_json`` / ``guided_regex`` /
+``guided_choice``, ``stream_options.continuous_usage_stats``; on chat
+``add_generation_prompt``, ``continue_final_message``,
+``chat_template_kwargs`` and ``echo``) are accepted as vLLM accepts them.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conveyor.core.sampling import MAX_LOGPROBS, SamplingParams
 from conveyor.core.structured import StructuredOutput
@@ -19,23 +26,36 @@ from conveyor.core.structured import StructuredOutput
 MAX_MESSAGES = 1024  # messages of one chat request: the template renders them all, on the tokenizer pool
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A part of a request body: unknown fields are refused, and a null is the same as leaving a field out."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_not_given(cls, data: Any) -> Any:
+        # OpenAI's API takes null for every optional field (clients send {"temperature": null}): the default.
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class SamplingRequest(Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
@@ -102,10 +122,13 @@ class SamplingRequest(BaseModel):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -119,6 +142,12 @@ class SamplingRequest(BaseModel):
     def max_tokens_given(self) -> int | None:
         """The client's max_tokens (or max_completion_tokens), None when it sent neither."""
         return self.max_tokens
+
+    def usage_in_stream(self) -> tuple[bool, bool]:
+        """(a usage chunk at the end of the stream, usage in every chunk): vLLM's continuous_usage_stats counts
+        only with include_usage, as vLLM reads it."""
+        options = self.stream_options or StreamOptions()
+        return options.include_usage, options.include_usage and options.continuous_usage_stats
 
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request: each becomes a request of its own
@@ -154,7 +183,7 @@ class CompletionRequest(SamplingRequest):
         return prompts
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Body):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = "response"
     description: str | None = None
@@ -162,10 +191,9 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object), or ``json_schema``."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -189,17 +217,50 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateOptions(Body):
+    """How the chat template renders the messages (vLLM's fields): with the header that starts the assistant's
+    answer (the default), or continuing the final message (a reply begun by the caller), and with extra
+    variables for the template."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """Tokenizer.apply_chat_template's keyword arguments. Continuing the final message leaves out the
+        generation prompt unless the caller asked for both, which no template can do."""
+        continuing = self.continue_final_message
+        if continuing and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message: cannot continue the final message and add a generation "
+                             "prompt after it; set add_generation_prompt to false")
+        return {"add_generation_prompt": self.add_generation_prompt and not continuing,
+                "continue_final_message": continuing, "template_kwargs": self.chat_template_kwargs or {}}
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # about tools, which no request here has
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # vLLM's: the reply repeats the final message first, where that is the assistant's
+    # OpenAI's, asking for nothing this server lacks when so: tags for stored completions (none are stored),
+    # the default processing tier, text output.
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    store: bool = False
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools are not supported yet"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice: tools are not supported yet (none and auto only, without tools)"
+        if self.store:
+            return "store: this server keeps no completions (store must be false)"
         return super().unsupported()
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
@@ -220,6 +281,12 @@ class ChatCompletionRequest(SamplingRequest):
     def message_dicts(self) -> list[dict[str, Any]]:
         return message_dicts(self.messages)
 
+    def echoed(self) -> str | None:
+        """With echo, the text the reply starts with: the final message's, where it is the assistant's."""
+        if not self.echo or self.messages[-1].role != "assistant":
+            return None
+        return self.message_dicts()[-1]["content"]
+
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them; content parts of type text are joined."""
@@ -234,15 +301,12 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeRequest(ChatTemplateOptions):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
-    add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]

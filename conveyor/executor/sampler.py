@@ -1,4 +1,5 @@
-"""Turning a step's logits into tokens: constraints, penalties, bias, then greedy, temperature, top-k, top-p.
+"""Turning a step's logits into tokens: constraints, penalties, bias, then greedy, temperature, min-p, top-k,
+top-p (vLLM's order).
 
 Random draws use the exponential race (argmax of p / E with E ~ Exp(1)),
 which samples from p exactly. A seeded request draws from a generator
@@ -9,6 +10,7 @@ greedy requests (no penalties, bias, constraints or logprobs) is one argmax.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -23,7 +25,11 @@ from conveyor.executor.logprobs import token_logprobs
 Constrain = Callable[[torch.Tensor, list[ScheduledRequest]], None]
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _truncate(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> torch.Tensor:
+    """One row's logits (after temperature) with the tokens that min-p, top-k and top-p drop set to -inf."""
+    if min_p > 0.0:
+        # p < min_p * p_max  <=>  logit < max logit + log(min_p): no softmax needed.
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -86,7 +92,7 @@ class Sampler:
         for row, p in enumerate(params):
             if p.greedy:
                 continue
-            row_logits = _apply_top_k_top_p(cpu_logits[row] / p.temperature, p.top_k, p.top_p)
+            row_logits = _truncate(cpu_logits[row] / p.temperature, p.min_p, p.top_k, p.top_p)
             probs = row_logits.softmax(-1)
             generator = self._unseeded
             if p.seed is not None:

@@ -1,0 +1,96 @@
+"""The shapes of the OpenAI API's answers: a whole completion or chat completion, its streamed chunks, and the
+usage they report; vLLM's echo (the prompt, or the assistant's final message, ahead of the text)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from conveyor.engine import RequestOutput
+from conveyor.entrypoints.logprob_format import LogprobFormatter
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """A response's usage: each prompt once, the completion tokens of all its choices."""
+    prompts = {o.request_id: o for o in outputs}.values()
+    prompt = sum(len(o.prompt_token_ids) for o in prompts)
+    completion = sum(len(o.token_ids) for o in outputs)
+    cached = sum(o.num_cached_tokens for o in prompts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class ResponseShape:
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echo: bool = False) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.logprobs, self.echo = logprobs, echo
+        self._echoed: set[int] = set()  # choices whose stream has sent what echo repeats
+
+    def echoed_text(self, output: RequestOutput, text: str) -> str:
+        """``text`` after what echo repeats, in a full answer or a choice's first chunk."""
+        if not self.echo or output.index in self._echoed:
+            return text
+        self._echoed.add(output.index)
+        return self.echo_of(output) + text
+
+    def echo_of(self, output: RequestOutput) -> str:
+        """What echo repeats ahead of a choice's text."""
+        raise NotImplementedError
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        return self._envelope(self.object_chunk, []) | {"usage": usage(outputs)}
+
+
+class CompletionShape(ResponseShape):
+    object_full = object_chunk = "text_completion"
+
+    def echo_of(self, output: RequestOutput) -> str:
+        """The choice's prompt (each prompt of several has its own)."""
+        if output.prompt is not None:
+            return output.prompt
+        return self.logprobs.tokenizer_decode(output.prompt_token_ids)
+
+    def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [{"index": o.index, "text": self.echoed_text(o, o.text), "finish_reason": o.finish_reason,
+                    "logprobs": self.logprobs.completion_full(o, self.echo), "stop_reason": o.stop_reason}
+                   for o in outputs]
+        return self._envelope(self.object_full, choices) | {"usage": usage(outputs)}
+
+    def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
+        choice = {"index": output.index, "text": self.echoed_text(output, output.delta_text),
+                  "finish_reason": output.finish_reason, "logprobs": self.logprobs.completion_delta(output, self.echo)}
+        return self._envelope(self.object_chunk, [choice])
+
+
+class ChatShape(ResponseShape):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echoed: str | None = None) -> None:
+        """``echoed``: the text every choice starts with (vLLM's echo: the assistant's final message), if any."""
+        super().__init__(request_id, model, logprobs, echo=echoed is not None)
+        self._echoed_text = echoed or ""
+
+    def echo_of(self, output: RequestOutput) -> str:
+        return self._echoed_text
+
+    def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": self.echoed_text(o, o.text)},
+                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                    "logprobs": None if o.logprobs is None else self.logprobs.chat(o.logprobs)}
+                   for o in outputs]
+        return self._envelope(self.object_full, choices) | {"usage": usage(outputs)}
+
+    def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
+        content = self.echoed_text(output, output.delta_text)
+        delta = {"role": "assistant", "content": content} if is_first else {"content": content}
+        choice = {"index": output.index, "delta": delta, "finish_reason": output.finish_reason,
+                  "logprobs": self.logprobs.chat_delta(output)}
+        return self._envelope(self.object_chunk, [choice])
