@@ -38,10 +38,12 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The messages rendered by the model's chat template and tokenized: ending with the header of the
         assistant's answer, or with the final message left open for the model to continue; ``template_kwargs``
-        are further variables the template may read."""
+        are further variables the template may read, ``tools`` OpenAI's tool definitions (a template that
+        knows tools shows them to the model; others leave them out)."""
         if not self._tok.chat_template:
             raise ValueError("messages: this model has no chat template; send a plain prompt instead")
         from jinja2 import TemplateError
@@ -50,7 +52,7 @@ class Tokenizer:
         if taken:
             raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set there (the server sets them)")
         try:
-            ids = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+            ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message, tokenize=True,
                                                 **(template_kwargs or {}))
         except TemplateError as error:  # the template refused these messages (roles, order, ...)

@@ -60,14 +60,16 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}``) or a list of them, rendered by the model's chat
         template as vLLM's ``LLM.chat`` does: ending with the assistant's header, or, with
         ``continue_final_message`` (and ``add_generation_prompt=False``), leaving the final message open for the
-        model to continue; ``chat_template_kwargs`` are further variables for the template."""
+        model to continue; ``chat_template_kwargs`` are further variables for the template, ``tools`` OpenAI's
+        tool definitions for a template that shows them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt, continue_final_message,
-                                                      chat_template_kwargs) for c in conversations]
+                                                      chat_template_kwargs, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests: list[tuple[str, int]], use_tqdm: bool) -> list[RequestOutput]:

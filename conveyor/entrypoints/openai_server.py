@@ -407,7 +407,8 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         request = await serving.off_loop(serving.make_chat_request, body)
-        fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed())
+        fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
+                        body.forced_tool_calls())
         return await serving.respond(body, [request], fmt, raw)
 
 

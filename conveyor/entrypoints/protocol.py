@@ -16,14 +16,17 @@ default, ``modalities`` text, ``tool_choice`` none or auto (no tools),
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conveyor.core.sampling import MAX_LOGPROBS, SamplingParams
 from conveyor.core.structured import StructuredOutput
+from conveyor.entrypoints.tool_calls import ForcedToolCalls
 
 MAX_MESSAGES = 1024  # messages of one chat request: the template renders them all, on the tokenizer pool
+MAX_TOOLS = 128  # tools of one chat request (OpenAI's limit): each is a branch of the grammar
 
 
 class Body(BaseModel):
@@ -217,14 +220,36 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDefinition(Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the grammar holds every call to its schema anyway
+
+
+class ToolDefinition(Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatTemplateOptions(Body):
     """How the chat template renders the messages (vLLM's fields): with the header that starts the assistant's
-    answer (the default), or continuing the final message (a reply begun by the caller), and with extra
-    variables for the template."""
+    answer (the default), or continuing the final message (a reply begun by the caller); with extra variables
+    for the template, and the tools, for a template that shows them."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
 
     def template_options(self) -> dict[str, Any]:
         """Tokenizer.apply_chat_template's keyword arguments. Continuing the final message leaves out the
@@ -233,32 +258,29 @@ class ChatTemplateOptions(Body):
         if continuing and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
             raise ValueError("continue_final_message: cannot continue the final message and add a generation "
                              "prompt after it; set add_generation_prompt to false")
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
         return {"add_generation_prompt": self.add_generation_prompt and not continuing,
-                "continue_final_message": continuing, "template_kwargs": self.chat_template_kwargs or {}}
+                "continue_final_message": continuing, "template_kwargs": self.chat_template_kwargs or {},
+                "tools": tools or None}
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # about tools, which no request here has
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # "required" lets the model make one call or several either way
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False  # vLLM's: the reply repeats the final message first, where that is the assistant's
-    # OpenAI's, asking for nothing this server lacks when so: tags for stored completions (none are stored),
-    # the default processing tier, text output.
+    # OpenAI's; the values accepted ask for nothing this server lacks: tags for stored completions (none are
+    # stored), the default processing tier, text output.
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     store: bool = False
     service_tier: Literal["auto", "default"] | None = None
     modalities: list[Literal["text"]] | None = None
 
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported yet"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice: tools are not supported yet (none and auto only, without tools)"
         if self.store:
             return "store: this server keeps no completions (store must be false)"
         return super().unsupported()
@@ -269,11 +291,34 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
-        guided = super().structured_output()
         wanted = self.response_format.structured_output() if self.response_format else None
-        if guided is not None and wanted is not None:
-            raise ValueError(f"{guided[0]}: give either response_format or {guided[0]}, not both")
-        return guided or (None if wanted is None else ("response_format", wanted))
+        forced = self.forced_tool_calls()
+        asked = [given for given in (super().structured_output(), wanted and ("response_format", wanted),
+                                     forced and ("tool_choice", forced.structured_output())) if given]
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1][0]}: give only one of {asked[0][0]} and {asked[1][0]}")
+        return asked[0] if asked else None
+
+    def forced_tool_calls(self) -> ForcedToolCalls | None:
+        """The calls tool_choice forces (required, or a named function); None when it forces none."""
+        choice = self.tool_choice
+        tools = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in self.tools or ()}
+        if len(tools) < len(self.tools or ()):
+            raise ValueError("tools: two tools have the same name")
+        if self.tools and choice in (None, "auto"):
+            raise ValueError("tool_choice: auto (the default with tools) needs a parser of this model's own "
+                             "tool-call format, which this server has not; send tool_choice required or a named "
+                             "function (the calls are then held to the tools' schemas), or none")
+        if choice in (None, "auto", "none"):
+            return None
+        named = None if choice == "required" else choice.function.name
+        if not tools:
+            raise ValueError("tool_choice: needs tools to call")
+        if named is not None and named not in tools:
+            raise ValueError(f"tool_choice: no tool named {named!r} in tools")
+        if self.echo:
+            raise ValueError("echo: a reply of tool calls repeats no message")
+        return ForcedToolCalls(tools, named)
 
     def max_tokens_given(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -289,7 +334,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them; content parts of type text are joined."""
+    """Messages as the chat template expects them: content parts of type text joined; an assistant's earlier
+    tool calls and a tool message's call id and name passed on, for templates that show them."""
     out = []
     for message in messages:
         content = message.content
@@ -297,8 +343,26 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             if any(part.get("type") != "text" for part in content):
                 raise ValueError("messages: only text content parts are supported")
             content = "".join(str(part.get("text", "")) for part in content)
-        out.append({"role": message.role, "content": content or ""})
+        extra = {key: value for key, value in (message.model_extra or {}).items()
+                 if key in ("name", "tool_call_id") or (key == "tool_calls" and isinstance(value, list))}
+        if "tool_calls" in extra:
+            extra["tool_calls"] = [_with_parsed_arguments(call) for call in extra["tool_calls"]]
+        out.append({"role": message.role, "content": content or ""} | extra)
     return out
+
+
+def _with_parsed_arguments(call: Any) -> Any:
+    """A tool call whose arguments (OpenAI's JSON text) are an object, as chat templates read them (vLLM does
+    the same); a call of another shape is passed on as it came."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return call
+    return call | {"function": function | {"arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 class TokenizeRequest(ChatTemplateOptions):

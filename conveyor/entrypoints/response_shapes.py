@@ -8,6 +8,8 @@ from typing import Any
 
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.logprob_format import LogprobFormatter
+from conveyor.entrypoints.tool_calls import ForcedToolCalls, ToolCallStream
+from conveyor.entrypoints.tool_calls import finish_reason as tool_finish_reason
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -73,24 +75,45 @@ class ChatShape(ResponseShape):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echoed: str | None = None) -> None:
-        """``echoed``: the text every choice starts with (vLLM's echo: the assistant's final message), if any."""
+    def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echoed: str | None = None,
+                 tools: ForcedToolCalls | None = None) -> None:
+        """``echoed``: the text every choice starts with (vLLM's echo: the assistant's final message), if any;
+        ``tools``: the calls tool_choice forces, which the choices' text is read back as."""
         super().__init__(request_id, model, logprobs, echo=echoed is not None)
         self._echoed_text = echoed or ""
+        self.tools = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}  # per streamed choice, with tools
 
     def echo_of(self, output: RequestOutput) -> str:
         return self._echoed_text
 
     def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": self.echoed_text(o, o.text)},
-                    "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+        choices = [{"index": o.index, **self._message(o), "stop_reason": o.stop_reason,
                     "logprobs": None if o.logprobs is None else self.logprobs.chat(o.logprobs)}
                    for o in outputs]
         return self._envelope(self.object_full, choices) | {"usage": usage(outputs)}
 
+    def _message(self, output: RequestOutput) -> dict[str, Any]:
+        """A whole choice's message and finish_reason: its text, or the tool calls it made."""
+        if self.tools is None:
+            return {"message": {"role": "assistant", "content": self.echoed_text(output, output.text)},
+                    "finish_reason": output.finish_reason}
+        calls = self.tools.calls(output.text)
+        message = {"role": "assistant", "content": None} | ({"tool_calls": calls} if calls else {})
+        return {"message": message, "finish_reason": tool_finish_reason(bool(calls), output.finish_reason)}
+
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
-        content = self.echoed_text(output, output.delta_text)
-        delta = {"role": "assistant", "content": content} if is_first else {"content": content}
-        choice = {"index": output.index, "delta": delta, "finish_reason": output.finish_reason,
+        finish_reason = output.finish_reason
+        if self.tools is None:
+            content = self.echoed_text(output, output.delta_text)
+            delta = {"role": "assistant", "content": content} if is_first else {"content": content}
+        else:
+            stream = self._tool_streams.setdefault(output.index, self.tools.stream())
+            calls = stream.feed(output.delta_text)
+            delta = {"role": "assistant", "content": None} if is_first else {}
+            if calls:
+                delta["tool_calls"] = calls
+            finish_reason = tool_finish_reason(stream.num_calls > 0, finish_reason)
+        choice = {"index": output.index, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": self.logprobs.chat_delta(output)}
         return self._envelope(self.object_chunk, [choice])
