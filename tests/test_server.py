@@ -208,8 +208,9 @@ def test_auth_model_and_body_size(server):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
-PROTECTED = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/version"),
+PROTECTED = [("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("POST", "/v1/completions"),
+             ("POST", "/v1/chat/completions"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+             ("GET", "/version"),
              ("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"), ("GET", "/no-such-route")]
 
 
@@ -277,6 +278,11 @@ def test_tokenize_detokenize_version(server):
     assert httpx.get(f"{server}/version", headers=AUTH).json()["version"]
     assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0][
         "id"] == "tiny"
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+    assert client.models.retrieve("tiny").id == "tiny"  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError, match="'nope' does not exist") as missing:
+        client.models.retrieve("nope")
+    assert missing.value.code == "model_not_found"
 
 
 def test_overload_gets_503_with_retry_after(tiny_model_dir):

@@ -355,11 +355,18 @@ def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) ->
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
+    def card() -> dict:
+        return {"id": serving.settings.model_name, "object": "model", "created": int(time.time()),
+                "owned_by": "conveyor", "max_model_len": serving.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": serving.settings.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "conveyor", "max_model_len": serving.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's client.models.retrieve; a served name may hold a "/"
+    async def model(model: str) -> dict:
+        serving.check_model(model)
+        return card()
 
 
 def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
