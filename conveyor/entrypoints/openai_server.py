@@ -10,10 +10,8 @@ but ``/health`` (and ``/metrics`` where the operator says so) needs it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
-import hmac
 import json
 import logging
 import time
@@ -38,6 +36,7 @@ from conveyor.entrypoints.choices import OutputStream, open_streams
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.metrics import EngineMetrics
+from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, error_body
 from conveyor.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,10 +57,6 @@ class APIError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
 def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     body = error_body(error.message, error.kind, error.param, error.code)
     return JSONResponse(body, status_code=error.status, headers=headers)
@@ -80,99 +75,6 @@ class ServerSettings:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key / CONVEYOR_API_KEY is empty, which would leave the server open; "
                              "give a key, or unset it to serve without authentication")
-
-
-async def _send_error(send, status: int, message: str, kind: str, code: str | None,
-                      headers: dict[str, str] | None = None) -> None:
-    """An OpenAI-shaped error answered straight from an ASGI middleware."""
-    body = json.dumps(error_body(message, kind, code=code)).encode()
-    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": head})
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _drain(receive, limit: int) -> None:
-    """Read and drop the rest of a refused body (up to ``limit`` bytes, for up to 5 s): a socket closed with
-    unread data resets the connection, and the client would lose the answer before reading it."""
-    received = 0
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(5):
-            while received <= limit:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return
-                received += len(message.get("body", b""))
-                if not message.get("more_body"):
-                    return
-
-
-class BodyLimit:
-    """ASGI middleware: refuse a body over the limit with 413, whether it declares its length or comes chunked.
-
-    The body is read here, before FastAPI sees it, and handed on whole: an error raised from inside FastAPI's
-    own reading would turn into its 400 "error parsing the body" instead.
-    """
-
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before it finished sending
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await self._refuse(receive, send)
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        body, handed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal handed
-            if handed:
-                return await receive()  # after the body: the disconnect, when it comes
-            handed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, receive, send) -> None:
-        await _drain(receive, 4 * self.limit)
-        await _send_error(send, 413, f"request body is over the limit of {self.limit} bytes",
-                          "invalid_request_error", "request_too_large")
-
-
-class APIKeyAuth:
-    """ASGI middleware: every route needs ``Authorization: Bearer KEY`` except those in ``open_paths``.
-
-    Outermost, so that nothing (not even the body) is read for a caller without the key; the key is compared
-    in constant time.
-    """
-
-    def __init__(self, app, api_key: str, open_paths: frozenset[str], drain_limit: int) -> None:
-        self.app, self._key, self.open_paths, self.drain_limit = app, api_key.encode(), open_paths, drain_limit
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
-            return await self.app(scope, receive, send)
-        await _drain(receive, self.drain_limit)
-        await _send_error(send, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                          "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-
-    def _authorized(self, scope) -> bool:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
