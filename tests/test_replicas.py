@@ -163,6 +163,9 @@ async def _stream(http: httpx.AsyncClient, server: str, prompt: list[int], max_t
     return outcome
 
 
+OUTPUT_LEN = 600  # of each request the kill test sends (prompts of 24 tokens; the tiny model's context is 1024)
+
+
 def test_a_killed_replica_loses_no_request_and_comes_back(server, offline):
     """Kill replica 0's process while its requests run and wait: each request finishes (retried elsewhere if it
     had no output) or ends with an error event; the replica restarts and serves again."""
@@ -171,9 +174,12 @@ def test_a_killed_replica_loses_no_request_and_comes_back(server, offline):
 
     async def run() -> tuple[list[_Outcome], float]:
         async with httpx.AsyncClient(timeout=120) as http:
-            tasks = [asyncio.create_task(_stream(http, server, prompt, 200)) for prompt in prompts]
-            await asyncio.sleep(0.5)
-            while sum(task.done() for task in tasks) == 0 and not any(_running_on(server, 0)):
+            # Long enough that replica 0's requests are still running when its health first shows them: with
+            # 200 tokens a fast machine finished them within the half second this waited before looking.
+            tasks = [asyncio.create_task(_stream(http, server, prompt, OUTPUT_LEN)) for prompt in prompts]
+            deadline = time.monotonic() + 60
+            while not any(_running_on(server, 0)):
+                assert time.monotonic() < deadline, "no request ran on replica 0 within a minute"
                 await asyncio.sleep(0.05)
             os.kill(victim["pid"], signal.SIGKILL)
             killed_at = time.monotonic()
@@ -186,7 +192,7 @@ def test_a_killed_replica_loses_no_request_and_comes_back(server, offline):
     assert all(o.finish_reason == "length" for o in finished)
     for prompt, outcome in zip(prompts, outcomes):
         if not outcome.error:
-            assert outcome.text == _offline_text(offline, prompt, 200, ignore_eos=True)
+            assert outcome.text == _offline_text(offline, prompt, OUTPUT_LEN, ignore_eos=True)
     failover = _health(server)["failover"]
     assert failover["errored"] == len(errored) and failover["unplaced"] == 0
     assert failover["retried"] + failover["errored"] >= 1, "the kill touched no request"

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import conveyor
@@ -46,6 +47,15 @@ from conveyor.entrypoints.protocol import (
     message_dicts,
 )
 from conveyor.entrypoints.response_shapes import ChatShape, CompletionShape, ResponseShape, usage
+from conveyor.entrypoints.responses_api import (
+    FIELD_NAMES,
+    MAX_STORED_RESPONSES,
+    ResponsesRequest,
+    ResponsesShape,
+    ResponseStore,
+    error_frame,
+    sse_events,
+)
 
 logger = logging.getLogger("conveyor.server")
 T = TypeVar("T")
@@ -92,6 +102,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
     _add_info_routes(app, serving, metrics)
     _add_token_routes(app, serving)
     _add_generation_routes(app, serving)
+    _add_responses_routes(app, serving)
     add_dashboard_routes(app, engine, settings.api_key)
     return app
 
@@ -217,6 +228,14 @@ class _Serving:
         stream = open_streams(self.engine, requests)  # overloaded or dead: 503 at once, from the handlers above
         if body.stream:  # the headers go out now; the tokens follow, and a disconnect cancels the stream
             return StreamingResponse(_sse(stream, fmt, *body.usage_in_stream()), media_type="text/event-stream")
+        outputs = await self.finals(stream, raw, len(requests) * requests[0].sampling_params.n)
+        if outputs is None:
+            return Response(status_code=499)  # the client left (nginx's code); nobody reads this
+        return fmt.full(outputs)
+
+    async def finals(self, stream: OutputStream, raw: Request, expected: int) -> list[RequestOutput] | None:
+        """Each of the ``expected`` choices' final output, by index; None where the client left first (its
+        requests are then aborted)."""
         finals: dict[int, RequestOutput] = {}  # the latest output of each choice (n > 1 or several prompts)
         watcher = asyncio.create_task(_close_on_disconnect(raw, stream))
         try:
@@ -225,9 +244,9 @@ class _Serving:
         finally:
             watcher.cancel()
             stream.close()
-        if len(finals) < len(requests) * requests[0].sampling_params.n or not all(o.finished for o in finals.values()):
-            return Response(status_code=499)  # the client left (nginx's code); nobody reads this
-        return fmt.full([finals[index] for index in sorted(finals)])
+        if len(finals) < expected or not all(o.finished for o in finals.values()):
+            return None
+        return [finals[index] for index in sorted(finals)]
 
 
 async def _close_on_disconnect(raw: Request, stream: OutputStream) -> None:
@@ -319,6 +338,78 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
         fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
                         body.forced_tool_calls())
         return await serving.respond(body, [request], fmt, raw)
+
+
+def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
+    """OpenAI's Responses API on the chat path (see conveyor.entrypoints.responses_api)."""
+    store = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request):
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            stored = store.get(body.previous_response_id)
+            if stored is None:
+                raise APIError(404, f"previous_response_id: no stored response {body.previous_response_id!r} (the "
+                               f"newest {MAX_STORED_RESPONSES} made with store are kept, until a restart)",
+                               "not_found_error", "previous_response_id")
+            history = stored[1]
+        try:
+            chat = ChatCompletionRequest.model_validate(body.chat_body(history))
+            request = await serving.off_loop(serving.make_chat_request, chat)
+        except (ValueError, APIError) as error:
+            raise _in_responses_terms(error) from None
+        shape = ResponsesShape(body, serving.settings.model_name, chat.forced_tool_calls())
+        conversation = [*history, *body.input_messages()]
+
+        def keep(response: dict[str, Any]) -> None:
+            if body.store:
+                store.put(response, [*conversation, *ResponsesShape.conversation_of(response)])
+
+        stream = open_streams(serving.engine, [request])
+        if body.stream:
+            return StreamingResponse(_responses_sse(shape, stream, keep), media_type="text/event-stream")
+        outputs = await serving.finals(stream, raw, 1)
+        if outputs is None:
+            return Response(status_code=499)
+        response = shape.full(outputs[0])
+        keep(response)
+        return response
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict:
+        stored = store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response {response_id!r}", "not_found_error", "response_id")
+        return stored[0]
+
+
+def _in_responses_terms(error: ValueError | APIError) -> APIError:
+    """An error of the chat request a Responses request became, naming the Responses API's field."""
+    if isinstance(error, ValidationError):
+        first = error.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        error = APIError(400, f"{param}: {first['msg']}", "invalid_request_error", param)
+    elif not isinstance(error, APIError):
+        message = str(error)
+        error = APIError(400, message, "invalid_request_error", message.split(":")[0])
+    head = (error.param or "").split(".")[0]
+    if head in FIELD_NAMES:
+        renamed = FIELD_NAMES[head] + (error.param or "")[len(head):]
+        error = APIError(error.status, error.message.replace(error.param or "", renamed, 1), error.kind, renamed,
+                         error.code)
+    return error
+
+
+async def _responses_sse(shape: ResponsesShape, stream: OutputStream, keep: Callable[[dict[str, Any]], None]):
+    try:
+        async for frame in sse_events(shape, stream, keep):
+            yield frame
+    except (EngineDead, RequestFailed) as error:
+        failure = _engine_error(error)
+        yield error_frame(failure.message, failure.code)
+    finally:
+        stream.close()  # a client gone mid-stream lands here too: abort
 
 
 async def _sse(stream: OutputStream, fmt: ResponseShape, include_usage: bool, usage_every_chunk: bool):
