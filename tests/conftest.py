@@ -1,4 +1,5 @@
-"""Shared fixtures: the default model's folder, and a tiny random Llama that shares its tokenizer.
+"""Shared fixtures: the default model's folder, a tiny random Llama that shares its tokenizer, and a server
+of it with the official client (``server``, ``client``: test_server and test_replicas define their own).
 
 The tiny model is what most engine tests run on: it exercises every code path
 of the real one (GQA, RoPE, paged attention, chunked prefill, preemption) in
@@ -53,6 +54,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model_dir / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path):
+    """A real ``conveyor serve`` of the tiny model, served as "tiny", no API key: its base URL."""
+    from tests.serving import running_server
+
+    with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", "tiny") as running:
+        yield running.base
+
+
+@pytest.fixture(scope="module")
+def client(server: str):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="session")

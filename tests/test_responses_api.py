@@ -13,25 +13,12 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.serving import running_server
-
 MODEL = "tiny"
 QUESTION = "Name three rivers."
 TOOLS = [{"type": "function", "name": "set_alarm", "parameters": {
     "type": "object", "properties": {"hours": {"type": "integer", "minimum": 0, "maximum": 23}},
     "required": ["hours"], "additionalProperties": False}}]
 SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", MODEL) as server:
-        yield server.base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
 
 def chat_text(client, messages, max_tokens: int) -> str:

@@ -11,25 +11,12 @@ import re
 import shutil
 
 import httpx
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
 from conveyor import LLM, SamplingParams
-from tests.serving import running_server
 
 MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", MODEL) as server:
-        yield server.base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

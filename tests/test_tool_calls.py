@@ -10,11 +10,9 @@ import shutil
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from conveyor.entrypoints.tool_calls import ForcedToolCalls
-from tests.serving import running_server
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -28,17 +26,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "set_alarm": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "set_alarm"}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", MODEL) as server:
-        yield server.base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
 
 
 def assert_valid_calls(calls, names=tuple(SCHEMAS)) -> None:
