@@ -57,6 +57,23 @@ def test_the_stream_of_events_adds_up_to_the_response(server, client):
     assert events[-1]["response"]["usage"]["output_tokens"] == 8
 
 
+def test_logprobs_with_include_as_chat_gives_them(client):
+    kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0)
+    response = client.responses.create(**kwargs, include=["message.output_text.logprobs"], top_logprobs=2)
+    part = response.output[0].content[0]
+    assert len(part.logprobs) == 6 and "".join(entry.token for entry in part.logprobs) == part.text
+    assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    assert [e.logprob for e in part.logprobs] == pytest.approx(
+        [e.logprob for e in chat.choices[0].logprobs.content], abs=1e-5)
+    streamed = [entry for event in client.responses.create(**kwargs, include=["message.output_text.logprobs"],
+                                                           top_logprobs=2, stream=True)
+                if event.type == "response.output_text.delta" for entry in event.logprobs]
+    assert [e.token for e in streamed] == [e.token for e in part.logprobs]
+    assert client.responses.create(**kwargs).output[0].content[0].logprobs == []  # not asked for
+
+
 class Verdict(BaseModel):
     ok: bool
     score: int = Field(ge=0, le=9)
@@ -123,6 +140,8 @@ def test_function_tools_make_calls_whose_outputs_carry_on(client):
      400, "text.format"),
     ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
     ({"input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
+    ({"input": "hi", "include": ["reasoning.encrypted_content"]}, 400, "include.0"),
+    ({"input": "hi", "top_logprobs": 21, "include": ["message.output_text.logprobs"]}, 400, "top_logprobs"),
     ({"input": "hi", "model": "nope"}, 404, "model"),
     ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
 ])

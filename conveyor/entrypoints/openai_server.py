@@ -359,7 +359,8 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
             request = await serving.off_loop(serving.make_chat_request, chat)
         except (ValueError, APIError) as error:
             raise _in_responses_terms(error) from None
-        shape = ResponsesShape(body, serving.settings.model_name, chat.forced_tool_calls())
+        shape = ResponsesShape(body, serving.settings.model_name, chat.forced_tool_calls(),
+                               LogprobFormatter(serving.tokenizer))
         conversation = [*history, *body.input_messages()]
 
         def keep(response: dict[str, Any]) -> None:

@@ -20,7 +20,9 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
+from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.protocol import MAX_TOOLS, Body
 from conveyor.entrypoints.tool_calls import ForcedToolCalls
 
@@ -71,8 +73,12 @@ class ResponsesRequest(Body):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool = True
     truncation: Literal["disabled"] = "disabled"  # "auto" would drop the conversation's start: not done here
+    include: list[Literal["message.output_text.logprobs"]] = Field(default_factory=list)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # alternatives, with the include above
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
     user: str | None = None
+    safety_identifier: str | None = None  # OpenAI's successor of user: nothing here tells users apart
+    prompt_cache_key: str | None = None  # a hint where caching is by request: here every prompt's prefix is cached
     service_tier: Literal["auto", "default"] | None = None
 
     def input_messages(self) -> list[dict[str, Any]]:
@@ -91,6 +97,8 @@ class ResponsesRequest(Body):
             "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
             "parallel_tool_calls": self.parallel_tool_calls,
         }
+        if "message.output_text.logprobs" in self.include:
+            body |= {"logprobs": True, "top_logprobs": self.top_logprobs or 0}
         if self.text is not None and self.text.format is not None:
             body["response_format"] = _response_format(self.text.format)
         if self.tools:
@@ -157,8 +165,9 @@ class ResponseStore:
 class ResponsesShape:
     """One response as the Responses API shows it: whole, or as its stream of events."""
 
-    def __init__(self, body: ResponsesRequest, model: str, forced: ForcedToolCalls | None) -> None:
-        self.body, self.model, self.forced = body, model, forced
+    def __init__(self, body: ResponsesRequest, model: str, forced: ForcedToolCalls | None,
+                 logprobs: LogprobFormatter) -> None:
+        self.body, self.model, self.forced, self.logprobs = body, model, forced, logprobs
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._sequence = 0
@@ -201,16 +210,22 @@ class ResponsesShape:
         status = self.status(final)
         if self.forced is not None:
             return [_function_call_item(call, self._call_status(status)) for call in self.forced.calls(final.text)]
-        return [self._message(final.text, status)]
+        return [self._message(final.text, status, self._logprobs(final))]
+
+    def _logprobs(self, output: RequestOutput, streamed: bool = False) -> list[dict[str, Any]]:
+        """The output_text's logprobs (chat's entries): all of them, or those a stream has not sent yet."""
+        if output.logprobs is None:
+            return []
+        return (self.logprobs.chat_delta(output) if streamed else self.logprobs.chat(output.logprobs))["content"]
 
     def _call_status(self, status: str) -> str:
         """A listed call is complete once it is read; a named call is as complete as the response."""
         return status if self.forced is not None and self.forced.named is not None else "completed"
 
-    def _message(self, text: str, status: str) -> dict[str, Any]:
+    def _message(self, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The message item: no content while in progress, then its one output_text part."""
         content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [],
-                                                       "logprobs": []}]
+                                                       "logprobs": logprobs or []}]
         return {"type": "message", "id": self._message_id, "status": status, "role": "assistant", "content": content}
 
     @staticmethod
@@ -246,9 +261,10 @@ class ResponsesShape:
                                   item=self._message("", "in_progress")),
                        self.event("response.content_part.added", item_id=self._message_id, output_index=0,
                                   content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
-        if output.delta_text:
+        logprobs = self._logprobs(output, streamed=True)
+        if output.delta_text or logprobs:
             events.append(self.event("response.output_text.delta", item_id=self._message_id, output_index=0,
-                                     content_index=0, delta=output.delta_text, logprobs=[]))
+                                     content_index=0, delta=output.delta_text, logprobs=logprobs))
         return events
 
     def _call_events(self, call: dict[str, Any]) -> list[dict[str, Any]]:
@@ -284,10 +300,10 @@ class ResponsesShape:
             events += [e for index in sorted(self._calls) for e in self._call_done(index, self._call_status(status))]
             output = [dict(self._calls[index]) for index in sorted(self._calls)]
         else:
-            item = self._message(final.text, status)
+            item = self._message(final.text, status, self._logprobs(final))
             part = item["content"][0]
             events += [self.event("response.output_text.done", item_id=self._message_id, output_index=0,
-                                  content_index=0, text=final.text, logprobs=[]),
+                                  content_index=0, text=final.text, logprobs=part["logprobs"]),
                        self.event("response.content_part.done", item_id=self._message_id, output_index=0,
                                   content_index=0, part=part),
                        self.event("response.output_item.done", output_index=0, item=item)]
