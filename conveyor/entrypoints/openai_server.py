@@ -2,7 +2,8 @@
 
 Every error leaves in OpenAI's shape, ``{"error": {"message", "type", "param",
 "code"}}``; a stack trace is logged, never sent. Streams are server-sent
-events ending with ``data: [DONE]``; a client that disconnects aborts its
+events: chunks ending with ``data: [DONE]``, or the Responses API's named
+events; a client that disconnects aborts its
 request, streamed or not, queued or running. With an API key, every route
 but ``/health`` (and ``/metrics`` where the operator says so) needs it.
 """
@@ -396,7 +397,8 @@ def _in_responses_terms(error: ValueError | APIError) -> APIError:
         error = APIError(400, message, "invalid_request_error", message.split(":")[0])
     head = (error.param or "").split(".")[0]
     if head in FIELD_NAMES:
-        renamed = FIELD_NAMES[head] + (error.param or "")[len(head):]
+        # A message's index is the chat request's (instructions and history first), not the input's: "input".
+        renamed = FIELD_NAMES[head] + ("" if head == "messages" else (error.param or "")[len(head):])
         error = APIError(error.status, error.message.replace(error.param or "", renamed, 1), error.kind, renamed,
                          error.code)
     return error
