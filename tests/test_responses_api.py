@@ -136,6 +136,8 @@ def test_function_tools_make_calls_whose_outputs_carry_on(client):
     ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"input": "hi", "tools": TOOLS}, 400, "tool_choice"),  # auto, the default with tools
     ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "has space"}], "tool_choice": "required"}, 400,
+     "tools.0.name"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
      400, "text.format"),
     ({"input": "hi", "truncation": "auto"}, 400, "truncation"),

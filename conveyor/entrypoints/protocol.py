@@ -5,8 +5,8 @@ them gets a 400 that says so, rather than being silently ignored; fields
 nobody declared are refused too. A JSON null means "not given", as in
 OpenAI's API. OpenAI's fields that ask for nothing this server lacks are
 accepted: ``user``, ``metadata``, ``store`` false, ``service_tier`` auto or
-default, ``modalities`` text, ``tool_choice`` none or auto (no tools),
-``parallel_tool_calls``. vLLM's extra fields (``repetition_penalty``,
+default, ``modalities`` text, ``parallel_tool_calls``; function ``tools`` with
+``tool_choice`` required, a named function or none (see tool_calls.py). vLLM's extra fields (``repetition_penalty``,
 ``min_p``, ``min_tokens``, ``prompt_logprobs``, ``include_stop_str_in_output``,
 ``skip_special_tokens``, ``guided_json`` / ``guided_regex`` /
 ``guided_choice``, ``stream_options.continuous_usage_stats``; on chat
@@ -220,8 +220,11 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+
+
 class FunctionDefinition(Body):
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # the grammar holds every call to its schema anyway

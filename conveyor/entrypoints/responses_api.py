@@ -23,7 +23,7 @@ from pydantic import Field
 from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.logprob_format import LogprobFormatter
-from conveyor.entrypoints.protocol import MAX_TOOLS, Body
+from conveyor.entrypoints.protocol import FUNCTION_NAME, MAX_TOOLS, Body
 from conveyor.entrypoints.tool_calls import ForcedToolCalls
 
 MAX_STORED_RESPONSES = 1024
@@ -47,7 +47,7 @@ class TextOptions(Body):
 
 class FunctionTool(Body):
     type: Literal["function"]
-    name: str
+    name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
