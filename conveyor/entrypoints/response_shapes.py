@@ -23,6 +23,9 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
 
 
 class ResponseShape:
+    """One answer's shape, whole (``full``) or chunk by chunk (``chunk``), for the completion and chat
+    endpoints: the envelope, echo, and the usage chunk that ends a stream."""
+
     object_full = ""
     object_chunk = ""
 
@@ -40,6 +43,14 @@ class ResponseShape:
 
     def echo_of(self, output: RequestOutput) -> str:
         """What echo repeats ahead of a choice's text."""
+        raise NotImplementedError
+
+    def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """The whole answer from every choice's final output."""
+        raise NotImplementedError
+
+    def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
+        """One streamed chunk: what ``output`` adds to its choice (``is_first``: the choice's first)."""
         raise NotImplementedError
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
