@@ -166,6 +166,7 @@ def test_openai_client_response_format_and_guided_fields(client, offline):
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "store": True}, "store"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": {"type": "function", "function": {"name": "f"}}},
@@ -301,3 +302,29 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir, tmp_path):
     assert tokenizer.decode(tokenizer.apply_chat_template(messages)) == "hello"
     with pytest.raises(ValueError, match="chat_template_kwargs: add_generation_prompt, messages"):
         tokenizer.apply_chat_template(messages, template_kwargs={"messages": [], "add_generation_prompt": False})
+
+
+def test_prompt_logprobs_as_vllm_gives_them(server, offline):
+    """vLLM's prompt_logprobs: per prompt position {token id: {logprob, rank, decoded_token}} for the prompt's
+    token and its alternatives, the first None; on a completion's choice, at the top of a chat answer."""
+    prompt = [1000 + 11 * i for i in range(9)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2}
+    got = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
+    want = offline.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(prompt)
+    for token, entry, reference in zip(prompt[1:], got[1:], want[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(reference.logprob, abs=1e-5)
+        assert entry[str(token)]["rank"] == reference.rank
+        alternatives = sorted((v["rank"], k) for k, v in entry.items() if v["rank"] <= 2)
+        assert [int(k) for _, k in alternatives] == [t for t, _ in reference.top]
+    with httpx.stream("POST", f"{server}/v1/completions", json=body | {"stream": True}, timeout=60) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    sent = [c["choices"][0]["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c["choices"][0]]
+    assert len(sent) == 1 and [e and sorted(e) for e in sent[0]] == [e and sorted(e) for e in got]
+    chat = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": MESSAGES, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # the prompt's own token only
+    plain = httpx.post(f"{server}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60).json()
+    assert "prompt_logprobs" not in plain["choices"][0]

@@ -46,6 +46,23 @@ class LogprobFormatter:
         self._sent[output.index] = (len(output.logprobs), offset)
         return self.chat(output.logprobs[sent:])
 
+    # ----- vLLM's prompt_logprobs -----------------------------------------------
+
+    def prompt(self, output: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt position, None for the first (nothing predicts it), else
+        ``{token id: {logprob, rank, decoded_token}}`` for the prompt's token and its top alternatives; None
+        until the whole prompt is computed."""
+        if output.prompt_logprobs is None:
+            return None
+        return [None if entry is None else self._prompt_entry(entry) for entry in output.prompt_logprobs]
+
+    def _prompt_entry(self, entry: TokenLogprob) -> dict[str, dict[str, Any]]:
+        found = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank,
+                                       "decoded_token": self.token_text(entry.token_id)}}
+        for rank, (token, value) in enumerate(entry.top, 1):
+            found.setdefault(str(token), {"logprob": value, "rank": rank, "decoded_token": self.token_text(token)})
+        return found
+
     # ----- completions ----------------------------------------------------------
 
     def completion(self, token_ids: list[int], entries: list[TokenLogprob | None], offset: int = 0) -> dict[str, Any]:

@@ -330,14 +330,15 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", "prompt") from None
         requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
-        fmt = CompletionShape(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo)
+        fmt = CompletionShape(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo,
+                              prompt_logprobs=body.prompt_logprobs is not None)
         return await serving.respond(body, requests, fmt, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         request = await serving.off_loop(serving.make_chat_request, body)
         fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
-                        body.forced_tool_calls())
+                        body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None)
         return await serving.respond(body, [request], fmt, raw)
 
 

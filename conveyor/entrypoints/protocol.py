@@ -69,6 +69,7 @@ class SamplingRequest(Body):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's: each prompt token's
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -98,7 +99,7 @@ class SamplingRequest(Body):
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) as SamplingParams takes them; the endpoints read ``logprobs`` differently."""
-        return None, None
+        return None, self.prompt_logprobs
 
     def field_error(self, message: str) -> tuple[str, str]:
         """(param, message) of a ValueError raised while making the request: a constraint that does not
@@ -172,7 +173,9 @@ class CompletionRequest(SamplingRequest):
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         # echo with logprobs returns the prompt's logprobs too, as OpenAI's legacy API does.
-        return self.logprobs, self.logprobs if self.echo else None
+        echoed = self.logprobs if self.echo else None
+        asked = [count for count in (echoed, self.prompt_logprobs) if count is not None]
+        return self.logprobs, max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one string or token list, or a list of several (choices are indexed prompt by prompt)."""
@@ -291,7 +294,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
-        return (self.top_logprobs or 0) if self.logprobs else None, None
+        return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
         wanted = self.response_format.structured_output() if self.response_format else None

@@ -29,10 +29,21 @@ class ResponseShape:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echo: bool = False) -> None:
+    def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echo: bool = False,
+                 prompt_logprobs: bool = False) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
-        self.logprobs, self.echo = logprobs, echo
+        self.logprobs, self.echo, self.prompt_logprobs = logprobs, echo, prompt_logprobs
         self._echoed: set[int] = set()  # choices whose stream has sent what echo repeats
+        self._prompts_sent: set[int] = set()  # choices whose stream has sent their prompt_logprobs
+
+    def prompt_part(self, output: RequestOutput, streamed: bool = False) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs`` field, where the client asked: in the whole answer, or in the first chunk
+        of a choice after its prompt is computed."""
+        if not self.prompt_logprobs or (streamed and (output.index in self._prompts_sent
+                                                      or output.prompt_logprobs is None)):
+            return {}
+        self._prompts_sent.add(output.index)
+        return {"prompt_logprobs": self.logprobs.prompt(output)}
 
     def echoed_text(self, output: RequestOutput, text: str) -> str:
         """``text`` after what echo repeats, in a full answer or a choice's first chunk."""
@@ -73,13 +84,13 @@ class CompletionShape(ResponseShape):
     def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = [{"index": o.index, "text": self.echoed_text(o, o.text), "finish_reason": o.finish_reason,
                     "logprobs": self.logprobs.completion_full(o, self.echo), "stop_reason": o.stop_reason}
-                   for o in outputs]
+                   | self.prompt_part(o) for o in outputs]
         return self._envelope(self.object_full, choices) | {"usage": usage(outputs)}
 
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
         choice = {"index": output.index, "text": self.echoed_text(output, output.delta_text),
                   "finish_reason": output.finish_reason, "logprobs": self.logprobs.completion_delta(output, self.echo)}
-        return self._envelope(self.object_chunk, [choice])
+        return self._envelope(self.object_chunk, [choice | self.prompt_part(output, streamed=True)])
 
 
 class ChatShape(ResponseShape):
@@ -87,10 +98,11 @@ class ChatShape(ResponseShape):
     object_chunk = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echoed: str | None = None,
-                 tools: ForcedToolCalls | None = None) -> None:
+                 tools: ForcedToolCalls | None = None, prompt_logprobs: bool = False) -> None:
         """``echoed``: the text every choice starts with (vLLM's echo: the assistant's final message), if any;
-        ``tools``: the calls tool_choice forces, which the choices' text is read back as."""
-        super().__init__(request_id, model, logprobs, echo=echoed is not None)
+        ``tools``: the calls tool_choice forces, which the choices' text is read back as. prompt_logprobs go
+        at the top, as vLLM puts them (the choices share the prompt)."""
+        super().__init__(request_id, model, logprobs, echo=echoed is not None, prompt_logprobs=prompt_logprobs)
         self._echoed_text = echoed or ""
         self.tools = tools
         self._tool_streams: dict[int, ToolCallStream] = {}  # per streamed choice, with tools
@@ -102,7 +114,7 @@ class ChatShape(ResponseShape):
         choices = [{"index": o.index, **self._message(o), "stop_reason": o.stop_reason,
                     "logprobs": None if o.logprobs is None else self.logprobs.chat(o.logprobs)}
                    for o in outputs]
-        return self._envelope(self.object_full, choices) | {"usage": usage(outputs)}
+        return self._envelope(self.object_full, choices) | self.prompt_part(outputs[0]) | {"usage": usage(outputs)}
 
     def _message(self, output: RequestOutput) -> dict[str, Any]:
         """A whole choice's message and finish_reason: its text, or the tool calls it made."""
@@ -127,4 +139,4 @@ class ChatShape(ResponseShape):
             finish_reason = tool_finish_reason(stream.num_calls > 0, finish_reason)
         choice = {"index": output.index, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": self.logprobs.chat_delta(output)}
-        return self._envelope(self.object_chunk, [choice])
+        return self._envelope(self.object_chunk, [choice]) | self.prompt_part(output, streamed=True)
