@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Mapping
@@ -48,7 +49,7 @@ class Tokenizer:
             raise ValueError("messages: this model has no chat template; send a plain prompt instead")
         from jinja2 import TemplateError
 
-        taken = sorted(set(template_kwargs or ()) & self._template_arguments())
+        taken = sorted(set(template_kwargs or ()) & self._template_arguments)
         if taken:
             raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set there (the server sets them)")
         try:
@@ -62,8 +63,10 @@ class Tokenizer:
         # Newer transformers return a BatchEncoding here, older ones a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
+    @functools.cached_property
     def _template_arguments(self) -> frozenset[str]:
-        """Names a template kwarg may not take: transformers' own arguments, and ``messages``."""
+        """Names a template kwarg may not take: transformers' own arguments, and ``messages`` (read once: a
+        signature is not free, and every chat request asks)."""
         names = inspect.signature(self._tok.apply_chat_template).parameters
         return frozenset(name for name in names if name != "kwargs") | {"messages"}
 

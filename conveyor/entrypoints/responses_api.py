@@ -23,7 +23,7 @@ from pydantic import Field
 from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.logprob_format import LogprobFormatter
-from conveyor.entrypoints.protocol import FUNCTION_NAME, MAX_TOOLS, Body
+from conveyor.entrypoints.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
 from conveyor.entrypoints.tool_calls import ForcedToolCalls
 
 MAX_STORED_RESPONSES = 1024
@@ -33,24 +33,20 @@ MAX_STORED_RESPONSES = 1024
 FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
-class TextFormat(Body):
+class TextFormat(JsonSchemaFormat):
+    """``text.format``: chat's json_schema fields, flattened beside the type."""
+
     type: Literal["text", "json_object", "json_schema"]
-    name: str = "response"
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
 
 
 class TextOptions(Body):
     format: TextFormat | None = None
 
 
-class FunctionTool(Body):
+class FunctionTool(FunctionDefinition):
+    """A function tool: chat's function definition, flattened beside the type."""
+
     type: Literal["function"]
-    name: str = Field(pattern=FUNCTION_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class NamedFunction(Body):
@@ -114,8 +110,7 @@ class ResponsesRequest(Body):
 def _response_format(fmt: TextFormat) -> dict[str, Any]:
     if fmt.type != "json_schema":
         return {"type": fmt.type}
-    schema = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict, "description": fmt.description}
-    return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
+    return {"type": "json_schema", "json_schema": fmt.model_dump(by_alias=True, exclude={"type"}, exclude_none=True)}
 
 
 def _message_of(item: dict[str, Any], index: int) -> dict[str, Any]:
