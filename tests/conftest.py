@@ -37,10 +37,11 @@ TINY_CONFIG = dict(
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    """The default model as a HF folder (converted from GGUF once, then cached)."""
-    from conveyor.model.loader import resolve_model
+    """The default model as a HF folder of float32 weights (dequantized from its GGUF file once, then cached):
+    what transformers loads as the reference."""
+    from conveyor.model.loader import float32_folder
 
-    return resolve_model(None)
+    return float32_folder(None)
 
 
 @pytest.fixture(scope="session")

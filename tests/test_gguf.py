@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.model.gguf import STALE_PARTIAL_S, _remove_stale_partials, _unpermute_rope_rows, convert_gguf_to_hf
+from conveyor.model.gguf import STALE_PARTIAL_S, _remove_stale_partials, convert_gguf_to_hf, unpermute_rope_rows
 from conveyor.model.loader import conversion_key, default_model_path
 
 # transformers (imported lazily, inside the tests) and huggingface_hub read these once, on import.
@@ -146,8 +146,8 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     # Row j of each GGUF head holds HF row (j % 2) * half + j // 2.
     half = head_dim // 2
     order = [h * head_dim + (j % 2) * half + j // 2 for h in range(heads) for j in range(head_dim)]
-    assert np.array_equal(_unpermute_rope_rows(hf[order], heads), hf)
-    assert np.array_equal(_unpermute_rope_rows(hf[order][:, 0], heads), hf[:, 0])  # 1-D (bias) rows too
+    assert np.array_equal(unpermute_rope_rows(hf[order], heads), hf)
+    assert np.array_equal(unpermute_rope_rows(hf[order][:, 0], heads), hf[:, 0])  # 1-D (bias) rows too
 
 
 def test_a_conversion_is_keyed_by_the_files_contents_not_its_place(tmp_path: pathlib.Path, monkeypatch) -> None:
@@ -191,7 +191,7 @@ def test_a_second_process_converting_the_same_file_uses_the_first_ones_folder(tm
 
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
 
-    def lose_the_race(gguf_path, out_dir):  # the other process publishes first; our rename then fails
+    def lose_the_race(gguf_path, out_dir, **options):  # the other process publishes first; our rename then fails
         pathlib.Path(out_dir).mkdir(parents=True)
         (pathlib.Path(out_dir) / "config.json").write_text("{}")
         raise OSError(39, "Directory not empty")
@@ -200,7 +200,7 @@ def test_a_second_process_converting_the_same_file_uses_the_first_ones_folder(tm
     folder = resolve_model(None)
     assert (folder / "config.json").read_text() == "{}" and folder.parent == tmp_path / "models"
 
-    def fail(gguf_path, out_dir):
+    def fail(gguf_path, out_dir, **options):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(converter, "convert_gguf_to_hf", fail)

@@ -1,4 +1,7 @@
-"""llama.cpp's ``llama-server`` (F32 GGUF, 64 slots, ``--threads`` threads, continuous batching) driven over HTTP.
+"""llama.cpp's ``llama-server`` (64 slots, ``--threads`` threads, continuous batching) driven over HTTP.
+
+``--gguf`` picks the file: ``f32`` (the default model dequantized, what the float32 engines run), ``q4_1`` (the
+default model's own Q4_1 file, as shipped) or ``q8_0`` (that file requantized by llama-quantize).
 
 The runner starts the server, sends each request to ``/completion`` with a
 token-id prompt (all of a workload's requests concurrently, or one after
@@ -90,13 +93,27 @@ def server_version() -> str:
     return f"{match.group(1)} ({match.group(2)}), llama-cpp-python {SDIST_VERSION}" if match else "unknown"
 
 
+def gguf_file(kind: str) -> str:
+    """The GGUF file of a ``--gguf`` kind (set up by setup_llamacpp.sh; Q4_1 is the file the model ships as)."""
+    if kind == "q4_1":
+        from conveyor.model.loader import default_model_path
+
+        return str(default_model_path())
+    return str(DIR / f"model-{kind}.gguf")
+
+
 if __name__ == "__main__":
-    args = peer_io.argument_parser(__doc__.splitlines()[0], DIR / "model-f32.gguf").parse_args()
+    parser = peer_io.argument_parser(__doc__.splitlines()[0], DIR / "model-f32.gguf")
+    parser.add_argument("--gguf", choices=("f32", "q8_0", "q4_1"), default=None,
+                        help="run this kind of the default model's GGUF file instead of --model")
+    args = parser.parse_args()
+    model = gguf_file(args.gguf) if args.gguf else args.model
     port = free_port()
-    server = start_server(args.model, port, DIR / "server.log", args.threads)
+    server = start_server(model, port, DIR / "server.log", args.threads)
     try:
         url = f"http://127.0.0.1:{port}/completion"
-        peer_io.main("llama.cpp llama-server", server_version(), args,
+        name = f"llama.cpp llama-server ({args.gguf.upper()})" if args.gguf else "llama.cpp llama-server"
+        peer_io.main(name, server_version(), args,
                      lambda requests: asyncio.run(_all(url, requests)))
     finally:
         server.terminate()

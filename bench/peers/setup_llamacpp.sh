@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-server, built from the llama.cpp source that the llama-cpp-python sdist vendors
 # (PyPI is the one source reachable here), and an F32 GGUF of the default model's weights.
-# Takes 10-20 minutes on a 2-core machine. Result: .peers/llama.cpp/{build/bin/llama-server, model-f32.gguf}.
+# Takes 10-20 minutes on a 2-core machine. Result: .peers/llama.cpp/{build/bin/llama-server, model-f32.gguf,
+# model-q8_0.gguf}; the default model's own Q4_1 file is run where it lies (run_llamacpp.py --gguf q4_1).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 VERSION=0.3.36
 DIR="$PEERS/llama.cpp"
@@ -19,9 +20,14 @@ cmake -S "$DIR/src/vendor/llama.cpp" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE
 cmake --build "$DIR/build" --target llama-server llama-quantize llama-batched-bench -j "$(nproc)"
 
 # The same weights every other engine gets: the shipped Q4_1 file dequantized to float32.
+Q4_1="$("$PROJECT_PYTHON" -c 'from conveyor.model.loader import default_model_path; print(default_model_path())')"
 if [ ! -f "$DIR/model-f32.gguf" ]; then
-    Q4_1="$("$PROJECT_PYTHON" -c 'from conveyor.model.loader import default_model_path; print(default_model_path())')"
     "$DIR/build/bin/llama-quantize" --allow-requantize "$Q4_1" "$DIR/model-f32.gguf.tmp" F32
     mv "$DIR/model-f32.gguf.tmp" "$DIR/model-f32.gguf"
 fi
-echo "llama.cpp ready: $DIR/build/bin/llama-server, $DIR/model-f32.gguf"
+# The same weights requantized by llama.cpp itself to Q8_0 (from the Q4_1 file, as a user would): the 8-bit case.
+if [ ! -f "$DIR/model-q8_0.gguf" ]; then
+    "$DIR/build/bin/llama-quantize" --allow-requantize "$Q4_1" "$DIR/model-q8_0.gguf.tmp" Q8_0
+    mv "$DIR/model-q8_0.gguf.tmp" "$DIR/model-q8_0.gguf"
+fi
+echo "llama.cpp ready: $DIR/build/bin/llama-server, $DIR/model-f32.gguf, $DIR/model-q8_0.gguf"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # OpenVINO GenAI in its own virtual environment (.peers/openvino), and the default model exported to
-# OpenVINO IR with float32 weights (.peers/openvino/model).
+# OpenVINO IR with float32 weights (.peers/openvino/model), and with int8 and int4 weights (model-int8,
+# model-int4: OpenVINO's own weight compression, what its users run on a CPU).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL="$(hf_model)"
 VENV="$PEERS/openvino"
@@ -13,4 +14,9 @@ new_venv openvino
 "$VENV/bin/optimum-cli" export openvino --model "$MODEL" --weight-format fp32 --task text-generation-with-past \
     "$VENV/model.tmp"
 rm -rf "$VENV/model" && mv "$VENV/model.tmp" "$VENV/model"
+for bits in int8 int4; do
+    "$VENV/bin/optimum-cli" export openvino --model "$MODEL" --weight-format "$bits" \
+        --task text-generation-with-past "$VENV/model-$bits.tmp"
+    rm -rf "$VENV/model-$bits" && mv "$VENV/model-$bits.tmp" "$VENV/model-$bits"
+done
 echo "OpenVINO GenAI ready: $VENV"

@@ -62,6 +62,19 @@ PEERS = (
          ("--inference-precision", "default", "--kv-cache-precision", "default")),
     Peer("llamacpp", "run_llamacpp.py", None,
          (".peers/llama.cpp/build/bin/llama-server", ".peers/llama.cpp/model-f32.gguf"), "setup_llamacpp.sh"),
+    # llama.cpp on the file the default model ships as (Q4_1), and on that file requantized to Q8_0.
+    Peer("llamacpp-q4_1", "run_llamacpp.py", None, (".peers/llama.cpp/build/bin/llama-server",),
+         "setup_llamacpp.sh", ("--gguf", "q4_1")),
+    Peer("llamacpp-q8_0", "run_llamacpp.py", None,
+         (".peers/llama.cpp/build/bin/llama-server", ".peers/llama.cpp/model-q8_0.gguf"), "setup_llamacpp.sh",
+         ("--gguf", "q8_0")),
+    # OpenVINO's own weight compression of the same weights (int8; int4 with some layers kept int8).
+    Peer("openvino-int8", "run_openvino.py", ".peers/openvino/bin/python",
+         (".peers/openvino/model-int8/openvino_model.xml",), "setup_openvino.sh",
+         ("--model", ".peers/openvino/model-int8")),
+    Peer("openvino-int4", "run_openvino.py", ".peers/openvino/bin/python",
+         (".peers/openvino/model-int4/openvino_model.xml",), "setup_openvino.sh",
+         ("--model", ".peers/openvino/model-int4")),
     Peer("vllm", "run_vllm.py", ".peers/vllm/bin/python", (".peers/vllm/.ready", ".peers/model/config.json"),
          "setup_vllm.sh"),
     Peer("transformers", "run_transformers.py", None, (".peers/model/config.json",), "setup_transformers.sh"),
@@ -302,24 +315,26 @@ def machine_info(threads: int) -> dict[str, Any]:
 
 
 def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | None, max_output_len: int | None,
-                          threads: int | None = None, dtype: str = "float32",
+                          threads: int | None = None, dtype: str = "float32", model: str | None = None,
+                          workloads: list[Workload] | None = None,
                           ) -> tuple[list[Workload], EngineResult, int | None]:
-    """Conveyor with its default configuration (in ``dtype``); the workloads come from its tokenizer. Returns
-    them, its result and the model's EOS id. The engine is dropped on return: its memory is free before the
-    peers start."""
+    """Conveyor with its default configuration (in ``dtype``) on ``model`` (None: the default model, as its
+    GGUF file: weights kept quantized); the workloads come from its tokenizer unless given. Returns them, its
+    result and the model's EOS id. The engine is dropped on return: its memory is free before the peers start."""
     from conveyor.bench.workload import comparison_workloads
     from conveyor.core.config import EngineConfig
 
     def engine_with(caching: bool) -> Engine:  # prefix caching off as every peer runs W1 and W2; on for SP
-        return Engine(EngineConfig(enable_prefix_caching=caching, num_threads=threads, dtype=dtype))
+        return Engine(EngineConfig(model=model, enable_prefix_caching=caching, num_threads=threads, dtype=dtype))
 
     engine = engine_with(False)
-    workloads = comparison_workloads(engine.tokenizer, engine.model_config.vocab_size, w1_single, names)
-    workloads = shrink(workloads, limit, max_output_len)
+    if workloads is None:
+        workloads = comparison_workloads(engine.tokenizer, engine.model_config.vocab_size, w1_single, names)
+        workloads = shrink(workloads, limit, max_output_len)
     engines = {caching: engine if not caching else engine_with(True) for caching in {w.prefix_caching
                                                                                    for w in workloads}}
-    name = "Conveyor" if dtype == "float32" else f"Conveyor ({dtype})"
-    return workloads, run_conveyor(engines, workloads, name), engine.tokenizer.eos_token_id
+    stored = engine.kernel_dtype or dtype  # the weights' format on the native stack ("Q4_1+Q8_0", "float32")
+    return workloads, run_conveyor(engines, workloads, f"Conveyor ({stored})"), engine.tokenizer.eos_token_id
 
 
 def select_peers(names: list[str]) -> list[Peer]:
@@ -332,9 +347,10 @@ def select_peers(names: list[str]) -> list[Peer]:
 
 def compare(workload_names: list[str], peer_names: list[str], w1_single: int, limit: int | None = None,
             max_output_len: int | None = None, output: str | None = None, num_threads: int | None = None,
-            dtype: str = "float32") -> int:
-    """Run everything on ``num_threads`` threads each (default: the usable cores), Conveyor in ``dtype``, print
-    machine info and the table, write JSON to ``output``."""
+            dtype: str = "float32", model: str | None = None, float32: bool = False) -> int:
+    """Run everything on ``num_threads`` threads each (default: the usable cores), Conveyor in ``dtype`` on
+    ``model`` (and with ``float32`` on its float32 weights too, as the first peer), print machine info and the
+    table, write JSON to ``output``."""
     if not 1 <= w1_single <= 64:
         raise ValueError(f"--w1-single must be in [1, 64], got {w1_single}")
     if (limit is not None and limit < 1) or (max_output_len is not None and max_output_len < 1):
@@ -348,9 +364,17 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
     machine = machine_info(threads)
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
     workloads, conveyor, eos_token_id = conveyor_on_workloads(tuple(workload_names), w1_single, limit,
-                                                              max_output_len, threads, dtype)
+                                                              max_output_len, threads, dtype, model)
     gc.collect()  # the engine's KV pool and weights, before the peers need the memory
-    comparison = Comparison(machine, workloads, eos_token_id, conveyor, run_peers(peers, workloads, threads=threads))
+    others = []
+    if float32:
+        from conveyor.model.loader import float32_folder
+
+        others.append(conveyor_on_workloads((), w1_single, None, None, threads, "float32",
+                                            str(float32_folder(model)), workloads)[1])
+        gc.collect()
+    comparison = Comparison(machine, workloads, eos_token_id, conveyor,
+                            others + run_peers(peers, workloads, threads=threads))
     print(comparison.table())
     if output:
         Path(output).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")

@@ -1,9 +1,9 @@
 """``conveyor export-hf``: the model Conveyor serves, as a Hugging Face folder that other engines load.
 
-Peers are compared on the very weights Conveyor runs: the default GGUF file is
-already dequantized into a cached HF folder on first load, so exporting is
-copying that folder. Weights are written in float32 whatever the source held,
-so that every engine starts from the same numbers.
+Peers are compared on the very weights Conveyor runs: a GGUF file is
+dequantized once into a cached float32 HF folder, so exporting is copying
+that folder. Weights are written in float32 whatever the source held, so that
+every engine starts from the same numbers.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from conveyor.model.loader import resolve_model
+from conveyor.model.loader import float32_folder
 
 
 def export_hf(model: str | os.PathLike | None, out_dir: str | os.PathLike) -> Path:
     """Copy ``model`` (None = the default) as a float32 HF folder into ``out_dir``, which must be new or empty."""
-    source = resolve_model(model)
+    source = float32_folder(model)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"export-hf: {out} exists and is not an empty folder")

@@ -18,6 +18,7 @@ from conveyor.bench.decode import decode_slices, measure_decode
 from conveyor.bench.machine import MachineFigures, ReadProbe
 from conveyor.bench.report import format_table
 from conveyor.core.model_config import ModelConfig
+from conveyor.core.weight_format import WeightFormat
 from conveyor.engine import Engine
 from conveyor.model.kernel_choice import KernelChoice
 from conveyor.sim.cost import CostModel
@@ -47,8 +48,9 @@ class RooflinePoint:
         return self.measured_tokens_per_s / self.bound_tokens_per_s
 
 
-def machine_cost_model(model: ModelConfig, machine: MachineFigures) -> CostModel:
-    """The cost model at this machine's measured peaks, with no efficiency loss and no overhead: the bound."""
+def machine_cost_model(model: ModelConfig, machine: MachineFigures, weights: WeightFormat | None = None) -> CostModel:
+    """The cost model at this machine's measured peaks, with no efficiency loss and no overhead: the bound, for
+    weights stored as ``weights`` (None: in the machine figures' dtype)."""
     spec = HardwareSpec(
         name="this machine",
         peak_flops={machine.dtype: machine.gemm_flops},
@@ -60,7 +62,7 @@ def machine_cost_model(model: ModelConfig, machine: MachineFigures) -> CostModel
         bandwidth_efficiency=1.0,
         step_overhead_s=0.0,
     )
-    return CostModel(model, spec, machine.dtype)
+    return CostModel(model, spec, machine.dtype, weights=weights)
 
 
 def decode_point(cost: CostModel, batch_size: int, context_len: int) -> RooflinePoint:
@@ -87,7 +89,7 @@ def run_roofline(
     """Bounds at every (batch, context); the engine measured at ``measured_context_len``. With a ``probe``,
     the bandwidth roof is read again around each run of steps measured and that run is held against what was
     read (_measured_point): the machine's bandwidth drifts, and a roof read minutes earlier can be half off."""
-    cost = machine_cost_model(engine.model_config, machine)
+    cost = machine_cost_model(engine.model_config, machine, engine.weight_format)
     points = []
     for context_len in context_lens:
         for batch_size in batch_sizes:
@@ -116,7 +118,8 @@ def _measured_point(engine: Engine, machine: MachineFigures, point: RooflinePoin
     for slice_tokens, slice_seconds in decode_slices(engine, point.batch_size, prompt_len, steps, seed, SLICES):
         after = probe.measure()[0]
         bandwidth = (before + after) / 2
-        cost = machine_cost_model(engine.model_config, replace(machine, memory_bandwidth=bandwidth))
+        cost = machine_cost_model(engine.model_config, replace(machine, memory_bandwidth=bandwidth),
+                                  engine.weight_format)
         bound = decode_point(cost, point.batch_size, point.context_len).bound_tokens_per_s
         tokens, seconds = tokens + slice_tokens, seconds + slice_seconds
         bound_seconds += slice_tokens / bound

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conveyor.core.weight_format import WEIGHT_FORMATS, WeightFormat
+
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -26,6 +28,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     attention_bias: bool = False
     mlp_bias: bool = False
+    # How the weights are stored when not in float: "Q4_1/Q8_0" (the layers' GGUF type / the LM head's), from
+    # config.json's quantization_config (a GGUF file's folder writes it). None: float weights.
+    stored_as: str | None = None
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -54,6 +59,7 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             attention_bias=raw.get("attention_bias", raw.get("model_type") == "qwen2"),
             mlp_bias=raw.get("mlp_bias", False),
+            stored_as=_stored_as(raw.get("quantization_config")),
         )
 
     @classmethod
@@ -64,6 +70,24 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(path.read_text()))
 
     @property
+    def weight_format(self) -> WeightFormat | None:
+        """The stored weights' format (bits a weight), for the cost model; None for float weights or types it
+        does not know."""
+        if self.stored_as is None:
+            return None
+        layers, _, head = self.stored_as.partition("/")
+        if layers not in WEIGHT_FORMATS or head not in WEIGHT_FORMATS:
+            return None
+        return WeightFormat(self.stored_as, WEIGHT_FORMATS[layers].layer_bits, WEIGHT_FORMATS[head].lm_head_bits)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _stored_as(quantization: dict[str, Any] | None) -> str | None:
+    """``{"quant_method": "gguf", "layer_type": "Q4_1", "lm_head_type": "Q8_0"}`` -> "Q4_1/Q8_0"."""
+    if not quantization or quantization.get("quant_method") != "gguf":
+        return None
+    return f"{quantization.get('layer_type')}/{quantization.get('lm_head_type')}"

@@ -3,6 +3,7 @@
 //
 //   vec.h           vectors (GCC/Clang vector extensions) and what every kernel shares on them
 //   gemm.h          linear layers on packed weights: 256 and 512 bits, and bf16 weights
+//   quant_gemm.h    linear layers on quantized weights (GGUF's integer codes), int8 activations
 //   attention.h     attention straight over the paged KV cache
 //   rows.h          RMSNorm, rotary embedding, SwiGLU's activation, argmax
 //   tensors.h       the checks at the tensor boundary
@@ -26,6 +27,7 @@
 #include "attention.h"
 #include "gemm.h"
 #include "native_llama.h"
+#include "quant_gemm.h"
 #include "rows.h"
 #include "tensors.h"
 #include "vec.h"
@@ -238,6 +240,43 @@ std::vector<int64_t> argmax(const torch::Tensor& x, int64_t width) {
   return out;
 }
 
+// x [M, K] float32 through a quantized weight -> [M, N] float32, with the dot-product kind `dot` (empty: the
+// build's best for 512 bits, else 256).
+torch::Tensor quantized_linear(const torch::Tensor& x, const QuantWeight& weight, const std::string& dot) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(x.size(1) == weight.k, "x has ", x.size(1), " features, the weight expects ", weight.k);
+  auto xc = x.contiguous();
+  auto y = torch::empty({x.size(0), weight.n}, x.options());
+  const QuantDot kind = dot.empty() ? default_quant_dot(512) : parse_quant_dot(dot);
+  quant_linear_rows(xc.data_ptr<float>(), x.size(0), weight, nullptr, y.data_ptr<float>(), kind);
+  return y;
+}
+
+// x [M, K] float32 as the quantized kernels see it: int8 codes [M, K], each group's step [M, K / group] and
+// code sum [M, K / group] (what the tests hold the Python reference to).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
+  TORCH_CHECK(group > 0 && x.size(1) % group == 0, "x's ", x.size(1), " features are no whole number of groups");
+  auto xc = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
+  const QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), m, k, group);
+  auto q = torch::empty({m, k}, torch::kInt8);
+  auto d = torch::empty({m, groups}, torch::kFloat32);
+  auto sums = torch::empty({m, groups}, torch::kInt32);
+  std::copy(rows.q, rows.q + m * k, q.data_ptr<int8_t>());
+  std::copy(rows.d, rows.d + m * groups, d.data_ptr<float>());
+  std::copy(rows.sums, rows.sums + m * groups, sums.data_ptr<int32_t>());
+  return {q, d, sums};
+}
+
+// Rows `ids` of a quantized weight as float32 [ids, K].
+torch::Tensor quantized_rows(const QuantWeight& weight, const std::vector<int64_t>& ids) {
+  for (const int64_t id : ids) TORCH_CHECK(id >= 0 && id < weight.n, "row ", id, " of ", weight.n);
+  auto out = torch::empty({static_cast<int64_t>(ids.size()), weight.k}, torch::kFloat32);
+  dequantize_rows(weight, ids.data(), static_cast<int64_t>(ids.size()), out.data_ptr<float>());
+  return out;
+}
+
 }  // namespace conveyor
 
 // The compute releases the GIL: it touches no Python object (arguments are converted before, the result
@@ -268,6 +307,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache", arg("query"),
         arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("row_seq"), arg("context_lens"), arg("scale"),
         arg("width") = 256, release_gil());
+  m.def("quant_dots", &quant_dots, "the quantized dot-product kinds this build has (portable, avx2, vnni256, vnni512)");
+  pybind11::class_<QuantWeight>(m, "QuantizedWeight", pybind11::module_local())
+      .def(pybind11::init(&make_quant_weight), arg("codes"), arg("scales"), arg("mins"), arg("n"), arg("k"),
+           arg("group"), arg("storage_bits"), arg("code_bits"), arg("zero_point"))
+      .def_readonly("n", &QuantWeight::n)
+      .def_readonly("k", &QuantWeight::k)
+      .def_property_readonly("bytes", &QuantWeight::bytes);
+  m.def("quantized_linear", &quantized_linear, "x [M, K] through a quantized weight -> [M, N]", arg("x"),
+        arg("weight"), arg("dot") = "", release_gil());
+  m.def("quantize_activations", &quantize_activations, "x as int8 codes per group, with steps and code sums",
+        arg("x"), arg("group"), release_gil());
+  m.def("quantized_rows", &quantized_rows, "rows of a quantized weight as float32", arg("weight"), arg("ids"),
+        release_gil());
   pybind11::class_<NativeLlama>(m, "NativeLlama", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, int64_t, bool>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("hidden"), arg("intermediate"), arg("eps"),
@@ -275,6 +327,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &NativeLlama::add_layer)
       .def("route_to_torch", &NativeLlama::route_to_torch, arg("name"), arg("lo"), arg("hi"))
       .def("fuse_swiglu_at", &NativeLlama::fuse_swiglu_at, arg("ranges"))
+      .def("use_quant_dot", &NativeLlama::use_quant_dot, arg("name"))
+      .def_property_readonly("quant_dot", &NativeLlama::quant_dot)
       .def("set_io", &NativeLlama::set_io, arg("embedding"), arg("cos"), arg("sin"), arg("lm_head"),
            arg("lm_head_plain"))
       .def("step", &NativeLlama::step, arg("token_ids"), arg("positions"), arg("kv_cache"), arg("slots"),

@@ -15,13 +15,16 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "attention.h"
 #include "gemm.h"
+#include "quant_gemm.h"
 #include "rows.h"
 #include "tensors.h"
 
@@ -45,7 +48,10 @@ inline void torch_linear(const float* x, int64_t m, int64_t k, const torch::Tens
   if (bias.numel() != 0) yt.add_(bias);
 }
 
-// A Llama-family decoder's layers on packed weights. One forward runs every layer for a flat batch of
+// A projection's weight as the stack takes it: packed by pack_linear_weight, or quantized (QuantizedWeight).
+using ProjectionWeight = std::variant<torch::Tensor, QuantWeight>;
+
+// A Llama-family decoder's layers on packed weights (float32, bf16, or quantized codes, projection by projection). One forward runs every layer for a flat batch of
 // prompt and decode rows: in eager PyTorch the same step is about twelve dispatches per layer, each costing
 // Python and allocator time that at batch 1 adds up to a third of the step. With bfloat16, its weights are
 // packed bf16 and its KV cache is bf16; norms, biases and everything computed stay float32.
@@ -57,6 +63,7 @@ class NativeLlama {
         eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()), width_(width), bf16_(bfloat16) {
     TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
     with_gemm_path(width, bfloat16, [](auto) {});  // refuses a width (or bf16) this build lacks
+    quant_dot_ = default_quant_dot(width);
     TORCH_CHECK(attend_fn<v8>(head_dim) != nullptr, "no attention kernel for head size ", head_dim);
     check_float_rows(final_norm_, "final_norm");
   }
@@ -64,10 +71,12 @@ class NativeLlama {
   // Weights packed by pack_linear_weight for this stack's width and dtype; norms and biases float32 (a bias
   // may be an empty tensor). A projection that route_to_torch will send to torch's GEMM also needs its plain
   // weight [N, K] (float32, or bf16 on a bf16 stack); the others take an empty tensor.
-  void add_layer(torch::Tensor input_norm, torch::Tensor qkv, torch::Tensor qkv_bias, torch::Tensor o,
-                 torch::Tensor post_norm, torch::Tensor gate_up, torch::Tensor gate_up_bias, torch::Tensor down,
+  // A quantized projection runs on the quantized kernels (use_quant_dot's kind), whatever the stack's width.
+  void add_layer(torch::Tensor input_norm, ProjectionWeight qkv, torch::Tensor qkv_bias, ProjectionWeight o,
+                 torch::Tensor post_norm, ProjectionWeight gate_up, torch::Tensor gate_up_bias, ProjectionWeight down,
                  torch::Tensor down_bias, torch::Tensor qkv_plain, torch::Tensor o_plain, torch::Tensor gate_up_plain,
                  torch::Tensor down_plain) {
+    quantized_gate_up_ |= std::holds_alternative<QuantWeight>(gate_up);
     const int64_t qkv_width = (heads_ + 2 * kv_heads_) * dim_;
     Layer layer{input_norm.contiguous(), post_norm.contiguous(),
                 {projection(qkv, qkv_bias, qkv_plain, hidden_, qkv_width),
@@ -112,23 +121,38 @@ class NativeLlama {
     }
   }
 
+  // From now on, quantized projections run on the dot-product kind `name` (quant_dots(): portable, avx2,
+  // vnni256, vnni512); the default is the build's best at the stack's width.
+  void use_quant_dot(const std::string& name) { quant_dot_ = parse_quant_dot(name); }
+  std::string quant_dot() const { return quant_dot_name(quant_dot_); }
+
   // What a step's inputs are looked up in, and its last projection: the token embedding [vocab, hidden]
-  // (float32, or bf16 on a bf16 model), the rotary tables cos / sin [positions, head_dim] float32, and the LM
+  // (float32, or bf16 on a bf16 model, or quantized: looked up from its codes), the rotary tables cos / sin [positions, head_dim] float32, and the LM
   // head packed like the layers' projections (its plain weight [vocab, hidden] in the stack's dtype when
   // route_to_torch sends some row counts of it to torch's GEMM, else empty).
-  void set_io(torch::Tensor embedding, torch::Tensor cos, torch::Tensor sin, torch::Tensor lm_head,
+  void set_io(ProjectionWeight embedding_weight, torch::Tensor cos, torch::Tensor sin, ProjectionWeight lm_head,
               torch::Tensor lm_head_plain) {
-    TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_ && embedding.is_contiguous() &&
-                    (embedding.scalar_type() == torch::kFloat32 || embedding.scalar_type() == torch::kBFloat16),
-                "the embedding must be a contiguous [vocab, ", hidden_, "] float32 or bfloat16 tensor");
+    int64_t vocab;
+    if (const auto* quant = std::get_if<QuantWeight>(&embedding_weight)) {
+      TORCH_CHECK(quant->k == hidden_, "the embedding must have ", hidden_, " columns");
+      embedding_quant_ = *quant;
+      vocab = quant->n;
+    } else {
+      const torch::Tensor& embedding = std::get<torch::Tensor>(embedding_weight);
+      TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden_ && embedding.is_contiguous() &&
+                      (embedding.scalar_type() == torch::kFloat32 || embedding.scalar_type() == torch::kBFloat16),
+                  "the embedding must be a contiguous [vocab, ", hidden_, "] float32 or bfloat16 tensor");
+      embedding_ = embedding;
+      vocab = embedding.size(0);
+    }
     check_float_rows(cos, "cos");
     check_float_rows(sin, "sin");
     TORCH_CHECK(cos.dim() == 2 && cos.size(1) == dim_ && sin.sizes() == cos.sizes(), "cos and sin must be [positions, ",
                 dim_, "]");
-    embedding_ = embedding;
     cos_ = cos;
     sin_ = sin;
-    lm_head_ = projection(lm_head, torch::empty({0}), lm_head_plain, hidden_, embedding.size(0));
+    lm_head_ = projection(lm_head, torch::empty({0}), lm_head_plain, hidden_, vocab);
+    io_set_ = true;
   }
 
   // One step over a flat batch of T rows, its inputs as plain lists (the caller builds no tensor for them):
@@ -144,7 +168,7 @@ class NativeLlama {
                                                 const std::vector<std::vector<int64_t>>& block_tables,
                                                 const std::vector<int64_t>& row_seq,
                                                 const std::vector<int64_t>& logit_rows) {
-    TORCH_CHECK(embedding_.defined(), "set_io must run before the first step");
+    TORCH_CHECK(io_set_, "set_io must run before the first step");
     check_cache(kv_cache, "kv_cache", bf16_);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
                     kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
@@ -219,8 +243,13 @@ class NativeLlama {
 
   // The embedding rows of the step's tokens, float32 [T, hidden] (widened from a bf16 table).
   torch::Tensor embed(const std::vector<int64_t>& token_ids) const {
-    const int64_t vocab = embedding_.size(0);
+    const int64_t vocab = embedding_quant_ ? embedding_quant_->n : embedding_.size(0);
     for (const int64_t id : token_ids) TORCH_CHECK(id >= 0 && id < vocab, "token id ", id, " outside the vocabulary");
+    if (embedding_quant_) {
+      auto x = torch::empty({static_cast<int64_t>(token_ids.size()), hidden_}, torch::kFloat32);
+      dequantize_rows(*embedding_quant_, token_ids.data(), static_cast<int64_t>(token_ids.size()), x.data_ptr<float>());
+      return x;
+    }
     return rows_of(embedding_, token_ids).to(torch::kFloat32);
   }
 
@@ -240,7 +269,9 @@ class NativeLlama {
     const torch::Tensor x = every_row ? hidden : rows_of(hidden, rows);
     auto logits = torch::empty({m, lm_head_.n}, hidden.options());
     if (m == 0) return logits;
-    if (in_ranges(lm_head_torch_rows_, m)) {
+    if (lm_head_.quant) {
+      quant_linear_rows(x.data_ptr<float>(), m, *lm_head_.quant, nullptr, logits.data_ptr<float>(), quant_dot_);
+    } else if (in_ranges(lm_head_torch_rows_, m)) {
       torch_linear(x.data_ptr<float>(), m, hidden_, lm_head_.plain, lm_head_.bias, logits.data_ptr<float>());
     } else {
       linear_rows<P>(x.data_ptr<float>(), m, hidden_, weight_data<P>(lm_head_.packed), lm_head_.n, nullptr,
@@ -259,9 +290,9 @@ class NativeLlama {
     auto opts = final_norm_.options();
     auto normed = torch::empty({tokens, hidden_}, opts), qkv = torch::empty({tokens, qkv_width}, opts);
     auto attn = torch::empty({tokens, q_width}, opts), delta = torch::empty({tokens, hidden_}, opts);
-    // A tile must not straddle gate and up; a gate/up on torch's GEMM goes through memory.
-    const bool fused_swiglu =
-        in_ranges(fused_rows_, tokens) && intermediate_ % P::kTile == 0 && !on_torch(kGateUp, tokens);
+    // A tile must not straddle gate and up; a gate/up on torch's GEMM, or quantized, goes through memory.
+    const bool fused_swiglu = in_ranges(fused_rows_, tokens) && intermediate_ % P::kTile == 0 &&
+                              !on_torch(kGateUp, tokens) && !quantized_gate_up_;
     auto gate_up = torch::empty({fused_swiglu ? 0 : tokens, 2 * intermediate_}, opts);
     auto act = torch::empty({tokens, intermediate_}, opts);
     float* xp = step.x;
@@ -304,6 +335,7 @@ class NativeLlama {
   struct Projection {
     torch::Tensor packed, bias, plain;
     int64_t n;
+    std::optional<QuantWeight> quant;  // set: the weight is quantized (packed and plain are empty)
   };
   enum Which : size_t { kQkv, kO, kGateUp, kDown, kProjections };
   static constexpr std::array<const char*, kProjections> kProjectionNames{"qkv", "o", "gate_up", "down"};
@@ -315,16 +347,25 @@ class NativeLlama {
     int64_t lo, hi;
   };
 
-  Projection projection(const torch::Tensor& packed, const torch::Tensor& bias, const torch::Tensor& plain,
+  Projection projection(const ProjectionWeight& weight, const torch::Tensor& bias, const torch::Tensor& plain,
                         int64_t k, int64_t n) const {
-    check_packed(packed, k, n);
+    std::optional<QuantWeight> quant;
+    torch::Tensor packed = torch::empty({0});
+    if (const auto* q = std::get_if<QuantWeight>(&weight)) {
+      TORCH_CHECK(q->n == n && q->k == k, "a quantized [", n, ", ", k, "] weight expected, not [", q->n, ", ", q->k, "]");
+      TORCH_CHECK(plain.numel() == 0, "a quantized projection has no plain weight for torch's GEMM");
+      quant = *q;
+    } else {
+      packed = std::get<torch::Tensor>(weight);
+      check_packed(packed, k, n);
+    }
     TORCH_CHECK(bias.scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
     TORCH_CHECK(bias.numel() == 0 || bias.numel() == n, "a bias of ", n, " expected");
     const auto plain_dtype = bf16_ ? torch::kBFloat16 : torch::kFloat32;
     TORCH_CHECK(plain.numel() == 0 || (plain.dim() == 2 && plain.size(0) == n && plain.size(1) == k &&
                                        plain.scalar_type() == plain_dtype),
                 "a plain weight must be [", n, ", ", k, "] in the stack's dtype, or empty");
-    return {packed, bias.contiguous(), plain.numel() == 0 ? plain : plain.contiguous(), n};
+    return {packed, bias.contiguous(), plain.numel() == 0 ? plain : plain.contiguous(), n, std::move(quant)};
   }
 
   void check_packed(const torch::Tensor& packed, int64_t k, int64_t n) const {
@@ -347,6 +388,7 @@ class NativeLlama {
   template <typename P>
   void project(const Layer& layer, Which which, const float* x, int64_t rows, int64_t k, float* y) const {
     const Projection& w = layer.projections[which];
+    if (w.quant) return quant_linear_rows(x, rows, *w.quant, optional_data(w.bias), y, quant_dot_);
     if (on_torch(which, rows)) return torch_linear(x, rows, k, w.plain, w.bias, y);
     linear_rows<P>(x, rows, k, weight_data<P>(w.packed), w.n, optional_data(w.bias), y);
   }
@@ -359,6 +401,10 @@ class NativeLlama {
   std::vector<Layer> layers_;
   std::array<std::vector<RowRange>, kProjections> torch_rows_;
   torch::Tensor embedding_, cos_, sin_;  // set_io's
+  std::optional<QuantWeight> embedding_quant_;  // set_io's, when the embedding is quantized
+  bool io_set_ = false;
+  bool quantized_gate_up_ = false;  // some layer's gate/up is quantized: SwiGLU is never fused
+  QuantDot quant_dot_;
   Projection lm_head_;
   std::vector<RowRange> lm_head_torch_rows_;
   // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (measured: 5% off

@@ -23,6 +23,7 @@ from conveyor.core.request import FinishReason, Request, check_prompt_length
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
+from conveyor.core.weight_format import WeightFormat
 from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
 from conveyor.engine.tokenizer import Tokenizer
 
@@ -78,11 +79,13 @@ class Engine:
         self.kv_block_bytes = plan.block_bytes
         self.max_model_len = plan.max_model_len
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
-        model = load_model(folder, dtype, device, self.max_model_len)
+        model = load_model(folder, dtype, device, self.max_model_len, self._quantized_kernels(dtype, device))
         self.kernel_width: int | None = None  # the native kernels' vector width in bits; None: torch ops
         self.kernel_dtype: str | None = None  # what the native stack's weights and KV cache are stored in
         self.kernel_choice: KernelChoice | None = None  # with --kernels auto: what this machine measured
         self._use_native_kernels(model, dtype, device)
+        # What a step reads per weight: the cost model's (and the roofline's) weight format.
+        self.weight_format = WeightFormat(self.kernel_dtype or config.dtype, *model.stored_weight_bits())
         vocab_size = self.model_config.vocab_size
         self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
         self.executor = TorchExecutor(
@@ -101,6 +104,19 @@ class Engine:
     @property
     def trace(self) -> Trace | None:
         return self.core.trace
+
+    def _quantized_kernels(self, dtype, device):
+        """The native kernels, where a GGUF file's weights can stay quantized: on CPU, float32 activations, the
+        native path not refused (``--kernels torch``) and a head size it runs. None: weights load dequantized."""
+        import torch
+
+        from conveyor.model.kernels import NATIVE_HEAD_SIZES, native_kernels
+
+        if self.config.kernels == "torch" or dtype != torch.float32 or device.type != "cpu":
+            return None
+        if self.model_config.head_dim not in NATIVE_HEAD_SIZES:
+            return None
+        return native_kernels()
 
     def _use_native_kernels(self, model, dtype, device) -> None:
         """Native kernels run on CPU with the head sizes they are unrolled for: float32, or bfloat16 weights and
@@ -128,6 +144,13 @@ class Engine:
         if bfloat16 and (why := bfloat16_unavailable(kernels, width)) is not None:
             logger.warning("--dtype bfloat16 runs on PyTorch ops, not the native kernels: %s", why)
             return
+        if model.quantized:
+            from conveyor.model.loader import quantized_kinds
+
+            self.kernel_width, self.kernel_dtype = width, "+".join(sorted(quantized_kinds(model)))
+            model.use_native_kernels(kernels, width)
+            logger.info("native kernels: %s", self.native_kernels_summary)
+            return
         torch_rows, fused_rows = {}, None  # None: the stack's own rule for fusing SwiGLU
         if self.config.kernels == "auto":
             from conveyor.model.kernel_choice import choose_kernels
@@ -146,7 +169,8 @@ class Engine:
         where torch's GEMM runs instead; None on torch ops."""
         if self.kernel_width is None:
             return None
-        stored = ", bfloat16 weights and KV cache" if self.kernel_dtype == "bfloat16" else ""
+        stored = {"bfloat16": ", bfloat16 weights and KV cache", "float32": ""}.get(
+            self.kernel_dtype, f", {self.kernel_dtype} weights kept quantized")
         chosen = f"; {self.kernel_choice.summary()}" if self.kernel_choice is not None else ""
         return f"{self.kernel_width}-bit vectors{stored}{chosen}"
 

@@ -110,6 +110,11 @@ def _add_bench_compare(bench: Commands) -> None:
                      help="CPU threads of Conveyor and of every peer alike (default: the cores this process may use)")
     cmp.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                      help="Conveyor's weights and KV cache (the peers run as each is set up: see bench/peers/)")
+    cmp.add_argument("--model", default=None,
+                     help="Conveyor's model: a GGUF file (weights kept quantized) or a HF folder (default: the "
+                          "default model's Q4_1 file)")
+    cmp.add_argument("--float32", action="store_true",
+                     help="also run Conveyor on the same model's float32 weights (dequantized once)")
 
 
 def _add_bench_serve(bench: Commands) -> None:
@@ -225,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             from conveyor.bench.compare import compare
 
             return compare(args.workloads.split(","), args.peers.split(",") if args.peers else [], args.w1_single,
-                           args.limit, args.max_output_len, args.output, args.num_threads, args.dtype)
+                           args.limit, args.max_output_len, args.output, args.num_threads, args.dtype, args.model,
+                           args.float32)
         if args.command == "plot":
             return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":
@@ -386,6 +392,9 @@ def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
     engine = Engine(config)
     print(f"kernels: {_kernels_in_use(engine)}", flush=True)
+    weights = engine.weight_format
+    print(f"weights: {weights.name}, {weights.layer_bits:.2f} bits a weight in the layers, "
+          f"{weights.lm_head_bits:.2f} in the LM head (the bytes each step's bound counts)", flush=True)
     if engine.kernel_choice is not None:
         print(format_kernel_choice(engine.kernel_choice), flush=True)
     points = run_roofline(engine, machine, batch_sizes, context_lens, args.measured_context_len, args.steps, args.seed,
@@ -395,7 +404,7 @@ def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"picture: {args.output}")
     choice = engine.kernel_choice and dataclasses.asdict(engine.kernel_choice)
     write_json({"machine": dataclasses.asdict(machine), "points": [dataclasses.asdict(p) for p in points],
-                "kernel_choice": choice}, args.json)
+                "kernel_choice": choice, "weights": dataclasses.asdict(weights)}, args.json)
     return 0
 
 

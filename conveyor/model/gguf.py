@@ -1,9 +1,10 @@
-"""Turn a llama-family GGUF file into a Hugging Face model folder.
+"""Turn a llama-family GGUF file into a Hugging Face model folder: with its weights, or only its description.
 
-conveyor loads weights from HF-style folders (``config.json`` + ``model.safetensors`` + tokenizer files).
-Many small models are distributed only as llama.cpp GGUF files, so this module is the bridge: it
-dequantizes every tensor once, undoes llama.cpp's layout changes, and writes a folder that both
-conveyor and ``transformers`` can load. Conversion is a one-off, offline step; nothing is downloaded.
+Conveyor runs a GGUF file's quantized weights as they are (:mod:`conveyor.model.gguf_weights`), but what
+describes the model (config.json, the tokenizer and its chat template, generation defaults) is read the HF
+way, so a GGUF file gets a small folder of those, without weights (``weights=False``). With weights, every
+tensor is dequantized once, llama.cpp's layout changes undone, and the folder is one that both Conveyor and
+``transformers`` load: the export other engines are compared on. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["convert_gguf_to_hf"]
+__all__ = ["convert_gguf_to_hf", "hf_name", "rope_row_order", "unpermute_rope_rows"]
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
 
@@ -66,11 +67,12 @@ def convert_gguf_to_hf(
     gguf_path: str | os.PathLike,
     out_dir: str | os.PathLike,
     dtype: str = "float32",
+    weights: bool = True,
 ) -> pathlib.Path:
-    """Dequantize a llama-family GGUF file into a HF folder.
+    """Dequantize a llama-family GGUF file into a HF folder (``weights=False``: the folder without weights).
 
-    Writes config.json, model.safetensors, tokenizer files (tokenizer.json, tokenizer_config.json with the
-    chat template, special tokens) and generation_config.json. Everything is written to a temporary sibling
+    Writes config.json, model.safetensors (with weights), tokenizer files (tokenizer.json, tokenizer_config.json
+    with the chat template, special tokens) and generation_config.json. Everything is written to a temporary sibling
     folder first and renamed into place, so a crash never leaves a half-written ``out_dir``. ``out_dir`` must
     not exist yet, or be an empty folder: an existing model is never silently overwritten. Returns out_dir.
     """
@@ -82,15 +84,22 @@ def convert_gguf_to_hf(
     reader = gguf.GGUFReader(src)
     arch = _architecture(reader, src)
     hparams = _hyperparameters(reader, arch)
-    tensors, rope_freqs = _convert_tensors(reader, hparams, torch_dtype)
-    config = _build_config(reader, arch, hparams, tensors, rope_freqs, dtype)
+    if weights:
+        tensors, rope_freqs = _convert_tensors(reader, hparams, torch_dtype)
+        shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    else:
+        tensors, shapes, rope_freqs = {}, _tensor_shapes(reader), _rope_freqs(reader)
+    config = _build_config(reader, arch, hparams, shapes, rope_freqs, dtype)
+    if not weights:  # the weights stay in the file, in its formats: say which (ModelConfig.stored_as)
+        config["quantization_config"] = _quantization_config(reader)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(out)
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex}"
     staging.mkdir()  # unlike tempfile.mkdtemp this honours the umask, so the final folder gets normal permissions
     try:
-        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if weights:
+            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", _generation_config(config))
         _save_tokenizer(src, staging, config["max_position_embeddings"])
@@ -187,13 +196,51 @@ def _convert_tensors(
         if tensor.name == _ROPE_FREQS:
             rope_freqs = values
             continue
-        name = _hf_name(tensor.name)
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            values = _unpermute_rope_rows(values, hparams["num_attention_heads"])
-        elif name.endswith(("k_proj.weight", "k_proj.bias")):
-            values = _unpermute_rope_rows(values, hparams["num_key_value_heads"])
+        name = hf_name(tensor.name)
+        heads = _rope_heads(name, hparams)
+        if heads:
+            values = unpermute_rope_rows(values, heads)
         tensors[name] = torch.from_numpy(values).to(dtype).contiguous()
     return tensors, rope_freqs
+
+
+def _rope_heads(name: str, hparams: dict[str, Any]) -> int:
+    """The heads whose rows llama.cpp permuted in this tensor (0: none): a Q or K projection's weight or bias."""
+    if name.endswith(("q_proj.weight", "q_proj.bias")):
+        return hparams["num_attention_heads"]
+    if name.endswith(("k_proj.weight", "k_proj.bias")):
+        return hparams["num_key_value_heads"]
+    return 0
+
+
+def rope_row_order(rows: int, n_heads: int) -> np.ndarray:
+    """The permutation unpermute_rope_rows applies, as row indices: row ``i`` of the result is row ``order[i]``
+    of the GGUF tensor (for quantized rows, which are reordered whole)."""
+    return unpermute_rope_rows(np.arange(rows), n_heads)
+
+
+def _tensor_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+    """Every weight's HF name and shape, without reading its values."""
+    return {hf_name(t.name): tuple(int(dim) for dim in reversed(t.shape)) for t in reader.tensors
+            if t.name != _ROPE_FREQS}
+
+
+def _quantization_config(reader: gguf.GGUFReader) -> dict[str, str]:
+    """The file's storage types: the most common among the layers' projections, and the LM head's (the
+    embedding's when tied), as HF's quantization_config records a quantized checkpoint's method."""
+    types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors if t.name != _ROPE_FREQS}
+    layers = [kind for name, kind in types.items() if name.startswith("model.layers.") and name.endswith("proj.weight")]
+    head = types.get("lm_head.weight", types["model.embed_tokens.weight"])
+    return {"quant_method": "gguf", "layer_type": max(set(layers), key=layers.count) if layers else head,
+            "lm_head_type": head}
+
+
+def _rope_freqs(reader: gguf.GGUFReader) -> np.ndarray | None:
+    """llama.cpp's Llama-3 frequency tensor, the one tensor the config needs the values of."""
+    for tensor in reader.tensors:
+        if tensor.name == _ROPE_FREQS:
+            return _dequantize(tensor)
+    return None
 
 
 def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -210,7 +257,7 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return np.array(values, dtype=np.float32, copy=not values.flags.writeable).reshape(shape)
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
     """Translate a GGUF tensor name to the HF Llama parameter name, or fail loudly on unknown weights."""
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
@@ -223,7 +270,7 @@ def _hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
 
 
-def _unpermute_rope_rows(values: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rope_rows(values: np.ndarray, n_heads: int) -> np.ndarray:
     """Restore HF's rotate-half row order for a Q or K projection.
 
     HF Llama rotates the pair (i, i + head_dim/2) inside each head; ggml rotates adjacent pairs (2i, 2i+1).
@@ -244,7 +291,7 @@ def _build_config(
     reader: gguf.GGUFReader,
     arch: str,
     hparams: dict[str, Any],
-    tensors: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
     rope_freqs: np.ndarray | None,
     dtype: str,
 ) -> dict[str, Any]:
@@ -255,7 +302,7 @@ def _build_config(
     """
     context = _meta(reader, f"{arch}.context_length", 2048)
     theta = _meta(reader, f"{arch}.rope.freq_base", 10000.0)
-    embed = tensors["model.embed_tokens.weight"]
+    vocab = shapes["model.embed_tokens.weight"][0]
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -265,10 +312,10 @@ def _build_config(
         "max_position_embeddings": context,
         "rope_theta": theta,
         "rope_parameters": _rope_parameters(reader, arch, theta, hparams["head_dim"], rope_freqs),
-        "vocab_size": _meta(reader, f"{arch}.vocab_size", embed.shape[0]),
-        "tie_word_embeddings": "lm_head.weight" not in tensors,
-        "attention_bias": any(name.endswith("q_proj.bias") for name in tensors),
-        "mlp_bias": any(name.endswith("up_proj.bias") for name in tensors),
+        "vocab_size": _meta(reader, f"{arch}.vocab_size", vocab),
+        "tie_word_embeddings": "lm_head.weight" not in shapes,
+        "attention_bias": any(name.endswith("q_proj.bias") for name in shapes),
+        "mlp_bias": any(name.endswith("up_proj.bias") for name in shapes),
         "torch_dtype": dtype,
         "dtype": dtype,
         "use_cache": True,

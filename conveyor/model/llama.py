@@ -259,16 +259,17 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.native.add_layer(
-                _f32(layer.input_layernorm.weight), attn.qkv_proj.packed, _bias(attn.qkv_proj), attn.o_proj.packed,
-                _f32(layer.post_attention_layernorm.weight), mlp.gate_up_proj.packed, _bias(mlp.gate_up_proj),
-                mlp.down_proj.packed, _bias(mlp.down_proj),
+                _f32(layer.input_layernorm.weight), _stack_weight(attn.qkv_proj), _bias(attn.qkv_proj),
+                _stack_weight(attn.o_proj), _f32(layer.post_attention_layernorm.weight),
+                _stack_weight(mlp.gate_up_proj), _bias(mlp.gate_up_proj), _stack_weight(mlp.down_proj),
+                _bias(mlp.down_proj),
                 *(_plain(module, bfloat16) for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                           mlp.down_proj)),
             )
         # Only a routed LM head hands over its plain weight (a tied one keeps the embedding's, not needed else).
         head_plain = _plain(self.lm_head, bfloat16) if "lm_head" in routes else _no_weight(bfloat16)
-        self.native.set_io(self.embed_tokens.weight.detach(), self.rotary.cos, self.rotary.sin, self.lm_head.packed,
-                           head_plain)
+        embedding = getattr(self.embed_tokens, "quantized", None) or self.embed_tokens.weight.detach()
+        self.native.set_io(embedding, self.rotary.cos, self.rotary.sin, _stack_weight(self.lm_head), head_plain)
         for name, ranges in routes.items():
             for lo, hi in ranges:
                 self.native.route_to_torch(name, lo, hi)
@@ -279,7 +280,9 @@ class LlamaModel(nn.Module):
         """Pack every projection into one buffer on huge pages, in the order a step reads them: a decode step
         is then nearly one stream (kernels.cpp, huge_page_buffer). Each plain weight is freed as soon as it is
         packed, except the projections in ``keep`` and a LM head tied to the embedding."""
-        named = self._projections()
+        named = [(name, module) for name, module in self._projections() if isinstance(module, Linear)]
+        if not named:  # every projection is quantized: nothing to pack
+            return
         shapes = [kernels.packed_shape(m.out_features, m.in_features, width, bfloat16) for _, m in named]
         sizes = [math.prod(shape) for shape in shapes]
         buffer = kernels.huge_page_buffer(sum(sizes), bfloat16)
@@ -288,7 +291,12 @@ class LlamaModel(nn.Module):
             keep_weight = name in keep or (module is self.lm_head and tied)
             module.pack(kernels, width, keep_weight=keep_weight, bfloat16=bfloat16, out=part.view(shape))
 
-    def _projections(self) -> list[tuple[str, Linear]]:
+    @property
+    def quantized(self) -> bool:
+        """Whether some projection keeps its weight quantized (conveyor.model.quantized)."""
+        return any(not isinstance(module, Linear) for _, module in self._projections())
+
+    def _projections(self) -> list[tuple[str, nn.Module]]:
         """Every Linear, in the order a step runs them, with the name its shape class goes by (each layer's
         share one name per projection)."""
         named = []
@@ -297,6 +305,12 @@ class LlamaModel(nn.Module):
             named += [("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                       ("down", mlp.down_proj)]
         return [*named, ("lm_head", self.lm_head)]
+
+    def stored_weight_bits(self) -> tuple[float, float]:
+        """Bits a weight takes as the model stores it, scales included: over the layers' projections, and over
+        the LM head (what a decode step reads: the roofline's and the cost model's weight format)."""
+        layers = [module for name, module in self._projections() if name != "lm_head"]
+        return _bits_per_weight(layers), _bits_per_weight([self.lm_head])
 
     def projection_weights(self) -> dict[str, torch.Tensor]:
         """One weight [N, K] of each projection shape (the first layer's, and the LM head's): what a kernel
@@ -320,14 +334,37 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
 
+def _bits_per_weight(modules: list[nn.Module]) -> float:
+    """Stored bits over weights of some projections: quantized codes and scales, a packed copy, or the plain
+    weight (whichever a step reads)."""
+    weights = stored = 0
+    for module in modules:
+        weights += module.in_features * module.out_features
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None:
+            stored += quantized.bytes
+        else:
+            tensor = module.packed if module.packed is not None else module.weight
+            stored += tensor.numel() * tensor.element_size()
+    return 8.0 * stored / weights
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     """A norm weight or bias as the native stack takes it: float32 on every stack (a copy for other dtypes)."""
     return t.detach().float().contiguous()
 
 
-def _plain(layer: Linear, bfloat16: bool) -> torch.Tensor:
+def _stack_weight(layer: nn.Module) -> object:
+    """A projection's weight as the native stack takes it: packed (Linear.pack), or quantized as it is."""
+    quantized = getattr(layer, "quantized", None)
+    return quantized if quantized is not None else layer.packed
+
+
+def _plain(layer: nn.Module, bfloat16: bool) -> torch.Tensor:
     """A projection's plain weight as the native stack takes it, in the stack's dtype: kept for torch's GEMM,
-    else empty."""
+    else empty (always for a quantized projection)."""
+    if not isinstance(layer, Linear):
+        return _no_weight(bfloat16)
     weight = layer.weight.detach()
     return weight.to(torch.bfloat16 if bfloat16 else torch.float32) if weight.numel() else _no_weight(bfloat16)
 

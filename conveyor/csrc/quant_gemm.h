@@ -1,0 +1,621 @@
+// Linear layers on quantized weights, kept as the integer codes a GGUF file ships (Q8_0, Q4_0, Q4_1, the K
+// formats): a decode step reads each weight's 4 or 8 bits instead of float32's 32, and that is its speed, since
+// batch 1 is bound by the bytes it reads.
+//
+// A weight [N, K] is codes per group of 32 (or 16) inputs, with a float scale per (output, group) and either a
+// float min per (output, group) or one zero point:  w = scale * code + min,  or  w = scale * (code - zero).
+// The activations are quantized too, to int8 per group (d = max|x| / 127, llama.cpp's Q8 way), so that the
+// products are integer dot products: 64 multiply-adds in one AVX512-VNNI vpdpbusd, 32 in AVX2's vpmaddubsw
+// pair, against 16 (or 8) in a float32 FMA. Per group and output the integer sum is scaled once:
+//     y += d_x * (scale * sum(code * xq) + min * sum(xq))        (or scale * (sum(code * xq) - zero * sum(xq))).
+//
+// Layout (conveyor/model/quant_formats.py packs it): tiles of 16 outputs; per tile and group, 64-byte vectors
+// that each hold 4 consecutive inputs of all 16 outputs (lane c = output c, 4 bytes of inputs side by side: the
+// operand of a vpdpbusd against a broadcast of 4 activations). 8-bit codes: one vector per 4 inputs; 4-bit
+// codes: one per 8 inputs, the first 4 in the low nibbles and the next 4 in the high ones. Then the tile's
+// scales [groups, 16] (float16 or float32) and mins likewise. The layout is the same for every vector width:
+// a 256-bit kernel takes each vector's halves (outputs 0-7, 8-15) in two passes.
+//
+// The dot-product kinds: vnni512 (AVX512-VNNI), vnni256 (AVX-VNNI, or AVX512-VNNI on 256-bit registers),
+// avx2 (vpmaddubsw + vpmaddwd: no VNNI needed) and portable (plain C++, any CPU). A machine may have several;
+// the engine runs the one it measures fastest, and the tests hold each to the same reference.
+
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "gemm.h"
+#include "vec.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CONVEYOR_VNNI512 1
+#define CONVEYOR_VNNI256 1
+#elif defined(__AVXVNNI__) && defined(__AVX2__)
+#define CONVEYOR_VNNI256 1
+#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define CONVEYOR_AVX2 1
+#endif
+
+namespace conveyor {
+
+constexpr int64_t kQuantTile = 16;  // outputs per tile, on every kernel
+
+enum class QuantDot : int { kPortable = 0, kAvx2 = 1, kVnni256 = 2, kVnni512 = 3 };
+
+inline const char* quant_dot_name(QuantDot dot) {
+  switch (dot) {
+    case QuantDot::kPortable: return "portable";
+    case QuantDot::kAvx2: return "avx2";
+    case QuantDot::kVnni256: return "vnni256";
+    case QuantDot::kVnni512: return "vnni512";
+  }
+  return "?";
+}
+
+// The dot-product kinds this build has, the fastest kind of each width last.
+inline std::vector<std::string> quant_dots() {
+  std::vector<std::string> dots{"portable"};
+#if defined(CONVEYOR_AVX2)
+  dots.push_back("avx2");
+#endif
+#if defined(CONVEYOR_VNNI256)
+  dots.push_back("vnni256");
+#endif
+#if defined(CONVEYOR_VNNI512)
+  dots.push_back("vnni512");
+#endif
+  return dots;
+}
+
+inline QuantDot parse_quant_dot(const std::string& name) {
+  for (const auto& have : quant_dots()) {
+    if (have == name) {
+      for (int dot = 0; dot <= 3; ++dot) {
+        if (name == quant_dot_name(static_cast<QuantDot>(dot))) return static_cast<QuantDot>(dot);
+      }
+    }
+  }
+  TORCH_CHECK(false, "no quantized dot product '", name, "' in this build (it has ",
+              c10::Join(", ", quant_dots()), ")");
+}
+
+// The best kind for a stack of `width` bits: 512 runs vnni512 where the build has it; 256 the widest 256-bit kind.
+inline QuantDot default_quant_dot(int64_t width) {
+#if defined(CONVEYOR_VNNI512)
+  if (width == 512) return QuantDot::kVnni512;
+#endif
+  (void)width;
+#if defined(CONVEYOR_VNNI256)
+  return QuantDot::kVnni256;
+#elif defined(CONVEYOR_AVX2)
+  return QuantDot::kAvx2;
+#else
+  return QuantDot::kPortable;
+#endif
+}
+
+// A quantized weight as the kernels take it: the packed codes, scales and mins (mins empty: the zero point).
+struct QuantWeight {
+  torch::Tensor codes, scales, mins;
+  int64_t n = 0, k = 0, group = 32, storage_bits = 4, code_bits = 4, zero_point = 0;
+
+  int64_t tiles() const { return (n + kQuantTile - 1) / kQuantTile; }
+  int64_t groups() const { return k / group; }
+  int64_t group_bytes() const { return kQuantTile * group * storage_bits / 8; }
+  bool f16() const { return scales.scalar_type() == torch::kHalf; }
+  bool has_mins() const { return mins.numel() > 0; }
+  int64_t bytes() const {
+    return codes.numel() + (scales.numel() + mins.numel()) * static_cast<int64_t>(scales.element_size());
+  }
+};
+
+inline QuantWeight make_quant_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t n,
+                                     int64_t k, int64_t group, int64_t storage_bits, int64_t code_bits,
+                                     int64_t zero_point) {
+  TORCH_CHECK(group == 16 || group == 32, "a quantized weight's group is 16 or 32 inputs, not ", group);
+  TORCH_CHECK(storage_bits == 4 || storage_bits == 8, "codes are stored in 4 or 8 bits, not ", storage_bits);
+  TORCH_CHECK(storage_bits == 8 || group == 32, "4-bit codes come in groups of 32");
+  TORCH_CHECK(code_bits >= 1 && code_bits <= storage_bits, "codes of ", code_bits, " bits do not fit ", storage_bits);
+  TORCH_CHECK(n > 0 && k > 0 && k % group == 0, "a [", n, ", ", k, "] weight is no whole number of groups of ", group);
+  QuantWeight w{codes.contiguous(), scales.contiguous(), mins.contiguous(), n, k, group, storage_bits, code_bits,
+                zero_point};
+  TORCH_CHECK(w.codes.scalar_type() == torch::kUInt8 && w.codes.dim() == 3 && w.codes.size(0) == w.tiles() &&
+                  w.codes.size(1) == w.groups() && w.codes.size(2) == w.group_bytes(),
+              "codes must be uint8 [", w.tiles(), ", ", w.groups(), ", ", w.group_bytes(), "]");
+  const auto dtype = w.scales.scalar_type();
+  TORCH_CHECK((dtype == torch::kHalf || dtype == torch::kFloat32) && w.scales.dim() == 3 &&
+                  w.scales.size(0) == w.tiles() && w.scales.size(1) == w.groups() && w.scales.size(2) == kQuantTile,
+              "scales must be float16 or float32 [", w.tiles(), ", ", w.groups(), ", 16]");
+  TORCH_CHECK(w.mins.numel() == 0 || (w.mins.scalar_type() == dtype && w.mins.sizes() == w.scales.sizes()),
+              "mins must be empty or shaped and typed as the scales");
+  TORCH_CHECK(w.has_mins() || (zero_point >= 0 && zero_point < (int64_t{1} << code_bits)),
+              "zero point ", zero_point, " outside the codes' range");
+  return w;
+}
+
+// ----- Activations quantized to int8 per group -----
+
+// m rows of k activations as int8 codes q [m, k], each group's step d [m, groups] and code sum [m, groups].
+struct QuantizedRows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sums;
+  int64_t k, groups;
+};
+
+// Row by row: d = max|x| / 127 over each group, q = round(x * (127 / max|x|)) to nearest even (a zero group: all
+// zero). In float32 throughout, so that the Python reference (quant_formats.quantize_activations) rounds alike:
+// the product is rounded to float first, then to an integer (never fused into one rounding).
+inline void quantize_group(const float* x, int64_t group, int8_t* q, float* d, int32_t* sum) {
+#if defined(CONVEYOR_AVX2)
+  // A step runs over a hundred of these per row; scalar nearbyint cost a tenth of a batch-1 step.
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 top = _mm256_setzero_ps();
+  for (int64_t i = 0; i < group; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, top);
+  float amax = 0.f;
+  for (const float lane : lanes) amax = std::max(amax, lane);
+  *d = amax / 127.f;
+  const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i total = _mm256_setzero_si256();
+  for (int64_t i = 0; i < group; i += 8) {
+    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), id));  // MXCSR: nearest even
+    total = _mm256_add_epi32(total, v);
+    const __m128i packed16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i packed8 = _mm_packs_epi16(packed16, packed16);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), packed8);
+  }
+  alignas(32) int32_t sums[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
+  *sum = sums[0] + sums[1] + sums[2] + sums[3] + sums[4] + sums[5] + sums[6] + sums[7];
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(x[i]));
+  *d = amax / 127.f;
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t total = 0;
+  for (int64_t i = 0; i < group; ++i) {
+    const float scaled = x[i] * id;
+    const int32_t v = static_cast<int32_t>(std::nearbyint(scaled));
+    q[i] = static_cast<int8_t>(v);
+    total += v;
+  }
+  *sum = total;
+#endif
+}
+
+// Into buffers of the calling thread's, reused by every GEMM it runs (a step runs over a hundred).
+inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> sums;
+  const int64_t groups = k / group;
+  if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
+  if (static_cast<int64_t>(d.size()) < m * groups) {
+    d.resize(m * groups);
+    sums.resize(m * groups);
+  }
+  int8_t* qp = q.data();
+  float* dp = d.data();
+  int32_t* sp = sums.data();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = row * groups + g;
+        quantize_group(x + row * k + g * group, group, qp + row * k + g * group, dp + at, sp + at);
+      }
+    }
+  });
+  return {qp, dp, sp, k, groups};
+}
+
+// ----- The formats a kernel is compiled for -----
+
+// Bits: 4 (nibbles) or 8 (bytes); Group: 16 or 32 inputs; F16: float16 scales (else float32); Mins: a min per
+// group (else the zero point); Full: 8-bit codes that use all 8 bits (Q8_0), which vpmaddubsw's 16-bit pair sums
+// cannot take whole (255 * 127 * 2 overflows them): the avx2 kernel splits such codes into nibbles.
+template <int Bits, int Group, bool F16, bool Mins, bool Full>
+struct QuantFormat {
+  static constexpr int kBits = Bits, kGroup = Group;
+  static constexpr bool kF16 = F16, kMins = Mins, kFull = Full;
+  static constexpr int64_t kGroupBytes = kQuantTile * Group * Bits / 8;
+};
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: value = mantissa * 2^-24
+      const float value = std::ldexp(static_cast<float>(mantissa), -24);
+      __builtin_memcpy(&bits, &value, sizeof bits);
+      bits |= sign;
+    }
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename F>
+inline float scale_at(const void* scales, int64_t i) {
+  if constexpr (F::kF16) return half_to_float(static_cast<const uint16_t*>(scales)[i]);
+  return static_cast<const float*>(scales)[i];
+}
+
+// The code of output c, input j of a group (0 <= j < Group), from its tile's group bytes.
+template <typename F>
+inline int32_t code_at(const uint8_t* group_bytes, int64_t c, int64_t j) {
+  if constexpr (F::kBits == 8) return group_bytes[(j / 4) * 64 + c * 4 + j % 4];
+  const uint8_t byte = group_bytes[(j / 8) * 64 + c * 4 + j % 4];
+  return (j % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+}
+
+// One output column's weights of a group, scaled: what dequantize_rows and the portable kernel share.
+template <typename F>
+inline float weight_value(const void* scales, const void* mins, int64_t at, int32_t code, int32_t zero) {
+  const float s = scale_at<F>(scales, at);
+  if constexpr (F::kMins) return s * static_cast<float>(code) + scale_at<F>(mins, at);
+  return s * static_cast<float>(code - zero);
+}
+
+// A weight's raw views for one tile.
+struct QuantTileView {
+  const uint8_t* codes;
+  const void* scales;
+  const void* mins;
+  int64_t groups;
+  int32_t zero;
+};
+
+template <typename F>
+inline QuantTileView tile_view(const QuantWeight& w, int64_t tile) {
+  const int64_t scale_bytes = F::kF16 ? 2 : 4;
+  const auto* scales = static_cast<const uint8_t*>(w.scales.data_ptr());
+  const auto* mins = w.has_mins() ? static_cast<const uint8_t*>(w.mins.data_ptr()) : nullptr;
+  const int64_t scale_offset = tile * w.groups() * kQuantTile * scale_bytes;
+  return {w.codes.data_ptr<uint8_t>() + tile * w.groups() * F::kGroupBytes, scales + scale_offset,
+          mins ? mins + scale_offset : nullptr, w.groups(), static_cast<int32_t>(w.zero_point)};
+}
+
+// ----- Kernels: rows x 16 outputs of one tile -----
+
+// Plain C++: any CPU, and the reference for the vector kernels' arithmetic (integer sums per group, then one
+// float multiply-add per group as they do).
+template <typename F, int Rows>
+void quant_tile_portable(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
+                         int64_t cols) {
+  for (int64_t r = 0; r < Rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < t.groups; ++g) {
+        const uint8_t* bytes = t.codes + g * F::kGroupBytes;
+        const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < F::kGroup; ++j) sum += code_at<F>(bytes, c, j) * xq[j];
+        const int64_t at = (row + r) * x.groups + g;
+        const float d = x.d[at], s = scale_at<F>(t.scales, g * kQuantTile + c);
+        if constexpr (F::kMins) {
+          acc += static_cast<float>(sum) * (s * d) + scale_at<F>(t.mins, g * kQuantTile + c) * (d * x.sums[at]);
+        } else {
+          acc += static_cast<float>(sum - t.zero * x.sums[at]) * (s * d);
+        }
+      }
+      y[r * ldy + c] = acc;
+    }
+  }
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+#if defined(CONVEYOR_VNNI512)
+template <typename F>
+inline __m512 load_scales16(const void* p, int64_t g) {
+  if constexpr (F::kF16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) +
+                                                                               g * kQuantTile)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(p) + g * kQuantTile);
+}
+
+// 512 bits: one zmm holds a row's 16 outputs. Per group each row's integer sum gets its own register, reset per
+// group, so that successive groups are independent chains the core overlaps.
+template <typename F, int Rows>
+void quant_tile_vnni512(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
+                        int64_t cols) {
+  __m512 acc[Rows];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* bytes = t.codes + g * F::kGroupBytes;
+    __m512i sum[Rows];
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
+    if constexpr (F::kBits == 4) {
+#pragma GCC unroll 4
+      for (int o = 0; o < F::kGroup / 8; ++o) {
+        const __m512i v = _mm512_loadu_si512(bytes + 64 * o);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 8 * o;
+          sum[r] = _mm512_dpbusd_epi32(sum[r], lo, _mm512_set1_epi32(load_i32(xq)));
+          sum[r] = _mm512_dpbusd_epi32(sum[r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int quad = 0; quad < F::kGroup / 4; ++quad) {
+        const __m512i v = _mm512_loadu_si512(bytes + 64 * quad);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 4 * quad;
+          sum[r] = _mm512_dpbusd_epi32(sum[r], v, _mm512_set1_epi32(load_i32(xq)));
+        }
+      }
+    }
+    const __m512 s = load_scales16<F>(t.scales, g);
+    [[maybe_unused]] __m512 mins;
+    if constexpr (F::kMins) mins = load_scales16<F>(t.mins, g);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t at = (row + r) * x.groups + g;
+      const float d = x.d[at];
+      if constexpr (F::kMins) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(d * static_cast<float>(x.sums[at])), acc[r]);
+      } else {
+        const __m512i centred = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(t.zero * x.sums[at]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
+      }
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
+}
+#endif
+
+#if defined(CONVEYOR_AVX2)
+// u8 codes . s8 activations, 4 at a time, added to 8 int32 lanes: vpdpbusd where the CPU has VNNI, else
+// vpmaddubsw (pairs to int16) and vpmaddwd (pairs of those to int32). Full 8-bit codes go through vpmaddubsw
+// as two nibbles, the high one weighted 16 in vpmaddwd, since a pair of 255 * 127 overflows int16.
+template <bool Vnni, bool Full>
+inline __m256i dot4x8(__m256i acc, __m256i codes, __m256i x) {
+#if defined(CONVEYOR_VNNI256)
+  if constexpr (Vnni) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, codes, x);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, codes, x);
+#endif
+  }
+#endif
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Full) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_and_si256(codes, low), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), _mm256_set1_epi16(16)));
+  }
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones));
+}
+
+template <typename F>
+inline __m256 load_scales8(const void* p, int64_t at) {
+  if constexpr (F::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at)));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(p) + at);
+}
+
+// 256 bits: one half of the tile (outputs 8 * half .. 8 * half + 7, the half of each 64-byte vector) for Rows
+// rows; the tile takes two passes, the second finding the tile's bytes in L1.
+template <typename F, int Rows, bool Vnni>
+void quant_half_tile_256(const QuantizedRows& x, int64_t row, const QuantTileView& t, int half, float* y,
+                         int64_t ldy, int64_t cols) {
+  __m256 acc[Rows];
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* bytes = t.codes + g * F::kGroupBytes + 32 * half;
+    __m256i sum[Rows];
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
+    if constexpr (F::kBits == 4) {
+#pragma GCC unroll 4
+      for (int o = 0; o < F::kGroup / 8; ++o) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * o));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 8 * o;
+          sum[r] = dot4x8<Vnni, false>(sum[r], lo, _mm256_set1_epi32(load_i32(xq)));
+          sum[r] = dot4x8<Vnni, false>(sum[r], hi, _mm256_set1_epi32(load_i32(xq + 4)));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int quad = 0; quad < F::kGroup / 4; ++quad) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * quad));
+#pragma GCC unroll 4
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 4 * quad;
+          sum[r] = dot4x8<Vnni, F::kFull>(sum[r], v, _mm256_set1_epi32(load_i32(xq)));
+        }
+      }
+    }
+    const __m256 s = load_scales8<F>(t.scales, g * kQuantTile + 8 * half);
+    [[maybe_unused]] __m256 mins;
+    if constexpr (F::kMins) mins = load_scales8<F>(t.mins, g * kQuantTile + 8 * half);
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t at = (row + r) * x.groups + g;
+      const float d = x.d[at];
+      if constexpr (F::kMins) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(d * static_cast<float>(x.sums[at])), acc[r]);
+      } else {
+        const __m256i centred = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(t.zero * x.sums[at]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) {
+    if (cols >= 8) {
+      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      alignas(32) float part[8];
+      _mm256_store_ps(part, acc[r]);
+      std::copy(part, part + cols, y + r * ldy);
+    }
+  }
+}
+
+template <typename F, int Rows, bool Vnni>
+void quant_tile_256(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
+                    int64_t cols) {
+  quant_half_tile_256<F, Rows, Vnni>(x, row, t, 0, y, ldy, std::min<int64_t>(cols, 8));
+  if (cols > 8) quant_half_tile_256<F, Rows, Vnni>(x, row, t, 1, y + 8, ldy, cols - 8);
+}
+#endif
+
+using QuantTileFn = void (*)(const QuantizedRows&, int64_t, const QuantTileView&, float*, int64_t, int64_t);
+
+// A kind's micro-kernels by rows (1 to its most), and the most rows it keeps in registers.
+template <typename F, QuantDot Dot>
+struct QuantKernels {
+  static constexpr int kMaxRows = Dot == QuantDot::kVnni512 ? 8 : 4;
+
+  template <int Rows>
+  static void tile(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
+                   int64_t cols) {
+#if defined(CONVEYOR_VNNI512)
+    if constexpr (Dot == QuantDot::kVnni512) return quant_tile_vnni512<F, Rows>(x, row, t, y, ldy, cols);
+#endif
+#if defined(CONVEYOR_AVX2)
+    if constexpr (Dot == QuantDot::kVnni256) return quant_tile_256<F, Rows, true>(x, row, t, y, ldy, cols);
+    if constexpr (Dot == QuantDot::kAvx2) return quant_tile_256<F, Rows, false>(x, row, t, y, ldy, cols);
+#endif
+    quant_tile_portable<F, Rows>(x, row, t, y, ldy, cols);
+  }
+
+  template <int... Rows>
+  static constexpr std::array<QuantTileFn, sizeof...(Rows) + 1> table(std::integer_sequence<int, Rows...>) {
+    return {nullptr, &tile<Rows + 1>...};
+  }
+  static QuantTileFn at(int rows) {
+    static constexpr auto fns = table(std::make_integer_sequence<int, kMaxRows>{});
+    return fns[rows];
+  }
+};
+
+// Runs f(F{}) with the compiled format of a weight.
+template <typename Fn>
+void with_quant_format(const QuantWeight& w, const Fn& f) {
+  const bool f16 = w.f16(), mins = w.has_mins(), full = w.code_bits == 8;
+  const auto pick = [&](auto bits, auto group) {
+    constexpr int B = decltype(bits)::value, G = decltype(group)::value;
+    if (f16) {
+      if (mins) return f(QuantFormat<B, G, true, true, false>{});
+      return full ? f(QuantFormat<B, G, true, false, true>{}) : f(QuantFormat<B, G, true, false, false>{});
+    }
+    if (mins) return f(QuantFormat<B, G, false, true, false>{});
+    return full ? f(QuantFormat<B, G, false, false, true>{}) : f(QuantFormat<B, G, false, false, false>{});
+  };
+  if (w.storage_bits == 4) return pick(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{});
+  if (w.group == 32) return pick(std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
+  return pick(std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{});
+}
+
+template <typename Fn>
+void with_quant_dot(QuantDot dot, const Fn& f) {
+  switch (dot) {
+#if defined(CONVEYOR_VNNI512)
+    case QuantDot::kVnni512: return f(std::integral_constant<QuantDot, QuantDot::kVnni512>{});
+#endif
+#if defined(CONVEYOR_VNNI256)
+    case QuantDot::kVnni256: return f(std::integral_constant<QuantDot, QuantDot::kVnni256>{});
+#endif
+#if defined(CONVEYOR_AVX2)
+    case QuantDot::kAvx2: return f(std::integral_constant<QuantDot, QuantDot::kAvx2>{});
+#endif
+    case QuantDot::kPortable: return f(std::integral_constant<QuantDot, QuantDot::kPortable>{});
+    default: TORCH_CHECK(false, "no quantized dot product ", quant_dot_name(dot), " in this build");
+  }
+}
+
+// y [m, n] = x [m, k] . W^T (+ bias) for a quantized W: x quantized once per call, then the tile schedule of the
+// float GEMMs (row blocks of up to 64 rows sharing each tile while it is in cache).
+inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, const float* bias, float* y,
+                              QuantDot dot) {
+  if (m == 0) return;
+  const QuantizedRows xq = quantize_rows(x, m, w.k, w.group);
+  const int64_t n = w.n;
+  with_quant_format(w, [&](auto format) {
+    using F = decltype(format);
+    with_quant_dot(dot, [&](auto kind) {
+      using K = QuantKernels<F, decltype(kind)::value>;
+      for_each_tile_pass(m, w.tiles(), K::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
+        const int64_t col = tile * kQuantTile, cols = std::min(kQuantTile, n - col);
+        K::at(rows)(xq, row, tile_view<F>(w, tile), y + row * n + col, n, cols);
+        if (bias != nullptr) {
+          for (int64_t r = row; r < row + rows; ++r) {
+            for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
+          }
+        }
+      });
+    });
+  });
+}
+
+// Rows `ids` of W as float32 [ids, k]: an embedding table that is also a quantized LM head (tied) is looked
+// up straight from its codes.
+inline void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t count, float* out) {
+  with_quant_format(w, [&](auto format) {
+    using F = decltype(format);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t id = ids[i], c = id % kQuantTile;
+      const QuantTileView t = tile_view<F>(w, id / kQuantTile);
+      for (int64_t g = 0; g < t.groups; ++g) {
+        const uint8_t* bytes = t.codes + g * F::kGroupBytes;
+        for (int64_t j = 0; j < F::kGroup; ++j) {
+          out[i * w.k + g * F::kGroup + j] =
+              weight_value<F>(t.scales, t.mins, g * kQuantTile + c, code_at<F>(bytes, c, j), t.zero);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace conveyor

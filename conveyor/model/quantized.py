@@ -1,0 +1,64 @@
+"""Layers whose weights stay quantized: a GGUF file's integer codes, run by the native quantized kernels.
+
+A quantized projection holds no float copy of its weight: the model's resident size is the file's. Its
+``forward`` is what the PyTorch side of the model calls (prompt logprobs run the LM head from Python); a step
+runs in the native stack, which takes the same ``QuantizedWeight`` objects (LlamaModel.use_native_kernels).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from conveyor.model.quant_formats import QuantizedMatrix, pack_tiles
+
+
+def native_weight(kernels: ModuleType, matrix: QuantizedMatrix) -> object:
+    """A matrix as the kernels' ``QuantizedWeight``: packed once into their tile layout (conveyor/csrc/quant_gemm.h),
+    the codes and scales as tensors the weight keeps alive."""
+    tiles = pack_tiles(matrix)
+    scale_dtype = torch.float16 if tiles.scales.dtype.itemsize == 2 else torch.float32
+    mins = torch.from_numpy(tiles.mins) if tiles.mins is not None else torch.empty(0, dtype=scale_dtype)
+    return kernels.QuantizedWeight(
+        torch.from_numpy(tiles.codes), torch.from_numpy(tiles.scales), mins, tiles.n, tiles.k, tiles.group,
+        tiles.storage_bits, matrix.code_bits, tiles.zero_point,
+    )
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T (+ bias) with W quantized; x and y float32. ``dot`` names the kernels' dot-product kind (empty:
+    the build's best)."""
+
+    def __init__(self, kernels: ModuleType, weight: object, bias: torch.Tensor | None, source: str) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.quantized = weight
+        self.in_features, self.out_features = weight.k, weight.n
+        self.source = source  # the GGUF type its codes came from, e.g. "Q4_1"
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.dot = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernels.quantized_linear(x.float().contiguous(), self.quantized, self.dot)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.source}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embeddings looked up from a quantized table (tied models share it with their LM head). ``weight`` is
+    an empty float32 tensor: it tells the executor the model's device and activation dtype."""
+
+    def __init__(self, kernels: ModuleType, weight: object) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.quantized = weight
+        self.num_embeddings, self.embedding_dim = weight.n, weight.k
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        flat = self.kernels.quantized_rows(self.quantized, token_ids.reshape(-1).tolist())
+        return flat.view(*token_ids.shape, self.embedding_dim)
