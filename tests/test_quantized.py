@@ -11,8 +11,10 @@ they differ only by float32 rounding, which is what the tolerance here bounds.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,9 +208,12 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 def test_resident_memory_is_the_files_size_plus_a_stated_overhead(kernels) -> None:
-    """Peak resident memory of an engine on the default model, less that of a process that imports the same
-    runtime and tokenizer without a model, is at most 1.5x the GGUF file (the KV pool here is 64 blocks, 6 MB).
-    In float32 the same difference is over 5x the file."""
+    """Peak resident memory of an engine on the default model that has served a request, less that of a process
+    that imports the same runtime and tokenizer without a model, is at most 1.3x the GGUF file: the weights as
+    the file holds them (codes, scales and mins repacked, none dequantized; measured 1.0x), the rotary tables,
+    the KV blocks the request wrote (the pool is resident only where written) and the executor's buffers. The
+    load itself peaks no higher than that (the file is read tensor by tensor, not mapped). In float32 the same
+    difference is over 5x the file."""
     from conveyor.model.loader import default_model_path
 
     def peak(script: str) -> int:
@@ -219,4 +224,50 @@ def test_resident_memory_is_the_files_size_plus_a_stated_overhead(kernels) -> No
     file_bytes = default_model_path().stat().st_size
     model_bytes = peak(MEMORY_SCRIPT) - peak(BASELINE_SCRIPT)
     print(f"resident for the model: {model_bytes / 2**20:.0f} MiB, file {file_bytes / 2**20:.0f} MiB")
-    assert model_bytes <= 1.5 * file_bytes
+    assert model_bytes <= 1.3 * file_bytes
+
+
+def test_the_tensor_directory_is_the_one_ggufs_reader_finds() -> None:
+    """gguf_weights reads the file's tensor directory itself (GGUFReader builds an array per token string:
+    156 MB resident for a 98 MB file); every name, shape, type, offset and size must be the reader's."""
+    import gguf
+
+    from conveyor.model.gguf_weights import tensor_index
+    from conveyor.model.loader import default_model_path
+
+    ours = tensor_index(default_model_path())
+    theirs = gguf.GGUFReader(default_model_path()).tensors
+    assert len(ours) == len(theirs) == 272
+    for entry, tensor in zip(ours, theirs, strict=True):
+        assert entry == (tensor.name, tuple(int(d) for d in reversed(tensor.shape)), tensor.tensor_type.name,
+                         int(tensor.data_offset), int(tensor.n_bytes))
+
+
+# ----- Perplexity against llama.cpp's on the same file -----
+
+LLAMA_PERPLEXITY = Path(__file__).resolve().parents[1] / ".peers" / "llama.cpp" / "build" / "bin" / "llama-perplexity"
+TEXT = Path(__file__).resolve().parent / "data" / "declaration-of-independence.txt"
+
+
+def llama_cpp_perplexity(model: Path, context: int) -> float:
+    """llama-perplexity's final estimate on the text, on 2 threads."""
+    done = subprocess.run([str(LLAMA_PERPLEXITY), "-m", str(model), "-f", str(TEXT), "-c", str(context), "-t", "2",
+                           "-b", str(context)], capture_output=True, text=True, timeout=600, check=True)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
+    assert match, done.stderr[-2000:]
+    return float(match.group(1))
+
+
+def test_perplexity_is_within_1_percent_of_llama_cpp_on_the_same_file(quantized_llm) -> None:
+    """The same protocol (bench/perplexity.py: chunks of 256 tokens, BOS first where the tokenizer adds one, the
+    second half of each scored) on the default model's Q4_1 file: a wrong dequantization, a wrong row order or
+    a kernel bug moves perplexity by far more than 1%."""
+    from conveyor.bench.perplexity import perplexity
+    from conveyor.model.loader import default_model_path
+
+    if not LLAMA_PERPLEXITY.is_file():
+        pytest.skip("llama.cpp is not set up (bash bench/peers/setup_llamacpp.sh builds llama-perplexity)")
+    ours = perplexity(quantized_llm.engine, TEXT.read_text(encoding="utf-8"), 256)
+    theirs = llama_cpp_perplexity(default_model_path(), 256)
+    print(f"perplexity over {ours.scored_tokens} tokens: Conveyor {ours.value:.4f}, llama.cpp {theirs:.4f}")
+    assert abs(ours.value / theirs - 1) <= 0.01

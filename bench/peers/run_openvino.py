@@ -16,6 +16,7 @@ first token and when it finished. Runs in .peers/openvino (setup_openvino.sh).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import openvino as ov
@@ -86,6 +87,8 @@ if __name__ == "__main__":
         return pipes[prefix_caching]
 
     label = f"OpenVINO GenAI ContinuousBatchingPipeline, {args.inference_precision}, KV {args.kv_cache_precision}"
+    if Path(args.model).name.startswith("model-"):  # setup_openvino.sh's compressed exports: model-int8, model-int4
+        label += f", {Path(args.model).name.removeprefix('model-')} weights"
     peer_io.main(label, ov_genai.__version__, args,
                  lambda requests: run_together(pipeline(False), requests),
                  lambda requests: run_together(pipeline(True), requests))

@@ -17,7 +17,7 @@ fi
 
 cmake -S "$DIR/src/vendor/llama.cpp" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF
-cmake --build "$DIR/build" --target llama-server llama-quantize llama-batched-bench -j "$(nproc)"
+cmake --build "$DIR/build" --target llama-server llama-quantize llama-batched-bench llama-perplexity -j "$(nproc)"
 
 # The same weights every other engine gets: the shipped Q4_1 file dequantized to float32.
 Q4_1="$("$PROJECT_PYTHON" -c 'from conveyor.model.loader import default_model_path; print(default_model_path())')"

@@ -108,6 +108,31 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width, boo
   return packed;
 }
 
+// A 1-D buffer of `numel` float32 (or bf16) zeros that takes memory only where it is written: fresh anonymous
+// pages (the kernel hands them out zeroed on first touch, and reads of untouched ones cost nothing), advised
+// onto huge pages. What the KV pool lies in: a pool sized for the worst case is resident only as far as requests
+// fill it, so a server's memory is its weights, its runtime and the KV it actually holds.
+torch::Tensor zeroed_huge_page_buffer(int64_t numel, bool bfloat16) {
+  TORCH_CHECK(numel > 0, "an empty buffer");
+  const auto dtype = bfloat16 ? torch::kBFloat16 : torch::kFloat32;
+  constexpr size_t kHugePage = size_t{1} << 21;
+  const size_t bytes = (static_cast<size_t>(numel) * c10::elementSize(dtype) + 4095) / 4096 * 4096;
+  // Mapped with a huge page to spare, then trimmed to start on a 2 MiB boundary: a huge page must lie wholly
+  // inside the advised range, aligned.
+  const size_t mapped = bytes + kHugePage;
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(base != MAP_FAILED, "out of memory for a buffer of ", bytes, " bytes");
+  auto* start = static_cast<char*>(base);
+  auto* data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(start) + kHugePage - 1) & ~(kHugePage - 1));
+  if (data > start) munmap(start, static_cast<size_t>(data - start));
+  const size_t tail = static_cast<size_t>(start + mapped - (data + bytes));
+  if (tail > 0) munmap(data + bytes, tail);
+#if defined(MADV_HUGEPAGE)
+  madvise(data, bytes, MADV_HUGEPAGE);  // advice: an error leaves ordinary pages
+#endif
+  return torch::from_blob(data, {numel}, [bytes](void* p) { munmap(p, bytes); }, torch::TensorOptions().dtype(dtype));
+}
+
 // x [M, K] float32 and a weight packed by pack_linear_weight for K inputs: checked; the packing's width.
 int64_t check_gemm_operands(const torch::Tensor& x, const torch::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
@@ -291,6 +316,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("width") = 256, arg("bfloat16") = false);
   m.def("huge_page_buffer", &huge_page_buffer, "a 1-D float32 (or bf16) buffer on huge pages", arg("numel"),
         arg("bfloat16") = false, release_gil());
+  m.def("zeroed_huge_page_buffer", &zeroed_huge_page_buffer,
+        "a 1-D float32 (or bf16) buffer of zeros, resident only where written", arg("numel"), arg("bfloat16") = false,
+        release_gil());
   m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/T, K, T] for a path's width",
         arg("weight"), arg("width") = 256, arg("bfloat16") = false, arg("out") = pybind11::none(), release_gil());
   m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", arg("x"), arg("packed"),

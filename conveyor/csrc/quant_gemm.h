@@ -114,6 +114,10 @@ inline QuantDot default_quant_dot(int64_t width) {
 struct QuantWeight {
   torch::Tensor codes, scales, mins;
   int64_t n = 0, k = 0, group = 32, storage_bits = 4, code_bits = 4, zero_point = 0;
+  // The tensors' data, read once: a GEMM looks them up per tile, and Tensor::data_ptr is no plain load.
+  const uint8_t* codes_data = nullptr;
+  const uint8_t* scales_data = nullptr;
+  const uint8_t* mins_data = nullptr;
 
   int64_t tiles() const { return (n + kQuantTile - 1) / kQuantTile; }
   int64_t groups() const { return k / group; }
@@ -146,6 +150,9 @@ inline QuantWeight make_quant_weight(torch::Tensor codes, torch::Tensor scales, 
               "mins must be empty or shaped and typed as the scales");
   TORCH_CHECK(w.has_mins() || (zero_point >= 0 && zero_point < (int64_t{1} << code_bits)),
               "zero point ", zero_point, " outside the codes' range");
+  w.codes_data = w.codes.data_ptr<uint8_t>();
+  w.scales_data = static_cast<const uint8_t*>(w.scales.data_ptr());
+  w.mins_data = w.has_mins() ? static_cast<const uint8_t*>(w.mins.data_ptr()) : nullptr;
   return w;
 }
 
@@ -293,12 +300,10 @@ struct QuantTileView {
 
 template <typename F>
 inline QuantTileView tile_view(const QuantWeight& w, int64_t tile) {
-  const int64_t scale_bytes = F::kF16 ? 2 : 4;
-  const auto* scales = static_cast<const uint8_t*>(w.scales.data_ptr());
-  const auto* mins = w.has_mins() ? static_cast<const uint8_t*>(w.mins.data_ptr()) : nullptr;
-  const int64_t scale_offset = tile * w.groups() * kQuantTile * scale_bytes;
-  return {w.codes.data_ptr<uint8_t>() + tile * w.groups() * F::kGroupBytes, scales + scale_offset,
-          mins ? mins + scale_offset : nullptr, w.groups(), static_cast<int32_t>(w.zero_point)};
+  const int64_t scale_bytes = F::kF16 ? 2 : 4, groups = w.k / F::kGroup;
+  const int64_t scale_offset = tile * groups * kQuantTile * scale_bytes;
+  return {w.codes_data + tile * groups * F::kGroupBytes, w.scales_data + scale_offset,
+          w.mins_data ? w.mins_data + scale_offset : nullptr, groups, static_cast<int32_t>(w.zero_point)};
 }
 
 // ----- Kernels: rows x 16 outputs of one tile -----
@@ -345,20 +350,26 @@ inline __m512 load_scales16(const void* p, int64_t g) {
   return _mm512_loadu_ps(static_cast<const float*>(p) + g * kQuantTile);
 }
 
-// 512 bits: one zmm holds a row's 16 outputs. Per group each row's integer sum gets its own register, reset per
-// group, so that successive groups are independent chains the core overlaps.
+// 512 bits: one zmm holds a row's 16 outputs. Per group each row's integer sum gets registers of its own, reset
+// per group, so that successive groups are independent chains the core overlaps; with few rows, two of them
+// (the low and the high nibbles' products, or alternate quads), which halves the chain of vpdpbusd a group
+// waits on: a single chain of 8 held one row to 42 GB/s of codes per core from cache, too close to what
+// memory delivers to stay at its bound.
 template <typename F, int Rows>
 void quant_tile_vnni512(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
                         int64_t cols) {
+  constexpr int split = Rows <= 4 ? 2 : 1;
   __m512 acc[Rows];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0f);
   for (int64_t g = 0; g < t.groups; ++g) {
     const uint8_t* bytes = t.codes + g * F::kGroupBytes;
-    __m512i sum[Rows];
+    __m512i sums[split][Rows];
 #pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) sum[r] = _mm512_setzero_si512();
+    for (int r = 0; r < Rows; ++r) {
+      for (int part = 0; part < split; ++part) sums[part][r] = _mm512_setzero_si512();
+    }
     if constexpr (F::kBits == 4) {
 #pragma GCC unroll 4
       for (int o = 0; o < F::kGroup / 8; ++o) {
@@ -367,8 +378,8 @@ void quant_tile_vnni512(const QuantizedRows& x, int64_t row, const QuantTileView
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
           const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 8 * o;
-          sum[r] = _mm512_dpbusd_epi32(sum[r], lo, _mm512_set1_epi32(load_i32(xq)));
-          sum[r] = _mm512_dpbusd_epi32(sum[r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
+          sums[0][r] = _mm512_dpbusd_epi32(sums[0][r], lo, _mm512_set1_epi32(load_i32(xq)));
+          sums[split - 1][r] = _mm512_dpbusd_epi32(sums[split - 1][r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
         }
       }
     } else {
@@ -378,10 +389,14 @@ void quant_tile_vnni512(const QuantizedRows& x, int64_t row, const QuantTileView
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
           const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 4 * quad;
-          sum[r] = _mm512_dpbusd_epi32(sum[r], v, _mm512_set1_epi32(load_i32(xq)));
+          __m512i& sum = sums[quad % split][r];
+          sum = _mm512_dpbusd_epi32(sum, v, _mm512_set1_epi32(load_i32(xq)));
         }
       }
     }
+    __m512i sum[Rows];
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) sum[r] = split == 2 ? _mm512_add_epi32(sums[0][r], sums[split - 1][r]) : sums[0][r];
     const __m512 s = load_scales16<F>(t.scales, g);
     [[maybe_unused]] __m512 mins;
     if constexpr (F::kMins) mins = load_scales16<F>(t.mins, g);

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_bench_throughput(bench)
     _add_bench_decode(bench)
+    _add_bench_perplexity(bench)
     _add_bench_compare(bench)
     _add_bench_serve(bench)
     _add_export_hf(commands)
@@ -85,6 +86,13 @@ def _add_bench_throughput(bench: Commands) -> None:
     thr.add_argument("--compare", nargs="+", metavar="OPTION=VALUE[,OPTION=VALUE]",
                      help="run the same workload under each configuration, e.g. scheduler=static scheduler=continuous")
     add_engine_args(thr)
+
+
+def _add_bench_perplexity(bench: Commands) -> None:
+    ppl = bench.add_parser("perplexity", help="perplexity over a text file, as llama-perplexity computes it")
+    ppl.add_argument("text", help="a UTF-8 text file")
+    ppl.add_argument("--context", type=int, default=512, help="tokens per chunk (llama-perplexity's -c)")
+    add_engine_args(ppl)
 
 
 def _add_bench_decode(bench: Commands) -> None:
@@ -244,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             return _roofline(args, config)
         if args.bench == "throughput":
             return _bench_throughput(args, config)
+        if args.bench == "perplexity":
+            return _bench_perplexity(args, config)
         return _bench_decode(args, config)
     except (ValueError, FileNotFoundError, CacheDirError) as error:
         print(f"conveyor: error: {error}", file=sys.stderr)
@@ -366,6 +376,20 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
     engine = Engine(config)
     print(f"kernels: {_kernels_in_use(engine)}")
     print_decode(run_decode(engine, batch_sizes, args.prompt_len, args.steps, args.seed))
+    return 0
+
+
+def _bench_perplexity(args: argparse.Namespace, config: EngineConfig) -> int:
+    from conveyor.bench.perplexity import perplexity
+    from conveyor.engine import Engine
+
+    text = Path(args.text).read_text(encoding="utf-8")
+    config.max_model_len = max(config.max_model_len or 0, args.context)
+    engine = Engine(config)
+    print(f"kernels: {_kernels_in_use(engine)}")
+    result = perplexity(engine, text, args.context)
+    print(f"perplexity {result.value:.4f} over {result.scored_tokens} tokens ({result.chunks} chunks of "
+          f"{args.context}; the text is {result.text_tokens} tokens)")
     return 0
 
 

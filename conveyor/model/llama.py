@@ -323,11 +323,13 @@ class LlamaModel(nn.Module):
     def zeroed_kv_cache(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The KV cache, zeroed. For the native stack, on huge pages where Linux grants them: a step's attention
         reads blocks that lie anywhere in the cache, and on 4 KiB pages each block is a TLB miss or more
-        (measured in a decode step at context 128 on Zen 4: attention 0.62 ms on 4 KiB pages, 0.54 on 2 MiB)."""
+        (measured in a decode step at context 128 on Zen 4: attention 0.62 ms on 4 KiB pages, 0.54 on 2 MiB). Its
+        pages are the kernel's zero pages until written (zeroed_huge_page_buffer): the pool is resident as far as
+        requests fill it, not at its full size from the start."""
         if self.kernels is None or device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
-        buffer = self.kernels.huge_page_buffer(math.prod(shape), dtype == torch.bfloat16)
-        return buffer.view(shape).zero_()
+        buffer = self.kernels.zeroed_huge_page_buffer(math.prod(shape), dtype == torch.bfloat16)
+        return buffer.view(shape)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in float32 for the rows that are sampled, and only those."""

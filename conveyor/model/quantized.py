@@ -12,19 +12,39 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from conveyor.model.quant_formats import QuantizedMatrix, pack_tiles
+from conveyor.model.quant_formats import TILE, QuantizedMatrix, pack_tiles
+
+ROWS_PER_PACK = 4096  # rows packed at a time: a whole table at once held three copies of it (30 MB each, Q8_0)
 
 
 def native_weight(kernels: ModuleType, matrix: QuantizedMatrix) -> object:
     """A matrix as the kernels' ``QuantizedWeight``: packed once into their tile layout (conveyor/csrc/quant_gemm.h),
-    the codes and scales as tensors the weight keeps alive."""
-    tiles = pack_tiles(matrix)
-    scale_dtype = torch.float16 if tiles.scales.dtype.itemsize == 2 else torch.float32
-    mins = torch.from_numpy(tiles.mins) if tiles.mins is not None else torch.empty(0, dtype=scale_dtype)
-    return kernels.QuantizedWeight(
-        torch.from_numpy(tiles.codes), torch.from_numpy(tiles.scales), mins, tiles.n, tiles.k, tiles.group,
-        tiles.storage_bits, matrix.code_bits, tiles.zero_point,
-    )
+    the codes and scales as tensors the weight keeps alive. Packed ROWS_PER_PACK rows at a time into the final
+    tensors, so that loading peaks at the decoded matrix plus its packed copy, not at several copies."""
+    tiles, groups = -(-matrix.n // TILE), matrix.k // matrix.group
+    bytes_per_group = TILE * matrix.group * matrix.storage_bits // 8
+    scale_dtype = torch.float16 if matrix.scales.dtype.itemsize == 2 else torch.float32
+    codes = torch.empty((tiles, groups, bytes_per_group), dtype=torch.uint8)
+    scales = torch.empty((tiles, groups, TILE), dtype=scale_dtype)
+    mins = torch.empty((tiles, groups, TILE) if matrix.mins is not None else (0,), dtype=scale_dtype)
+    for start in range(0, matrix.n, ROWS_PER_PACK):
+        part = pack_tiles(row_slice(matrix, start, start + ROWS_PER_PACK))
+        first = start // TILE
+        last = first + part.codes.shape[0]
+        codes[first:last] = torch.from_numpy(part.codes)
+        scales[first:last] = torch.from_numpy(part.scales)
+        if part.mins is not None:
+            mins[first:last] = torch.from_numpy(part.mins)
+    return kernels.QuantizedWeight(codes, scales, mins, matrix.n, matrix.k, matrix.group, matrix.storage_bits,
+                                   matrix.code_bits, matrix.zero_point)
+
+
+def row_slice(matrix: QuantizedMatrix, start: int, stop: int) -> QuantizedMatrix:
+    """Rows [start, stop) of a matrix (views, no copy)."""
+    rows = slice(start, stop)
+    mins = None if matrix.mins is None else matrix.mins[rows]
+    return QuantizedMatrix(matrix.q[rows], matrix.scales[rows], mins, matrix.zero_point, matrix.code_bits,
+                           matrix.group, matrix.source)
 
 
 class QuantizedLinear(nn.Module):
