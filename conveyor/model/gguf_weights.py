@@ -22,6 +22,7 @@ import numpy as np
 
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.gguf import hf_name, rope_row_order
+from conveyor.model.llama import LAYER_NORMS, LAYER_PROJECTIONS
 from conveyor.model.quant_formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
@@ -162,27 +163,18 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
     ours: dict[str, Any] = {"embed_tokens.weight": convert(hf["embed_tokens.weight"]), "norm.weight": hf["norm.weight"]}
     if not config.tie_word_embeddings:
         ours["lm_head.weight"] = convert(hf["lm_head.weight"])
+    rope_heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
     for i in range(config.num_layers):
-        attn, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
-        q = _rope_rows(hf[attn + "q_proj.weight"], config.num_heads)
-        k = _rope_rows(hf[attn + "k_proj.weight"], config.num_kv_heads)
-        ours[attn + "qkv_proj.weight"] = convert(join_rows([q, k, hf[attn + "v_proj.weight"]]))
-        del q, k
-        ours[attn + "o_proj.weight"] = convert(hf[attn + "o_proj.weight"])
-        gate_up = join_rows([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
-        ours[mlp + "gate_up_proj.weight"] = convert(gate_up)
-        del gate_up
-        ours[mlp + "down_proj.weight"] = convert(hf[mlp + "down_proj.weight"])
-        if config.attention_bias:
-            biases = [hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"]]
-            biases[0] = _rope_rows(biases[0], config.num_heads)
-            biases[1] = _rope_rows(biases[1], config.num_kv_heads)
-            ours[attn + "qkv_proj.bias"] = np.concatenate(biases)
-        if config.mlp_bias:
-            ours[mlp + "gate_up_proj.bias"] = np.concatenate([hf[mlp + "gate_proj.bias"], hf[mlp + "up_proj.bias"]])
-            ours[mlp + "down_proj.bias"] = hf[mlp + "down_proj.bias"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            ours[f"layers.{i}.{norm}.weight"] = hf[f"layers.{i}.{norm}.weight"]
+        p = f"layers.{i}."
+        for fused, parts in LAYER_PROJECTIONS.items():
+            read = [_rope_rows(hf[f"{p}{part}.weight"], rope_heads.get(part, 0)) for part in parts]
+            ours[f"{p}{fused}.weight"] = convert(join_rows(read) if len(read) > 1 else read[0])
+            del read  # the next projection's parts are decoded only once these are packed
+            if f"{p}{parts[0]}.bias" in hf:
+                biases = [_rope_rows(hf[f"{p}{part}.bias"], rope_heads.get(part, 0)) for part in parts]
+                ours[f"{p}{fused}.bias"] = np.concatenate(biases)
+        for norm in LAYER_NORMS:
+            ours[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return ours
 
 
@@ -192,6 +184,9 @@ class _Reads:
     def __init__(self, read: Callable[[str], Weight], names: set[str]) -> None:
         self._read, self._names = read, names
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._names
+
     def __getitem__(self, name: str) -> Weight:
         if name not in self._names:
             raise ValueError(f"the GGUF file has no tensor for {name} (its config needs one)")
@@ -199,7 +194,10 @@ class _Reads:
 
 
 def _rope_rows(weight: Weight, heads: int) -> Weight:
-    """Undo llama.cpp's rotary row permutation: whole rows move, so quantized rows are reordered exactly."""
+    """Undo llama.cpp's rotary row permutation (heads 0: a tensor it did not permute): whole rows move, so quantized
+    rows are reordered exactly."""
+    if heads == 0:
+        return weight
     order = rope_row_order(weight.shape[0] if isinstance(weight, np.ndarray) else weight.n, heads)
     return permute_rows(weight, order) if isinstance(weight, QuantizedMatrix) else weight[order]
 

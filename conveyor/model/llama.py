@@ -22,6 +22,15 @@ from conveyor.core.model_config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")  # the GEMM shapes of a step, by projection
+# A layer's projections under our names and the HF ones each stands for (the fused ones join theirs in this
+# order, weights and biases alike): what every loader maps a checkpoint's layer through.
+LAYER_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 @dataclass(slots=True)

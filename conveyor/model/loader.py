@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from conveyor.core.cache_dir import cache_dir, make_cache_folder, write_cache_file
 from conveyor.core.model_config import ModelConfig
-from conveyor.model.llama import Linear, LlamaModel
+from conveyor.model.llama import LAYER_NORMS, LAYER_PROJECTIONS, Linear, LlamaModel
 
 logger = logging.getLogger("conveyor")
 
@@ -154,17 +154,11 @@ def _our_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     state["lm_head.weight"] = hf["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        state[attn + "qkv_proj.weight"] = torch.cat([hf[f"{attn}{x}_proj.weight"] for x in "qkv"])
-        if config.attention_bias:
-            state[attn + "qkv_proj.bias"] = torch.cat([hf[f"{attn}{x}_proj.bias"] for x in "qkv"])
-        state[attn + "o_proj.weight"] = hf[attn + "o_proj.weight"]
-        state[mlp + "gate_up_proj.weight"] = torch.cat([hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]])
-        state[mlp + "down_proj.weight"] = hf[mlp + "down_proj.weight"]
-        if config.mlp_bias:
-            state[mlp + "gate_up_proj.bias"] = torch.cat([hf[mlp + "gate_proj.bias"], hf[mlp + "up_proj.bias"]])
-            state[mlp + "down_proj.bias"] = hf[mlp + "down_proj.bias"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        for ours, parts in LAYER_PROJECTIONS.items():
+            state[f"{p}{ours}.weight"] = torch.cat([hf[f"{p}{part}.weight"] for part in parts])
+            if f"{p}{parts[0]}.bias" in hf:
+                state[f"{p}{ours}.bias"] = torch.cat([hf[f"{p}{part}.bias"] for part in parts])
+        for norm in LAYER_NORMS:
             state[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return state
 
