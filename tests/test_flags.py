@@ -86,13 +86,14 @@ def test_engine_config_round_trips_through_the_flags() -> None:
             "--max-num-batched-tokens", "99", "--block-size", "8", "--kv-cache-memory", "1GiB",
             "--num-kv-blocks", "12", "--max-model-len", "64", "--seed", "3", "--scheduler", "static",
             "--scheduling-policy", "priority", "--preemption-mode", "swap", "--swap-space", "512MB",
-            "--kv-layout", "contiguous", "--no-enable-prefix-caching", "--kernels", "torch", "--num-threads", "3"]
+            "--kv-layout", "contiguous", "--no-enable-prefix-caching", "--kernels", "torch", "--quantization", "int8",
+            "--num-threads", "3"]
     assert len(argv) == 2 * len(engine_options()) - 1  # the switch takes no value
     assert engine_config(parse(argv)) == EngineConfig(
         model="m.gguf", dtype="bfloat16", device="cpu", max_num_seqs=7, max_num_batched_tokens=99, block_size=8,
         kv_cache_memory=2**30, num_kv_blocks=12, max_model_len=64, seed=3, scheduler="static",
         scheduling_policy="priority", preemption_mode="swap", swap_space=512 * 10**6, kv_layout="contiguous",
-        enable_prefix_caching=False, kernels="torch", num_threads=3,
+        enable_prefix_caching=False, kernels="torch", quantization="int8", num_threads=3,
     )
 
 

@@ -44,5 +44,6 @@ def gemm_ab(kernels: Any, shapes: list[tuple[str, int, int]], rows: list[int],
             secs = interleaved({label: partial(kernels.packed_linear, x, p, n) for label, p in packed.items()},
                                samples, min_s)
             flops = 2 * m * k * n / 1e9
-            print(f"  {name:8} M={m:<4} {flops / secs[a]:7.1f} | {flops / secs[b]:7.1f} | {secs[a] / secs[b]:.3f}x",
+            # Three significant figures: a small shape slowed down by a busy machine printed 0.0 with one decimal.
+            print(f"  {name:8} M={m:<4} {flops / secs[a]:7.3g} | {flops / secs[b]:7.3g} | {secs[a] / secs[b]:.3f}x",
                   flush=True)

@@ -84,6 +84,10 @@ class EngineConfig:
                            "cached); native: the decoder stack in C++ on packed weights (CPU: float32, and "
                            "bfloat16 where the CPU has avx512_bf16); "
                            "torch: plain PyTorch ops, the reference", choices=("auto", "native", "torch"))
+    quantization: str = _option("none", "quantize a float checkpoint's weights once as it loads (on the native "
+                                "kernels): int8 (symmetric, per group of 32 inputs) or int4 (asymmetric, per group "
+                                "of 32; the embedding and LM head int8); none: it runs in --dtype. A GGUF file's "
+                                "weights stay in the file's own formats", choices=("none", "int8", "int4"))
     num_threads: int | None = _option(None, "CPU threads the model's kernels use (torch/OpenMP); with "
                                       "--data-parallel-size, per replica", minimum=1,
                                       unset="the cores this process may use (per replica: divided among them)")

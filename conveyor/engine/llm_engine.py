@@ -79,7 +79,8 @@ class Engine:
         self.kv_block_bytes = plan.block_bytes
         self.max_model_len = plan.max_model_len
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
-        model = load_model(folder, dtype, device, self.max_model_len, self._quantized_kernels(dtype, device))
+        model = load_model(folder, dtype, device, self.max_model_len, self._quantized_kernels(dtype, device),
+                           None if config.quantization == "none" else config.quantization)
         self.kernel_width: int | None = None  # the native kernels' vector width in bits; None: torch ops
         self.kernel_dtype: str | None = None  # what the native stack's weights and KV cache are stored in
         self.kernel_choice: KernelChoice | None = None  # with --kernels auto: what this machine measured

@@ -164,14 +164,25 @@ def _our_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantized_kernels: ModuleType | None = None) -> LlamaModel:
+               quantized_kernels: ModuleType | None = None, quantization: str | None = None) -> LlamaModel:
     """The model of ``folder`` in ``dtype`` on ``device``. A GGUF file's weights stay quantized where
     ``quantized_kernels`` (the native kernels) are given; without them they are dequantized into ``dtype`` as
-    they load (the PyTorch reference path: float32 is 5.5 times a Q4_1 file's size)."""
+    they load (the PyTorch reference path: float32 is 5.5 times a Q4_1 file's size). ``quantization`` (int8,
+    int4) quantizes a float checkpoint's weights as they load, for those kernels."""
     config = ModelConfig.from_folder(folder)
     source = gguf_source(folder)
+    if quantization is not None:
+        if source is not None:
+            raise ValueError(f"quantization: {source.name}'s weights are quantized already, in the file's own "
+                             "formats (they run as they are); --quantization is for float checkpoints")
+        if quantized_kernels is None:
+            raise ValueError("quantization: quantized weights run on the native kernels, which this start does "
+                             "not use (--kernels torch, a dtype other than float32, or no C++ compiler)")
+        weights = _quantized_checkpoint(folder, config, quantization, quantized_kernels)
+        return _quantized_model(weights, folder.name, config, max_positions, quantized_kernels)
     if source is not None and quantized_kernels is not None:
-        return _quantized_model(source, config, max_positions, quantized_kernels)
+        weights = _packed_gguf(source, config, quantized_kernels)
+        return _quantized_model(weights, source.name, config, max_positions, quantized_kernels)
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
     model.to_empty(device=device)
@@ -198,17 +209,48 @@ def _gguf_state_dict(source: Path, config: ModelConfig) -> dict[str, torch.Tenso
     return state
 
 
-def _quantized_model(source: Path, config: ModelConfig, max_positions: int, kernels: ModuleType) -> LlamaModel:
-    """The model with every quantized weight of the GGUF file kept as the kernels' QuantizedWeight; float ones
-    (norms, biases, a projection a file stores in float) as float32 tensors."""
-    from conveyor.model.gguf_weights import QuantizedMatrix, read_gguf_weights
-    from conveyor.model.quantized import QuantizedEmbedding, QuantizedLinear, native_weight
+# A weight as _quantized_model takes it: packed for the kernels with its format's name, or float32.
+Packed = tuple[object, str] | np.ndarray
 
-    def packed(weight: QuantizedMatrix | np.ndarray) -> tuple[object, str] | np.ndarray:
-        """A quantized weight packed for the kernels as soon as it is read, with its GGUF type; float as is."""
+
+def _packed_gguf(source: Path, config: ModelConfig, kernels: ModuleType) -> dict[str, Packed]:
+    """A GGUF file's weights under our names, each quantized one packed as soon as it is read."""
+    from conveyor.model.gguf_weights import QuantizedMatrix, read_gguf_weights
+    from conveyor.model.quantized import native_weight
+
+    def packed(weight: QuantizedMatrix | np.ndarray) -> Packed:
         return (native_weight(kernels, weight), weight.source) if isinstance(weight, QuantizedMatrix) else weight
 
-    weights = read_gguf_weights(source, config, packed).weights
+    return read_gguf_weights(source, config, packed).weights
+
+
+def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernels: ModuleType) -> dict[str, Packed]:
+    """A float checkpoint's weights under our names, the projections quantized by ``scheme`` and the embedding
+    and LM head by int8 (a 4-bit vocabulary table costs the most accuracy for the least memory, the choice
+    llama.cpp's Q4 files and OpenVINO's int4 export make too); norms and biases float32."""
+    from conveyor.model.quant_formats import quantize_matrix
+    from conveyor.model.quantized import native_weight
+
+    state = _our_state_dict(_read_safetensors(folder), config)
+    if config.tie_word_embeddings:
+        del state["lm_head.weight"]  # the embedding's own tensor: _quantized_model ties them again
+    weights: dict[str, Packed] = {}
+    for name in list(state):
+        values = state.pop(name).float().numpy()
+        if name.endswith("_proj.weight") or name in ("embed_tokens.weight", "lm_head.weight"):
+            kind = scheme if name.endswith("_proj.weight") else "int8"
+            weights[name] = (native_weight(kernels, quantize_matrix(values, kind)), kind)
+        else:
+            weights[name] = values
+    return weights
+
+
+def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfig, max_positions: int,
+                     kernels: ModuleType) -> LlamaModel:
+    """The model with every quantized weight kept as the kernels' QuantizedWeight; float ones (norms, biases, a
+    projection a file stores in float) as float32 tensors. ``source`` names where the weights came from."""
+    from conveyor.model.quantized import QuantizedEmbedding, QuantizedLinear
+
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
 
@@ -247,7 +289,7 @@ def _quantized_model(source: Path, config: ModelConfig, max_positions: int, kern
     missing = [name for name in missing if name != "embed_tokens.weight"]  # QuantizedEmbedding's empty placeholder
     if missing or unexpected:
         raise ValueError(f"model: weights in {source} do not fit its config: missing {missing}, extra {unexpected}")
-    logger.info("model: %s kept quantized (%s)", source.name, ", ".join(sorted(quantized_kinds(model))))
+    logger.info("model: %s kept quantized (%s)", source, ", ".join(sorted(quantized_kinds(model))))
     _return_freed_memory()
     return model.eval().requires_grad_(False)
 

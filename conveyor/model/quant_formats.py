@@ -407,3 +407,41 @@ def reference_linear(x: np.ndarray, m: QuantizedMatrix) -> np.ndarray:
     else:
         terms = products * scales + m.mins.astype(np.float64)[None] * sums[:, None, :]
     return (terms * step.astype(np.float64)[:, None, :]).sum(axis=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Float weights quantized (--quantization): the same forms the GGUF formats decode into
+
+QUANTIZE_GROUP = 32
+
+
+def quantize_matrix(weights: np.ndarray, scheme: str) -> QuantizedMatrix:
+    """A float [n, k] matrix quantized by round to nearest, per group of 32 inputs: ``int8`` symmetric (Q8_0's
+    form: d = max|w| / 127 in float16, codes w / d + 128), ``int4`` asymmetric (Q4_1's form: scale (max - min) /
+    15 and min, both float16, codes 0..15). The error of each weight is at most half a step of its group's
+    (float16-rounded) scale, which the tests hold it to."""
+    n, k = weights.shape
+    if k % QUANTIZE_GROUP:
+        raise ValueError(f"quant: {scheme} needs k a multiple of {QUANTIZE_GROUP}, not {k}")
+    grouped = np.asarray(weights, dtype=np.float32).reshape(n, k // QUANTIZE_GROUP, QUANTIZE_GROUP)
+    if scheme == "int8":
+        return _symmetric_int8(grouped, n, k)
+    if scheme == "int4":
+        return _asymmetric_int4(grouped, n, k)
+    raise ValueError(f"quant: no scheme {scheme!r} (int8, int4)")
+
+
+def _symmetric_int8(grouped: np.ndarray, n: int, k: int) -> QuantizedMatrix:
+    step = (np.abs(grouped).max(axis=-1) / 127).astype(np.float16)
+    safe = np.where(step > 0, step, 1).astype(np.float32)[..., None]
+    codes = np.clip(np.rint(grouped / safe), -127, 127).astype(np.int16) + 128
+    return QuantizedMatrix(codes.astype(np.uint8).reshape(n, k), step, None, 128, 8, QUANTIZE_GROUP, "int8")
+
+
+def _asymmetric_int4(grouped: np.ndarray, n: int, k: int) -> QuantizedMatrix:
+    low = grouped.min(axis=-1).astype(np.float16)
+    high = grouped.max(axis=-1)
+    step = ((high - low.astype(np.float32)) / 15).astype(np.float16)
+    safe = np.where(step > 0, step, 1).astype(np.float32)[..., None]
+    codes = np.clip(np.rint((grouped - low.astype(np.float32)[..., None]) / safe), 0, 15)
+    return QuantizedMatrix(codes.astype(np.uint8).reshape(n, k), step, low, 0, 4, QUANTIZE_GROUP, "int4")
