@@ -328,3 +328,40 @@ def test_quantization_is_refused_where_it_cannot_apply(kernels, default_model_di
         LLM(str(default_model_dir), num_kv_blocks=16, quantization="int4", kernels="torch")
     with pytest.raises(ValueError, match="quantization must be"):
         LLM(str(default_model_dir), num_kv_blocks=16, quantization="int3")
+
+
+# ----- --kernels auto: the dot-product kind per projection and row class -----
+
+
+def test_the_dot_product_choice_is_measured_once_then_read_from_the_cache(kernels, tmp_path) -> None:
+    from conveyor.model.quant_choice import candidates, choose_quant_dots
+
+    weights = {"o": native_weight(kernels, random_matrix("Q4_1", 64, 128, 7)),
+               "lm_head": native_weight(kernels, random_matrix("Q8_0", 96, 128, 8))}
+    cache = tmp_path / "choice.json"
+    first = choose_quant_dots(kernels, weights, cache)
+    assert not first.cached and set(first.dots) == {"o", "lm_head"}
+    assert all(dot in candidates(kernels) for by_class in first.dots.values() for dot in by_class.values())
+    assert [(lo, hi) for _, lo, hi in first.ranges()["o"]] == [(1, 1), (2, 8), (9, 64), (65, 2**62)]
+    again = choose_quant_dots(kernels, weights, cache)
+    assert again.cached and again.dots == first.dots and "from the cache" in again.summary()
+
+
+def test_every_dot_product_kind_on_one_projection_gives_the_same_tokens(quantized_llm) -> None:
+    """Routing the LM head to each kind in turn (and the layers' projections to the portable one at one row)
+    leaves the greedy tokens as they were: the kinds differ only in float32 rounding of the group sums' scaling,
+    far below a token's margin here."""
+    native = quantized_llm.engine.executor.model.native
+    kernels = quantized_llm.engine.executor.model.kernels
+    before = greedy(quantized_llm, PROMPTS[:3], 8)
+    try:
+        for dot in kernels.quant_dots():
+            native.use_quant_dot(dot, "lm_head", 1, 2**62)
+            native.use_quant_dot("portable", "gate_up", 1, 1)
+            assert greedy(quantized_llm, PROMPTS[:3], 8) == before, dot
+        with pytest.raises(RuntimeError, match="no projection named mlp"):
+            native.use_quant_dot("avx2", "mlp", 1, 4)
+        with pytest.raises(RuntimeError, match="no quantized dot product 'sse9'"):
+            native.use_quant_dot("sse9", "", 1, 4)
+    finally:
+        native.use_quant_dot(kernels.quant_dots()[-1], "", 1, 1)  # every projection back on the build's best

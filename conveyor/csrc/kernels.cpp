@@ -355,7 +355,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &NativeLlama::add_layer)
       .def("route_to_torch", &NativeLlama::route_to_torch, arg("name"), arg("lo"), arg("hi"))
       .def("fuse_swiglu_at", &NativeLlama::fuse_swiglu_at, arg("ranges"))
-      .def("use_quant_dot", &NativeLlama::use_quant_dot, arg("name"))
+      .def("use_quant_dot", &NativeLlama::use_quant_dot, arg("name"), arg("projection") = "", arg("lo") = 1,
+           arg("hi") = std::numeric_limits<int64_t>::max())
       .def_property_readonly("quant_dot", &NativeLlama::quant_dot)
       .def("set_io", &NativeLlama::set_io, arg("embedding"), arg("cos"), arg("sin"), arg("lm_head"),
            arg("lm_head_plain"))

@@ -122,8 +122,25 @@ class NativeLlama {
   }
 
   // From now on, quantized projections run on the dot-product kind `name` (quant_dots(): portable, avx2,
-  // vnni256, vnni512); the default is the build's best at the stack's width.
-  void use_quant_dot(const std::string& name) { quant_dot_ = parse_quant_dot(name); }
+  // vnni256, vnni512): all of them (`projection` empty; the default is the build's best at the stack's
+  // width), or one projection (qkv, o, gate_up, down, lm_head) at steps of lo..hi rows, which --kernels auto
+  // sets from what it measured (conveyor/model/quant_choice.py).
+  void use_quant_dot(const std::string& name, const std::string& projection, int64_t lo, int64_t hi) {
+    const QuantDot dot = parse_quant_dot(name);
+    if (projection.empty()) {
+      quant_dot_ = dot;
+      for (auto& ranges : quant_dot_rows_) ranges.clear();
+      return;
+    }
+    TORCH_CHECK(lo >= 1 && lo <= hi, "rows ", lo, "..", hi, " is no range of row counts");
+    size_t which = kProjections;  // the LM head's slot, after the layers' projections
+    if (projection != "lm_head") {
+      const auto it = std::find(kProjectionNames.begin(), kProjectionNames.end(), projection);
+      TORCH_CHECK(it != kProjectionNames.end(), "no projection named ", projection, " (qkv, o, gate_up, down, lm_head)");
+      which = static_cast<size_t>(it - kProjectionNames.begin());
+    }
+    quant_dot_rows_[which].push_back({lo, hi, dot});
+  }
   std::string quant_dot() const { return quant_dot_name(quant_dot_); }
 
   // What a step's inputs are looked up in, and its last projection: the token embedding [vocab, hidden]
@@ -270,7 +287,8 @@ class NativeLlama {
     auto logits = torch::empty({m, lm_head_.n}, hidden.options());
     if (m == 0) return logits;
     if (lm_head_.quant) {
-      quant_linear_rows(x.data_ptr<float>(), m, *lm_head_.quant, nullptr, logits.data_ptr<float>(), quant_dot_);
+      quant_linear_rows(x.data_ptr<float>(), m, *lm_head_.quant, nullptr, logits.data_ptr<float>(),
+                        quant_dot_for(kProjections, m));
     } else if (in_ranges(lm_head_torch_rows_, m)) {
       torch_linear(x.data_ptr<float>(), m, hidden_, lm_head_.plain, lm_head_.bias, logits.data_ptr<float>());
     } else {
@@ -346,6 +364,10 @@ class NativeLlama {
   struct RowRange {
     int64_t lo, hi;
   };
+  struct DotRange {
+    int64_t lo, hi;
+    QuantDot dot;
+  };
 
   Projection projection(const ProjectionWeight& weight, const torch::Tensor& bias, const torch::Tensor& plain,
                         int64_t k, int64_t n) const {
@@ -384,11 +406,19 @@ class NativeLlama {
 
   bool on_torch(Which which, int64_t rows) const { return in_ranges(torch_rows_[which], rows); }
 
+  // The dot-product kind of a quantized projection (kProjections: the LM head) at a step of `rows` rows.
+  QuantDot quant_dot_for(size_t which, int64_t rows) const {
+    for (const DotRange& range : quant_dot_rows_[which]) {
+      if (rows >= range.lo && rows <= range.hi) return range.dot;
+    }
+    return quant_dot_;
+  }
+
   // y [rows, n] = x [rows, k] through a layer's projection: the packed kernels, or torch's GEMM where routed.
   template <typename P>
   void project(const Layer& layer, Which which, const float* x, int64_t rows, int64_t k, float* y) const {
     const Projection& w = layer.projections[which];
-    if (w.quant) return quant_linear_rows(x, rows, *w.quant, optional_data(w.bias), y, quant_dot_);
+    if (w.quant) return quant_linear_rows(x, rows, *w.quant, optional_data(w.bias), y, quant_dot_for(which, rows));
     if (on_torch(which, rows)) return torch_linear(x, rows, k, w.plain, w.bias, y);
     linear_rows<P>(x, rows, k, weight_data<P>(w.packed), w.n, optional_data(w.bias), y);
   }
@@ -405,6 +435,7 @@ class NativeLlama {
   bool io_set_ = false;
   bool quantized_gate_up_ = false;  // some layer's gate/up is quantized: SwiGLU is never fused
   QuantDot quant_dot_;
+  std::array<std::vector<DotRange>, kProjections + 1> quant_dot_rows_;  // the layers' projections, then the LM head
   Projection lm_head_;
   std::vector<RowRange> lm_head_torch_rows_;
   // Fused SwiGLU pays where the step is compute-bound and the [T, 2I] projection outgrows L2 (measured: 5% off

@@ -29,6 +29,7 @@ from conveyor.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from conveyor.model.kernel_choice import KernelChoice
+    from conveyor.model.quant_choice import QuantDotChoice
 
 logger = logging.getLogger("conveyor.engine")
 
@@ -84,6 +85,7 @@ class Engine:
         self.kernel_width: int | None = None  # the native kernels' vector width in bits; None: torch ops
         self.kernel_dtype: str | None = None  # what the native stack's weights and KV cache are stored in
         self.kernel_choice: KernelChoice | None = None  # with --kernels auto: what this machine measured
+        self.quant_choice: QuantDotChoice | None = None  # the same for quantized weights' dot products
         self._use_native_kernels(model, dtype, device)
         # What a step reads per weight: the cost model's (and the roofline's) weight format.
         self.weight_format = WeightFormat(self.kernel_dtype or config.dtype, *model.stored_weight_bits())
@@ -149,7 +151,13 @@ class Engine:
             from conveyor.model.loader import quantized_kinds
 
             self.kernel_width, self.kernel_dtype = width, "+".join(sorted(quantized_kinds(model)))
-            model.use_native_kernels(kernels, width)
+            dots = None
+            if self.config.kernels == "auto":
+                from conveyor.model.quant_choice import choose_quant_dots
+
+                self.quant_choice = choose_quant_dots(kernels, model.quantized_weights())
+                dots = self.quant_choice.ranges()
+            model.use_native_kernels(kernels, width, quant_dots=dots)
             logger.info("native kernels: %s", self.native_kernels_summary)
             return
         torch_rows, fused_rows = {}, None  # None: the stack's own rule for fusing SwiGLU
@@ -172,7 +180,8 @@ class Engine:
             return None
         stored = {"bfloat16": ", bfloat16 weights and KV cache", "float32": ""}.get(
             self.kernel_dtype, f", {self.kernel_dtype} weights kept quantized")
-        chosen = f"; {self.kernel_choice.summary()}" if self.kernel_choice is not None else ""
+        choice = self.kernel_choice or self.quant_choice
+        chosen = f"; {choice.summary()}" if choice is not None else ""
         return f"{self.kernel_width}-bit vectors{stored}{chosen}"
 
     def start_trace(self) -> Trace:

@@ -225,7 +225,7 @@ def choose_kernels(kernels: ModuleType, weights: Mapping[str, torch.Tensor], wid
     cache = cache or cache_dir() / CACHE_FILE
     key = choice_key(kernels.__name__, widths, bfloat16, torch.get_num_threads(),
                      {name: list(weight.shape) for name, weight in weights.items()})
-    stored = _read(cache).get(key)
+    stored = read_choices(cache).get(key)
     if stored is not None:
         return KernelChoice(**stored | {"cached": True})  # the key's version matches the record's fields
     logger.warning("timing the native kernels against torch's GEMM on this machine (first start here: a few "
@@ -234,7 +234,7 @@ def choose_kernels(kernels: ModuleType, weights: Mapping[str, torch.Tensor], wid
     seconds = measure(kernels, weights, widths, bfloat16)
     width, torch_classes, fused_classes = decide(seconds, widths)
     choice = KernelChoice(width, bfloat16, torch_classes, fused_classes, seconds, time.perf_counter() - start)
-    _write(cache, key, asdict(choice) | {"cached": False})
+    store_choice(cache, key, asdict(choice) | {"cached": False})
     return choice
 
 
@@ -246,18 +246,18 @@ def choice_key(build: str, widths: list[int], bfloat16: bool, threads: int, shap
                        sorted(shapes.items())])
 
 
-def _read(cache: Path) -> dict:
+def read_choices(cache: Path) -> dict:
     try:
         return json.loads(cache.read_text())
     except (OSError, ValueError):  # none yet, or unreadable: measure again
         return {}
 
 
-def _write(cache: Path, key: str, record: dict) -> None:
+def store_choice(cache: Path, key: str, record: dict) -> None:
     """Add a record, replacing the file in one rename so that a concurrent reader never sees half of it. A
     cache that cannot be written costs the next start the measurement again, not this one its engine."""
     try:
-        write_cache_file(cache, json.dumps(_read(cache) | {key: record}, indent=1))
+        write_cache_file(cache, json.dumps(read_choices(cache) | {key: record}, indent=1))
     except OSError as error:
         logger.warning("the kernel choice could not be stored in %s (%s); the next start measures it again",
                        cache, error)

@@ -242,6 +242,7 @@ class LlamaModel(nn.Module):
         self, kernels: ModuleType, width: int = 256, bfloat16: bool = False,
         torch_rows: Mapping[str, Sequence[tuple[int, int]]] | None = None,
         fused_swiglu_rows: Sequence[tuple[int, int]] | None = None,
+        quant_dots: Mapping[str, Sequence[tuple[str, int, int]]] | None = None,
     ) -> None:
         """Pack every projection for the native kernels of ``width`` bits (in bfloat16 if asked: then the KV
         cache the stack is handed must be bfloat16 too) and hand the layers to one native stack, on CPU. The
@@ -284,6 +285,9 @@ class LlamaModel(nn.Module):
                 self.native.route_to_torch(name, lo, hi)
         if fused_swiglu_rows is not None:
             self.native.fuse_swiglu_at(list(fused_swiglu_rows))
+        for projection, ranges in (quant_dots or {}).items():  # quantized projections: the kind per row class
+            for dot, lo, hi in ranges:
+                self.native.use_quant_dot(dot, projection, lo, hi)
 
     def _pack_projections(self, kernels: ModuleType, width: int, bfloat16: bool, keep: set[str]) -> None:
         """Pack every projection into one buffer on huge pages, in the order a step reads them: a decode step
@@ -320,6 +324,15 @@ class LlamaModel(nn.Module):
         the LM head (what a decode step reads: the roofline's and the cost model's weight format)."""
         layers = [module for name, module in self._projections() if name != "lm_head"]
         return _bits_per_weight(layers), _bits_per_weight([self.lm_head])
+
+    def quantized_weights(self) -> dict[str, object]:
+        """One quantized weight of each projection shape (the first layer's, and the LM head's): what the choice
+        of dot-product kinds times (:mod:`conveyor.model.quant_choice`)."""
+        named = {}
+        for name, module in self._projections():
+            if getattr(module, "quantized", None) is not None:
+                named.setdefault(name, module.quantized)
+        return named
 
     def projection_weights(self) -> dict[str, torch.Tensor]:
         """One weight [N, K] of each projection shape (the first layer's, and the LM head's): what a kernel

@@ -1,0 +1,101 @@
+"""``--kernels auto`` on quantized weights: which dot-product kind runs each projection at each batch size.
+
+A CPU may have several kinds of the quantized kernels (conveyor/csrc/quant_gemm.h): vnni512 and vnni256 where
+it has AVX512-VNNI, avx2 everywhere AVX2 is, and the portable one. Which is fastest depends on the shape and
+the rows: at one row a step streams the weights and the wider registers cost more per byte in some layouts; at
+a batch the 512-bit one does twice the multiply-adds per instruction. So, as for the float GEMMs
+(:mod:`conveyor.model.kernel_choice`), each projection shape of the model (``qkv``, ``o``, ``gate_up``,
+``down``, the LM head) is timed at each row class a step brings (1, 2-8, 9-64, 65+) on every kind but the
+portable one (the reference, never faster where another is built), interleaved round by round, and the
+fastest runs there. The choice is cached under the same kind of key (CPU, ISA, build, torch, threads, shapes).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from conveyor.core.cache_dir import cache_dir
+from conveyor.model.kernel_choice import ROW_CLASSES, choice_key, read_choices, store_choice, time_candidates
+
+logger = logging.getLogger("conveyor")
+CACHE_FILE = "quantized-kernel-choice.json"
+PORTABLE = "portable"
+
+Seconds = dict[str, dict[str, dict[str, float]]]  # projection -> row class -> dot kind -> seconds
+
+
+@dataclass(frozen=True, slots=True)
+class QuantDotChoice:
+    """This machine's dot-product kind per projection and row class, and the timings it came from."""
+
+    dots: dict[str, dict[str, str]]  # projection -> row class name -> dot kind
+    seconds: Seconds
+    measure_s: float
+    cached: bool = False
+
+    def ranges(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Per projection, (dot kind, lo, hi) for each row class: what NativeLlama.use_quant_dot takes."""
+        classes = {row_class.name: row_class for row_class in ROW_CLASSES}
+        return {projection: [(dot, classes[name].lo, classes[name].hi) for name, dot in by_class.items()]
+                for projection, by_class in self.dots.items()}
+
+    def summary(self) -> str:
+        """``qkv 1: vnni512, 2-8: vnni256, ...`` collapsed to the kinds chosen and where."""
+        chosen: dict[str, list[str]] = {}
+        for projection, by_class in self.dots.items():
+            for name, dot in by_class.items():
+                chosen.setdefault(dot, []).append(f"{projection} {name}")
+        source = "from the cache" if self.cached else f"measured in {self.measure_s:.1f} s"
+        if len(chosen) == 1:
+            return f"quantized dot products ({source}): {next(iter(chosen))} everywhere"
+        parts = [f"{dot} at {', '.join(places)}" for dot, places in chosen.items()]
+        return f"quantized dot products ({source}): " + "; ".join(parts)
+
+
+def candidates(kernels: ModuleType) -> list[str]:
+    """The kinds worth timing: every one built but the portable reference (alone where it is all there is)."""
+    built = list(kernels.quant_dots())
+    return [dot for dot in built if dot != PORTABLE] or [PORTABLE]
+
+
+def measure(kernels: ModuleType, weights: Mapping[str, object], dots: list[str]) -> Seconds:
+    seconds: Seconds = {}
+    for projection, weight in weights.items():
+        seconds[projection] = {}
+        for row_class in ROW_CLASSES:
+            x = torch.randn(row_class.timed_rows, weight.k)
+            calls = {dot: (lambda dot=dot, x=x, weight=weight: kernels.quantized_linear(x, weight, dot))
+                     for dot in dots}
+            seconds[projection][row_class.name] = time_candidates(calls)
+    return seconds
+
+
+def choose_quant_dots(kernels: ModuleType, weights: Mapping[str, object], cache: Path | None = None) -> QuantDotChoice:
+    """The choice for a model with these quantized projection ``weights`` (one per projection name): from the
+    cache, else measured (a few seconds) and stored."""
+    cache = cache or cache_dir() / CACHE_FILE
+    dots = candidates(kernels)
+    shapes = {name: [weight.n, weight.k, weight.bytes] for name, weight in weights.items()}
+    key = choice_key(f"{kernels.__name__}:quantized:{','.join(dots)}", [], False, torch.get_num_threads(), shapes)
+    stored = read_choices(cache).get(key)
+    if stored is not None:
+        return QuantDotChoice(**stored | {"cached": True})
+    if len(dots) > 1:
+        logger.warning("timing the quantized kernels' dot products on this machine (first start here: a few "
+                       "seconds, then cached in %s)", cache)
+    start = time.perf_counter()
+    seconds = measure(kernels, weights, dots) if len(dots) > 1 else {}
+    fastest = {projection: {name: min(timed, key=timed.__getitem__) for name, timed in by_class.items()}
+               for projection, by_class in seconds.items()}
+    if len(dots) == 1:
+        fastest = {projection: {row_class.name: dots[0] for row_class in ROW_CLASSES} for projection in weights}
+    choice = QuantDotChoice(fastest, seconds, time.perf_counter() - start)
+    store_choice(cache, key, asdict(choice) | {"cached": False})
+    return choice
