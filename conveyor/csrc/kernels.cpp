@@ -4,6 +4,7 @@
 //   vec.h           vectors (GCC/Clang vector extensions) and what every kernel shares on them
 //   gemm.h          linear layers on packed weights: 256 and 512 bits, and bf16 weights
 //   quant_gemm.h    linear layers on quantized weights (GGUF's integer codes), int8 activations
+//   quant_tiles.h   their micro-kernels, one per dot-product kind (VNNI, AVX2, portable)
 //   attention.h     attention straight over the paged KV cache
 //   rows.h          RMSNorm, rotary embedding, SwiGLU's activation, argmax
 //   tensors.h       the checks at the tensor boundary

@@ -1,0 +1,356 @@
+// The quantized kernels' micro-kernels: rows x 16 outputs of one tile of codes, for each dot-product kind
+// (vnni512, vnni256, avx2, portable) and each compiled format (code width, group, scale type, min or zero
+// point), and what they read: the activations quantized per group, the tile's raw views. quant_gemm.h
+// describes the layout and runs these over a whole weight.
+
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <utility>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CONVEYOR_VNNI512 1
+#define CONVEYOR_VNNI256 1
+#elif defined(__AVXVNNI__) && defined(__AVX2__)
+#define CONVEYOR_VNNI256 1
+#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define CONVEYOR_AVX2 1
+#endif
+
+namespace conveyor {
+
+constexpr int64_t kQuantTile = 16;  // outputs per tile, on every kernel
+
+enum class QuantDot : int { kPortable = 0, kAvx2 = 1, kVnni256 = 2, kVnni512 = 3 };
+
+// m rows of k activations as int8 codes q [m, k], each group's step d [m, groups] and code sum [m, groups].
+struct QuantizedRows {
+  const int8_t* q;
+  const float* d;
+  const int32_t* sums;
+  int64_t k, groups;
+};
+
+// ----- The formats a kernel is compiled for -----
+
+// Bits: 4 (nibbles) or 8 (bytes); Group: 16 or 32 inputs; F16: float16 scales (else float32); Mins: a min per
+// group (else the zero point); Full: 8-bit codes that use all 8 bits (Q8_0), which vpmaddubsw's 16-bit pair sums
+// cannot take whole (255 * 127 * 2 overflows them): the avx2 kernel splits such codes into nibbles.
+template <int Bits, int Group, bool F16, bool Mins, bool Full>
+struct QuantFormat {
+  static constexpr int kBits = Bits, kGroup = Group;
+  static constexpr bool kF16 = F16, kMins = Mins, kFull = Full;
+  static constexpr int64_t kGroupBytes = kQuantTile * Group * Bits / 8;
+};
+
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0) {
+    if (mantissa == 0) {
+      bits = sign;
+    } else {  // subnormal: value = mantissa * 2^-24
+      const float value = std::ldexp(static_cast<float>(mantissa), -24);
+      __builtin_memcpy(&bits, &value, sizeof bits);
+      bits |= sign;
+    }
+  } else if (exponent == 31) {
+    bits = sign | 0x7f800000u | (mantissa << 13);
+  } else {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename F>
+inline float scale_at(const void* scales, int64_t i) {
+  if constexpr (F::kF16) return half_to_float(static_cast<const uint16_t*>(scales)[i]);
+  return static_cast<const float*>(scales)[i];
+}
+
+// The code of output c, input j of a group (0 <= j < Group), from its tile's group bytes.
+template <typename F>
+inline int32_t code_at(const uint8_t* group_bytes, int64_t c, int64_t j) {
+  if constexpr (F::kBits == 8) return group_bytes[(j / 4) * 64 + c * 4 + j % 4];
+  const uint8_t byte = group_bytes[(j / 8) * 64 + c * 4 + j % 4];
+  return (j % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+}
+
+// One output column's weights of a group, scaled: what dequantize_rows and the portable kernel share.
+template <typename F>
+inline float weight_value(const void* scales, const void* mins, int64_t at, int32_t code, int32_t zero) {
+  const float s = scale_at<F>(scales, at);
+  if constexpr (F::kMins) return s * static_cast<float>(code) + scale_at<F>(mins, at);
+  return s * static_cast<float>(code - zero);
+}
+
+// A weight's raw views for one tile.
+struct QuantTileView {
+  const uint8_t* codes;
+  const void* scales;
+  const void* mins;
+  int64_t groups;
+  int32_t zero;
+};
+
+// ----- Kernels: rows x 16 outputs of one tile -----
+
+// Plain C++: any CPU, and the reference for the vector kernels' arithmetic (integer sums per group, then one
+// float multiply-add per group as they do).
+template <typename F, int Rows>
+void quant_tile_portable(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
+                         int64_t cols) {
+  for (int64_t r = 0; r < Rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < t.groups; ++g) {
+        const uint8_t* bytes = t.codes + g * F::kGroupBytes;
+        const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < F::kGroup; ++j) sum += code_at<F>(bytes, c, j) * xq[j];
+        const int64_t at = (row + r) * x.groups + g;
+        const float d = x.d[at], s = scale_at<F>(t.scales, g * kQuantTile + c);
+        if constexpr (F::kMins) {
+          acc += static_cast<float>(sum) * (s * d) + scale_at<F>(t.mins, g * kQuantTile + c) * (d * x.sums[at]);
+        } else {
+          acc += static_cast<float>(sum - t.zero * x.sums[at]) * (s * d);
+        }
+      }
+      y[r * ldy + c] = acc;
+    }
+  }
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+#if defined(CONVEYOR_VNNI512)
+template <typename F>
+inline __m512 load_scales16(const void* p, int64_t g) {
+  if constexpr (F::kF16) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) +
+                                                                               g * kQuantTile)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(p) + g * kQuantTile);
+}
+
+// 512 bits: one zmm holds a row's 16 outputs. Per group each row's integer sum gets registers of its own, reset
+// per group, so that successive groups are independent chains the core overlaps; with few rows, two of them
+// (the low and the high nibbles' products, or alternate quads), which halves the chain of vpdpbusd a group
+// waits on: a single chain of 8 held one row to 42 GB/s of codes per core from cache, too close to what
+// memory delivers to stay at its bound.
+template <typename F, int Rows>
+void quant_tile_vnni512(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
+                        int64_t cols) {
+  constexpr int split = Rows <= 4 ? 2 : 1;
+  __m512 acc[Rows];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* bytes = t.codes + g * F::kGroupBytes;
+    __m512i sums[split][Rows];
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      for (int part = 0; part < split; ++part) sums[part][r] = _mm512_setzero_si512();
+    }
+    if constexpr (F::kBits == 4) {
+#pragma GCC unroll 4
+      for (int o = 0; o < F::kGroup / 8; ++o) {
+        const __m512i v = _mm512_loadu_si512(bytes + 64 * o);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 8 * o;
+          sums[0][r] = _mm512_dpbusd_epi32(sums[0][r], lo, _mm512_set1_epi32(load_i32(xq)));
+          sums[split - 1][r] = _mm512_dpbusd_epi32(sums[split - 1][r], hi, _mm512_set1_epi32(load_i32(xq + 4)));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int quad = 0; quad < F::kGroup / 4; ++quad) {
+        const __m512i v = _mm512_loadu_si512(bytes + 64 * quad);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 4 * quad;
+          __m512i& sum = sums[quad % split][r];
+          sum = _mm512_dpbusd_epi32(sum, v, _mm512_set1_epi32(load_i32(xq)));
+        }
+      }
+    }
+    __m512i sum[Rows];
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) sum[r] = split == 2 ? _mm512_add_epi32(sums[0][r], sums[split - 1][r]) : sums[0][r];
+    const __m512 s = load_scales16<F>(t.scales, g);
+    [[maybe_unused]] __m512 mins;
+    if constexpr (F::kMins) mins = load_scales16<F>(t.mins, g);
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t at = (row + r) * x.groups + g;
+      const float d = x.d[at];
+      if constexpr (F::kMins) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(d * static_cast<float>(x.sums[at])), acc[r]);
+      } else {
+        const __m512i centred = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(t.zero * x.sums[at]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
+      }
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
+}
+#endif
+
+#if defined(CONVEYOR_AVX2)
+// u8 codes . s8 activations, 4 at a time, added to 8 int32 lanes: vpdpbusd where the CPU has VNNI, else
+// vpmaddubsw (pairs to int16) and vpmaddwd (pairs of those to int32). Full 8-bit codes go through vpmaddubsw
+// as two nibbles, the high one weighted 16 in vpmaddwd, since a pair of 255 * 127 overflows int16.
+template <bool Vnni, bool Full>
+inline __m256i dot4x8(__m256i acc, __m256i codes, __m256i x) {
+#if defined(CONVEYOR_VNNI256)
+  if constexpr (Vnni) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, codes, x);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, codes, x);
+#endif
+  }
+#endif
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Full) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i lo = _mm256_and_si256(codes, low), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), _mm256_set1_epi16(16)));
+  }
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones));
+}
+
+template <typename F>
+inline __m256 load_scales8(const void* p, int64_t at) {
+  if constexpr (F::kF16) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at)));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(p) + at);
+}
+
+// 256 bits: one half of the tile (outputs 8 * half .. 8 * half + 7, the half of each 64-byte vector) for Rows
+// rows; the tile takes two passes, the second finding the tile's bytes in L1.
+template <typename F, int Rows, bool Vnni>
+void quant_half_tile_256(const QuantizedRows& x, int64_t row, const QuantTileView& t, int half, float* y,
+                         int64_t ldy, int64_t cols) {
+  __m256 acc[Rows];
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int64_t g = 0; g < t.groups; ++g) {
+    const uint8_t* bytes = t.codes + g * F::kGroupBytes + 32 * half;
+    __m256i sum[Rows];
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
+    if constexpr (F::kBits == 4) {
+#pragma GCC unroll 4
+      for (int o = 0; o < F::kGroup / 8; ++o) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * o));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 8 * o;
+          sum[r] = dot4x8<Vnni, false>(sum[r], lo, _mm256_set1_epi32(load_i32(xq)));
+          sum[r] = dot4x8<Vnni, false>(sum[r], hi, _mm256_set1_epi32(load_i32(xq + 4)));
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int quad = 0; quad < F::kGroup / 4; ++quad) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * quad));
+#pragma GCC unroll 4
+        for (int r = 0; r < Rows; ++r) {
+          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 4 * quad;
+          sum[r] = dot4x8<Vnni, F::kFull>(sum[r], v, _mm256_set1_epi32(load_i32(xq)));
+        }
+      }
+    }
+    const __m256 s = load_scales8<F>(t.scales, g * kQuantTile + 8 * half);
+    [[maybe_unused]] __m256 mins;
+    if constexpr (F::kMins) mins = load_scales8<F>(t.mins, g * kQuantTile + 8 * half);
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t at = (row + r) * x.groups + g;
+      const float d = x.d[at];
+      if constexpr (F::kMins) {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(d * static_cast<float>(x.sums[at])), acc[r]);
+      } else {
+        const __m256i centred = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(t.zero * x.sums[at]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) {
+    if (cols >= 8) {
+      _mm256_storeu_ps(y + r * ldy, acc[r]);
+    } else {
+      alignas(32) float part[8];
+      _mm256_store_ps(part, acc[r]);
+      std::copy(part, part + cols, y + r * ldy);
+    }
+  }
+}
+
+template <typename F, int Rows, bool Vnni>
+void quant_tile_256(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
+                    int64_t cols) {
+  quant_half_tile_256<F, Rows, Vnni>(x, row, t, 0, y, ldy, std::min<int64_t>(cols, 8));
+  if (cols > 8) quant_half_tile_256<F, Rows, Vnni>(x, row, t, 1, y + 8, ldy, cols - 8);
+}
+#endif
+
+using QuantTileFn = void (*)(const QuantizedRows&, int64_t, const QuantTileView&, float*, int64_t, int64_t);
+
+// A kind's micro-kernels by rows (1 to its most), and the most rows it keeps in registers.
+template <typename F, QuantDot Dot>
+struct QuantKernels {
+  static constexpr int kMaxRows = Dot == QuantDot::kVnni512 ? 8 : 4;
+
+  template <int Rows>
+  static void tile(const QuantizedRows& x, int64_t row, const QuantTileView& t, float* y, int64_t ldy,
+                   int64_t cols) {
+#if defined(CONVEYOR_VNNI512)
+    if constexpr (Dot == QuantDot::kVnni512) return quant_tile_vnni512<F, Rows>(x, row, t, y, ldy, cols);
+#endif
+#if defined(CONVEYOR_AVX2)
+    if constexpr (Dot == QuantDot::kVnni256) return quant_tile_256<F, Rows, true>(x, row, t, y, ldy, cols);
+    if constexpr (Dot == QuantDot::kAvx2) return quant_tile_256<F, Rows, false>(x, row, t, y, ldy, cols);
+#endif
+    quant_tile_portable<F, Rows>(x, row, t, y, ldy, cols);
+  }
+
+  template <int... Rows>
+  static constexpr std::array<QuantTileFn, sizeof...(Rows) + 1> table(std::integer_sequence<int, Rows...>) {
+    return {nullptr, &tile<Rows + 1>...};
+  }
+  static QuantTileFn at(int rows) {
+    static constexpr auto fns = table(std::make_integer_sequence<int, kMaxRows>{});
+    return fns[rows];
+  }
+};
+
+}  // namespace conveyor
