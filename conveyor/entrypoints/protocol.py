@@ -27,10 +27,36 @@ from conveyor.entrypoints.tool_calls import ForcedToolCalls
 
 MAX_MESSAGES = 1024  # messages of one chat request: the template renders them all, on the tokenizer pool
 MAX_TOOLS = 128  # tools of one chat request (OpenAI's limit): each is a branch of the grammar
+# Levels of objects and lists a body may nest: 900 levels inside chat_template_kwargs made the chat template
+# recurse past Python's limit (a 500); no field of the API needs more than a few.
+MAX_NESTING = 64
+
+
+def check_text_and_nesting(value: Any, path: str = "", depth: int = 0) -> None:
+    """Refuse, naming where, a string that is not Unicode text (JSON's ``"\\ud800"`` decodes to a lone surrogate,
+    which no tokenizer takes: it was a 500 and a dropped connection) and nesting deeper than MAX_NESTING."""
+    if depth > MAX_NESTING:
+        where = path if len(path) <= 80 else path[:80] + "..."
+        raise ValueError(f"{where or 'the body'}: nested deeper than {MAX_NESTING} levels of objects and lists")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            surrogate = ord(value[error.start])
+            raise ValueError(f"{path or 'the body'}: not Unicode text (a lone surrogate, \\u{surrogate:x}, at "
+                             f"character {error.start})") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text_and_nesting(key, path or "the body", depth + 1)
+            check_text_and_nesting(item, f"{path}.{key}" if path else str(key), depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_text_and_nesting(item, f"{path}.{index}" if path else str(index), depth + 1)
 
 
 class Body(BaseModel):
-    """A part of a request body: unknown fields are refused, and a null is the same as leaving a field out."""
+    """A part of a request body: unknown fields are refused, a null is the same as leaving a field out, and
+    every string must be Unicode text, nested no deeper than MAX_NESTING (check_text_and_nesting)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -38,6 +64,8 @@ class Body(BaseModel):
     @classmethod
     def _null_means_not_given(cls, data: Any) -> Any:
         # OpenAI's API takes null for every optional field (clients send {"temperature": null}): the default.
+        if isinstance(data, dict):
+            check_text_and_nesting(data)
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
