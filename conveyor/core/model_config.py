@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.core.weight_format import WEIGHT_FORMATS, WeightFormat
+from conveyor.core.weight_format import WeightFormat, gguf_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +76,7 @@ class ModelConfig:
         if self.stored_as is None:
             return None
         layers, _, head = self.stored_as.partition("/")
-        if layers not in WEIGHT_FORMATS or head not in WEIGHT_FORMATS:
-            return None
-        return WeightFormat(self.stored_as, WEIGHT_FORMATS[layers].layer_bits, WEIGHT_FORMATS[head].lm_head_bits)
+        return gguf_weights(layers, head)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -20,12 +20,15 @@ class WeightFormat:
     lm_head_bits: float
 
 
-# GGUF's block formats, scales and mins included (llama.cpp's block sizes): Q4_1 is 32 weights in 20 bytes.
-WEIGHT_FORMATS = {
-    "Q8_0": WeightFormat("Q8_0", 8.5, 8.5),
-    "Q4_0": WeightFormat("Q4_0", 4.5, 4.5),
-    "Q4_1": WeightFormat("Q4_1", 5.0, 5.0),
-    "Q4_K": WeightFormat("Q4_K", 4.5, 4.5),
-    "Q6_K": WeightFormat("Q6_K", 6.5625, 6.5625),
-}
+# Bits a weight of each GGUF block format takes, scales and mins included (llama.cpp's block sizes: Q4_1 is 32
+# weights in 20 bytes, Q4_K 256 in 144).
+GGUF_BITS = {"Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}
+
+
+def gguf_weights(layer_type: str, lm_head_type: str) -> WeightFormat | None:
+    """A GGUF file's format, its layers in one block type and its LM head in another; None for a type not in
+    GGUF_BITS."""
+    if layer_type not in GGUF_BITS or lm_head_type not in GGUF_BITS:
+        return None
+    return WeightFormat(f"{layer_type}/{lm_head_type}", GGUF_BITS[layer_type], GGUF_BITS[lm_head_type])
 
