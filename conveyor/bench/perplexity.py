@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from conveyor.bench.throughput import run_together
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 
@@ -44,18 +45,8 @@ def perplexity(engine: Engine, text: str, context: int = 512) -> Perplexity:
     if not chunks:
         raise ValueError(f"the text has {len(token_ids)} tokens, fewer than one chunk of {context}")
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    ids = [f"ppl-{i}" for i in range(len(chunks))]
-    for request_id, chunk in zip(ids, chunks):
-        engine.add_request(chunk, params, request_id)
-    outputs = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                outputs[output.request_id] = output
+    outputs, _ = run_together(engine, chunks, [params] * len(chunks))
     first = context // 2
-    nll = 0.0
-    for request_id in ids:
-        logprobs = outputs[request_id].prompt_logprobs
-        nll -= sum(entry.logprob for entry in logprobs[first + 1:])
+    nll = -sum(entry.logprob for output in outputs for entry in output.prompt_logprobs[first + 1:])
     scored = len(chunks) * (context - 1 - first)
     return Perplexity(math.exp(nll / scored), len(chunks), scored, len(token_ids))

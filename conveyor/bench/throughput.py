@@ -25,9 +25,15 @@ from conveyor.engine import Engine, RequestOutput
 def run_all_at_once(engine: Engine, requests: list[SyntheticRequest]) -> tuple[list[RequestOutput], int]:
     """Submit every request at once (greedy, ignore_eos: exactly ``output_len`` tokens each) and step until all
     have finished. Returns their outputs in submit order and the number of steps."""
-    start = engine.clock()
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    ids = [engine.add_request(r.prompt_token_ids, p, arrival_time=start) for r, p in zip(requests, params)]
+    return run_together(engine, [r.prompt_token_ids for r in requests], params, engine.clock())
+
+
+def run_together(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
+                 arrival_time: float | None = None) -> tuple[list[RequestOutput], int]:
+    """Submit every prompt at once, each with its params, and step until all have finished: their outputs in
+    submit order, and the number of steps."""
+    ids = [engine.add_request(prompt, p, arrival_time=arrival_time) for prompt, p in zip(prompts, params, strict=True)]
     done: dict[str, RequestOutput] = {}
     steps = 0
     while engine.has_unfinished_requests():

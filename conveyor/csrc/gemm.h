@@ -256,6 +256,13 @@ void for_each_tile_pass(int64_t m, int64_t tiles, int max_rows, const Pass& pass
   });
 }
 
+// y[r, c] += bias[c] over the rows and columns one tile pass wrote (y is [m, n]).
+inline void add_bias(float* y, int64_t n, int64_t row, int rows, int64_t col, int64_t cols, const float* bias) {
+  for (int64_t r = row; r < row + rows; ++r) {
+    for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
+  }
+}
+
 // y [m, n] = x [m, k] . W^T (+ bias), W packed by pack_linear_weight for path P. max_rows (0: the path's
 // own) is the micro-kernel's height, a knob for timing other heights. x and y are float32 on every path.
 template <typename P>
@@ -267,11 +274,7 @@ void linear_rows(const float* x, int64_t m, int64_t k, const typename P::Weight*
                      [&](int64_t tile, int64_t row, int rows) {
     const int64_t col = tile * tile_cols, cols = std::min(tile_cols, n - col);
     tile_fn<P>(rows)(in.data + row * in.ld, in.ld, packed + tile * P::tile_elems(k), k, y + row * n + col, n, cols);
-    if (bias != nullptr) {
-      for (int64_t r = row; r < row + rows; ++r) {
-        for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
-      }
-    }
+    if (bias != nullptr) add_bias(y, n, row, rows, col, cols, bias);
   });
 }
 

@@ -37,22 +37,33 @@ namespace conveyor {
 
 // ----- Tensor-level entry points (also what the tests compare with PyTorch) -----
 
-// An uninitialized contiguous tensor in memory that Linux may back with 2 MiB pages (transparent huge pages,
-// asked for with madvise: most distributions enable them only on request). A decode step streams every
-// weight once; on 4 KiB pages the stream crosses a page every 4 KiB, each a TLB miss and a restart for the
-// hardware prefetcher. Measured over all the default model's weights, both kinds in one process and in turn,
-// at 1 and 8 rows: 6-16% faster. Where the kernel declines, the memory is ordinary pages; nothing else changes.
+// A contiguous tensor of zeros in memory that Linux may back with 2 MiB pages (transparent huge pages, asked
+// for with madvise: most distributions enable them only on request). A decode step streams every weight once;
+// on 4 KiB pages the stream crosses a page every 4 KiB, each a TLB miss and a restart for the hardware
+// prefetcher. Measured over all the default model's weights, both kinds in one process and in turn, at 1 and 8
+// rows: 6-16% faster. Where the kernel declines, the memory is ordinary pages; nothing else changes. The pages
+// are fresh anonymous ones, zero until written and resident only where written: what the KV pool lies in, so
+// that a pool sized for the worst case takes memory only as far as requests fill it.
 torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, torch::ScalarType dtype) {
   constexpr size_t kHugePage = size_t{1} << 21;
   int64_t numel = 1;
   for (const int64_t size : sizes) numel *= size;
-  const size_t bytes = (static_cast<size_t>(numel) * c10::elementSize(dtype) + 4095) / 4096 * 4096;
-  void* data = nullptr;
-  TORCH_CHECK(posix_memalign(&data, kHugePage, std::max<size_t>(bytes, 4096)) == 0, "out of memory packing a weight");
+  const size_t bytes = std::max<size_t>((static_cast<size_t>(numel) * c10::elementSize(dtype) + 4095) / 4096 * 4096,
+                                        4096);
+  // Mapped with a huge page to spare, then trimmed to start on a 2 MiB boundary: a huge page must lie wholly
+  // inside the advised range, aligned.
+  const size_t mapped = bytes + kHugePage;
+  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(base != MAP_FAILED, "out of memory for a buffer of ", bytes, " bytes");
+  auto* start = static_cast<char*>(base);
+  auto* data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(start) + kHugePage - 1) & ~(kHugePage - 1));
+  if (data > start) munmap(start, static_cast<size_t>(data - start));
+  const size_t tail = static_cast<size_t>(start + mapped - (data + bytes));
+  if (tail > 0) munmap(data + bytes, tail);
 #if defined(MADV_HUGEPAGE)
   madvise(data, bytes, MADV_HUGEPAGE);  // advice: an error leaves ordinary pages
 #endif
-  return torch::from_blob(data, sizes, [](void* p) { std::free(p); }, torch::TensorOptions().dtype(dtype));
+  return torch::from_blob(data, sizes, [bytes](void* p) { munmap(p, bytes); }, torch::TensorOptions().dtype(dtype));
 }
 
 // The shape pack_linear_weight gives a weight [n, k] on the path of `width` bits (bf16 if asked).
@@ -67,9 +78,9 @@ std::vector<int64_t> packed_shape(int64_t n, int64_t k, int64_t width, bool bflo
   return shape;
 }
 
-// A 1-D buffer of `numel` float32 (or bf16) elements on huge pages where Linux grants them: what a model packs
-// all its weights into, back to back in the order a step reads them. Packed one allocation each, a weight
-// smaller than 2 MiB (or a large one's tail) is on 4 KiB pages, since a huge page must lie wholly inside
+// A 1-D buffer of `numel` float32 (or bf16) zeros on huge pages where Linux grants them (empty_on_huge_pages):
+// what a model packs all its weights into, back to back in the order a step reads them. Packed one allocation
+// each, a weight smaller than 2 MiB (or a large one's tail) is on 4 KiB pages, since a huge page must lie wholly inside
 // the advised range. Measured with the default model's 120 layer GEMVs in turn, on 2 threads, in a C++
 // harness: 1.25-1.36x the time of one GEMV over the same bytes apart, 1.05-1.07x in one buffer (in the engine,
 // whose separate weights mostly got huge pages anyway, 1.00-1.02x a decode step).
@@ -107,31 +118,6 @@ torch::Tensor pack_linear_weight(const torch::Tensor& weight, int64_t width, boo
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
   packed.copy_(padded.view({tiles, tile, pairs, 2}).permute({0, 2, 1, 3}));
   return packed;
-}
-
-// A 1-D buffer of `numel` float32 (or bf16) zeros that takes memory only where it is written: fresh anonymous
-// pages (the kernel hands them out zeroed on first touch, and reads of untouched ones cost nothing), advised
-// onto huge pages. What the KV pool lies in: a pool sized for the worst case is resident only as far as requests
-// fill it, so a server's memory is its weights, its runtime and the KV it actually holds.
-torch::Tensor zeroed_huge_page_buffer(int64_t numel, bool bfloat16) {
-  TORCH_CHECK(numel > 0, "an empty buffer");
-  const auto dtype = bfloat16 ? torch::kBFloat16 : torch::kFloat32;
-  constexpr size_t kHugePage = size_t{1} << 21;
-  const size_t bytes = (static_cast<size_t>(numel) * c10::elementSize(dtype) + 4095) / 4096 * 4096;
-  // Mapped with a huge page to spare, then trimmed to start on a 2 MiB boundary: a huge page must lie wholly
-  // inside the advised range, aligned.
-  const size_t mapped = bytes + kHugePage;
-  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(base != MAP_FAILED, "out of memory for a buffer of ", bytes, " bytes");
-  auto* start = static_cast<char*>(base);
-  auto* data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(start) + kHugePage - 1) & ~(kHugePage - 1));
-  if (data > start) munmap(start, static_cast<size_t>(data - start));
-  const size_t tail = static_cast<size_t>(start + mapped - (data + bytes));
-  if (tail > 0) munmap(data + bytes, tail);
-#if defined(MADV_HUGEPAGE)
-  madvise(data, bytes, MADV_HUGEPAGE);  // advice: an error leaves ordinary pages
-#endif
-  return torch::from_blob(data, {numel}, [bytes](void* p) { munmap(p, bytes); }, torch::TensorOptions().dtype(dtype));
 }
 
 // x [M, K] float32 and a weight packed by pack_linear_weight for K inputs: checked; the packing's width.
@@ -315,11 +301,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bfloat16", &has_bfloat16, "whether this build has the bfloat16 GEMMs (avx512_bf16)");
   m.def("packed_shape", &packed_shape, "the shape pack_linear_weight gives a weight [n, k]", arg("n"), arg("k"),
         arg("width") = 256, arg("bfloat16") = false);
-  m.def("huge_page_buffer", &huge_page_buffer, "a 1-D float32 (or bf16) buffer on huge pages", arg("numel"),
+  m.def("huge_page_buffer", &huge_page_buffer,
+        "a 1-D float32 (or bf16) buffer of zeros on huge pages, resident only where written", arg("numel"),
         arg("bfloat16") = false, release_gil());
-  m.def("zeroed_huge_page_buffer", &zeroed_huge_page_buffer,
-        "a 1-D float32 (or bf16) buffer of zeros, resident only where written", arg("numel"), arg("bfloat16") = false,
-        release_gil());
   m.def("pack_linear_weight", &pack_linear_weight, "weight [N, K] -> tiles [N/T, K, T] for a path's width",
         arg("weight"), arg("width") = 256, arg("bfloat16") = false, arg("out") = pybind11::none(), release_gil());
   m.def("packed_linear", &packed_linear, "x [M, K] times a packed weight -> [M, N]", arg("x"), arg("packed"),
@@ -358,7 +342,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("fuse_swiglu_at", &NativeLlama::fuse_swiglu_at, arg("ranges"))
       .def("use_quant_dot", &NativeLlama::use_quant_dot, arg("name"), arg("projection") = "", arg("lo") = 1,
            arg("hi") = std::numeric_limits<int64_t>::max())
-      .def_property_readonly("quant_dot", &NativeLlama::quant_dot)
       .def("set_io", &NativeLlama::set_io, arg("embedding"), arg("cos"), arg("sin"), arg("lm_head"),
            arg("lm_head_plain"))
       .def("step", &NativeLlama::step, arg("token_ids"), arg("positions"), arg("kv_cache"), arg("slots"),

@@ -51,9 +51,10 @@ inline void torch_linear(const float* x, int64_t m, int64_t k, const torch::Tens
 // A projection's weight as the stack takes it: packed by pack_linear_weight, or quantized (QuantizedWeight).
 using ProjectionWeight = std::variant<torch::Tensor, QuantWeight>;
 
-// A Llama-family decoder's layers on packed weights (float32, bf16, or quantized codes, projection by projection). One forward runs every layer for a flat batch of
-// prompt and decode rows: in eager PyTorch the same step is about twelve dispatches per layer, each costing
-// Python and allocator time that at batch 1 adds up to a third of the step. With bfloat16, its weights are
+// A Llama-family decoder's layers on packed weights (float32, bf16, or quantized codes, projection by
+// projection). One forward runs every layer for a flat batch of prompt and decode rows: in eager PyTorch the
+// same step is about twelve dispatches per layer, each costing Python and allocator time that at batch 1 adds
+// up to a third of the step. With bfloat16, its weights are
 // packed bf16 and its KV cache is bf16; norms, biases and everything computed stay float32.
 class NativeLlama {
  public:
@@ -136,17 +137,18 @@ class NativeLlama {
     size_t which = kProjections;  // the LM head's slot, after the layers' projections
     if (projection != "lm_head") {
       const auto it = std::find(kProjectionNames.begin(), kProjectionNames.end(), projection);
-      TORCH_CHECK(it != kProjectionNames.end(), "no projection named ", projection, " (qkv, o, gate_up, down, lm_head)");
+      TORCH_CHECK(it != kProjectionNames.end(), "no projection named ", projection,
+                  " (qkv, o, gate_up, down, lm_head)");
       which = static_cast<size_t>(it - kProjectionNames.begin());
     }
     quant_dot_rows_[which].push_back({lo, hi, dot});
   }
-  std::string quant_dot() const { return quant_dot_name(quant_dot_); }
 
   // What a step's inputs are looked up in, and its last projection: the token embedding [vocab, hidden]
-  // (float32, or bf16 on a bf16 model, or quantized: looked up from its codes), the rotary tables cos / sin [positions, head_dim] float32, and the LM
-  // head packed like the layers' projections (its plain weight [vocab, hidden] in the stack's dtype when
-  // route_to_torch sends some row counts of it to torch's GEMM, else empty).
+  // (float32, or bf16 on a bf16 model, or quantized: looked up from its codes), the rotary tables cos / sin
+  // [positions, head_dim] float32, and the LM head packed like the layers' projections or quantized (its plain
+  // weight [vocab, hidden] in the stack's dtype when route_to_torch sends some row counts of it to torch's
+  // GEMM, else empty).
   void set_io(ProjectionWeight embedding_weight, torch::Tensor cos, torch::Tensor sin, ProjectionWeight lm_head,
               torch::Tensor lm_head_plain) {
     int64_t vocab;
@@ -169,7 +171,6 @@ class NativeLlama {
     cos_ = cos;
     sin_ = sin;
     lm_head_ = projection(lm_head, torch::empty({0}), lm_head_plain, hidden_, vocab);
-    io_set_ = true;
   }
 
   // One step over a flat batch of T rows, its inputs as plain lists (the caller builds no tensor for them):
@@ -185,7 +186,7 @@ class NativeLlama {
                                                 const std::vector<std::vector<int64_t>>& block_tables,
                                                 const std::vector<int64_t>& row_seq,
                                                 const std::vector<int64_t>& logit_rows) {
-    TORCH_CHECK(io_set_, "set_io must run before the first step");
+    TORCH_CHECK(embedding_.defined() || embedding_quant_, "set_io must run before the first step");
     check_cache(kv_cache, "kv_cache", bf16_);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
                     kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
@@ -374,7 +375,8 @@ class NativeLlama {
     std::optional<QuantWeight> quant;
     torch::Tensor packed = torch::empty({0});
     if (const auto* q = std::get_if<QuantWeight>(&weight)) {
-      TORCH_CHECK(q->n == n && q->k == k, "a quantized [", n, ", ", k, "] weight expected, not [", q->n, ", ", q->k, "]");
+      TORCH_CHECK(q->n == n && q->k == k, "a quantized [", n, ", ", k, "] weight expected, not [", q->n, ", ", q->k,
+                  "]");
       TORCH_CHECK(plain.numel() == 0, "a quantized projection has no plain weight for torch's GEMM");
       quant = *q;
     } else {
@@ -432,7 +434,6 @@ class NativeLlama {
   std::array<std::vector<RowRange>, kProjections> torch_rows_;
   torch::Tensor embedding_, cos_, sin_;  // set_io's
   std::optional<QuantWeight> embedding_quant_;  // set_io's, when the embedding is quantized
-  bool io_set_ = false;
   bool quantized_gate_up_ = false;  // some layer's gate/up is quantized: SwiGLU is never fused
   QuantDot quant_dot_;
   std::array<std::vector<DotRange>, kProjections + 1> quant_dot_rows_;  // the layers' projections, then the LM head

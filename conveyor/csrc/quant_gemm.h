@@ -269,11 +269,7 @@ inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, c
       for_each_tile_pass(m, w.tiles(), K::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
         const int64_t col = tile * kQuantTile, cols = std::min(kQuantTile, n - col);
         K::at(rows)(xq, row, tile_view<F>(w, tile), y + row * n + col, n, cols);
-        if (bias != nullptr) {
-          for (int64_t r = row; r < row + rows; ++r) {
-            for (int64_t c = col; c < col + cols; ++c) y[r * n + c] += bias[c];
-          }
-        }
+        if (bias != nullptr) add_bias(y, n, row, rows, col, cols, bias);
       });
     });
   });

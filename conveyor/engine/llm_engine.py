@@ -108,18 +108,25 @@ class Engine:
     def trace(self) -> Trace | None:
         return self.core.trace
 
-    def _quantized_kernels(self, dtype, device):
-        """The native kernels, where a GGUF file's weights can stay quantized: on CPU, float32 activations, the
-        native path not refused (``--kernels torch``) and a head size it runs. None: weights load dequantized."""
+    def _native_kernels(self, dtype, device):
+        """The native kernels where they may run this model: on CPU, float32 or bfloat16, not refused (``--kernels
+        torch``), a head size they are unrolled for, and built. None: PyTorch ops."""
         import torch
 
         from conveyor.model.kernels import NATIVE_HEAD_SIZES, native_kernels
 
-        if self.config.kernels == "torch" or dtype != torch.float32 or device.type != "cpu":
+        if self.config.kernels == "torch" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
             return None
         if self.model_config.head_dim not in NATIVE_HEAD_SIZES:
             return None
         return native_kernels()
+
+    def _quantized_kernels(self, dtype, device):
+        """The native kernels, where a GGUF file's (or --quantization's) weights can stay quantized: as
+        _native_kernels, with float32 activations. None: weights load dequantized."""
+        import torch
+
+        return self._native_kernels(dtype, device) if dtype == torch.float32 else None
 
     def _use_native_kernels(self, model, dtype, device) -> None:
         """Native kernels run on CPU with the head sizes they are unrolled for: float32, or bfloat16 weights and
@@ -128,19 +135,9 @@ class Engine:
         ``--kernels auto``, each projection and batch size runs the GEMM this machine measured fastest."""
         import torch
 
-        from conveyor.model.kernels import (
-            NATIVE_HEAD_SIZES,
-            bfloat16_unavailable,
-            candidate_widths,
-            kernel_width,
-            native_kernels,
-        )
+        from conveyor.model.kernels import bfloat16_unavailable, candidate_widths, kernel_width
 
-        if self.config.kernels == "torch" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
-            return
-        if self.model_config.head_dim not in NATIVE_HEAD_SIZES:
-            return
-        kernels = native_kernels()
+        kernels = self._native_kernels(dtype, device)
         if kernels is None:
             return
         width, bfloat16 = kernel_width(kernels), dtype == torch.bfloat16

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["convert_gguf_to_hf", "hf_name", "rope_row_order", "unpermute_rope_rows"]
+__all__ = ["ROPE_FREQS", "convert_gguf_to_hf", "hf_name", "rope_heads", "rope_row_order", "unpermute_rope_rows"]
 
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
 
@@ -55,7 +55,7 @@ _LAYER_NAMES = {
 }
 
 # llama.cpp stores Llama-3 RoPE scaling as a precomputed per-frequency tensor instead of config values.
-_ROPE_FREQS = "rope_freqs.weight"
+ROPE_FREQS = "rope_freqs.weight"
 
 # The Llama-3.x scaling constants; llama.cpp does not record them, so we assume them and verify (see below).
 _LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -193,23 +193,24 @@ def _convert_tensors(
     rope_freqs = None
     for tensor in reader.tensors:
         values = _dequantize(tensor)
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == ROPE_FREQS:
             rope_freqs = values
             continue
         name = hf_name(tensor.name)
-        heads = _rope_heads(name, hparams)
+        heads = rope_heads(name, hparams["num_attention_heads"], hparams["num_key_value_heads"])
         if heads:
             values = unpermute_rope_rows(values, heads)
         tensors[name] = torch.from_numpy(values).to(dtype).contiguous()
     return tensors, rope_freqs
 
 
-def _rope_heads(name: str, hparams: dict[str, Any]) -> int:
-    """The heads whose rows llama.cpp permuted in this tensor (0: none): a Q or K projection's weight or bias."""
+def rope_heads(name: str, num_heads: int, num_kv_heads: int) -> int:
+    """The heads whose rows llama.cpp permuted in the tensor of this HF name (0: none): a Q or K projection's
+    weight or bias."""
     if name.endswith(("q_proj.weight", "q_proj.bias")):
-        return hparams["num_attention_heads"]
+        return num_heads
     if name.endswith(("k_proj.weight", "k_proj.bias")):
-        return hparams["num_key_value_heads"]
+        return num_kv_heads
     return 0
 
 
@@ -222,13 +223,13 @@ def rope_row_order(rows: int, n_heads: int) -> np.ndarray:
 def _tensor_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
     """Every weight's HF name and shape, without reading its values."""
     return {hf_name(t.name): tuple(int(dim) for dim in reversed(t.shape)) for t in reader.tensors
-            if t.name != _ROPE_FREQS}
+            if t.name != ROPE_FREQS}
 
 
 def _quantization_config(reader: gguf.GGUFReader) -> dict[str, str]:
     """The file's storage types: the most common among the layers' projections, and the LM head's (the
     embedding's when tied), as HF's quantization_config records a quantized checkpoint's method."""
-    types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors if t.name != _ROPE_FREQS}
+    types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors if t.name != ROPE_FREQS}
     layers = [kind for name, kind in types.items() if name.startswith("model.layers.") and name.endswith("proj.weight")]
     head = types.get("lm_head.weight", types["model.embed_tokens.weight"])
     return {"quant_method": "gguf", "layer_type": max(set(layers), key=layers.count) if layers else head,
@@ -238,7 +239,7 @@ def _quantization_config(reader: gguf.GGUFReader) -> dict[str, str]:
 def _rope_freqs(reader: gguf.GGUFReader) -> np.ndarray | None:
     """llama.cpp's Llama-3 frequency tensor, the one tensor the config needs the values of."""
     for tensor in reader.tensors:
-        if tensor.name == _ROPE_FREQS:
+        if tensor.name == ROPE_FREQS:
             return _dequantize(tensor)
     return None
 

@@ -13,7 +13,6 @@ import mmap
 import os
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,7 +20,7 @@ import gguf
 import numpy as np
 
 from conveyor.core.model_config import ModelConfig
-from conveyor.model.gguf import hf_name, rope_row_order
+from conveyor.model.gguf import ROPE_FREQS, hf_name, rope_heads, rope_row_order
 from conveyor.model.llama import LAYER_NORMS, LAYER_PROJECTIONS
 from conveyor.model.quant_formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
 
@@ -30,33 +29,17 @@ FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 Weight = QuantizedMatrix | np.ndarray
 
 
-@dataclass(slots=True)
-class GgufWeights:
-    """Our parameter names (``layers.0.self_attn.qkv_proj.weight``, ``embed_tokens.weight``, ...) to weights:
-    quantized matrices, or float32 arrays. ``lm_head.weight`` is absent for a model that ties it to the
-    embedding."""
-
-    weights: dict[str, Weight] = field(default_factory=dict)
-
-    def quantized_bytes(self) -> int:
-        """What the quantized matrices' codes and scales take once packed (the model's resident weights)."""
-        total = 0
-        for weight in self.weights.values():
-            if isinstance(weight, QuantizedMatrix):
-                codes = weight.q.size * (4 if weight.storage_bits == 4 else 8) // 8
-                total += codes + weight.scales.nbytes + (0 if weight.mins is None else weight.mins.nbytes)
-        return total
-
-
-def read_gguf_weights(path: Path, config: ModelConfig, convert: Callable[[Weight], Any] | None = None) -> GgufWeights:
-    """Every weight of the GGUF file at ``path``, fused and renamed for ``config``'s model; each passed through
-    ``convert`` as soon as it is read (the loader packs it there), so that only one weight at a time is held
-    decoded (a decoded code takes a byte, twice a 4-bit one's packed size)."""
-    tensors = {hf_name(t.name).removeprefix("model."): t for t in tensor_index(path) if t.name != "rope_freqs.weight"}
+def read_gguf_weights(path: Path, config: ModelConfig,
+                      convert: Callable[[Weight], Any] | None = None) -> dict[str, Any]:
+    """Every weight of the GGUF file at ``path`` under our parameter names (``layers.0.self_attn.qkv_proj.weight``,
+    ``embed_tokens.weight``, ...; no ``lm_head.weight`` for a model that ties it to the embedding): quantized
+    matrices, or float32 arrays. Each passes through ``convert`` as soon as it is read (the loader packs it
+    there), so that only one weight at a time is held decoded (a decoded code takes a byte, twice a 4-bit one's
+    packed size)."""
+    tensors = {hf_name(t.name).removeprefix("model."): t for t in tensor_index(path) if t.name != ROPE_FREQS}
     with path.open("rb") as file:
-        weights = _our_names(lambda name: _read_tensor(tensors[name], file.fileno()), set(tensors), config,
-                             convert or _same)
-    return GgufWeights(weights)
+        return _our_names(lambda name: _read_tensor(tensors[name], file.fileno()), set(tensors), config,
+                          convert or _same)
 
 
 class TensorEntry(NamedTuple):
@@ -163,16 +146,17 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
     ours: dict[str, Any] = {"embed_tokens.weight": convert(hf["embed_tokens.weight"]), "norm.weight": hf["norm.weight"]}
     if not config.tie_word_embeddings:
         ours["lm_head.weight"] = convert(hf["lm_head.weight"])
-    rope_heads = {"self_attn.q_proj": config.num_heads, "self_attn.k_proj": config.num_kv_heads}
+    def restored(name: str) -> Weight:  # a tensor read, in HF's rotary row order
+        return _rope_rows(hf[name], rope_heads(name, config.num_heads, config.num_kv_heads))
+
     for i in range(config.num_layers):
         p = f"layers.{i}."
         for fused, parts in LAYER_PROJECTIONS.items():
-            read = [_rope_rows(hf[f"{p}{part}.weight"], rope_heads.get(part, 0)) for part in parts]
+            read = [restored(f"{p}{part}.weight") for part in parts]
             ours[f"{p}{fused}.weight"] = convert(join_rows(read) if len(read) > 1 else read[0])
             del read  # the next projection's parts are decoded only once these are packed
             if f"{p}{parts[0]}.bias" in hf:
-                biases = [_rope_rows(hf[f"{p}{part}.bias"], rope_heads.get(part, 0)) for part in parts]
-                ours[f"{p}{fused}.bias"] = np.concatenate(biases)
+                ours[f"{p}{fused}.bias"] = np.concatenate([restored(f"{p}{part}.bias") for part in parts])
         for norm in LAYER_NORMS:
             ours[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return ours

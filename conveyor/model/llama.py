@@ -346,11 +346,11 @@ class LlamaModel(nn.Module):
         """The KV cache, zeroed. For the native stack, on huge pages where Linux grants them: a step's attention
         reads blocks that lie anywhere in the cache, and on 4 KiB pages each block is a TLB miss or more
         (measured in a decode step at context 128 on Zen 4: attention 0.62 ms on 4 KiB pages, 0.54 on 2 MiB). Its
-        pages are the kernel's zero pages until written (zeroed_huge_page_buffer): the pool is resident as far as
-        requests fill it, not at its full size from the start."""
+        pages are zero until written (kernels.cpp, huge_page_buffer): the pool is resident as far as requests fill
+        it, not at its full size from the start."""
         if self.kernels is None or device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
-        buffer = self.kernels.zeroed_huge_page_buffer(math.prod(shape), dtype == torch.bfloat16)
+        buffer = self.kernels.huge_page_buffer(math.prod(shape), dtype == torch.bfloat16)
         return buffer.view(shape)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

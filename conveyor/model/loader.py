@@ -13,7 +13,6 @@ engines, and the float32 reference the tests compare with transformers on.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -202,7 +201,7 @@ def _gguf_state_dict(source: Path, config: ModelConfig) -> dict[str, torch.Tenso
     """A GGUF file's weights dequantized to float32 under our names (the PyTorch path's)."""
     from conveyor.model.gguf_weights import as_float, read_gguf_weights
 
-    weights = read_gguf_weights(source, config).weights
+    weights = read_gguf_weights(source, config)
     state = {name: torch.from_numpy(np.ascontiguousarray(as_float(weight))) for name, weight in weights.items()}
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
@@ -222,7 +221,7 @@ def _packed_gguf(source: Path, config: ModelConfig, kernels: ModuleType) -> dict
     def packed(weight: QuantizedMatrix | np.ndarray) -> Packed:
         return (native_weight(kernels, weight), weight.source) if isinstance(weight, QuantizedMatrix) else weight
 
-    return read_gguf_weights(source, config, packed).weights
+    return read_gguf_weights(source, config, packed)
 
 
 def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernels: ModuleType) -> dict[str, Packed]:
@@ -290,17 +289,7 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
     if missing or unexpected:
         raise ValueError(f"model: weights in {source} do not fit its config: missing {missing}, extra {unexpected}")
     logger.info("model: %s kept quantized (%s)", source, ", ".join(sorted(quantized_kinds(model))))
-    _return_freed_memory()
     return model.eval().requires_grad_(False)
-
-
-def _return_freed_memory() -> None:
-    """Hand the memory that decoding freed back to the system. glibc keeps freed blocks of a few MB in the heap
-    (its mmap threshold rises after each large free), so the decoded codes, freed, stayed resident (150 MB more
-    after loading the default model, measured with this loader's first version). Elsewhere than glibc this does
-    nothing."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def quantized_kinds(model: LlamaModel) -> set[str]:

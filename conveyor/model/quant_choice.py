@@ -87,14 +87,15 @@ def choose_quant_dots(kernels: ModuleType, weights: Mapping[str, object], cache:
     stored = read_choices(cache).get(key)
     if stored is not None:
         return QuantDotChoice(**stored | {"cached": True})
+    start = time.perf_counter()
     if len(dots) > 1:
         logger.warning("timing the quantized kernels' dot products on this machine (first start here: a few "
                        "seconds, then cached in %s)", cache)
-    start = time.perf_counter()
-    seconds = measure(kernels, weights, dots) if len(dots) > 1 else {}
-    fastest = {projection: {name: min(timed, key=timed.__getitem__) for name, timed in by_class.items()}
-               for projection, by_class in seconds.items()}
-    if len(dots) == 1:
+        seconds = measure(kernels, weights, dots)
+        fastest = {projection: {name: min(timed, key=timed.__getitem__) for name, timed in by_class.items()}
+                   for projection, by_class in seconds.items()}
+    else:  # one kind built: nothing to time
+        seconds = {}
         fastest = {projection: {row_class.name: dots[0] for row_class in ROW_CLASSES} for projection in weights}
     choice = QuantDotChoice(fastest, seconds, time.perf_counter() - start)
     store_choice(cache, key, asdict(choice) | {"cached": False})

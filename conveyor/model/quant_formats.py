@@ -238,6 +238,12 @@ def _with_rows(m: QuantizedMatrix, q: np.ndarray, scales: np.ndarray, mins: np.n
     return QuantizedMatrix(q, scales, mins, m.zero_point, m.code_bits, m.group, m.source)
 
 
+def row_slice(m: QuantizedMatrix, start: int, stop: int) -> QuantizedMatrix:
+    """Rows [start, stop) of a matrix (views, no copy)."""
+    rows = slice(start, stop)
+    return _with_rows(m, m.q[rows], m.scales[rows], None if m.mins is None else m.mins[rows])
+
+
 def permute_rows(m: QuantizedMatrix, order: np.ndarray) -> QuantizedMatrix:
     """Reorder output rows, codes and their scales and mins together.
 

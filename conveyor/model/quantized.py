@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from conveyor.model.quant_formats import TILE, QuantizedMatrix, pack_tiles
+from conveyor.model.quant_formats import TILE, QuantizedMatrix, pack_tiles, row_slice
 
 ROWS_PER_PACK = 4096  # rows packed at a time: a whole table at once held three copies of it (30 MB each, Q8_0)
 
@@ -39,17 +39,9 @@ def native_weight(kernels: ModuleType, matrix: QuantizedMatrix) -> object:
                                    matrix.code_bits, matrix.zero_point)
 
 
-def row_slice(matrix: QuantizedMatrix, start: int, stop: int) -> QuantizedMatrix:
-    """Rows [start, stop) of a matrix (views, no copy)."""
-    rows = slice(start, stop)
-    mins = None if matrix.mins is None else matrix.mins[rows]
-    return QuantizedMatrix(matrix.q[rows], matrix.scales[rows], mins, matrix.zero_point, matrix.code_bits,
-                           matrix.group, matrix.source)
-
-
 class QuantizedLinear(nn.Module):
-    """y = x W^T (+ bias) with W quantized; x and y float32. ``dot`` names the kernels' dot-product kind (empty:
-    the build's best)."""
+    """y = x W^T (+ bias) with W quantized; x and y float32, on the build's best dot-product kind (the native
+    stack runs each projection on the kind --kernels auto chose; this forward serves prompt logprobs)."""
 
     def __init__(self, kernels: ModuleType, weight: object, bias: torch.Tensor | None, source: str) -> None:
         super().__init__()
@@ -58,10 +50,9 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features = weight.k, weight.n
         self.source = source  # the GGUF type its codes came from, e.g. "Q4_1"
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
-        self.dot = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernels.quantized_linear(x.float().contiguous(), self.quantized, self.dot)
+        y = self.kernels.quantized_linear(x.float().contiguous(), self.quantized)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
