@@ -1,6 +1,7 @@
 """The README stays a front page, its links lead somewhere, and the docs' tables follow the code and carry their
-provenance: the request-parameter table names every field the server takes, and every figure table on a
-benchmark page is stamped with its machine, date, commit and command. (The flag tables: tests/test_flags.py.)"""
+provenance: the request-parameter table names every field the server takes, and every figure table (the
+benchmark pages, quantized weights) is stamped with its machine, date, commit and command. (The flag tables:
+tests/test_flags.py.)"""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from conveyor.entrypoints.protocol import ChatCompletionRequest, CompletionReque
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-BENCHMARK_PAGES = sorted(p for p in (DOCS / "benchmarks").glob("*.md") if p.name != "index.md")
-REFERENCE_TABLES = {"| peer | set-up | what it runs |"}  # tables of a benchmark page that hold no figures
+FIGURE_PAGES = [*sorted(p for p in (DOCS / "benchmarks").glob("*.md") if p.name != "index.md"),
+                DOCS / "quantized-weights.md"]
+REFERENCE_TABLES = {  # tables of those pages that hold no figures
+    "| peer | set-up | what it runs |", "| GGUF type | kept as | exact? |", "| kind | needs | used by default |"}
 STAMP = re.compile(r"^Machine: .+\. Recorded: \d{4}-\d{2}-\d{2}, commit [0-9a-f]{7}\b.*\. Command: .+\.$")
 
 
@@ -52,7 +55,7 @@ def test_request_parameter_table_names_every_field() -> None:
     assert sorted(named - fields) == [], "docs/serving.md's table names fields the server does not take"
 
 
-@pytest.mark.parametrize("page", BENCHMARK_PAGES, ids=[p.name for p in BENCHMARK_PAGES])
+@pytest.mark.parametrize("page", FIGURE_PAGES, ids=[p.name for p in FIGURE_PAGES])
 def test_every_figure_table_is_stamped(page: Path) -> None:
     lines = page.read_text().splitlines()
     for end, table in tables(page.read_text()):
