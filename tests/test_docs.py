@@ -5,11 +5,13 @@ tests/test_flags.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
+from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +55,15 @@ def test_request_parameter_table_names_every_field() -> None:
     fields = {name for model in (ChatCompletionRequest, CompletionRequest) for name in model.model_fields}
     assert sorted(fields - named) == [], "request fields missing from docs/serving.md's table"
     assert sorted(named - fields) == [], "docs/serving.md's table names fields the server does not take"
+
+
+def test_sampling_params_table_matches_the_dataclass() -> None:
+    text = (DOCS / "offline.md").read_text()
+    (_, rows), = [table for table in tables(text) if table[1][0].startswith("| field |")]
+    shown = {cells[1].strip("` "): cells[4].strip() for cells in (row.split("|") for row in rows[2:])}
+    fields = {field.name: field.default for field in dataclasses.fields(SamplingParams)}
+    assert list(shown) == list(fields), "docs/offline.md's SamplingParams table differs from the dataclass's fields"
+    assert {name: repr(default) for name, default in fields.items()} == shown
 
 
 @pytest.mark.parametrize("page", FIGURE_PAGES, ids=[p.name for p in FIGURE_PAGES])
