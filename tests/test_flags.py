@@ -1,4 +1,5 @@
-"""Engine flags are written once, in EngineConfig: the parser, README's flag table and the checks follow from it."""
+"""Flags are written once in code (EngineConfig, and the serve parser for the server and replica flags): the
+parser, the flag tables of docs/configuration.md and the checks follow from it."""
 
 from __future__ import annotations
 
@@ -14,43 +15,84 @@ from conveyor.core.scheduler import SchedulerConfig
 from conveyor.entrypoints.args import add_engine_args, engine_config, with_overrides
 from conveyor.entrypoints.cli import build_parser
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONFIGURATION = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 ROW = re.compile(r"^\| `(--[a-z0-9-]+)` \|(.*)\|(.*)\|$")
 
 
-def readme_engine_flags() -> dict[str, list[tuple[str, str]]]:
-    """The flag table under README's "### Offline": flag -> [(meaning, default)], one entry per row."""
-    section = README.read_text().split("\n### Offline\n", 1)[1].split("\n### ", 1)[0]
-    lines = section.splitlines()
+def flag_table(section: str) -> dict[str, list[tuple[str, str]]]:
+    """The flag table under ``## {section}`` of docs/configuration.md: flag -> [(meaning, default)], one per row."""
+    text = CONFIGURATION.read_text().split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    lines = text.splitlines()
     start = lines.index("| flag | meaning | default |")
     rows: dict[str, list[tuple[str, str]]] = {}
     for line in lines[start + 2:]:
         if not line.startswith("|"):
             break
         match = ROW.match(line)
-        assert match, f"README flag table: cannot read the row {line!r}"
+        assert match, f"{section} table: cannot read the row {line!r}"
         rows.setdefault(match.group(1), []).append((match.group(2).strip(), match.group(3).strip()))
     return rows
 
 
 def shown_default(option) -> str:
-    """How README writes a default: an int as it is, text in backticks, None as what it means (or nothing)."""
+    """How the docs write a default: an int as it is, text in backticks, None as what it means (or nothing)."""
     if option.default is None:
         return option.unset or ""
     return str(option.default) if isinstance(option.default, int) else f"`{option.default}`"
 
 
-def test_readme_flag_table_matches_engine_config() -> None:
-    rows = readme_engine_flags()
+def test_engine_flag_table_matches_engine_config() -> None:
+    rows = flag_table("Engine flags")
     flags = {option.flag: option for option in engine_options()}
-    assert sorted(set(rows) - set(flags)) == [], "README names flags the engine does not have"
-    assert sorted(set(flags) - set(rows)) == [], "engine flags missing from README's table"
+    assert sorted(set(rows) - set(flags)) == [], "the docs name flags the engine does not have"
+    assert sorted(set(flags) - set(rows)) == [], "engine flags missing from the docs' table"
     for flag, option in flags.items():
-        assert len(rows[flag]) == 1, f"{flag} appears {len(rows[flag])} times in README's table"
+        assert len(rows[flag]) == 1, f"{flag} appears {len(rows[flag])} times in the docs' table"
         meaning, default = rows[flag][0]
-        assert default == shown_default(option), f"{flag}: README's default {default!r}"
+        assert default == shown_default(option), f"{flag}: the docs' default {default!r}"
         for choice in option.choices:
-            assert f"`{choice}`" in meaning, f"{flag}: README's meaning does not name the choice {choice!r}"
+            assert f"`{choice}`" in meaning, f"{flag}: the docs' meaning does not name the choice {choice!r}"
+
+
+def serve_groups(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, argparse.Action]]:
+    """The serve command's own flags by group: "replicas", and the rest (the engine's are checked above)."""
+    monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    groups: dict[str, dict[str, argparse.Action]] = {"replicas": {}, "server": {}}
+    for group in serve._action_groups:
+        for action in group._group_actions:
+            if group.title != "engine" and action.option_strings and action.dest != "help":
+                groups["replicas" if group.title == "replicas" else "server"][action.option_strings[0]] = action
+    return groups
+
+
+def shown_action_default(action: argparse.Action) -> str | None:
+    """How the docs write a parser default; None: the default is None, and the docs say what that means."""
+    if isinstance(action, argparse._StoreTrueAction):
+        return "off"
+    if action.default is None:
+        return None
+    return f"`{action.default}`" if isinstance(action.default, str) else str(action.default)
+
+
+@pytest.mark.parametrize(("section", "group"), [("Server flags", "server"), ("Replica flags", "replicas")])
+def test_server_and_replica_flag_tables_match_the_parser(section: str, group: str, monkeypatch) -> None:
+    rows = flag_table(section)
+    actions = serve_groups(monkeypatch)[group]
+    assert sorted(set(rows) - set(actions)) == [], f"{section}: the docs name flags serve does not have"
+    assert sorted(set(actions) - set(rows)) == [], f"{section}: flags missing from the docs' table"
+    for flag, action in actions.items():
+        assert len(rows[flag]) == 1, f"{flag} appears {len(rows[flag])} times in the docs' table"
+        meaning, default = rows[flag][0]
+        expected = shown_action_default(action)
+        if flag == "--api-key":
+            expected = "`$CONVEYOR_API_KEY`"
+        if expected is None:  # a None default: the docs say what it means
+            assert default, f"{flag}: the docs do not say what its default is"
+        else:
+            assert default == expected, f"{flag}: the docs' default {default!r}, the parser's {expected!r}"
+        for choice in action.choices or ():
+            assert f"`{choice}`" in meaning, f"{flag}: the docs' meaning does not name the choice {choice!r}"
 
 
 def test_every_field_has_help_and_valid_default() -> None:

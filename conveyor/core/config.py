@@ -3,7 +3,7 @@
 ``EngineConfig`` is the one place an option is written: its default, help text,
 choices and minimum live in the field, and from them come the validation here,
 the command-line flags (:mod:`conveyor.entrypoints.args`) and the check of
-README's flag table (tests/test_flags.py).
+the flag table of docs/configuration.md (tests/test_flags.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def parse_bytes(value: str | int) -> int:
 def _option(default: Any, help: str, *, choices: tuple[str, ...] = (), minimum: int | None = None,
             size: bool = False, unset: str | None = None) -> Any:
     """A field of EngineConfig: ``size``: bytes, given as an int or a string like ``"2GiB"``;
-    ``unset``: what the default ``None`` means, for help text and README."""
+    ``unset``: what the default ``None`` means, for help text and the docs."""
     metadata = {"help": help, "choices": choices, "minimum": minimum, "size": size, "unset": unset}
     return dataclasses.field(default=default, metadata=metadata)
 

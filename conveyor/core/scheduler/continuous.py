@@ -222,7 +222,8 @@ class Scheduler:
         # vLLM's rule: admit nobody in a step that had to preempt for memory, or
         # the newcomer would take the blocks just freed and cause the next preemption.
         if not preempted:
-            self._lpm_order, self._deferred = None, set()  # lpm's order: computed on first use, once per step
+            self._lpm_order = None  # lpm's order: computed on first use, once per step
+            self._deferred = set()
             budget = self._resume_or_admit(budget, scheduled, swap_in)
 
         self.step_index += 1
@@ -355,8 +356,10 @@ class Scheduler:
         """Admit the waiting request (the priority policy may preempt for it); the tokens it takes from the
         budget (less those given back by its victims), or None if it must wait."""
         prefix = self.kv_manager.cached_prefix(request)  # its leading blocks already in the prefix cache
-        if self.kv_manager.prefix_in_flight(request, prefix):  # being computed now: wait, don't compute it twice
-            self._deferred.add(request.request_id)  # (later requests may be admitted meanwhile)
+        if self.kv_manager.prefix_in_flight(request, prefix):
+            # Another request computes more of this prompt's prefix right now: wait until it is cached rather
+            # than compute it twice. Later requests may be admitted meanwhile.
+            self._deferred.add(request.request_id)
             return 0
         num_new = min(request.num_tokens - prefix.num_tokens, budget)
         end = prefix.num_tokens + num_new
