@@ -55,3 +55,69 @@ def test_a_surrogate_pair_is_text_and_is_served(connection) -> None:
     assert response.status_code == 200, response.text
     tokens = connection.post("/tokenize", content=f'{{"prompt": {PAIR}}}', headers={"Content-Type": "application/json"})
     assert tokens.status_code == 200 and json.loads(tokens.text)["count"] > 0
+
+
+# A model whose tokenizer and chat template fail where real ones do: its normalizer removes the zero-width space
+# (a text of only that tokenizes to no tokens), and its template shows user messages only (a chat of a system
+# message renders as nothing) and compares a variable numerically (a string there is a TypeError in jinja).
+ODD_TEMPLATE = ("{% if depth is defined and depth > 2 %}deep {% endif %}{% for message in messages %}"
+                "{% if message['role'] == 'user' %}{{ message['content'] }}\n{% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def odd_model_dir(tiny_model_dir, tmp_path_factory):
+    import shutil
+
+    folder = tmp_path_factory.mktemp("odd-tokenizer")
+    shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["normalizer"] = {"type": "Replace", "pattern": {"String": "\u200b"}, "content": ""}
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": ODD_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def odd_connection(odd_model_dir):
+    from tests.serving import running_server
+
+    with running_server(odd_model_dir, "--num-kv-blocks", "256") as running, \
+            httpx.Client(base_url=running.base, timeout=30) as client:
+        yield client
+
+
+USER_HI = [{"role": "user", "content": "hi"}]
+ODD_CASES = [
+    ("/v1/completions", {"prompt": "\u200b\u200b", "max_tokens": 2}, "prompt", "no tokens"),
+    ("/v1/completions", {"prompt": ["hi", "\u200b"], "max_tokens": 2}, "prompt", "no tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"}], "max_tokens": 2},
+     "messages", "no tokens"),
+    ("/v1/responses", {"instructions": "be brief", "input": [], "max_output_tokens": 2}, "input", None),
+    ("/v1/chat/completions", {"messages": USER_HI, "max_tokens": 2, "chat_template_kwargs": {"depth": "x"}},
+     "messages", "chat template"),
+    ("/tokenize", {"messages": USER_HI, "chat_template_kwargs": {"depth": "x"}}, "messages", "chat template"),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "chat_template_kwargs": {"depth": "x"}}, None, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param", "words"), ODD_CASES)
+def test_what_the_tokenizer_or_template_fails_on_is_a_400_naming_the_field(odd_connection, path, body, param,
+                                                                          words) -> None:
+    """Before: a prompt of no tokens was a 500 (``logit row -1 of 0``; the third killed the server) and a
+    template's TypeError a 500."""
+    for _ in range(3):  # three in a row: the engine must not count them as failed steps
+        response = odd_connection.post(path, json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert param is None or error["param"] == param, error
+        assert words is None or words in error["message"], error
+    assert odd_connection.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert odd_connection.get("/health").status_code == 200
+
+
+def test_a_template_variable_of_the_right_type_is_served(odd_connection) -> None:
+    body = {"messages": USER_HI, "max_tokens": 2, "chat_template_kwargs": {"depth": 3}}
+    assert odd_connection.post("/v1/chat/completions", json=body).status_code == 200
+    tokens = odd_connection.post("/tokenize", json={"prompt": "\u200b"})
+    assert tokens.status_code == 200 and tokens.json()["count"] == 0, "/tokenize answers what the text is"

@@ -428,7 +428,10 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt: empty prompt")
-        return tokenizer.encode(prompt)
+        token_ids = tokenizer.encode(prompt)
+        if not token_ids:  # a request of no tokens has no logits to sample from: it would fail its step
+            raise ValueError("prompt: the text tokenizes to no tokens")
+        return token_ids
     token_ids = list(prompt)
     if not token_ids:
         raise ValueError("prompt: empty list of token ids")

@@ -212,6 +212,9 @@ class _Serving:
         except ValueError as error:
             param, message = body.field_error(str(error))
             raise APIError(400, message, "invalid_request_error", param) from None
+        if not prompt:  # a template may show only some roles: nothing to compute, no logits to sample from
+            raise APIError(400, "messages: the chat template renders these messages as no tokens",
+                           "invalid_request_error", "messages")
         return self.make_request(body, prompt, "chatcmpl")
 
     def _check_prompt_length(self, num_tokens: int) -> None:
