@@ -60,6 +60,7 @@ from conveyor.entrypoints.responses_api import (
 
 logger = logging.getLogger("conveyor.server")
 T = TypeVar("T")
+GRAMMAR_WAITERS = 8  # requests waiting at once for a compiled grammar (more wait for a thread)
 
 
 class APIError(Exception):
@@ -168,10 +169,28 @@ class _Serving:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="conveyor-tokenize")
+        # Grammar compiles wait here, not in the tokenizer's pool: a schema that takes seconds to compile must not
+        # hold up a plain request's tokenizing. The threads only wait (the compile runs in a compiler process);
+        # the compilers themselves are bounded, and a compile past its budget is abandoned (see
+        # conveyor.executor.grammar_compilers).
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_WAITERS, thread_name_prefix="conveyor-grammar")
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the tokenizer pool; the event loop serves others meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def compile_grammar(self, body: SamplingRequest) -> None:
+        """Compile the body's constraint, if it has one, in the grammar pool (into the engine's cache, where
+        ``make_request`` finds it); a 400 naming the client's field if it cannot be compiled."""
+        self.check_model(body.model)
+        try:
+            structured = body.structured_output()
+            if structured is not None:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._grammar_pool, self.engine.compile_grammar, structured[1])
+        except ValueError as error:
+            param, message = body.field_error(str(error))
+            raise APIError(400, message, "invalid_request_error", param) from None
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -332,6 +351,7 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
             prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", "prompt") from None
+        await serving.compile_grammar(body)
         requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
         fmt = CompletionShape(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo,
                               prompt_logprobs=body.prompt_logprobs is not None)
@@ -339,6 +359,7 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        await serving.compile_grammar(body)
         request = await serving.off_loop(serving.make_chat_request, body)
         fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
                         body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None)
@@ -361,6 +382,7 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
             history = stored[1]
         try:
             chat = ChatCompletionRequest.model_validate(body.chat_body(history))
+            await serving.compile_grammar(chat)
             request = await serving.off_loop(serving.make_chat_request, chat)
         except (ValueError, APIError) as error:
             raise _in_responses_terms(error) from None
