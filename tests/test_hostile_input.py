@@ -121,3 +121,44 @@ def test_a_template_variable_of_the_right_type_is_served(odd_connection) -> None
     assert odd_connection.post("/v1/chat/completions", json=body).status_code == 200
     tokens = odd_connection.post("/tokenize", json={"prompt": "\u200b"})
     assert tokens.status_code == 200 and tokens.json()["count"] == 0, "/tokenize answers what the text is"
+
+
+def refusal_at_start(model_dir) -> str:
+    """Run ``conveyor serve`` on ``model_dir``: it must exit at once with status 2 and one line saying why."""
+    import subprocess
+    import sys
+
+    from tests.serving import free_port
+
+    done = subprocess.run([sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--model", str(model_dir),
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("conveyor: error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    return errors[0]
+
+
+@pytest.fixture
+def model_copy(tiny_model_dir, tmp_path):
+    import shutil
+
+    return shutil.copytree(tiny_model_dir, tmp_path / "model")
+
+
+def test_a_model_without_tokenizer_files_is_refused_at_start_in_one_line(model_copy) -> None:
+    """Before: the error was transformers' six lines about slow tokenizers and sentencepiece."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_copy / name).unlink()
+    line = refusal_at_start(model_copy)
+    assert "no usable tokenizer" in line and "tokenizer.json" in line, line
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_start(model_copy) -> None:
+    """Before: it started, and a prompt holding the extra token gave ids past the model's embedding."""
+    tokenizer = json.loads((model_copy / "tokenizer.json").read_text())
+    extra = {"id": 49152, "content": "<|extra|>", "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+    tokenizer["added_tokens"].append(extra)
+    (model_copy / "tokenizer.json").write_text(json.dumps(tokenizer))
+    line = refusal_at_start(model_copy)
+    assert "49153 tokens" in line and "49152" in line, line

@@ -68,6 +68,7 @@ class Engine:
         self.model_path = folder
         self.tokenizer = Tokenizer(folder)
         self.model_config = ModelConfig.from_folder(folder)
+        self.tokenizer.check_model_vocabulary(self.model_config.vocab_size)  # before the weights load: at once
         if config.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:

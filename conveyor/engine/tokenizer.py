@@ -22,9 +22,27 @@ class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(folder))
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as error:  # transformers' message spans lines and names classes, not files
+            raise ValueError(f"{folder}: no usable tokenizer (a model folder needs tokenizer.json, or a "
+                             f"tokenizer_config.json with the vocabulary files it names): {_first_line(error)}"
+                             ) from None
+        self.folder = folder
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
+
+    def check_model_vocabulary(self, model_vocab_size: int) -> None:
+        """Refuse at start, in one line, a tokenizer that cannot serve this model: one that makes no tokens of
+        plain text (every request would fail its step), or whose ids reach past the model's vocabulary."""
+        if not self.encode("Hello world"):
+            raise ValueError(f"{self.folder}: the tokenizer makes no tokens of 'Hello world'; is it this model's?")
+        if self.vocab_size > model_vocab_size:
+            raise ValueError(f"{self.folder}: the tokenizer has {self.vocab_size} tokens but the model's vocabulary "
+                             f"only {model_vocab_size} (config.json's vocab_size): they are not a pair")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < model_vocab_size:
+            raise ValueError(f"{self.folder}: the tokenizer's end-of-sequence id {self.eos_token_id} is outside the "
+                             f"model's vocabulary of {model_vocab_size}")
 
     @property
     def hf_tokenizer(self) -> Any:
