@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import ValidationError
@@ -38,7 +39,7 @@ from conveyor.entrypoints.choices import OutputStream, open_streams
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.metrics import EngineMetrics
-from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, error_body
+from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, HostAllowList, error_body
 from conveyor.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -82,6 +83,14 @@ class ServerSettings:
     default_max_tokens: int | None = None  # a request without max_tokens: None = the rest of the context
     metrics_without_auth: bool = False  # /metrics open to anyone who can reach the port, as /health is
     tokenizer_threads: int = 2  # the pool that tokenizes and templates, off the event loop
+    # Work one request may ask for: its prompts x n sequences, each a batch slot (64 prompts x n=64, 4,096
+    # sequences from 1 KB, once took 41 s of engine time at max_tokens 1).
+    max_sequences_per_request: int = 64
+    body_read_timeout: float = 30.0  # seconds a client has to send its body whole (408 and closed past it)
+    allowed_origins: list[str] = dataclasses.field(default_factory=list)  # CORS: none unless asked
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_hosts: list[str] = dataclasses.field(default_factory=lambda: ["*"])  # the Host names answered
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -92,13 +101,14 @@ class ServerSettings:
 def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
     """The FastAPI app: error shapes, auth, and the routes, each group added by its own function."""
     app = FastAPI(title="Conveyor", version=conveyor.__version__)
-    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
-    if settings.api_key is not None:  # added last: the outermost layer
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes, read_timeout=settings.body_read_timeout)
+    if settings.api_key is not None:
         # The dashboard's two routes check the key themselves: also from ``?api_key=``, since a browser that
         # opens a page cannot send a header (see conveyor.entrypoints.dashboard).
         open_paths = frozenset({"/health", *DASHBOARD_PATHS, *(("/metrics",) if settings.metrics_without_auth else ())})
         app.add_middleware(APIKeyAuth, api_key=settings.api_key, open_paths=open_paths,
                            drain_limit=settings.max_request_bytes)
+    _add_outer_layers(app, settings)
     _add_error_handlers(app)
     serving = _Serving(engine, settings)
     _add_info_routes(app, serving, metrics)
@@ -107,6 +117,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
     _add_responses_routes(app, serving)
     add_dashboard_routes(app, engine, settings.api_key)
     return app
+
+
+def _add_outer_layers(app: FastAPI, settings: ServerSettings) -> None:
+    """CORS outside the key check (a browser's preflight carries no key), and the Host allow-list outermost."""
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers)
+    if "*" not in settings.allowed_hosts:
+        app.add_middleware(HostAllowList, allowed_hosts=frozenset(settings.allowed_hosts))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -191,6 +210,13 @@ class _Serving:
         except ValueError as error:
             param, message = body.field_error(str(error))
             raise APIError(400, message, "invalid_request_error", param) from None
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """Refuse a request for more sequences (prompts x n) than ``--max-sequences-per-request``."""
+        limit = self.settings.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise APIError(400, f"n: {num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences, over the "
+                                f"server's --max-sequences-per-request of {limit}", "invalid_request_error", "n")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -351,6 +377,7 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
             prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", "prompt") from None
+        serving.check_sequences(len(prompts), body.n)
         await serving.compile_grammar(body)
         requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
         fmt = CompletionShape(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo,
@@ -359,6 +386,7 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        serving.check_sequences(1, body.n)
         await serving.compile_grammar(body)
         request = await serving.off_loop(serving.make_chat_request, body)
         fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
