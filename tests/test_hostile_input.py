@@ -162,3 +162,26 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_at_start(model
     (model_copy / "tokenizer.json").write_text(json.dumps(tokenizer))
     line = refusal_at_start(model_copy)
     assert "49153 tokens" in line and "49152" in line, line
+
+
+@pytest.mark.parametrize(("field", "number"), [("temperature", "NaN"), ("top_p", "Infinity"),
+                                               ("logit_bias", '{"5": -Infinity}'), ("presence_penalty", "NaN")])
+def test_a_number_that_is_not_finite_is_a_400_saying_so(connection, field, number) -> None:
+    """Before: NaN for temperature was refused as "less than or equal to 100"."""
+    response = connection.post("/v1/completions", content=f'{{"prompt": "hi", "max_tokens": 2, "{field}": {number}}}',
+                               headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert field in message and "must be a finite number" in message, message
+
+
+def test_a_stored_response_can_be_deleted(connection) -> None:
+    """Before: DELETE /v1/responses/{id} was missing; a stored answer stayed until 1,024 newer ones came."""
+    made = connection.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "store": True})
+    assert made.status_code == 200, made.text
+    response_id = made.json()["id"]
+    assert connection.get(f"/v1/responses/{response_id}").status_code == 200
+    deleted = connection.delete(f"/v1/responses/{response_id}")
+    assert deleted.status_code == 200 and deleted.json() == {"id": response_id, "object": "response", "deleted": True}
+    assert connection.get(f"/v1/responses/{response_id}").status_code == 404
+    assert connection.delete(f"/v1/responses/{response_id}").status_code == 404

@@ -439,6 +439,13 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
             raise APIError(404, f"no stored response {response_id!r}", "not_found_error", "response_id")
         return stored[0]
 
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        """OpenAI's delete: a stored answer goes now, not when 1,024 newer ones push it out."""
+        if not store.delete(response_id):
+            raise APIError(404, f"no stored response {response_id!r}", "not_found_error", "response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
 
 def _in_responses_terms(error: ValueError | APIError) -> APIError:
     """An error of the chat request a Responses request became, naming the Responses API's field."""
