@@ -185,3 +185,19 @@ def test_a_stored_response_can_be_deleted(connection) -> None:
     assert deleted.status_code == 200 and deleted.json() == {"id": response_id, "object": "response", "deleted": True}
     assert connection.get(f"/v1/responses/{response_id}").status_code == 404
     assert connection.delete(f"/v1/responses/{response_id}").status_code == 404
+
+
+def test_parallel_tool_calls_false_makes_at_most_one_call(connection) -> None:
+    """Before: parallel_tool_calls false was accepted and not enforced (the grammar allowed a list of calls)."""
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}} for name in ("ping", "pong")]
+    body = {"messages": [{"role": "user", "content": "call"}], "tools": tools, "tool_choice": "required",
+            "n": 16, "temperature": 1.5, "seed": 1, "max_tokens": 120}
+
+    def calls_per_choice(parallel: bool) -> list[int]:
+        response = connection.post("/v1/chat/completions", json=body | {"parallel_tool_calls": parallel})
+        assert response.status_code == 200, response.text
+        return [len(choice["message"]["tool_calls"] or ()) for choice in response.json()["choices"]]
+
+    assert max(calls_per_choice(True)) > 1, "with parallel calls the model makes several: the check has power"
+    assert set(calls_per_choice(False)) == {1}

@@ -303,7 +303,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # "required" lets the model make one call or several either way
+    parallel_tool_calls: bool | None = None  # false: tool_choice required makes exactly one call
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -353,7 +353,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
             raise ValueError(f"tool_choice: no tool named {named!r} in tools")
         if self.echo:
             raise ValueError("echo: a reply of tool calls repeats no message")
-        return ForcedToolCalls(tools, named)
+        return ForcedToolCalls(tools, named, parallel=self.parallel_tool_calls is not False)
 
     def max_tokens_given(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
