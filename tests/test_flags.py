@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -72,6 +73,8 @@ def shown_action_default(action: argparse.Action) -> str | None:
         return "off"
     if action.default is None:
         return None
+    if isinstance(action.default, list):  # a JSON-list flag: written as JSON
+        return f"`{json.dumps(action.default)}`"
     return f"`{action.default}`" if isinstance(action.default, str) else str(action.default)
 
 

@@ -14,6 +14,14 @@ from typing import Any, Literal
 
 StructuredKind = Literal["json", "json_object", "regex", "choice"]
 
+# Limits checked before anything is compiled. Compile time grows steeply with nesting (900 nested arrays took
+# 61 s, 200 take 0.4 s) and with size (a 20,000-value enum, 10 s); OpenAI's own structured outputs allow 10
+# levels of objects and 1,000 enum values in all. What is under these compiles in milliseconds here; the
+# compile's time budget (conveyor.executor.grammar_compilers) catches what slips through.
+MAX_GRAMMAR_BYTES = 32 * 1024  # a schema's JSON text, a regex, or the choices together
+MAX_SCHEMA_DEPTH = 32  # levels of objects and lists in a schema (one nested object is two: it and properties)
+MAX_ENUM_VALUES = 1000  # enum and const values of a schema together, or guided_choice's choices
+
 
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
@@ -37,12 +45,30 @@ class StructuredOutput:
                 object.__setattr__(self, "json", json.loads(self.json))
             except json.JSONDecodeError as error:
                 raise ValueError(f"structured_output.json: not valid JSON ({error})") from None
+            except RecursionError:  # JSON text nested thousands deep: Python's parser gives up
+                raise ValueError(f"structured_output.json: the schema nests deeper than the limit of "
+                                 f"{MAX_SCHEMA_DEPTH} levels of objects and lists") from None
         if self.json is not None and not isinstance(self.json, dict):
             raise ValueError(f"structured_output.json: a JSON schema must be an object, got {self.json!r}")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError(f"structured_output.regex: must be a non-empty string, got {self.regex!r}")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
             raise ValueError(f"structured_output.choice: must be non-empty strings, got {self.choice!r}")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        """Refuse, naming the limit, a constraint too big or too deep to compile in good time, and a schema that
+        refers outside itself (xgrammar fetches no remote or file ``$ref``: it silently allowed any JSON)."""
+        if self.kind == "json":
+            _SchemaCounts().walk(self.json, 0)  # first: the depth bounds how deep the text below recurses
+        kind, text = self.key
+        if len(text.encode()) > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"structured_output.{kind}: {len(text.encode())} bytes, over the limit of "
+                             f"{MAX_GRAMMAR_BYTES} bytes of a schema, regex or choices")
+        if kind == "choice" and len(self.choice or ()) > MAX_ENUM_VALUES:
+            raise ValueError(f"structured_output.choice: {len(self.choice or ())} choices, over the limit of "
+                             f"{MAX_ENUM_VALUES}")
+
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -69,3 +95,33 @@ class StructuredOutput:
         if kind == "choice":
             return kind, json.dumps(list(self.choice or ()))
         return kind, ""
+
+
+@dataclass(slots=True)
+class _SchemaCounts:
+    """One walk over a schema: its depth, its enum values, and any ``$ref`` that leaves it."""
+
+    num_enum_values: int = 0
+
+    def walk(self, value: Any, depth: int) -> None:
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_output.json: the schema nests deeper than the limit of "
+                             f"{MAX_SCHEMA_DEPTH} levels of objects and lists")
+        if isinstance(value, list):
+            for item in value:
+                self.walk(item, depth + 1)
+        elif isinstance(value, dict):
+            self._check_node(value)
+            for item in value.values():
+                self.walk(item, depth + 1)
+
+    def _check_node(self, node: dict[str, Any]) -> None:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            raise ValueError(f"structured_output.json: $ref {ref[:100]!r} points outside the schema; only refs "
+                             "within it (#/$defs/...) are followed, nothing is fetched")
+        enum = node.get("enum")
+        self.num_enum_values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
+        if self.num_enum_values > MAX_ENUM_VALUES:
+            raise ValueError(f"structured_output.json: more than the limit of {MAX_ENUM_VALUES} enum and const "
+                             "values in the schema")

@@ -124,7 +124,7 @@ TileFn<P> tile_fn(int rows) {
 
 #if defined(__AVX512BF16__)
 // bfloat16 weights: 32 columns x 8 rows, 16 zmm accumulators, as on the 512-bit float path (the same register
-// budget; see README for the heights and widths timed). One vdpbf16ps multiplies 16 columns' pairs of
+// budget; see docs/benchmarks/kernels.md for the heights and widths timed). One vdpbf16ps multiplies 16 columns' pairs of
 // consecutive k by a broadcast pair of x and adds both products to float32 lanes: twice the multiply-adds of
 // a float FMA per instruction, from half the weight bytes.
 struct PathBf16 {

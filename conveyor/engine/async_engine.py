@@ -30,10 +30,12 @@ from typing import Any
 
 from conveyor.core.request import Request
 from conveyor.core.stats import EngineStats
+from conveyor.core.structured import StructuredOutput
 from conveyor.engine.live_stream import LiveStream, Watcher
 from conveyor.engine.llm_engine import Engine
 from conveyor.engine.output import RequestOutput
 from conveyor.engine.tokenizer import Tokenizer
+from conveyor.executor.grammar_compilers import CompilersBusy
 
 logger = logging.getLogger("conveyor.engine.async_engine")
 OUTCOMES = ("finished", "aborted", "errored")
@@ -176,6 +178,15 @@ class AsyncEngine:
     def make_request(self, *args, **kwargs) -> Request:
         """Tokenize and check a request (see ``Engine.make_request``); touches no engine state."""
         return self._engine.make_request(*args, **kwargs)
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Compile ``spec``'s grammar into the engine's cache, so that ``make_request`` finds it there: the server
+        calls this from a pool of its own, and a slow compile never holds up the tokenizer's. ValueError naming
+        what cannot be compiled (or not within the budget); EngineOverloaded when the compilers stay busy."""
+        try:
+            self._engine.grammars.compile(spec)
+        except CompilersBusy as error:
+            raise EngineOverloaded(str(error)) from None
 
     def stats(self) -> EngineStats:
         """The engine's state as of the latest step, without waiting for the loop thread."""

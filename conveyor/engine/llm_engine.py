@@ -68,6 +68,7 @@ class Engine:
         self.model_path = folder
         self.tokenizer = Tokenizer(folder)
         self.model_config = ModelConfig.from_folder(folder)
+        self.tokenizer.check_model_vocabulary(self.model_config.vocab_size)  # before the weights load: at once
         if config.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
@@ -428,7 +429,10 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: 
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt: empty prompt")
-        return tokenizer.encode(prompt)
+        token_ids = tokenizer.encode(prompt)
+        if not token_ids:  # a request of no tokens has no logits to sample from: it would fail its step
+            raise ValueError("prompt: the text tokenizes to no tokens")
+        return token_ids
     token_ids = list(prompt)
     if not token_ids:
         raise ValueError("prompt: empty list of token ids")

@@ -26,6 +26,7 @@ from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.core.request import Request, check_prompt_length
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
+from conveyor.core.structured import StructuredOutput
 from conveyor.engine.async_engine import EngineDead, EngineOverloaded
 from conveyor.engine.llm_engine import check_logit_bias, prompt_token_ids
 from conveyor.engine.output import RequestOutput
@@ -201,6 +202,9 @@ class ReplicaSet:
             priority=priority,
             prompt_text=prompt if isinstance(prompt, str) else None,
         )
+
+    def compile_grammar(self, spec: StructuredOutput) -> None:
+        """Nothing here: the replica that takes the request compiles its grammar (see ``make_request``)."""
 
     def stats(self) -> EngineStats:
         """All healthy replicas' latest stats, summed (KV usage: the mean)."""

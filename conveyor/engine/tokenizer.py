@@ -22,9 +22,27 @@ class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(folder))
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(folder))
+        except Exception as error:  # transformers' message spans lines and names classes, not files
+            raise ValueError(f"{folder}: no usable tokenizer (a model folder needs tokenizer.json, or a "
+                             f"tokenizer_config.json with the vocabulary files it names): {_first_line(error)}"
+                             ) from None
+        self.folder = folder
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
+
+    def check_model_vocabulary(self, model_vocab_size: int) -> None:
+        """Refuse at start, in one line, a tokenizer that cannot serve this model: one that makes no tokens of
+        plain text (every request would fail its step), or whose ids reach past the model's vocabulary."""
+        if not self.encode("Hello world"):
+            raise ValueError(f"{self.folder}: the tokenizer makes no tokens of 'Hello world'; is it this model's?")
+        if self.vocab_size > model_vocab_size:
+            raise ValueError(f"{self.folder}: the tokenizer has {self.vocab_size} tokens but the model's vocabulary "
+                             f"only {model_vocab_size} (config.json's vocab_size): they are not a pair")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < model_vocab_size:
+            raise ValueError(f"{self.folder}: the tokenizer's end-of-sequence id {self.eos_token_id} is outside the "
+                             f"model's vocabulary of {model_vocab_size}")
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -32,7 +50,13 @@ class Tokenizer:
         return self._tok
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=True)
+        """The text's token ids; a ValueError naming ``prompt`` for whatever the tokenizer raises on, so a text
+        it cannot take is the client's 400, not the server's 500."""
+        try:
+            return self._tok.encode(text, add_special_tokens=True)
+        except Exception as error:  # the tokenizers library raises TypeError, ValueError, Rust panics, ...
+            raise ValueError(f"prompt: the tokenizer cannot take this text ({type(error).__name__}: "
+                             f"{_first_line(error)})") from None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -60,6 +84,10 @@ class Tokenizer:
             raise ValueError(f"messages: the chat template refused them: {error}") from None
         except ValueError as error:  # e.g. a final message the template's output does not end with
             raise ValueError(f"messages: {error}") from None
+        except Exception as error:  # the template's own code failed on what the client sent (a TypeError when
+            # a chat_template_kwargs value has a type the template does not expect, a RecursionError, ...)
+            raise ValueError(f"messages: the chat template failed on these messages, tools and "
+                             f"chat_template_kwargs ({type(error).__name__}: {_first_line(error)})") from None
         # Newer transformers return a BatchEncoding here, older ones a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -69,6 +97,12 @@ class Tokenizer:
         signature is not free, and every chat request asks)."""
         names = inspect.signature(self._tok.apply_chat_template).parameters
         return frozenset(name for name in names if name != "kwargs") | {"messages"}
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's message, one line of at most 200 characters: enough for the client, never a dump."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 class IncrementalDetokenizer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -174,12 +175,35 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="503 beyond this many waiting")
     serve.add_argument("--default-max-tokens", type=int, default=None,
                        help="max_tokens of a request that sends none (default: the rest of the model's context)")
+    _add_request_limit_args(serve)
+    _add_browser_args(serve)
     _add_replica_args(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     serve.add_argument("--dashboard-show-text", action="store_true",
                        help="show prompt text on /dashboard (default: request ids and lengths only)")
     add_engine_args(serve)
+
+
+def _add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    """What one client may ask of the server: sequences per request, and time to send its body."""
+    parser.add_argument("--max-sequences-per-request", type=int, default=64,
+                        help="most sequences (prompts x n) one request may ask for; more: 400")
+    parser.add_argument("--body-read-timeout", type=float, default=30.0,
+                        help="seconds a client has to send its request body; slower: 408, connection closed")
+
+
+def _add_browser_args(parser: argparse.ArgumentParser) -> None:
+    """CORS (vLLM's flags, JSON lists) for browser apps on other origins, and a Host allow-list."""
+    g = parser.add_argument_group("browsers")
+    g.add_argument("--allowed-origins", type=json.loads, default=[],
+                   help='origins a browser app may call from, as JSON: \'["https://app.example"]\' or \'["*"]\' '
+                   "(default: none, no CORS)")
+    g.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS methods, as JSON")
+    g.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS request headers, as JSON")
+    g.add_argument("--allowed-hosts", type=json.loads, default=["*"],
+                   help='Host header names answered, as JSON: \'["localhost", "127.0.0.1"]\' (others: 421; '
+                   "against DNS rebinding; default: any)")
 
 
 def _add_replica_args(parser: argparse.ArgumentParser) -> None:

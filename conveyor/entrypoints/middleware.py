@@ -1,5 +1,6 @@
-"""The server's ASGI layers, outside FastAPI: an API key on every route but the open ones, and a cap on the
-request body's size (declared or chunked); each refuses in OpenAI's error shape before the body is read.
+"""The server's ASGI layers, outside FastAPI: a Host allow-list, an API key on every route but the open ones,
+and a cap on the request body's size (declared or chunked) and on the time to send it; each refuses in
+OpenAI's error shape before the body reaches FastAPI.
 """
 
 from __future__ import annotations
@@ -39,15 +40,20 @@ async def _drain(receive, limit: int) -> None:
                     return
 
 
+_GONE = object()  # what BodyLimit._read returns for a client that disconnected mid-body
+
+
 class BodyLimit:
-    """ASGI middleware: refuse a body over the limit with 413, whether it declares its length or comes chunked.
+    """ASGI middleware: refuse a body over the limit with 413, whether it declares its length or comes chunked,
+    and one not sent whole within ``read_timeout`` seconds with 408, closing the connection (60 connections
+    that declared 1,000 bytes and sent 10 once all stayed open).
 
     The body is read here, before FastAPI sees it, and handed on whole: an error raised from inside FastAPI's
     own reading would turn into its 400 "error parsing the body" instead.
     """
 
-    def __init__(self, app, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, read_timeout: float = 30.0) -> None:
+        self.app, self.limit, self.read_timeout = app, limit, read_timeout
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -55,18 +61,16 @@ class BodyLimit:
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await self._refuse(receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before it finished sending
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                return await self._refuse(receive, send)
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                chunks = await self._read(receive)
+        except TimeoutError:  # a slow sender (or one that never finishes) holds a connection: end it
+            return await _send_error(send, 408, f"the request body did not arrive within {self.read_timeout:g} s",
+                                     "invalid_request_error", "request_timeout", {"Connection": "close"})
+        if chunks is None:
+            return await self._refuse(receive, send)
+        if chunks is _GONE:
+            return  # the client left before it finished sending
         body, handed = b"".join(chunks), False
 
         async def replay():
@@ -77,6 +81,21 @@ class BodyLimit:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+    async def _read(self, receive) -> list[bytes] | object | None:
+        """The body's chunks; None when it grows over the limit, _GONE when the client left first."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return _GONE
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return chunks
 
     async def _refuse(self, receive, send) -> None:
         await _drain(receive, 4 * self.limit)
@@ -105,3 +124,26 @@ class APIKeyAuth:
         header = dict(scope.get("headers") or []).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+class HostAllowList:
+    """ASGI middleware: answer only requests whose Host header names one of ``allowed_hosts`` (the port aside).
+
+    Without an API key, a web page a user visits could otherwise rebind its own name to 127.0.0.1 and reach
+    the server from the user's browser (DNS rebinding): the Host header is still the page's name.
+    """
+
+    def __init__(self, app, allowed_hosts: frozenset[str]) -> None:
+        self.app, self.allowed_hosts = app, frozenset(host.lower() for host in allowed_hosts)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or "*" in self.allowed_hosts or self._host(scope) in self.allowed_hosts:
+            return await self.app(scope, receive, send)
+        await _drain(receive, 1 << 20)
+        await _send_error(send, 421, "this server does not answer for that Host (see --allowed-hosts)",
+                          "invalid_request_error", "host_not_allowed")
+
+    @staticmethod
+    def _host(scope) -> str:
+        host = dict(scope.get("headers") or []).get(b"host", b"").decode("latin-1").lower()
+        return host[: host.index("]") + 1] if host.startswith("[") else host.rsplit(":", 1)[0]

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import generate_latest
 from pydantic import ValidationError
@@ -38,7 +39,7 @@ from conveyor.entrypoints.choices import OutputStream, open_streams
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.metrics import EngineMetrics
-from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, error_body
+from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, HostAllowList, error_body
 from conveyor.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,6 +61,7 @@ from conveyor.entrypoints.responses_api import (
 
 logger = logging.getLogger("conveyor.server")
 T = TypeVar("T")
+GRAMMAR_WAITERS = 8  # requests waiting at once for a compiled grammar (more wait for a thread)
 
 
 class APIError(Exception):
@@ -81,6 +83,14 @@ class ServerSettings:
     default_max_tokens: int | None = None  # a request without max_tokens: None = the rest of the context
     metrics_without_auth: bool = False  # /metrics open to anyone who can reach the port, as /health is
     tokenizer_threads: int = 2  # the pool that tokenizes and templates, off the event loop
+    # Work one request may ask for: its prompts x n sequences, each a batch slot (64 prompts x n=64, 4,096
+    # sequences from 1 KB, once took 41 s of engine time at max_tokens 1).
+    max_sequences_per_request: int = 64
+    body_read_timeout: float = 30.0  # seconds a client has to send its body whole (408 and closed past it)
+    allowed_origins: list[str] = dataclasses.field(default_factory=list)  # CORS: none unless asked
+    allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
+    allowed_hosts: list[str] = dataclasses.field(default_factory=lambda: ["*"])  # the Host names answered
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -91,13 +101,14 @@ class ServerSettings:
 def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
     """The FastAPI app: error shapes, auth, and the routes, each group added by its own function."""
     app = FastAPI(title="Conveyor", version=conveyor.__version__)
-    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
-    if settings.api_key is not None:  # added last: the outermost layer
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes, read_timeout=settings.body_read_timeout)
+    if settings.api_key is not None:
         # The dashboard's two routes check the key themselves: also from ``?api_key=``, since a browser that
         # opens a page cannot send a header (see conveyor.entrypoints.dashboard).
         open_paths = frozenset({"/health", *DASHBOARD_PATHS, *(("/metrics",) if settings.metrics_without_auth else ())})
         app.add_middleware(APIKeyAuth, api_key=settings.api_key, open_paths=open_paths,
                            drain_limit=settings.max_request_bytes)
+    _add_outer_layers(app, settings)
     _add_error_handlers(app)
     serving = _Serving(engine, settings)
     _add_info_routes(app, serving, metrics)
@@ -106,6 +117,15 @@ def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetr
     _add_responses_routes(app, serving)
     add_dashboard_routes(app, engine, settings.api_key)
     return app
+
+
+def _add_outer_layers(app: FastAPI, settings: ServerSettings) -> None:
+    """CORS outside the key check (a browser's preflight carries no key), and the Host allow-list outermost."""
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_methods=settings.allowed_methods, allow_headers=settings.allowed_headers)
+    if "*" not in settings.allowed_hosts:
+        app.add_middleware(HostAllowList, allowed_hosts=frozenset(settings.allowed_hosts))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -168,10 +188,35 @@ class _Serving:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="conveyor-tokenize")
+        # Grammar compiles wait here, not in the tokenizer's pool: a schema that takes seconds to compile must not
+        # hold up a plain request's tokenizing. The threads only wait (the compile runs in a compiler process);
+        # the compilers themselves are bounded, and a compile past its budget is abandoned (see
+        # conveyor.executor.grammar_compilers).
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_WAITERS, thread_name_prefix="conveyor-grammar")
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the tokenizer pool; the event loop serves others meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def compile_grammar(self, body: SamplingRequest) -> None:
+        """Compile the body's constraint, if it has one, in the grammar pool (into the engine's cache, where
+        ``make_request`` finds it); a 400 naming the client's field if it cannot be compiled."""
+        self.check_model(body.model)
+        try:
+            structured = body.structured_output()
+            if structured is not None:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._grammar_pool, self.engine.compile_grammar, structured[1])
+        except ValueError as error:
+            param, message = body.field_error(str(error))
+            raise APIError(400, message, "invalid_request_error", param) from None
+
+    def check_sequences(self, num_prompts: int, n: int) -> None:
+        """Refuse a request for more sequences (prompts x n) than ``--max-sequences-per-request``."""
+        limit = self.settings.max_sequences_per_request
+        if num_prompts * n > limit:
+            raise APIError(400, f"n: {num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences, over the "
+                                f"server's --max-sequences-per-request of {limit}", "invalid_request_error", "n")
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -212,6 +257,9 @@ class _Serving:
         except ValueError as error:
             param, message = body.field_error(str(error))
             raise APIError(400, message, "invalid_request_error", param) from None
+        if not prompt:  # a template may show only some roles: nothing to compute, no logits to sample from
+            raise APIError(400, "messages: the chat template renders these messages as no tokens",
+                           "invalid_request_error", "messages")
         return self.make_request(body, prompt, "chatcmpl")
 
     def _check_prompt_length(self, num_tokens: int) -> None:
@@ -329,6 +377,8 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
             prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), "invalid_request_error", "prompt") from None
+        serving.check_sequences(len(prompts), body.n)
+        await serving.compile_grammar(body)
         requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
         fmt = CompletionShape(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo,
                               prompt_logprobs=body.prompt_logprobs is not None)
@@ -336,6 +386,8 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        serving.check_sequences(1, body.n)
+        await serving.compile_grammar(body)
         request = await serving.off_loop(serving.make_chat_request, body)
         fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
                         body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None)
@@ -358,6 +410,7 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
             history = stored[1]
         try:
             chat = ChatCompletionRequest.model_validate(body.chat_body(history))
+            await serving.compile_grammar(chat)
             request = await serving.off_loop(serving.make_chat_request, chat)
         except (ValueError, APIError) as error:
             raise _in_responses_terms(error) from None
@@ -385,6 +438,13 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
         if stored is None:
             raise APIError(404, f"no stored response {response_id!r}", "not_found_error", "response_id")
         return stored[0]
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        """OpenAI's delete: a stored answer goes now, not when 1,024 newer ones push it out."""
+        if not store.delete(response_id):
+            raise APIError(404, f"no stored response {response_id!r}", "not_found_error", "response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
 def _in_responses_terms(error: ValueError | APIError) -> APIError:

@@ -17,6 +17,7 @@ default, ``modalities`` text, ``parallel_tool_calls``; function ``tools`` with
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -34,10 +35,13 @@ MAX_NESTING = 64
 
 def check_text_and_nesting(value: Any, path: str = "", depth: int = 0) -> None:
     """Refuse, naming where, a string that is not Unicode text (JSON's ``"\\ud800"`` decodes to a lone surrogate,
-    which no tokenizer takes: it was a 500 and a dropped connection) and nesting deeper than MAX_NESTING."""
+    which no tokenizer takes: it was a 500 and a dropped connection), nesting deeper than MAX_NESTING, and a
+    number that is not finite (NaN for temperature was refused as "less than or equal to 100")."""
     if depth > MAX_NESTING:
         where = path if len(path) <= 80 else path[:80] + "..."
         raise ValueError(f"{where or 'the body'}: nested deeper than {MAX_NESTING} levels of objects and lists")
+    if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN and Infinity, which Python reads
+        raise ValueError(f"{path or 'the body'}: must be a finite number, got {value}")
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -299,7 +303,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # "required" lets the model make one call or several either way
+    parallel_tool_calls: bool | None = None  # false: tool_choice required makes exactly one call
     response_format: ResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -349,7 +353,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
             raise ValueError(f"tool_choice: no tool named {named!r} in tools")
         if self.echo:
             raise ValueError("echo: a reply of tool calls repeats no message")
-        return ForcedToolCalls(tools, named)
+        return ForcedToolCalls(tools, named, parallel=self.parallel_tool_calls is not False)
 
     def max_tokens_given(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -156,6 +156,11 @@ class ResponseStore:
         with self._lock:
             return self._items.get(response_id)
 
+    def delete(self, response_id: str) -> bool:
+        """Forget a stored response (OpenAI's DELETE); False where none was stored under that id."""
+        with self._lock:
+            return self._items.pop(response_id, None) is not None
+
 
 class ResponsesShape:
     """One response as the Responses API shows it: whole, or as its stream of events."""

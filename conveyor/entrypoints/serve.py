@@ -30,8 +30,11 @@ FATAL_EXIT_GRACE_S = 10.0  # time the error events get to reach their clients be
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     name = args.served_model_name or (Path(config.model).stem if config.model else DEFAULT_MODEL_NAME)
     # Checked before the model loads: an empty key is refused at once, with a clear error.
-    settings = ServerSettings(name, args.api_key, args.max_request_bytes, args.default_max_tokens,
-                              args.metrics_without_auth)
+    settings = ServerSettings(
+        name, args.api_key, args.max_request_bytes, args.default_max_tokens, args.metrics_without_auth,
+        max_sequences_per_request=args.max_sequences_per_request, body_read_timeout=args.body_read_timeout,
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allowed_hosts=args.allowed_hosts)
     _check_replica_args(args)
     replicas = args.data_parallel_size > 1 or args.ray_address
     if replicas:

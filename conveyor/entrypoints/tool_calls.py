@@ -37,6 +37,7 @@ class ForcedToolCalls:
 
     parameters: dict[str, dict[str, Any]]
     named: str | None
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false holds ``required`` to exactly one call
 
     def structured_output(self) -> StructuredOutput:
         if self.named is not None:
@@ -44,7 +45,8 @@ class ForcedToolCalls:
         each = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for name, schema in self.parameters.items()]
-        return StructuredOutput(json={"type": "array", "minItems": 1, "items": {"anyOf": each}})
+        most = {} if self.parallel else {"maxItems": 1}
+        return StructuredOutput(json={"type": "array", "minItems": 1, "items": {"anyOf": each}} | most)
 
     def calls(self, text: str) -> list[dict[str, Any]]:
         """A whole choice's text as OpenAI's tool_calls: what a stream of it would have sent, whole (text cut

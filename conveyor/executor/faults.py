@@ -9,6 +9,9 @@ The real executor still does every other step; nothing of the engine is replaced
 * ``device:TOKEN``: from the first such step on, every step raises, as when the device itself is gone. The
   engine gives up after a few failed steps in a row; the server then fails every open request and exits
   non-zero, for its supervisor to restart it.
+* ``grammar-hang:MARKER``: a grammar compile whose source (schema, regex or choices) holds MARKER never ends,
+  as a compile bomb that slips past the size limits would not; the compile's time budget must abandon it (see
+  conveyor.executor.grammar_compilers). The steps are left alone.
 """
 
 from __future__ import annotations
@@ -51,7 +54,16 @@ def with_injected_faults(executor: Executor) -> Executor:
     if not spec:
         return executor
     mode, _, token = spec.partition(":")
+    if mode == "grammar-hang" and token:
+        return executor
     if mode not in MODES or not token.isdigit():
-        raise ValueError(f"{ENV} must be step:TOKEN or device:TOKEN (a token id), got {spec!r}")
+        raise ValueError(f"{ENV} must be step:TOKEN or device:TOKEN (a token id), or grammar-hang:MARKER, "
+                         f"got {spec!r}")
     logger.warning("%s=%s: steps will fail on purpose (a test hook)", ENV, spec)
     return FaultInjectingExecutor(executor, mode, int(token))
+
+
+def grammar_hang_marker() -> str | None:
+    """With ``grammar-hang:MARKER``: the MARKER whose compiles never end; None otherwise."""
+    mode, _, marker = os.environ.get(ENV, "").strip().partition(":")
+    return marker if mode == "grammar-hang" and marker else None

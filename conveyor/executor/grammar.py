@@ -9,10 +9,9 @@ matcher's state is that of the output so far, and a request is never advanced tw
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +19,43 @@ import torch
 
 from conveyor.core.scheduler.output import ScheduledRequest
 from conveyor.core.structured import StructuredOutput
+from conveyor.executor.grammar_compilers import CompileRefused, GrammarCompilers
 
 logger = logging.getLogger("conveyor.grammar")
 
-# The characters of a JSON string as xgrammar writes them in EBNF: for a string with a maxLength, and for
-# one without (which, as JSON requires, excludes the control characters U+0000-U+001F).
-_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
-_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+GRAMMAR_CACHE_BYTES = 64 * 2**20  # compiled grammars kept, by xgrammar's own count of their size
+
+
+class CompiledCache:
+    """Compiled grammars by constraint, bounded in bytes: the least recently used leave first (150 different
+    schemas once added 52 MiB that stayed). A grammar in use by a request stays alive through its matcher."""
+
+    def __init__(self, limit_bytes: int = GRAMMAR_CACHE_BYTES) -> None:
+        self.limit_bytes = limit_bytes
+        self.num_bytes = 0
+        self._entries: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()  # the server's threads and the engine's ask at once
+
+    def get(self, key: tuple[str, str]) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: tuple[str, str], compiled: Any, size: int) -> None:
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = (compiled, size)
+            self.num_bytes += size
+            while self.num_bytes > self.limit_bytes and len(self._entries) > 1:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self.num_bytes -= evicted
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass(slots=True)
@@ -59,42 +88,31 @@ class GrammarBackend:
 
         self._xgr = xgrammar
         stop_ids = [eos_token_id] if eos_token_id is not None else None
-        info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        self._info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
+                                                             stop_token_ids=stop_ids)
+        self._compilers = GrammarCompilers(self._info.serialize_json())
         self.vocab_size = vocab_size
-        self._compiled: dict[tuple[str, str], Any] = {}
-        self._lock = threading.Lock()  # compile() is called from the server's thread and the engine's
+        self.cache = CompiledCache()
         self._matchers: dict[str, _Matcher] = {}
 
     def compile(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar of ``spec``, compiled on first use; ValueError naming what cannot be compiled."""
+        """The compiled grammar of ``spec``, compiled on first use in a compiler process (within its budget);
+        ValueError naming what cannot be compiled, CompilersBusy when no compiler came free in time."""
         key = spec.key
-        with self._lock:
-            compiled = self._compiled.get(key)
+        compiled = self.cache.get(key)
         if compiled is not None:
             return compiled
         try:
-            compiled = self._compile(spec)
-        except Exception as error:  # xgrammar reports a bad schema or regex as a RuntimeError (or a ValueError)
-            # Drop xgrammar's "[time] source-file:line: " prefix: the client needs the reason only.
-            reason = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(error).strip().splitlines()[0])
-            raise ValueError(f"structured_output.{spec.kind}: cannot be compiled: {reason}") from None
-        with self._lock:
-            self._compiled[key] = compiled
+            serialized = self._compilers.compile(*key)
+        except CompileRefused as error:
+            raise ValueError(f"structured_output.{spec.kind}: {error}") from None
+        compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self._info)
+        self.cache.put(key, compiled, compiled.memory_size_bytes)
         return compiled
 
-    def _compile(self, spec: StructuredOutput) -> Any:
-        kind, compiler = spec.kind, self._compiler
-        if kind in ("json", "json_object"):
-            schema = json.dumps(spec.json) if kind == "json" else '{"type": "object"}'
-            grammar = str(self._xgr.Grammar.from_json_schema(schema, any_whitespace=False))
-            # xgrammar lets a string with a maxLength hold raw control characters (its unbounded strings do
-            # not), which JSON forbids; its character class gets the same exclusion as the unbounded one's.
-            return compiler.compile_grammar(grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
-        if kind == "regex":
-            return compiler.compile_regex(spec.regex)
-        alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice or ())
-        return compiler.compile_grammar(f"root ::= {alternatives}")
+    def close(self) -> None:
+        """End the compiler processes (they end with this process anyway: they are daemons)."""
+        self._compilers.close()
 
     def constrain(self, logits: torch.Tensor, batch: list[ScheduledRequest]) -> None:
         """Mask the rows of constrained requests in ``logits`` [len(batch), vocab] to what their grammars allow."""
