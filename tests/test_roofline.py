@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
-from conveyor.bench.machine import MachineFigures, ReadProbe, fastest_gemm, measure_native_gemm
+from conveyor.bench.machine import MachineFigures, ReadProbe, fastest_gemm, measure_int8_gemm, measure_native_gemm
 from conveyor.bench.roofline import decode_point, machine_cost_model
+from conveyor.core.weight_format import WeightFormat
 from conveyor.entrypoints.cli import main
 from conveyor.sim.hardware import load_model_config
 
@@ -99,3 +101,24 @@ def test_the_native_bf16_gemm_is_timed_where_the_cpu_has_it(kernels):
         assert measured is None, f"no {BF16_FEATURE}: no native bf16 GEMM to time"
         return
     assert measured[0] > 0 and measured[1] == "native 512-bit bf16"
+
+
+def test_quantized_weights_have_the_int8_roof():
+    """Batch 64 on Q4_1 weights is held to the int8 kernels' rate, not to a float32 GEMM it does not run."""
+    smol = load_model_config("SmolLM2-135M")
+    q4 = WeightFormat("Q4_1/Q8_0", 5.0, 8.5)
+    with_int8 = dataclasses.replace(MACHINE, int8_ops=400e9, int8_by="native int8 (vnni512)")
+    float_roof = decode_point(machine_cost_model(smol, MACHINE, q4), 64, 128).bound_tokens_per_s
+    int8_roof = decode_point(machine_cost_model(smol, with_int8, q4), 64, 128).bound_tokens_per_s
+    assert int8_roof > 2 * float_roof  # compute-bound at 64 rows: 4x the roof, more than twice the bound
+    float32 = WeightFormat("float32", 32.0, 32.0)  # float weights keep the GEMM's roof
+    assert decode_point(machine_cost_model(smol, with_int8, float32), 64, 128).bound_tokens_per_s == pytest.approx(
+        decode_point(machine_cost_model(smol, MACHINE, float32), 64, 128).bound_tokens_per_s)
+
+
+def test_int8_gemm_measures_the_quantized_kernels():
+    measured = measure_int8_gemm(size=512, rows=64, repeats=2)
+    if measured is None:
+        pytest.skip("no native kernels")
+    ops, name = measured
+    assert ops > 1e8 and name.startswith("native int8 (")  # a floor far below any AVX2 machine's rate

@@ -1,9 +1,13 @@
-"""This machine's two roofline numbers: memory read bandwidth and GEMM throughput.
+"""This machine's roofline numbers: memory read bandwidth and GEMM throughput.
 
 A decode step is bound by one of them: reading every weight once (bandwidth)
 or multiplying them by the batch (compute). Both are measured with the same
 torch build the engine runs on, and saved, so that the roofline table and the
 simulator's ``cpu-local`` hardware use the figures of the machine they ran on.
+Quantized weights have a compute roof of their own: their products are int8
+dot products (64 multiply-adds in one AVX512-VNNI instruction against 16 in a
+float32 FMA), so a batch that is compute-bound on float32 weights may not be
+on int8 ones.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class MachineFigures:
     measured_at: str  # ISO time, UTC
     gemm_by: str = "torch"  # which GEMM set gemm_flops: "torch" or the native kernels ("native 512-bit")
     bandwidth_by: str = "torch sum"  # which read set memory_bandwidth: a torch sum or a native GEMV stream
+    int8_ops: float | None = None  # multiply-adds x 2 per second of the quantized kernels (None: no kernels)
+    int8_by: str = ""  # the dot-product kind that set int8_ops
 
     @property
     def ridge_point(self) -> float:
@@ -110,6 +116,26 @@ def measure_native_gemm(size: int = 2048, repeats: int = 3, bfloat16: bool = Fal
     return 2 * size**3 / seconds, f"native {width}-bit" + (" bf16" if bfloat16 else "")
 
 
+def measure_int8_gemm(size: int = 2048, rows: int = 256, repeats: int = 3) -> tuple[float, str] | None:
+    """Operations/s (2 per multiply-add, as FLOP count them) of the quantized kernels' int8 dot products: ``rows``
+    activations through a ``size`` x ``size`` weight quantized to 8 bits, on the widest kind this build has (the
+    last of ``quant_dots``, which lists them fastest of each width last). None without the native kernels. Rows
+    are many enough that the weight is read once for much work (compute-bound), few enough that the
+    activations stay in cache."""
+    from conveyor.model.kernels import native_kernels
+    from conveyor.model.quant_formats import quantize_matrix
+    from conveyor.model.quantized import native_weight
+
+    kernels = native_kernels()
+    if kernels is None:
+        return None
+    weight = native_weight(kernels, quantize_matrix(torch.randn(size, size).numpy(), "int8"))
+    x = torch.randn(rows, size)
+    dot = kernels.quant_dots()[-1]
+    seconds = _best_seconds(lambda: kernels.quantized_linear(x, weight, dot), repeats)
+    return 2 * rows * size * size / seconds, f"native int8 ({dot})"
+
+
 def fastest_gemm(dtype: str) -> tuple[float, str]:
     """The machine's compute roof: the faster of torch's GEMM and, in float32 or bfloat16, the native kernels'.
     A roof below what the engine's own kernels reach would put the engine over 100% of its bound."""
@@ -121,6 +147,7 @@ def fastest_gemm(dtype: str) -> tuple[float, str]:
 def measure_machine(dtype: str = "float32", probe: ReadProbe | None = None) -> MachineFigures:
     gemm_flops, gemm_by = fastest_gemm(dtype)
     bandwidth, bandwidth_by = (probe or ReadProbe()).measure()
+    int8_ops, int8_by = measure_int8_gemm() or (None, "")
     return MachineFigures(
         memory_bandwidth=bandwidth,
         gemm_flops=gemm_flops,
@@ -130,6 +157,8 @@ def measure_machine(dtype: str = "float32", probe: ReadProbe | None = None) -> M
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         gemm_by=gemm_by,
         bandwidth_by=bandwidth_by,
+        int8_ops=int8_ops,
+        int8_by=int8_by,
     )
 
 

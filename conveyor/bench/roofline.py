@@ -50,10 +50,11 @@ class RooflinePoint:
 
 def machine_cost_model(model: ModelConfig, machine: MachineFigures, weights: WeightFormat | None = None) -> CostModel:
     """The cost model at this machine's measured peaks, with no efficiency loss and no overhead: the bound, for
-    weights stored as ``weights`` (None: in the machine figures' dtype)."""
+    weights stored as ``weights`` (None: in the machine figures' dtype). Quantized weights are multiplied by
+    the int8 kernels, so their compute roof is those kernels' rate where it was measured."""
     spec = HardwareSpec(
         name="this machine",
-        peak_flops={machine.dtype: machine.gemm_flops},
+        peak_flops={machine.dtype: compute_roof(machine, weights)},
         memory_bandwidth=machine.memory_bandwidth,
         memory_capacity=0,
         host_link_bandwidth=machine.memory_bandwidth,
@@ -63,6 +64,13 @@ def machine_cost_model(model: ModelConfig, machine: MachineFigures, weights: Wei
         step_overhead_s=0.0,
     )
     return CostModel(model, spec, machine.dtype, weights=weights)
+
+
+def compute_roof(machine: MachineFigures, weights: WeightFormat | None) -> float:
+    """Operations/s the step's products can reach: the int8 kernels' for quantized weights, else the GEMM's."""
+    if weights is not None and weights.quantized and machine.int8_ops:
+        return machine.int8_ops
+    return machine.gemm_flops
 
 
 def decode_point(cost: CostModel, batch_size: int, context_len: int) -> RooflinePoint:
@@ -136,6 +144,9 @@ def format_roofline(points: list[RooflinePoint], machine: MachineFigures) -> str
         f"{machine.gemm_flops / 1e9:.0f} GFLOP/s {machine.dtype} GEMM ({machine.gemm_by}), "
         f"ridge {machine.ridge_point:.1f} FLOP/byte"
     )
+    if machine.int8_ops:
+        header += (f"; {machine.int8_ops / 1e9:.0f} GOP/s int8 ({machine.int8_by}), ridge "
+                   f"{machine.int8_ops / machine.memory_bandwidth:.1f} op/byte, the roof of quantized weights")
     rows = []
     for p in points:
         measured = "" if p.measured_tokens_per_s is None else round(p.measured_tokens_per_s, 1)

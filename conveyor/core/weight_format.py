@@ -19,6 +19,12 @@ class WeightFormat:
     layer_bits: float
     lm_head_bits: float
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the layers are stored as integer codes (under 16 bits a weight), whose products run as int8
+        dot products rather than float GEMMs."""
+        return self.layer_bits < 16
+
 
 # Bits a weight of each GGUF block format takes, scales and mins included (llama.cpp's block sizes: Q4_1 is 32
 # weights in 20 bytes, Q4_K 256 in 144).

@@ -28,6 +28,11 @@ def plot_roofline(points: list[RooflinePoint], machine: MachineFigures, out: str
     ax.plot([low, ridge, high], [machine.memory_bandwidth * low, machine.gemm_flops, machine.gemm_flops],
             color="black", label="roof: bandwidth x intensity, then peak GEMM")
     ax.axvline(ridge, color="grey", linestyle=":", label=f"ridge point {ridge:.1f} FLOP/byte")
+    if machine.int8_ops:  # quantized weights' products: int8 dot products, a higher ceiling
+        int8_ridge = machine.int8_ops / machine.memory_bandwidth
+        high = max(high, int8_ridge * 2)
+        ax.plot([ridge, int8_ridge, high], [machine.gemm_flops, machine.int8_ops, machine.int8_ops], color="black",
+                linestyle="--", label="roof of quantized weights: peak int8 dot products")
     for p in shown:
         step_seconds = p.batch_size / p.bound_tokens_per_s
         ax.scatter(p.intensity, p.flops / step_seconds, color="C0", marker="o")
