@@ -38,7 +38,7 @@ from conveyor.core.cache_dir import cache_dir, make_cache_folder
 logger = logging.getLogger("conveyor")
 NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # attention is unrolled for these (csrc/attention.h, attend_fn)
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"  # the one translation unit
-CFLAGS = ("-O3", "-march=native", "-fopenmp")
+TARGET_ENV = "CONVEYOR_KERNEL_TARGET"  # -march value to build for instead of this CPU (e.g. x86-64-v3: AVX2 only)
 LOCK_NAME = "lock"  # torch.utils.cpp_extension's build lock, in the build folder
 STALE_LOCK_S = 600.0  # a build takes one or two minutes; a lock this old was left by a killed one
 WIDTH_ENV = "CONVEYOR_KERNEL_WIDTH"
@@ -51,14 +51,22 @@ class StaleBuildLock(RuntimeError):
     """A build lock that nobody releases: the build that took it was killed."""
 
 
+def kernel_cflags() -> tuple[str, ...]:
+    """The compiler flags of the build: for this CPU (``-march=native``), or for the target named by
+    ``CONVEYOR_KERNEL_TARGET``: a build for ``x86-64-v3`` has the AVX2 kernels and none of AVX-512's, which is
+    how an AVX-512 machine builds and tests what an AVX2-only one runs."""
+    return ("-O3", f"-march={os.environ.get(TARGET_ENV) or 'native'}", "-fopenmp")
+
+
 def compiler_target(compiler: str | None = None) -> str:
-    """What ``-march=native`` means to the compiler on this machine: its version and the target options it
+    """What the build's ``-march`` means to the compiler on this machine: its version and the target options it
     expands to (the CPU name and every ISA extension), or a note that it could not be asked."""
     compiler = compiler or os.environ.get("CXX", "c++")  # the compiler torch's extension builder uses
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         # -v prints the cc1 command line, where -march=native has become -march=<cpu> -m<feature> ...
-        expanded = subprocess.run([compiler, *CFLAGS, "-E", "-v", "-x", "c++", "-"], input="", capture_output=True,
+        expanded = subprocess.run([compiler, *kernel_cflags(), "-E", "-v", "-x", "c++", "-"], input="",
+                                  capture_output=True,
                                   text=True, timeout=30).stderr
     except (OSError, subprocess.SubprocessError) as error:
         return f"unknown compiler ({error})"
@@ -151,7 +159,7 @@ def native_kernels() -> ModuleType | None:
             sources=[str(SOURCE)],
             # -fopenmp: ATen's parallel_for is OpenMP pragmas in a header, so without it the kernels run
             # on one thread. The library it links is torch's own libgomp, already loaded under that name.
-            extra_cflags=list(CFLAGS),
+            extra_cflags=list(kernel_cflags()),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=os.environ.get("CONVEYOR_VERBOSE_BUILD") == "1",
