@@ -6,18 +6,20 @@ the KV pool, ``max_num_seqs`` and the step's token budget allow. A request
 that finishes leaves after the step in which it finished, and its blocks
 return to the pool at once, so a waiting request joins on the very next step.
 
-When a running request needs a block and the pool is empty, the most recently
-arrived running request is preempted. By recompute, its KV is dropped and it
-goes back to the front of the waiting queue, to be prefilled again later
-(prompt and output so far). By swap, its blocks are copied to a CPU pool and
-it waits in the swapped queue; swapped and waiting requests are then taken in
-the policy's order (a swapped request resumes only when it and the running
-batch have room to go on, so it is not swapped straight out again). When the
-CPU pool is full, that victim falls back to recompute.
+When a running request needs a block and the pool is empty, the running
+request last in the policy's order (for fcfs the most recent arrival) is
+preempted. By recompute, its KV is dropped and it goes back to the front of
+the waiting queue, to be prefilled again later (prompt and output so far). By
+swap, its blocks are copied to a CPU pool and it waits in the swapped queue;
+swapped and waiting requests are then taken in the policy's order (a swapped
+request resumes only when it and the running batch have room to go on, so it
+is not swapped straight out again). When the CPU pool is full, that victim
+falls back to recompute.
 
-With the priority policy a newcomer may preempt less important running
-requests, least important first, but only as many as make it fit, and only
-when they do: a preemption that would not seat the newcomer is not made.
+This class is the step's mechanics only. What differs between policies (the
+order of the queues, whom to admit next, whom to preempt for a newcomer) is
+a policy object (``policies/``), and what becomes of a victim's KV is a
+preemption mode object (``preemption.py``), both chosen once at construction.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from conveyor.core.config import check_option, engine_option
 from conveyor.core.kv import CachedPrefix, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
+from conveyor.core.scheduler.policies import SchedulingPolicy, make_policy
+from conveyor.core.scheduler.preemption import PreemptionMode, make_preemption
 from conveyor.core.stats import EngineStats
 
 POLICIES = engine_option("scheduling_policy").choices
-LPM_QUEUE_LIMIT = 128  # past this many waiting requests, lpm falls back to FCFS (SGLang's threshold)
 PREEMPTION_MODES = engine_option("preemption_mode").choices
 logger = logging.getLogger("conveyor.core.scheduler")
 
@@ -45,7 +48,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    policy: str = "fcfs"  # or "priority": lower value first, and may preempt less important requests
+    policy: str = "fcfs"  # a name in policies.POLICY_CLASSES: the policy built when none is handed over
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
 
     def __post_init__(self) -> None:
@@ -53,14 +56,6 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode"):
             check_option(name, getattr(self, name))
         check_option("scheduling_policy", self.policy)
-
-
-def _arrival_order(request: Request) -> tuple[float, int]:
-    return (request.arrival_time, request.arrival_order)
-
-
-def _priority_order(request: Request) -> tuple[int, float, int]:
-    return (request.priority, request.arrival_time, request.arrival_order)
 
 
 def _num_new_tokens(request: Request, budget: int) -> int:
@@ -100,7 +95,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: PagedKVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        policy: SchedulingPolicy | None = None,
+        preemption: PreemptionMode | None = None,
     ) -> None:
+        """``policy`` and ``preemption`` default to the ones ``config`` names."""
         if config.max_model_len > kv_manager.capacity_tokens:
             # Otherwise a request alone in the engine could need more blocks than exist, and never finish.
             raise ValueError(
@@ -111,26 +109,31 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
-        # Both queues are kept sorted by the policy's order (arrival, or priority then arrival):
-        # waiting is admitted from the front; running is served from the front and preempted from the back.
-        self._order = _arrival_order if config.policy == "fcfs" else _priority_order
+        self.policy = policy or make_policy(config.policy, kv_manager)
+        self.preemption = preemption or make_preemption(config.preemption_mode)
+        # Every queue is kept sorted by the policy's order: waiting is admitted from the front; running is
+        # served from the front and preempted from the back.
+        self._order = self.policy.order
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self._finished_since_last_step: list[str] = []
         self._cached_this_step: dict[str, int] = {}  # admitted this step with a prefix-cache hit: tokens
-        self._lpm_order: list[Request] | None = None  # lpm's admission order for the current step
         self._deferred: set[str] = set()  # waiting requests passed over in this step (their prefix is in flight)
         self._preempted_this_step: list[str] = []
         self._swap_out: list[tuple[int, int]] = []
         self.step_index = 0
         self.num_preemptions = 0
         self.num_swaps_out = 0
-        self.num_swap_fallbacks = 0  # swaps that found the CPU pool full and recomputed instead
         self.num_prompt_tokens = 0  # prompts of the sequences that got their first token (vLLM: prompt_tokens)
         self.num_generation_tokens = 0  # tokens drawn
         self.num_failed_steps = 0
         self._num_added = 0
+
+    @property
+    def num_swap_fallbacks(self) -> int:
+        """Swaps that found the CPU pool full and recomputed instead."""
+        return self.preemption.num_fallbacks
 
     # ----- queue management -------------------------------------------------
 
@@ -222,7 +225,7 @@ class Scheduler:
         # vLLM's rule: admit nobody in a step that had to preempt for memory, or
         # the newcomer would take the blocks just freed and cause the next preemption.
         if not preempted:
-            self._lpm_order = None  # lpm's order: computed on first use, once per step
+            self.policy.start_admission()
             self._deferred = set()
             budget = self._resume_or_admit(budget, scheduled, swap_in)
 
@@ -330,27 +333,8 @@ class Scheduler:
         return needed
 
     def _next_to_admit(self) -> Request | None:
-        """Policy hook: the waiting request admission considers next (the head of the queue, or for ``lpm``
-        the one with the longest cached prefix, in this step's order)."""
-        if not self.waiting:
-            return None
-        if self.config.policy == "lpm" and self._lpm_order is None:
-            self._lpm_order = self._longest_prefix_first()
-        queue = self._lpm_order or self.waiting  # lpm's order holds requests admitted earlier in this step too
-        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        return next((r for r in queue if r.status in waiting and r.request_id not in self._deferred), None)
-
-    def _longest_prefix_first(self) -> list[Request]:
-        """The waiting queue by cached prefix, longest first (arrival breaks ties), as SGLang's ``lpm``.
-
-        Requests that share a cached prefix then run together while it is still cached. Looking up every
-        waiting request costs a lookup per block each step, and a request with nothing cached could wait
-        behind others indefinitely, so past ``LPM_QUEUE_LIMIT`` waiting requests the order is arrival (FCFS).
-        """
-        if len(self.waiting) > LPM_QUEUE_LIMIT:
-            return []
-        cached = {id(r): self.kv_manager.cached_prefix(r).num_tokens for r in self.waiting}
-        return sorted(self.waiting, key=lambda r: (-cached[id(r)], *self._order(r)))
+        """The waiting request admission considers next: the policy's choice (the static scheduler's own)."""
+        return self.policy.next_to_admit(self.waiting, self._deferred)
 
     def _admit_next(self, request: Request, budget: int, scheduled: list[ScheduledRequest]) -> int | None:
         """Admit the waiting request (the priority policy may preempt for it); the tokens it takes from the
@@ -397,24 +381,16 @@ class Scheduler:
         return block_ids
 
     def _victims_for(self, request: Request, num_slots: int, prefix: CachedPrefix) -> list[Request] | None:
-        """Priority policy: the fewest running requests, least important first and each strictly less important
-        than ``request``, whose preemption makes it fit; None when no such set exists (then nobody is preempted).
-        """
-        if self.config.policy != "priority":
-            return None
-        victims: list[Request] = []
-        for victim in reversed(self.running):  # least important (and most recent) first
-            if victim.priority <= request.priority:
-                return None  # the rest rank at least as high
-            if victim.last_preempted_by == (request.request_id, self.step_index - 1):
-                return None  # thrash guard: not twice in consecutive steps by the same request
-            victims.append(victim)
+        """The running requests the policy would preempt for ``request``, each set checked here against memory
+        and ``max_num_seqs``; None when the policy preempts nobody for it."""
+
+        def frees_enough(victims: list[Request]) -> bool:
             remaining = len(self.running) - len(victims)
-            if remaining < self.config.max_num_seqs and self.kv_manager.can_admit_after_freeing(
+            return remaining < self.config.max_num_seqs and self.kv_manager.can_admit_after_freeing(
                 [v.request_id for v in victims], request.request_id, num_slots, remaining > 0, prefix
-            ):
-                return victims
-        return None
+            )
+
+        return self.policy.victims_for(request, self.running, self.step_index, frees_enough)
 
     def _preempt_for(self, request: Request, victims: list[Request], scheduled: list[ScheduledRequest]) -> int:
         """Preempt ``victims`` for ``request``; the tokens they had been given this step (back to the budget)."""
@@ -433,16 +409,13 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_this_step.append(request.request_id)
-        if self.config.preemption_mode == "swap":
-            pairs = self.kv_manager.swap_out(request.request_id)
-            if pairs is not None:
-                self._swap_out.extend(pairs)
-                self.num_swaps_out += 1
-                request.status = RequestStatus.SWAPPED
-                bisect.insort(self.swapped, request, key=self._order)
-                return
-            self.num_swap_fallbacks += 1
-            logger.warning("swap space full: request %s is preempted by recompute instead", request.request_id)
+        pairs = self.preemption.swap_out(self.kv_manager, request)
+        if pairs is not None:
+            self._swap_out.extend(pairs)
+            self.num_swaps_out += 1
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=self._order)
+            return
         self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
