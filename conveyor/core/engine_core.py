@@ -100,6 +100,7 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         plan.max_model_len,
         config.scheduling_policy,
         config.preemption_mode,
+        config.tenant_weight_map(),
     )
     return SCHEDULERS[config.scheduler](scheduler_config, kv, clock)
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from conveyor.core.config import check_option, engine_option
 from conveyor.core.kv import CachedPrefix, PagedKVCacheManager
@@ -50,6 +50,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # a name in policies.POLICY_CLASSES: the policy built when none is handed over
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)  # the fair policy's; unnamed tenants weigh 1
 
     def __post_init__(self) -> None:
         """The rules of EngineConfig's fields of the same names (``policy`` is its ``scheduling_policy``)."""
@@ -109,7 +110,7 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
-        self.policy = policy or make_policy(config.policy, kv_manager)
+        self.policy = policy or make_policy(config.policy, kv_manager, config.tenant_weights)
         self.preemption = preemption or make_preemption(config.preemption_mode)
         # Every queue is kept sorted by the policy's order: waiting is admitted from the front; running is
         # served from the front and preempted from the back.
@@ -145,6 +146,7 @@ class Scheduler:
         self._num_added += 1
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._order)
+        self.policy.on_arrival(request)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """End a request wherever it is; its blocks return to the pool at once."""
@@ -155,6 +157,8 @@ class Scheduler:
             request.status, self.waiting
         )
         queue.remove(request)
+        if queue is not self.running:
+            self.policy.on_dequeued(request, queue is self.swapped, first_admission=False)
         self._finish(request, reason)
         return request
 
@@ -212,6 +216,7 @@ class Scheduler:
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             num_failed_steps=self.num_failed_steps,
+            tenants=self.policy.tenant_report(),
         )
 
     # ----- one step ---------------------------------------------------------
@@ -281,12 +286,12 @@ class Scheduler:
         return block_ids
 
     def _resume_or_admit(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
-        """Swapped and waiting requests in the policy's order: a swapped request ahead of the next waiting one
-        resumes first, a more important waiting one is admitted first; the first that cannot go on stops both
-        (nobody overtakes)."""
+        """Swapped and waiting requests as the policy ranks them (by its order: a swapped request ahead of the
+        next waiting one resumes first, a more important waiting one is admitted first); the first that cannot
+        go on stops both (nobody overtakes)."""
         while budget > 0:
             request = self._next_to_admit()
-            if self.swapped and (request is None or self._order(self.swapped[0]) < self._order(request)):
+            if self.swapped and self.policy.resumes_before(self.swapped[0], request):
                 taken = self._resume(self.swapped[0], budget, scheduled, swap_in)
             elif request is not None:
                 taken = self._admit_next(request, budget, scheduled)
@@ -318,6 +323,7 @@ class Scheduler:
         swap_in.extend(kv.swap_in(request.request_id))
         block_ids = kv.grow_table(request.request_id, end)
         self.swapped.remove(request)
+        self.policy.on_dequeued(request, swapped=True, first_admission=False)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._order)
         scheduled.append(_scheduled_request(request, num_new, block_ids))
@@ -370,12 +376,14 @@ class Scheduler:
         """Move a waiting request to running with slots for ``num_tokens`` tokens, the cached ``prefix`` first."""
         block_ids = self.kv_manager.admit(request, num_tokens, prefix)
         request.num_computed_tokens = prefix.num_tokens
-        if request.first_scheduled_time is None:
+        first_admission = request.first_scheduled_time is None
+        if first_admission:
             request.first_scheduled_time = self.clock()
             request.num_cached_tokens = prefix.num_tokens
         if prefix.num_tokens:
             self._cached_this_step[request.request_id] = prefix.num_tokens
         self.waiting.remove(request)
+        self.policy.on_dequeued(request, swapped=False, first_admission=first_admission)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._order)
         return block_ids
@@ -415,11 +423,13 @@ class Scheduler:
             self.num_swaps_out += 1
             request.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, request, key=self._order)
+            self.policy.on_queued(request, swapped=True)
             return
         self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, request, key=self._order)
+        self.policy.on_queued(request, swapped=False)
 
     # ----- after the executor ran the step ----------------------------------
 
@@ -456,6 +466,7 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason, stop_reason)
+        self.policy.on_tokens(updated)
         return updated
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:

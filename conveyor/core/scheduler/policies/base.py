@@ -44,6 +44,10 @@ class SchedulingPolicy:
             return waiting[0] if waiting else None
         return next((r for r in waiting if r.request_id not in passed_over), None)
 
+    def resumes_before(self, swapped: Request, waiting: Request | None) -> bool:
+        """Whether the head of the swapped queue goes on before ``waiting``, the request admission would take."""
+        return waiting is None or self.order(swapped) < self.order(waiting)
+
     def victims_for(self, request: Request, running: list[Request], step_index: int,
                     frees_enough: FreesEnough) -> list[Request] | None:
         """Running requests to preempt so that the waiting ``request`` fits, or None to let it wait.
@@ -52,3 +56,22 @@ class SchedulingPolicy:
         head of the queue waits for memory, and nobody overtakes it.
         """
         return None
+
+    # ----- what happens to requests, for policies that keep accounts (fair); the others ignore it ------
+
+    def on_arrival(self, request: Request) -> None:
+        """A new request joined the waiting queue."""
+
+    def on_queued(self, request: Request, swapped: bool) -> None:
+        """A preempted request went back to the waiting queue, or (``swapped``) to the swapped queue."""
+
+    def on_dequeued(self, request: Request, swapped: bool, first_admission: bool) -> None:
+        """A request left the waiting (or ``swapped``) queue: admitted, resumed or aborted there;
+        ``first_admission``: admitted for the first time."""
+
+    def on_tokens(self, requests: list[Request]) -> None:
+        """Once per step: the requests that drew a token in it."""
+
+    def tenant_report(self) -> dict[str, dict[str, float]]:
+        """Per-tenant figures for the metrics; empty for policies that do not count tenants."""
+        return {}
