@@ -131,7 +131,8 @@ def test_engine_config_round_trips_through_the_flags() -> None:
             "--max-num-batched-tokens", "99", "--block-size", "8", "--kv-cache-memory", "1GiB",
             "--num-kv-blocks", "12", "--max-model-len", "64", "--seed", "3", "--scheduler", "static",
             "--scheduling-policy", "priority", "--preemption-mode", "swap", "--tenant-weights", '{"a": 2}',
-            "--tenant-header", "X-Tenant", "--swap-space", "512MB",
+            "--tenant-header", "X-Tenant", "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2",
+            "--long-prefill-token-threshold", "300", "--swap-space", "512MB",
             "--kv-layout", "contiguous", "--no-enable-prefix-caching", "--kernels", "torch", "--quantization", "int8",
             "--num-threads", "3"]
     assert len(argv) == 2 * len(engine_options()) - 1  # the switch takes no value
@@ -139,6 +140,7 @@ def test_engine_config_round_trips_through_the_flags() -> None:
         model="m.gguf", dtype="bfloat16", device="cpu", max_num_seqs=7, max_num_batched_tokens=99, block_size=8,
         kv_cache_memory=2**30, num_kv_blocks=12, max_model_len=64, seed=3, scheduler="static",
         scheduling_policy="priority", preemption_mode="swap", tenant_weights='{"a": 2}', tenant_header="X-Tenant",
+        max_num_partial_prefills=4, max_long_partial_prefills=2, long_prefill_token_threshold=300,
         swap_space=512 * 10**6, kv_layout="contiguous",
         enable_prefix_caching=False, kernels="torch", quantization="int8", num_threads=3,
     )
@@ -157,6 +159,8 @@ def test_prefix_caching_is_on_by_default_for_paged_blocks_only() -> None:
         EngineConfig(scheduler="static", scheduling_policy="lpm")
     with pytest.raises(ValueError, match="fair orders continuous admission"):
         EngineConfig(scheduler="static", scheduling_policy="fair")
+    with pytest.raises(ValueError, match=r"max_long_partial_prefills \(3\) must be <= max_num_partial_prefills \(2\)"):
+        EngineConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
 
 
 def test_tenant_weights_are_a_json_object_given_inline_or_in_a_file(tmp_path) -> None:

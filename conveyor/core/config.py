@@ -74,6 +74,14 @@ class EngineConfig:
                                      choices=("fcfs", "priority", "lpm", "fair"))
     preemption_mode: str = _option("recompute", "what happens to a preempted request's KV: dropped and recomputed, "
                                    "or swapped to CPU", choices=("recompute", "swap"))
+    max_num_partial_prefills: int = _option(1, "prompts computed in chunks side by side, each taking at most "
+                                            "max_num_batched_tokens / this many tokens a step, so a long prompt "
+                                            "does not hold up short ones (vLLM v0's name)", minimum=1)
+    max_long_partial_prefills: int = _option(1, "of those, how many may be long (see --long-prefill-token-threshold); "
+                                             "a later short prompt is admitted ahead of a waiting long one",
+                                             minimum=1)
+    long_prefill_token_threshold: int = _option(0, "a prompt with more tokens than this still to compute is long; "
+                                                "0: 4% of max_model_len", minimum=0)
     tenant_weights: str | None = _option(None, "the fair policy's weight per tenant: a JSON object such as "
                                          "'{\"gold\": 4, \"free\": 1}', or the path of a JSON file holding one; "
                                          "a tenant gets served tokens in proportion to its weight",
@@ -111,6 +119,7 @@ class EngineConfig:
             raise ValueError("scheduling_policy: fair orders continuous admission; static batches form in arrival "
                              "order (use fcfs or priority with scheduler static)")
         self.tenant_weight_map()  # a ValueError now rather than at the first request
+        check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
         if self.enable_prefix_caching and self.kv_layout == "contiguous":
             raise ValueError("enable_prefix_caching: the contiguous layout cannot share blocks; "
                              "use kv_layout paged, or leave prefix caching off")
@@ -123,6 +132,12 @@ class EngineConfig:
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on: as asked, or by default wherever the layout allows it (paged)."""
         return self.kv_layout == "paged" if self.enable_prefix_caching is None else self.enable_prefix_caching
+
+
+def check_partial_prefills(max_num_partial_prefills: int, max_long_partial_prefills: int) -> None:
+    if max_long_partial_prefills > max_num_partial_prefills:
+        raise ValueError(f"max_long_partial_prefills ({max_long_partial_prefills}) must be <= "
+                         f"max_num_partial_prefills ({max_num_partial_prefills})")
 
 
 def parse_tenant_weights(text: str | None) -> dict[str, float]:

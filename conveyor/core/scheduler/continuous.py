@@ -30,12 +30,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from conveyor.core.config import check_option, engine_option
+from conveyor.core.config import check_option, check_partial_prefills, engine_option
 from conveyor.core.kv import CachedPrefix, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler.policies import SchedulingPolicy, make_policy
 from conveyor.core.scheduler.preemption import PreemptionMode, make_preemption
+from conveyor.core.scheduler.prefill import PartialPrefills
 from conveyor.core.stats import EngineStats
 
 POLICIES = engine_option("scheduling_policy").choices
@@ -51,12 +52,17 @@ class SchedulerConfig:
     policy: str = "fcfs"  # a name in policies.POLICY_CLASSES: the policy built when none is handed over
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
     tenant_weights: Mapping[str, float] = field(default_factory=dict)  # the fair policy's; unnamed tenants weigh 1
+    max_num_partial_prefills: int = 1  # prompts computed in chunks side by side (see prefill.py)
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0  # 0: 4% of max_model_len
 
     def __post_init__(self) -> None:
         """The rules of EngineConfig's fields of the same names (``policy`` is its ``scheduling_policy``)."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
+                     "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold"):
             check_option(name, getattr(self, name))
         check_option("scheduling_policy", self.policy)
+        check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
 
 
 def _num_new_tokens(request: Request, budget: int) -> int:
@@ -115,6 +121,11 @@ class Scheduler:
         # Every queue is kept sorted by the policy's order: waiting is admitted from the front; running is
         # served from the front and preempted from the back.
         self._order = self.policy.order
+        self.prefills = PartialPrefills.from_limits(
+            config.max_num_partial_prefills, config.max_long_partial_prefills, config.long_prefill_token_threshold,
+            config.max_num_batched_tokens, config.max_model_len)
+        # Tokens one request may take in a step: the whole budget, or a prefill's share of it.
+        self._chunk_cap = config.max_num_batched_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -225,6 +236,8 @@ class Scheduler:
         self._preempted_this_step = preempted = []
         self._swap_out = []
         swap_in: list[tuple[int, int]] = []
+        if self.prefills is not None:
+            self._chunk_cap = self.prefills.share(self.running, len(self.waiting) + len(self.swapped))
         scheduled, budget = self._schedule_running(self.config.max_num_batched_tokens)
 
         # vLLM's rule: admit nobody in a step that had to preempt for memory, or
@@ -232,6 +245,8 @@ class Scheduler:
         if not preempted:
             self.policy.start_admission()
             self._deferred = set()
+            if self.prefills is not None:
+                self.prefills.count_under_way(self.running, {s.request_id: s.num_scheduled_tokens for s in scheduled})
             budget = self._resume_or_admit(budget, scheduled, swap_in)
 
         self.step_index += 1
@@ -261,10 +276,11 @@ class Scheduler:
         """
         scheduled: list[ScheduledRequest] = []
         grow_table = self.kv_manager.grow_table
+        cap = self._chunk_cap
         for request in self.running:  # preemption takes from the back: the loop never meets a preempted request
             if budget <= 0:
                 break
-            num_new = _num_new_tokens(request, budget)
+            num_new = _num_new_tokens(request, budget if budget < cap else cap)
             end = request.num_computed_tokens + num_new
             block_ids = grow_table(request.request_id, end)
             if block_ids is None:  # the pool is short
@@ -312,7 +328,10 @@ class Scheduler:
         """
         if len(self.running) >= self.config.max_num_seqs:
             return None
-        num_new = _num_new_tokens(request, budget)
+        lacking = request.num_tokens - request.num_computed_tokens
+        num_new = _num_new_tokens(request, budget if budget < self._chunk_cap else self._chunk_cap)
+        if self.prefills is not None and not self.prefills.has_place(request, lacking, num_new):
+            return None
         end = request.num_computed_tokens + num_new
         kv = self.kv_manager
         # Room to go on: the rest of its prompt if it is still computing it, and one more token, for it and for
@@ -324,6 +343,8 @@ class Scheduler:
         block_ids = kv.grow_table(request.request_id, end)
         self.swapped.remove(request)
         self.policy.on_dequeued(request, swapped=True, first_admission=False)
+        if self.prefills is not None:
+            self.prefills.started(request, lacking, num_new)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._order)
         scheduled.append(_scheduled_request(request, num_new, block_ids))
@@ -351,7 +372,10 @@ class Scheduler:
             # than compute it twice. Later requests may be admitted meanwhile.
             self._deferred.add(request.request_id)
             return 0
-        num_new = min(request.num_tokens - prefix.num_tokens, budget)
+        lacking = request.num_tokens - prefix.num_tokens
+        num_new = min(lacking, budget, self._chunk_cap)
+        if self.prefills is not None and not self.prefills.has_place(request, lacking, num_new):
+            return self._wait_for_a_prefill_place(request)
         end = prefix.num_tokens + num_new
         refund = 0
         if not self._fits(request, end, prefix):
@@ -363,8 +387,18 @@ class Scheduler:
                 logger.error("preempted %s for %s, which still does not fit", victims, request.request_id)
                 return None
         block_ids = self._admit(request, end, prefix)
+        if self.prefills is not None:
+            self.prefills.started(request, lacking, num_new)
         scheduled.append(_scheduled_request(request, num_new, block_ids))
         return num_new - refund
+
+    def _wait_for_a_prefill_place(self, request: Request) -> int | None:
+        """The partial-prefill caps are full: later requests may overtake this one (0: passed over this step)
+        until it has aged, and then nobody does (None: admission stops at it)."""
+        if self.prefills is not None and self.prefills.pass_over(request):
+            self._deferred.add(request.request_id)
+            return 0
+        return None
 
     def _fits(self, request: Request, num_slots: int, prefix: CachedPrefix) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
@@ -482,6 +516,8 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         self.kv_manager.free(request.request_id)
+        if self.prefills is not None:
+            self.prefills.forget(request.request_id)
         request.finish(reason, self.clock(), stop_reason)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
