@@ -289,3 +289,14 @@ def test_the_random_workloads_find_each_mutant(mutant: type[FairPolicy]) -> None
 
     find(fair_workloads(), breaks_the_bound,
          settings=settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck)))
+
+
+def test_tenants_past_the_cap_are_forgotten_when_their_last_request_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tenants are the client's to name, so the accounts stay bounded: past the cap, an idle tenant is dropped."""
+    monkeypatch.setattr("conveyor.core.scheduler.policies.fair.MAX_TENANT_ACCOUNTS", 2)
+    tenants = tuple(TenantLoad(f"t{i}", 1, (Burst(3 * i, 1, 4, 2),)) for i in range(6))
+    workload = FairWorkload(num_blocks=16, block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                            preemption_mode="recompute", tenants=tenants)
+    driver = FairDriver(workload).run()
+    assert len(driver.scheduler.policy.accounts) <= 2
+    driver.check_outputs()

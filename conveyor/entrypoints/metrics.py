@@ -66,6 +66,7 @@ class EngineMetrics:
                                          [*labels, "tenant"], registry=r)
         self._model = model_name
         self._counted: dict[str, int] = {}  # the engine's running totals, as last added to the counters
+        self._tenants: set[str] = set()  # tenants with gauges
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step, with the step's snapshot and outputs."""
@@ -83,6 +84,14 @@ class EngineMetrics:
         self._count(self.failed_steps, "num_failed_steps", stats.num_failed_steps)
         for tenant, figures in stats.tenants.items():
             self._on_tenant(tenant, figures)
+        if len(self._tenants) > len(stats.tenants):  # the policy forgot some: their gauges go too
+            for tenant in self._tenants - stats.tenants.keys():
+                self.tenant_virtual.remove(m, tenant)
+                self.tenant_waiting.remove(m, tenant)
+                # Its totals restart from 0 if it returns; the counters go on from where they are.
+                self._counted.pop(f"tenant_prompt:{tenant}", None)
+                self._counted.pop(f"tenant_generation:{tenant}", None)
+            self._tenants &= stats.tenants.keys()
         for output in outputs:
             if output.finished and output.error is None:
                 self._on_finish(output)
@@ -96,10 +105,14 @@ class EngineMetrics:
 
     def _on_tenant(self, tenant: str, figures: dict[str, float]) -> None:
         m = self._model
+        self._tenants.add(tenant)
         self.tenant_virtual.labels(m, tenant).set(figures["virtual_tokens"])
         self.tenant_waiting.labels(m, tenant).set(figures["num_waiting"] + figures["num_swapped"])
-        self._count(self.tenant_prompt, f"tenant_prompt:{tenant}", int(figures["prompt_tokens"]), tenant)
-        self._count(self.tenant_generation, f"tenant_generation:{tenant}", int(figures["output_tokens"]), tenant)
+        for counter, name, total in ((self.tenant_prompt, f"tenant_prompt:{tenant}", figures["prompt_tokens"]),
+                                     (self.tenant_generation, f"tenant_generation:{tenant}", figures["output_tokens"])):
+            if total < self._counted.get(name, 0):  # forgotten and back within one step: its totals restarted
+                self._counted[name] = 0
+            self._count(counter, name, int(total), tenant)
 
     def _count(self, counter: Counter, name: str, total: int, *labels: str) -> None:
         """Advance a Prometheus counter to a running total (called from one thread at a time per name)."""

@@ -518,6 +518,7 @@ class Scheduler:
         self.kv_manager.free(request.request_id)
         if self.prefills is not None:
             self.prefills.forget(request.request_id)
+        self.policy.on_finished(request)
         request.finish(reason, self.clock(), stop_reason)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)

@@ -72,6 +72,9 @@ class SchedulingPolicy:
     def on_tokens(self, requests: list[Request]) -> None:
         """Once per step: the requests that drew a token in it."""
 
+    def on_finished(self, request: Request) -> None:
+        """The request ended (finished, aborted or failed), wherever it was."""
+
     def tenant_report(self) -> dict[str, dict[str, float]]:
         """Per-tenant figures for the metrics; empty for policies that do not count tenants."""
         return {}

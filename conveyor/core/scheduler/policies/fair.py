@@ -28,6 +28,10 @@ from conveyor.core.kv import PagedKVCacheManager
 from conveyor.core.request import Request
 from conveyor.core.scheduler.policies.base import SchedulingPolicy
 
+# Past this many tenants, one whose last request ends is forgotten: tenants come from a client's ``user``
+# field, so their number is the client's to choose. A forgotten tenant that returns starts level with the
+# least-served backlogged one, which is what the lift gives any returning tenant not ahead of the others.
+MAX_TENANT_ACCOUNTS = 4096
 PROMPT_TOKEN_WEIGHT = 1.0  # VTC's w_p
 OUTPUT_TOKEN_WEIGHT = 2.0  # VTC's w_q: an output token costs a step of its own, a prompt token a share of one
 
@@ -40,6 +44,7 @@ class TenantAccount:
     counter: float = 0.0  # weighted tokens served / weight, lifted on return from idle
     num_waiting: int = 0  # in the waiting queue (new, or preempted by recompute)
     num_swapped: int = 0
+    num_in_engine: int = 0  # arrived and not finished
     prompt_tokens: int = 0  # charged at first admission
     output_tokens: int = 0
 
@@ -108,6 +113,7 @@ class FairPolicy(SchedulingPolicy):
         account = self.account(request.tenant)
         if not account.is_backlogged:
             self.lift(account)
+        account.num_in_engine += 1
         self._count_waiting(account, 1)
 
     def on_queued(self, request: Request, swapped: bool) -> None:
@@ -132,9 +138,17 @@ class FairPolicy(SchedulingPolicy):
     def on_tokens(self, requests: list[Request]) -> None:
         accounts = self.accounts
         for request in requests:
-            account = accounts[request.tenant]
+            account = accounts.get(request.tenant)
+            if account is None:
+                continue  # its last request ended in this step, and it was forgotten (MAX_TENANT_ACCOUNTS)
             account.output_tokens += 1
             account.counter += OUTPUT_TOKEN_WEIGHT / account.weight
+
+    def on_finished(self, request: Request) -> None:
+        account = self.accounts[request.tenant]
+        account.num_in_engine -= 1
+        if account.num_in_engine == 0 and len(self.accounts) > MAX_TENANT_ACCOUNTS:
+            del self.accounts[request.tenant]
 
     def _count_waiting(self, account: TenantAccount, change: int) -> None:
         before = account.num_waiting
