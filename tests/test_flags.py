@@ -130,14 +130,18 @@ def test_engine_config_round_trips_through_the_flags() -> None:
     argv = ["--model", "m.gguf", "--dtype", "bfloat16", "--device", "cpu", "--max-num-seqs", "7",
             "--max-num-batched-tokens", "99", "--block-size", "8", "--kv-cache-memory", "1GiB",
             "--num-kv-blocks", "12", "--max-model-len", "64", "--seed", "3", "--scheduler", "static",
-            "--scheduling-policy", "priority", "--preemption-mode", "swap", "--swap-space", "512MB",
+            "--scheduling-policy", "priority", "--preemption-mode", "swap", "--tenant-weights", '{"a": 2}',
+            "--tenant-header", "X-Tenant", "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2",
+            "--long-prefill-token-threshold", "300", "--swap-space", "512MB",
             "--kv-layout", "contiguous", "--no-enable-prefix-caching", "--kernels", "torch", "--quantization", "int8",
             "--num-threads", "3"]
     assert len(argv) == 2 * len(engine_options()) - 1  # the switch takes no value
     assert engine_config(parse(argv)) == EngineConfig(
         model="m.gguf", dtype="bfloat16", device="cpu", max_num_seqs=7, max_num_batched_tokens=99, block_size=8,
         kv_cache_memory=2**30, num_kv_blocks=12, max_model_len=64, seed=3, scheduler="static",
-        scheduling_policy="priority", preemption_mode="swap", swap_space=512 * 10**6, kv_layout="contiguous",
+        scheduling_policy="priority", preemption_mode="swap", tenant_weights='{"a": 2}', tenant_header="X-Tenant",
+        max_num_partial_prefills=4, max_long_partial_prefills=2, long_prefill_token_threshold=300,
+        swap_space=512 * 10**6, kv_layout="contiguous",
         enable_prefix_caching=False, kernels="torch", quantization="int8", num_threads=3,
     )
 
@@ -153,6 +157,23 @@ def test_prefix_caching_is_on_by_default_for_paged_blocks_only() -> None:
     assert with_overrides(EngineConfig(), "enable_prefix_caching=off").prefix_caching is False
     with pytest.raises(ValueError, match="lpm orders continuous admission"):
         EngineConfig(scheduler="static", scheduling_policy="lpm")
+    with pytest.raises(ValueError, match="fair orders continuous admission"):
+        EngineConfig(scheduler="static", scheduling_policy="fair")
+    with pytest.raises(ValueError, match=r"max_long_partial_prefills \(3\) must be <= max_num_partial_prefills \(2\)"):
+        EngineConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
+
+
+def test_tenant_weights_are_a_json_object_given_inline_or_in_a_file(tmp_path) -> None:
+    assert EngineConfig(tenant_weights='{"gold": 4, "free": 1}').tenant_weight_map() == {"gold": 4.0, "free": 1.0}
+    path = tmp_path / "weights.json"
+    path.write_text('{"gold": 2.5}')
+    assert EngineConfig(tenant_weights=str(path)).tenant_weight_map() == {"gold": 2.5}
+    assert EngineConfig().tenant_weight_map() == {}
+    for text, message in [('{"a": 0}', "must weigh a positive number"), ('{"a": true}', "positive number"),
+                          ("[1]", "must be a JSON object"), ("{nope", "not JSON"),
+                          (str(tmp_path / "missing.json"), "neither a JSON object nor a readable file")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(tenant_weights=text)
 
 
 def test_parser_refuses_a_bad_choice_or_integer() -> None:
@@ -195,7 +216,7 @@ def test_sizes_become_bytes() -> None:
     ("options", "message"),
     [
         ({"max_num_seqs": 0}, "max_num_seqs must be >= 1"),
-        ({"policy": "lifo"}, "scheduling_policy must be fcfs, priority or lpm"),
+        ({"policy": "lifo"}, "scheduling_policy must be fcfs, priority, lpm or fair"),
         ({"preemption_mode": "drop"}, "preemption_mode must be recompute or swap"),
     ],
 )

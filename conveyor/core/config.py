@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -68,10 +69,26 @@ class EngineConfig:
                              "(the baseline)", choices=("continuous", "static"))
     scheduling_policy: str = _option("fcfs", "priority: lower value first, preempting less important running "
                                      "requests; lpm: longest cached prefix first (SGLang's cache-aware order), "
-                                     "first come first served when the queue is long",
-                                     choices=("fcfs", "priority", "lpm"))
+                                     "first come first served when the queue is long; fair: fair shares between "
+                                     "tenants (VTC's virtual token counters; see --tenant-weights)",
+                                     choices=("fcfs", "priority", "lpm", "fair"))
     preemption_mode: str = _option("recompute", "what happens to a preempted request's KV: dropped and recomputed, "
                                    "or swapped to CPU", choices=("recompute", "swap"))
+    max_num_partial_prefills: int = _option(1, "prompts computed in chunks side by side, each taking at most "
+                                            "max_num_batched_tokens / this many tokens a step, so a long prompt "
+                                            "does not hold up short ones (vLLM v0's name)", minimum=1)
+    max_long_partial_prefills: int = _option(1, "of those, how many may be long (see --long-prefill-token-threshold); "
+                                             "a later short prompt is admitted ahead of a waiting long one",
+                                             minimum=1)
+    long_prefill_token_threshold: int = _option(0, "a prompt with more tokens than this still to compute is long; "
+                                                "0: 4% of max_model_len", minimum=0)
+    tenant_weights: str | None = _option(None, "the fair policy's weight per tenant: a JSON object such as "
+                                         "'{\"gold\": 4, \"free\": 1}', or the path of a JSON file holding one; "
+                                         "a tenant gets served tokens in proportion to its weight",
+                                         unset="every tenant weighs 1")
+    tenant_header: str | None = _option(None, "HTTP header that names a request's tenant (e.g. X-Tenant-Id), "
+                                        "for a gateway that authenticates callers",
+                                        unset="the body's user field (OpenAI's)")
     swap_space: int | str = _option("4GiB", "CPU memory for swapped KV (with --preemption-mode swap)", minimum=0,
                                     size=True)
     kv_layout: str = _option("paged", "paged: blocks on demand; contiguous: a --max-model-len slab reserved per "
@@ -98,14 +115,52 @@ class EngineConfig:
         if self.scheduling_policy == "lpm" and self.scheduler == "static":
             raise ValueError("scheduling_policy: lpm orders continuous admission; static batches form in arrival "
                              "order (use fcfs or priority with scheduler static)")
+        if self.scheduling_policy == "fair" and self.scheduler == "static":
+            raise ValueError("scheduling_policy: fair orders continuous admission; static batches form in arrival "
+                             "order (use fcfs or priority with scheduler static)")
+        self.tenant_weight_map()  # a ValueError now rather than at the first request
+        check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
         if self.enable_prefix_caching and self.kv_layout == "contiguous":
             raise ValueError("enable_prefix_caching: the contiguous layout cannot share blocks; "
                              "use kv_layout paged, or leave prefix caching off")
+
+    def tenant_weight_map(self) -> dict[str, float]:
+        """``tenant_weights`` read: from its JSON text, or from the file it names."""
+        return parse_tenant_weights(self.tenant_weights)
 
     @property
     def prefix_caching(self) -> bool:
         """Whether prefix caching is on: as asked, or by default wherever the layout allows it (paged)."""
         return self.kv_layout == "paged" if self.enable_prefix_caching is None else self.enable_prefix_caching
+
+
+def check_partial_prefills(max_num_partial_prefills: int, max_long_partial_prefills: int) -> None:
+    if max_long_partial_prefills > max_num_partial_prefills:
+        raise ValueError(f"max_long_partial_prefills ({max_long_partial_prefills}) must be <= "
+                         f"max_num_partial_prefills ({max_num_partial_prefills})")
+
+
+def parse_tenant_weights(text: str | None) -> dict[str, float]:
+    """``'{"a": 2}'`` or the path of a file holding it -> {"a": 2.0}; ValueError naming the flag otherwise."""
+    if text is None:
+        return {}
+    source = text.strip()
+    if not source.startswith(("{", "[")):  # otherwise a path
+        try:
+            with open(source, encoding="utf-8") as file:
+                source = file.read()
+        except OSError as error:
+            raise ValueError(f"tenant_weights: neither a JSON object nor a readable file: {error}") from None
+    try:
+        weights = json.loads(source)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"tenant_weights: not JSON: {error}") from None
+    if not isinstance(weights, dict):
+        raise ValueError("tenant_weights: must be a JSON object of tenant -> weight")
+    for tenant, weight in weights.items():
+        if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
+            raise ValueError(f"tenant_weights: {tenant!r} must weigh a positive number, got {weight!r}")
+    return {tenant: float(weight) for tenant, weight in weights.items()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,6 +100,10 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         plan.max_model_len,
         config.scheduling_policy,
         config.preemption_mode,
+        config.tenant_weight_map(),
+        config.max_num_partial_prefills,
+        config.max_long_partial_prefills,
+        config.long_prefill_token_threshold,
     )
     return SCHEDULERS[config.scheduler](scheduler_config, kv, clock)
 

@@ -51,6 +51,7 @@ class Request:
     arrival_order: int = 0  # set by the scheduler; breaks ties between equal arrival times
     prompt_text: str | None = None
     cache_salt: str | None = None  # prefix caching shares blocks only between requests with the same salt
+    tenant: str = ""  # who the request is served for (the fair policy's unit of share); "" when nobody is named
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (OpenAI's cached_tokens)

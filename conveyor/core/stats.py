@@ -8,7 +8,7 @@ the latest without a lock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,9 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of the sequences that got a first token, since start
     generation_tokens: int = 0  # tokens drawn, since start
     num_failed_steps: int = 0  # steps whose execution raised; their requests ended with an error
+    # The fair policy's accounts, tenant -> figures (virtual_tokens, weight, num_waiting, num_swapped,
+    # prompt_tokens, output_tokens); empty under the other policies.
+    tenants: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def num_unfinished(self) -> int:

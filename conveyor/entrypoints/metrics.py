@@ -15,6 +15,10 @@ from conveyor.engine import RequestCounts, RequestOutput
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
 
+def gauge_by_tenant(registry: CollectorRegistry, name: str, doc: str) -> Gauge:
+    return Gauge(f"conveyor:{name}", doc, ["model_name", "tenant"], registry=registry)
+
+
 class EngineMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -52,8 +56,17 @@ class EngineMetrics:
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens of a request")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled")
+        # The fair policy's accounts, per tenant (empty under the other policies).
+        self.tenant_virtual = gauge_by_tenant(
+            r, "tenant_virtual_tokens", "The fair policy's virtual token counter: weighted tokens served / weight")
+        self.tenant_waiting = gauge_by_tenant(r, "tenant_requests_waiting", "Requests waiting or swapped, by tenant")
+        self.tenant_prompt = Counter("conveyor:tenant_prompt_tokens", "Prompt tokens admitted, by tenant",
+                                     [*labels, "tenant"], registry=r)
+        self.tenant_generation = Counter("conveyor:tenant_generation_tokens", "Tokens generated, by tenant",
+                                         [*labels, "tenant"], registry=r)
         self._model = model_name
         self._counted: dict[str, int] = {}  # the engine's running totals, as last added to the counters
+        self._tenants: set[str] = set()  # tenants with gauges
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step, with the step's snapshot and outputs."""
@@ -69,6 +82,16 @@ class EngineMetrics:
         self._count(self.prompt_tokens, "prompt_tokens", stats.prompt_tokens)
         self._count(self.generation_tokens, "generation_tokens", stats.generation_tokens)
         self._count(self.failed_steps, "num_failed_steps", stats.num_failed_steps)
+        for tenant, figures in stats.tenants.items():
+            self._on_tenant(tenant, figures)
+        if len(self._tenants) > len(stats.tenants):  # the policy forgot some: their gauges go too
+            for tenant in self._tenants - stats.tenants.keys():
+                self.tenant_virtual.remove(m, tenant)
+                self.tenant_waiting.remove(m, tenant)
+                # Its totals restart from 0 if it returns; the counters go on from where they are.
+                self._counted.pop(f"tenant_prompt:{tenant}", None)
+                self._counted.pop(f"tenant_generation:{tenant}", None)
+            self._tenants &= stats.tenants.keys()
         for output in outputs:
             if output.finished and output.error is None:
                 self._on_finish(output)
@@ -79,6 +102,17 @@ class EngineMetrics:
         for outcome in ("finished", "aborted", "errored"):
             self._count(self.ended, f"requests_ended:{outcome}", getattr(counts, outcome), outcome)
         self.open.labels(self._model).set(counts.open)
+
+    def _on_tenant(self, tenant: str, figures: dict[str, float]) -> None:
+        m = self._model
+        self._tenants.add(tenant)
+        self.tenant_virtual.labels(m, tenant).set(figures["virtual_tokens"])
+        self.tenant_waiting.labels(m, tenant).set(figures["num_waiting"] + figures["num_swapped"])
+        for counter, name, total in ((self.tenant_prompt, f"tenant_prompt:{tenant}", figures["prompt_tokens"]),
+                                     (self.tenant_generation, f"tenant_generation:{tenant}", figures["output_tokens"])):
+            if total < self._counted.get(name, 0):  # forgotten and back within one step: its totals restarted
+                self._counted[name] = 0
+            self._count(counter, name, int(total), tenant)
 
     def _count(self, counter: Counter, name: str, total: int, *labels: str) -> None:
         """Advance a Prometheus counter to a running total (called from one thread at a time per name)."""

@@ -91,6 +91,7 @@ class ServerSettings:
     allowed_methods: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allowed_hosts: list[str] = dataclasses.field(default_factory=lambda: ["*"])  # the Host names answered
+    tenant_header: str | None = None  # the header naming a request's tenant; None: the body's ``user``
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -274,6 +275,7 @@ class _Serving:
         Either way a client that disconnects aborts its requests at once, queued or running: their queue
         slots and KV blocks return to the others.
         """
+        self.assign_tenant(requests, body.user, raw)
         stream = open_streams(self.engine, requests)  # overloaded or dead: 503 at once, from the handlers above
         if body.stream:  # the headers go out now; the tokens follow, and a disconnect cancels the stream
             return StreamingResponse(_sse(stream, fmt, *body.usage_in_stream()), media_type="text/event-stream")
@@ -281,6 +283,14 @@ class _Serving:
         if outputs is None:
             return Response(status_code=499)  # the client left (nginx's code); nobody reads this
         return fmt.full(outputs)
+
+    def assign_tenant(self, requests: list[EngineRequest], user: str | None, raw: Request) -> None:
+        """Whom the requests are served for: the header ``--tenant-header`` names when the call has it (a
+        gateway sets it), else OpenAI's ``user``; the fair policy shares by it, the metrics count by it."""
+        header = self.settings.tenant_header
+        tenant = (raw.headers.get(header) if header else None) or user or ""
+        for request in requests:
+            request.tenant = tenant
 
     async def finals(self, stream: OutputStream, raw: Request, expected: int) -> list[RequestOutput] | None:
         """Each of the ``expected`` choices' final output, by index; None where the client left first (its
@@ -422,6 +432,7 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
             if body.store:
                 store.put(response, [*conversation, *ResponsesShape.conversation_of(response)])
 
+        serving.assign_tenant([request], body.user, raw)
         stream = open_streams(serving.engine, [request])
         if body.stream:
             return StreamingResponse(_responses_sse(shape, stream, keep), media_type="text/event-stream")

@@ -34,7 +34,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         name, args.api_key, args.max_request_bytes, args.default_max_tokens, args.metrics_without_auth,
         max_sequences_per_request=args.max_sequences_per_request, body_read_timeout=args.body_read_timeout,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers, allowed_hosts=args.allowed_hosts)
+        allowed_headers=args.allowed_headers, allowed_hosts=args.allowed_hosts, tenant_header=config.tenant_header)
     _check_replica_args(args)
     replicas = args.data_parallel_size > 1 or args.ray_address
     if replicas:

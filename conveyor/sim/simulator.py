@@ -210,6 +210,7 @@ def workload_request(item: WorkloadRequest, index: int, max_model_len: int) -> R
         sampling_params=SamplingParams(max_tokens=item.output_len, ignore_eos=True),
         arrival_time=item.arrival_time,
         priority=item.priority,
+        tenant=item.tenant,
     )
 
 

@@ -31,6 +31,7 @@ class WorkloadRequest:
     priority: int = 0  # for --scheduling-policy priority: lower first
     shared_prefix_id: int = 0  # requests with the same id and shared_prefix_len > 0 start with the same tokens
     shared_prefix_len: int = 0  # leading prompt tokens shared with the others of its shared_prefix_id
+    tenant: str = ""  # who it is served for: the fair policy's unit of share
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,5 +236,5 @@ def multi_tenant_requests(
         tenant = rng.randrange(num_tenants)
         prompt_len = context_len + rng.randint(*question_range)
         requests.append(WorkloadRequest(at, prompt_len, output_len, shared_prefix_id=tenant,
-                                        shared_prefix_len=context_len))
+                                        shared_prefix_len=context_len, tenant=f"tenant-{tenant}"))
     return requests

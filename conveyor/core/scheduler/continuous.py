@@ -6,18 +6,20 @@ the KV pool, ``max_num_seqs`` and the step's token budget allow. A request
 that finishes leaves after the step in which it finished, and its blocks
 return to the pool at once, so a waiting request joins on the very next step.
 
-When a running request needs a block and the pool is empty, the most recently
-arrived running request is preempted. By recompute, its KV is dropped and it
-goes back to the front of the waiting queue, to be prefilled again later
-(prompt and output so far). By swap, its blocks are copied to a CPU pool and
-it waits in the swapped queue; swapped and waiting requests are then taken in
-the policy's order (a swapped request resumes only when it and the running
-batch have room to go on, so it is not swapped straight out again). When the
-CPU pool is full, that victim falls back to recompute.
+When a running request needs a block and the pool is empty, the running
+request last in the policy's order (for fcfs the most recent arrival) is
+preempted. By recompute, its KV is dropped and it goes back to the front of
+the waiting queue, to be prefilled again later (prompt and output so far). By
+swap, its blocks are copied to a CPU pool and it waits in the swapped queue;
+swapped and waiting requests are then taken in the policy's order (a swapped
+request resumes only when it and the running batch have room to go on, so it
+is not swapped straight out again). When the CPU pool is full, that victim
+falls back to recompute.
 
-With the priority policy a newcomer may preempt less important running
-requests, least important first, but only as many as make it fit, and only
-when they do: a preemption that would not seat the newcomer is not made.
+This class is the step's mechanics only. What differs between policies (the
+order of the queues, whom to admit next, whom to preempt for a newcomer) is
+a policy object (``policies/``), and what becomes of a victim's KV is a
+preemption mode object (``preemption.py``), both chosen once at construction.
 """
 
 from __future__ import annotations
@@ -25,17 +27,19 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
-from conveyor.core.config import check_option, engine_option
+from conveyor.core.config import check_option, check_partial_prefills, engine_option
 from conveyor.core.kv import CachedPrefix, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
+from conveyor.core.scheduler.policies import SchedulingPolicy, make_policy
+from conveyor.core.scheduler.preemption import PreemptionMode, make_preemption
+from conveyor.core.scheduler.prefill import PartialPrefills
 from conveyor.core.stats import EngineStats
 
 POLICIES = engine_option("scheduling_policy").choices
-LPM_QUEUE_LIMIT = 128  # past this many waiting requests, lpm falls back to FCFS (SGLang's threshold)
 PREEMPTION_MODES = engine_option("preemption_mode").choices
 logger = logging.getLogger("conveyor.core.scheduler")
 
@@ -45,22 +49,20 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    policy: str = "fcfs"  # or "priority": lower value first, and may preempt less important requests
+    policy: str = "fcfs"  # a name in policies.POLICY_CLASSES: the policy built when none is handed over
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)  # the fair policy's; unnamed tenants weigh 1
+    max_num_partial_prefills: int = 1  # prompts computed in chunks side by side (see prefill.py)
+    max_long_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0  # 0: 4% of max_model_len
 
     def __post_init__(self) -> None:
         """The rules of EngineConfig's fields of the same names (``policy`` is its ``scheduling_policy``)."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
+                     "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold"):
             check_option(name, getattr(self, name))
         check_option("scheduling_policy", self.policy)
-
-
-def _arrival_order(request: Request) -> tuple[float, int]:
-    return (request.arrival_time, request.arrival_order)
-
-
-def _priority_order(request: Request) -> tuple[int, float, int]:
-    return (request.priority, request.arrival_time, request.arrival_order)
+        check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
 
 
 def _num_new_tokens(request: Request, budget: int) -> int:
@@ -100,7 +102,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: PagedKVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        policy: SchedulingPolicy | None = None,
+        preemption: PreemptionMode | None = None,
     ) -> None:
+        """``policy`` and ``preemption`` default to the ones ``config`` names."""
         if config.max_model_len > kv_manager.capacity_tokens:
             # Otherwise a request alone in the engine could need more blocks than exist, and never finish.
             raise ValueError(
@@ -111,26 +116,36 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
-        # Both queues are kept sorted by the policy's order (arrival, or priority then arrival):
-        # waiting is admitted from the front; running is served from the front and preempted from the back.
-        self._order = _arrival_order if config.policy == "fcfs" else _priority_order
+        self.policy = policy or make_policy(config.policy, kv_manager, config.tenant_weights)
+        self.preemption = preemption or make_preemption(config.preemption_mode)
+        # Every queue is kept sorted by the policy's order: waiting is admitted from the front; running is
+        # served from the front and preempted from the back.
+        self._order = self.policy.order
+        self.prefills = PartialPrefills.from_limits(
+            config.max_num_partial_prefills, config.max_long_partial_prefills, config.long_prefill_token_threshold,
+            config.max_num_batched_tokens, config.max_model_len)
+        # Tokens one request may take in a step: the whole budget, or a prefill's share of it.
+        self._chunk_cap = config.max_num_batched_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self._finished_since_last_step: list[str] = []
         self._cached_this_step: dict[str, int] = {}  # admitted this step with a prefix-cache hit: tokens
-        self._lpm_order: list[Request] | None = None  # lpm's admission order for the current step
         self._deferred: set[str] = set()  # waiting requests passed over in this step (their prefix is in flight)
         self._preempted_this_step: list[str] = []
         self._swap_out: list[tuple[int, int]] = []
         self.step_index = 0
         self.num_preemptions = 0
         self.num_swaps_out = 0
-        self.num_swap_fallbacks = 0  # swaps that found the CPU pool full and recomputed instead
         self.num_prompt_tokens = 0  # prompts of the sequences that got their first token (vLLM: prompt_tokens)
         self.num_generation_tokens = 0  # tokens drawn
         self.num_failed_steps = 0
         self._num_added = 0
+
+    @property
+    def num_swap_fallbacks(self) -> int:
+        """Swaps that found the CPU pool full and recomputed instead."""
+        return self.preemption.num_fallbacks
 
     # ----- queue management -------------------------------------------------
 
@@ -142,6 +157,7 @@ class Scheduler:
         self._num_added += 1
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._order)
+        self.policy.on_arrival(request)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """End a request wherever it is; its blocks return to the pool at once."""
@@ -152,6 +168,8 @@ class Scheduler:
             request.status, self.waiting
         )
         queue.remove(request)
+        if queue is not self.running:
+            self.policy.on_dequeued(request, queue is self.swapped, first_admission=False)
         self._finish(request, reason)
         return request
 
@@ -209,6 +227,7 @@ class Scheduler:
             prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.num_generation_tokens,
             num_failed_steps=self.num_failed_steps,
+            tenants=self.policy.tenant_report(),
         )
 
     # ----- one step ---------------------------------------------------------
@@ -217,13 +236,17 @@ class Scheduler:
         self._preempted_this_step = preempted = []
         self._swap_out = []
         swap_in: list[tuple[int, int]] = []
+        if self.prefills is not None:
+            self._chunk_cap = self.prefills.share(self.running, len(self.waiting) + len(self.swapped))
         scheduled, budget = self._schedule_running(self.config.max_num_batched_tokens)
 
         # vLLM's rule: admit nobody in a step that had to preempt for memory, or
         # the newcomer would take the blocks just freed and cause the next preemption.
         if not preempted:
-            self._lpm_order = None  # lpm's order: computed on first use, once per step
+            self.policy.start_admission()
             self._deferred = set()
+            if self.prefills is not None:
+                self.prefills.count_under_way(self.running, {s.request_id: s.num_scheduled_tokens for s in scheduled})
             budget = self._resume_or_admit(budget, scheduled, swap_in)
 
         self.step_index += 1
@@ -253,10 +276,11 @@ class Scheduler:
         """
         scheduled: list[ScheduledRequest] = []
         grow_table = self.kv_manager.grow_table
+        cap = self._chunk_cap
         for request in self.running:  # preemption takes from the back: the loop never meets a preempted request
             if budget <= 0:
                 break
-            num_new = _num_new_tokens(request, budget)
+            num_new = _num_new_tokens(request, budget if budget < cap else cap)
             end = request.num_computed_tokens + num_new
             block_ids = grow_table(request.request_id, end)
             if block_ids is None:  # the pool is short
@@ -278,12 +302,12 @@ class Scheduler:
         return block_ids
 
     def _resume_or_admit(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
-        """Swapped and waiting requests in the policy's order: a swapped request ahead of the next waiting one
-        resumes first, a more important waiting one is admitted first; the first that cannot go on stops both
-        (nobody overtakes)."""
+        """Swapped and waiting requests as the policy ranks them (by its order: a swapped request ahead of the
+        next waiting one resumes first, a more important waiting one is admitted first); the first that cannot
+        go on stops both (nobody overtakes)."""
         while budget > 0:
             request = self._next_to_admit()
-            if self.swapped and (request is None or self._order(self.swapped[0]) < self._order(request)):
+            if self.swapped and self.policy.resumes_before(self.swapped[0], request):
                 taken = self._resume(self.swapped[0], budget, scheduled, swap_in)
             elif request is not None:
                 taken = self._admit_next(request, budget, scheduled)
@@ -304,7 +328,10 @@ class Scheduler:
         """
         if len(self.running) >= self.config.max_num_seqs:
             return None
-        num_new = _num_new_tokens(request, budget)
+        lacking = request.num_tokens - request.num_computed_tokens
+        num_new = _num_new_tokens(request, budget if budget < self._chunk_cap else self._chunk_cap)
+        if self.prefills is not None and not self.prefills.has_place(request, lacking, num_new):
+            return None
         end = request.num_computed_tokens + num_new
         kv = self.kv_manager
         # Room to go on: the rest of its prompt if it is still computing it, and one more token, for it and for
@@ -315,6 +342,9 @@ class Scheduler:
         swap_in.extend(kv.swap_in(request.request_id))
         block_ids = kv.grow_table(request.request_id, end)
         self.swapped.remove(request)
+        self.policy.on_dequeued(request, swapped=True, first_admission=False)
+        if self.prefills is not None:
+            self.prefills.started(request, lacking, num_new)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._order)
         scheduled.append(_scheduled_request(request, num_new, block_ids))
@@ -330,27 +360,8 @@ class Scheduler:
         return needed
 
     def _next_to_admit(self) -> Request | None:
-        """Policy hook: the waiting request admission considers next (the head of the queue, or for ``lpm``
-        the one with the longest cached prefix, in this step's order)."""
-        if not self.waiting:
-            return None
-        if self.config.policy == "lpm" and self._lpm_order is None:
-            self._lpm_order = self._longest_prefix_first()
-        queue = self._lpm_order or self.waiting  # lpm's order holds requests admitted earlier in this step too
-        waiting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        return next((r for r in queue if r.status in waiting and r.request_id not in self._deferred), None)
-
-    def _longest_prefix_first(self) -> list[Request]:
-        """The waiting queue by cached prefix, longest first (arrival breaks ties), as SGLang's ``lpm``.
-
-        Requests that share a cached prefix then run together while it is still cached. Looking up every
-        waiting request costs a lookup per block each step, and a request with nothing cached could wait
-        behind others indefinitely, so past ``LPM_QUEUE_LIMIT`` waiting requests the order is arrival (FCFS).
-        """
-        if len(self.waiting) > LPM_QUEUE_LIMIT:
-            return []
-        cached = {id(r): self.kv_manager.cached_prefix(r).num_tokens for r in self.waiting}
-        return sorted(self.waiting, key=lambda r: (-cached[id(r)], *self._order(r)))
+        """The waiting request admission considers next: the policy's choice (the static scheduler's own)."""
+        return self.policy.next_to_admit(self.waiting, self._deferred)
 
     def _admit_next(self, request: Request, budget: int, scheduled: list[ScheduledRequest]) -> int | None:
         """Admit the waiting request (the priority policy may preempt for it); the tokens it takes from the
@@ -361,7 +372,10 @@ class Scheduler:
             # than compute it twice. Later requests may be admitted meanwhile.
             self._deferred.add(request.request_id)
             return 0
-        num_new = min(request.num_tokens - prefix.num_tokens, budget)
+        lacking = request.num_tokens - prefix.num_tokens
+        num_new = min(lacking, budget, self._chunk_cap)
+        if self.prefills is not None and not self.prefills.has_place(request, lacking, num_new):
+            return self._wait_for_a_prefill_place(request)
         end = prefix.num_tokens + num_new
         refund = 0
         if not self._fits(request, end, prefix):
@@ -373,8 +387,18 @@ class Scheduler:
                 logger.error("preempted %s for %s, which still does not fit", victims, request.request_id)
                 return None
         block_ids = self._admit(request, end, prefix)
+        if self.prefills is not None:
+            self.prefills.started(request, lacking, num_new)
         scheduled.append(_scheduled_request(request, num_new, block_ids))
         return num_new - refund
+
+    def _wait_for_a_prefill_place(self, request: Request) -> int | None:
+        """The partial-prefill caps are full: later requests may overtake this one (0: passed over this step)
+        until it has aged, and then nobody does (None: admission stops at it)."""
+        if self.prefills is not None and self.prefills.pass_over(request):
+            self._deferred.add(request.request_id)
+            return 0
+        return None
 
     def _fits(self, request: Request, num_slots: int, prefix: CachedPrefix) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
@@ -386,35 +410,29 @@ class Scheduler:
         """Move a waiting request to running with slots for ``num_tokens`` tokens, the cached ``prefix`` first."""
         block_ids = self.kv_manager.admit(request, num_tokens, prefix)
         request.num_computed_tokens = prefix.num_tokens
-        if request.first_scheduled_time is None:
+        first_admission = request.first_scheduled_time is None
+        if first_admission:
             request.first_scheduled_time = self.clock()
             request.num_cached_tokens = prefix.num_tokens
         if prefix.num_tokens:
             self._cached_this_step[request.request_id] = prefix.num_tokens
         self.waiting.remove(request)
+        self.policy.on_dequeued(request, swapped=False, first_admission=first_admission)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._order)
         return block_ids
 
     def _victims_for(self, request: Request, num_slots: int, prefix: CachedPrefix) -> list[Request] | None:
-        """Priority policy: the fewest running requests, least important first and each strictly less important
-        than ``request``, whose preemption makes it fit; None when no such set exists (then nobody is preempted).
-        """
-        if self.config.policy != "priority":
-            return None
-        victims: list[Request] = []
-        for victim in reversed(self.running):  # least important (and most recent) first
-            if victim.priority <= request.priority:
-                return None  # the rest rank at least as high
-            if victim.last_preempted_by == (request.request_id, self.step_index - 1):
-                return None  # thrash guard: not twice in consecutive steps by the same request
-            victims.append(victim)
+        """The running requests the policy would preempt for ``request``, each set checked here against memory
+        and ``max_num_seqs``; None when the policy preempts nobody for it."""
+
+        def frees_enough(victims: list[Request]) -> bool:
             remaining = len(self.running) - len(victims)
-            if remaining < self.config.max_num_seqs and self.kv_manager.can_admit_after_freeing(
+            return remaining < self.config.max_num_seqs and self.kv_manager.can_admit_after_freeing(
                 [v.request_id for v in victims], request.request_id, num_slots, remaining > 0, prefix
-            ):
-                return victims
-        return None
+            )
+
+        return self.policy.victims_for(request, self.running, self.step_index, frees_enough)
 
     def _preempt_for(self, request: Request, victims: list[Request], scheduled: list[ScheduledRequest]) -> int:
         """Preempt ``victims`` for ``request``; the tokens they had been given this step (back to the budget)."""
@@ -433,20 +451,19 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted_this_step.append(request.request_id)
-        if self.config.preemption_mode == "swap":
-            pairs = self.kv_manager.swap_out(request.request_id)
-            if pairs is not None:
-                self._swap_out.extend(pairs)
-                self.num_swaps_out += 1
-                request.status = RequestStatus.SWAPPED
-                bisect.insort(self.swapped, request, key=self._order)
-                return
-            self.num_swap_fallbacks += 1
-            logger.warning("swap space full: request %s is preempted by recompute instead", request.request_id)
+        pairs = self.preemption.swap_out(self.kv_manager, request)
+        if pairs is not None:
+            self._swap_out.extend(pairs)
+            self.num_swaps_out += 1
+            request.status = RequestStatus.SWAPPED
+            bisect.insort(self.swapped, request, key=self._order)
+            self.policy.on_queued(request, swapped=True)
+            return
         self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, request, key=self._order)
+        self.policy.on_queued(request, swapped=False)
 
     # ----- after the executor ran the step ----------------------------------
 
@@ -483,6 +500,7 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason, stop_reason)
+        self.policy.on_tokens(updated)
         return updated
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
@@ -498,6 +516,9 @@ class Scheduler:
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         self.kv_manager.free(request.request_id)
+        if self.prefills is not None:
+            self.prefills.forget(request.request_id)
+        self.policy.on_finished(request)
         request.finish(reason, self.clock(), stop_reason)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)

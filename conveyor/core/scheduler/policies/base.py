@@ -1,0 +1,80 @@
+"""The policy interface, and first come, first served: the default every other policy departs from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from conveyor.core.kv import PagedKVCacheManager
+from conveyor.core.request import Request
+
+# Does preempting these running requests make the newcomer fit (memory and max_num_seqs)? The scheduler
+# answers; the policy only proposes.
+FreesEnough = Callable[[list[Request]], bool]
+
+
+def arrival_order(request: Request) -> tuple[float, int]:
+    return (request.arrival_time, request.arrival_order)
+
+
+def priority_order(request: Request) -> tuple[int, float, int]:
+    """Lower value first, as in vLLM; arrival breaks ties."""
+    return (request.priority, request.arrival_time, request.arrival_order)
+
+
+class SchedulingPolicy:
+    """First come, first served; the base of every policy, whose methods are the hooks the scheduler calls.
+
+    ``order`` is a plain function, not a method, since it is the sort key of every queue insertion: a
+    subclass sets it to another plain function.
+    """
+
+    name = "fcfs"
+    order: Callable[[Request], tuple] = staticmethod(arrival_order)
+
+    def __init__(self, kv_manager: PagedKVCacheManager) -> None:
+        self.kv_manager = kv_manager
+
+    def start_admission(self) -> None:
+        """A step's admissions begin: forget whatever was worked out for the previous step's."""
+
+    def next_to_admit(self, waiting: list[Request], passed_over: set[str]) -> Request | None:
+        """The waiting request admission considers next; ``waiting`` is sorted by ``order``, and requests
+        in ``passed_over`` wait this step out (their prefix is in flight)."""
+        if not passed_over:
+            return waiting[0] if waiting else None
+        return next((r for r in waiting if r.request_id not in passed_over), None)
+
+    def resumes_before(self, swapped: Request, waiting: Request | None) -> bool:
+        """Whether the head of the swapped queue goes on before ``waiting``, the request admission would take."""
+        return waiting is None or self.order(swapped) < self.order(waiting)
+
+    def victims_for(self, request: Request, running: list[Request], step_index: int,
+                    frees_enough: FreesEnough) -> list[Request] | None:
+        """Running requests to preempt so that the waiting ``request`` fits, or None to let it wait.
+
+        ``running`` is sorted by ``order``. First come, first served never preempts for a newcomer: the
+        head of the queue waits for memory, and nobody overtakes it.
+        """
+        return None
+
+    # ----- what happens to requests, for policies that keep accounts (fair); the others ignore it ------
+
+    def on_arrival(self, request: Request) -> None:
+        """A new request joined the waiting queue."""
+
+    def on_queued(self, request: Request, swapped: bool) -> None:
+        """A preempted request went back to the waiting queue, or (``swapped``) to the swapped queue."""
+
+    def on_dequeued(self, request: Request, swapped: bool, first_admission: bool) -> None:
+        """A request left the waiting (or ``swapped``) queue: admitted, resumed or aborted there;
+        ``first_admission``: admitted for the first time."""
+
+    def on_tokens(self, requests: list[Request]) -> None:
+        """Once per step: the requests that drew a token in it."""
+
+    def on_finished(self, request: Request) -> None:
+        """The request ended (finished, aborted or failed), wherever it was."""
+
+    def tenant_report(self) -> dict[str, dict[str, float]]:
+        """Per-tenant figures for the metrics; empty for policies that do not count tenants."""
+        return {}

@@ -1,0 +1,163 @@
+"""Fair shares between tenants, after VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
+
+Each tenant has a virtual token counter: the service it received, in weighted tokens divided by its
+weight. Admission takes the earliest waiting request of the backlogged tenant with the smallest
+counter, so a tenant that floods the server only lengthens its own queue. A tenant returning from idle
+has its counter lifted to the least counter among the backlogged (or, when none is, to the counter of
+the last tenant that left the backlog): time spent idle is not saved up as credit to crowd the others
+out later.
+
+Service is charged once per token of work: the whole prompt at a request's first admission (VTC's
+rule, so several admissions in one step see each other), and each output token as it is drawn. A
+request preempted and later resumed or recomputed is not charged again, and does not get the lift:
+preemption is the engine's doing, so it costs the tenant neither share nor place.
+
+The bound (VTC's theorem, checked by tests/test_fair_property.py): while two tenants are both backlogged,
+the difference of their services, each divided by its weight, stays within ``2 * U / w_min``, where ``U``
+is the largest single charge a tenant can take before the others catch up: one prompt
+(``PROMPT_TOKEN_WEIGHT * longest prompt``) plus the output its running requests can still draw
+(``OUTPUT_TOKEN_WEIGHT * tokens the KV cache holds``), and ``w_min`` the smallest tenant weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from conveyor.core.kv import PagedKVCacheManager
+from conveyor.core.request import Request
+from conveyor.core.scheduler.policies.base import SchedulingPolicy
+
+# Past this many tenants, one whose last request ends is forgotten: tenants come from a client's ``user``
+# field, so their number is the client's to choose. A forgotten tenant that returns starts level with the
+# least-served backlogged one, which is what the lift gives any returning tenant not ahead of the others.
+MAX_TENANT_ACCOUNTS = 4096
+PROMPT_TOKEN_WEIGHT = 1.0  # VTC's w_p
+OUTPUT_TOKEN_WEIGHT = 2.0  # VTC's w_q: an output token costs a step of its own, a prompt token a share of one
+
+
+@dataclass(slots=True)
+class TenantAccount:
+    """One tenant's counter and queue lengths, and what it was served (for per-tenant metrics)."""
+
+    weight: float
+    counter: float = 0.0  # weighted tokens served / weight, lifted on return from idle
+    num_waiting: int = 0  # in the waiting queue (new, or preempted by recompute)
+    num_swapped: int = 0
+    num_in_engine: int = 0  # arrived and not finished
+    prompt_tokens: int = 0  # charged at first admission
+    output_tokens: int = 0
+
+    @property
+    def is_backlogged(self) -> bool:
+        return self.num_waiting + self.num_swapped > 0
+
+
+class FairPolicy(SchedulingPolicy):
+    """Virtual token counters per tenant; the least-served backlogged tenant is admitted first.
+
+    The queues stay in arrival order (a tenant's own requests are first come, first served, and
+    preemption for memory takes the latest arrival, as under fcfs); only the choice of whom to admit
+    next looks at tenants.
+    """
+
+    name = "fair"
+
+    def __init__(self, kv_manager: PagedKVCacheManager, tenant_weights: Mapping[str, float] | None = None) -> None:
+        super().__init__(kv_manager)
+        self.tenant_weights = dict(tenant_weights or {})
+        self.accounts: dict[str, TenantAccount] = {}
+        self._num_tenants_waiting = 0  # tenants with a request in the waiting queue
+        self._last_left_counter = 0.0  # the counter of the last tenant to leave the backlog
+
+    def account(self, tenant: str) -> TenantAccount:
+        account = self.accounts.get(tenant)
+        if account is None:
+            account = self.accounts[tenant] = TenantAccount(self.tenant_weights.get(tenant, 1.0))
+        return account
+
+    # ----- the choice ----------------------------------------------------------
+
+    def next_to_admit(self, waiting: list[Request], passed_over: set[str]) -> Request | None:
+        """The earliest waiting request of the tenant with the smallest counter (earlier arrival breaks ties)."""
+        best: Request | None = None
+        best_counter = 0.0
+        seen: set[str] = set()
+        for request in waiting:
+            if request.tenant in seen or request.request_id in passed_over:
+                continue
+            seen.add(request.tenant)
+            counter = self.accounts[request.tenant].counter
+            if best is None or counter < best_counter:
+                best, best_counter = request, counter
+            if len(seen) == self._num_tenants_waiting:
+                break  # every waiting tenant's first request has been seen
+        return best
+
+    def resumes_before(self, swapped: Request, waiting: Request | None) -> bool:
+        """Between tenants, the less served goes on first (a swapped request holds no device blocks, so it
+        may wait like a queued one); within a tenant, the earlier arrival."""
+        if waiting is None or waiting.tenant == swapped.tenant:
+            return super().resumes_before(swapped, waiting)
+        return self.accounts[swapped.tenant].counter <= self.accounts[waiting.tenant].counter
+
+    def lift(self, account: TenantAccount) -> None:
+        """A tenant back from idle starts level with the least-served backlogged tenant, not below it."""
+        backlogged = [a.counter for a in self.accounts.values() if a.is_backlogged]
+        floor = min(backlogged) if backlogged else self._last_left_counter
+        account.counter = max(account.counter, floor)
+
+    # ----- the hooks -----------------------------------------------------------
+
+    def on_arrival(self, request: Request) -> None:
+        account = self.account(request.tenant)
+        if not account.is_backlogged:
+            self.lift(account)
+        account.num_in_engine += 1
+        self._count_waiting(account, 1)
+
+    def on_queued(self, request: Request, swapped: bool) -> None:
+        account = self.account(request.tenant)
+        if swapped:
+            account.num_swapped += 1
+        else:
+            self._count_waiting(account, 1)
+
+    def on_dequeued(self, request: Request, swapped: bool, first_admission: bool) -> None:
+        account = self.accounts[request.tenant]
+        if swapped:
+            account.num_swapped -= 1
+        else:
+            self._count_waiting(account, -1)
+        if first_admission:
+            account.prompt_tokens += request.num_prompt_tokens
+            account.counter += PROMPT_TOKEN_WEIGHT * request.num_prompt_tokens / account.weight
+        if not account.is_backlogged:
+            self._last_left_counter = account.counter
+
+    def on_tokens(self, requests: list[Request]) -> None:
+        accounts = self.accounts
+        for request in requests:
+            account = accounts.get(request.tenant)
+            if account is None:
+                continue  # its last request ended in this step, and it was forgotten (MAX_TENANT_ACCOUNTS)
+            account.output_tokens += 1
+            account.counter += OUTPUT_TOKEN_WEIGHT / account.weight
+
+    def on_finished(self, request: Request) -> None:
+        account = self.accounts[request.tenant]
+        account.num_in_engine -= 1
+        if account.num_in_engine == 0 and len(self.accounts) > MAX_TENANT_ACCOUNTS:
+            del self.accounts[request.tenant]
+
+    def _count_waiting(self, account: TenantAccount, change: int) -> None:
+        before = account.num_waiting
+        account.num_waiting = before + change
+        if before == 0 or account.num_waiting == 0:
+            self._num_tenants_waiting += 1 if before == 0 else -1
+
+    def tenant_report(self) -> dict[str, dict[str, float]]:
+        """Each tenant's counter, queues and service: the per-tenant metrics read this."""
+        return {tenant: {"virtual_tokens": a.counter, "weight": a.weight, "num_waiting": a.num_waiting,
+                         "num_swapped": a.num_swapped, "prompt_tokens": a.prompt_tokens,
+                         "output_tokens": a.output_tokens} for tenant, a in self.accounts.items()}
