@@ -148,3 +148,42 @@ ENDPOINTS = [
              ("model", "messages", "tools", "add_generation_prompt", "continue_final_message")),
     Endpoint("/detokenize", {"tokens": [1, 2, 3]}, (), (), ("model", "tokens")),
 ]
+
+
+# The soak draws its hostile bodies from a seeded random.Random, not from hypothesis: one body per request,
+# thousands of them, each reproducible from the soak's seed and the request's index.
+HOSTILE_VALUES = ["\ud800", "a\udfffb", "\x00\x01\x1f\x7f", "\u202e\u200b\ufeff", "{{ raise }}", float("nan"),
+                  float("inf"), -(2**70), 2**64, 1e308, -0.0, [0] * 20_000, ["a"] * 5_000, [{}] * 2_000,
+                  deep(1, 500, True), deep("x", 500, False), deep(None, 65, True), {"\ud800": "\udc00"}]
+
+
+def random_hostile_body(rng) -> tuple[str, bytes]:
+    """A path and a body with one or two fields of one endpoint set to hostile values."""
+    endpoint = rng.choice(ENDPOINTS)
+    names = [*endpoint.texts, *endpoint.objects, *endpoint.fields]
+    changed = {name: rng.choice(HOSTILE_VALUES) for name in rng.sample(names, min(len(names), rng.randint(1, 2)))}
+    return endpoint.path, encode(endpoint.valid | changed)
+
+
+def nested_arrays(levels: int, leaf: dict | None = None) -> dict:
+    schema = leaf or {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def grammar_bomb(rng, index: int, max_values: int) -> dict:
+    """A completion body whose constraint is over a limit (refused before compiling) or as costly as the limits
+    allow (a compile of its own: ``index`` keeps it out of the compiled-grammar cache)."""
+    distinct = [f"v{index}-{i}" for i in range(max_values)]
+    constraints = [
+        {"guided_json": nested_arrays(900)},
+        {"guided_json": {"enum": [*distinct, "one more"]}},
+        {"guided_regex": "a" * 40_000},
+        {"guided_json": {"type": "object", "properties": {"a": {"$ref": "http://127.0.0.1:9/s.json"}}}},
+        {"guided_json": {"enum": distinct}},
+        {"guided_choice": distinct},
+        {"guided_json": nested_arrays(30, {"type": "string", "pattern": f"v{index}[a-z]{{1,64}}"})},
+        {"guided_regex": f"(v{index}|[a-z]{{1,40}}|[0-9]{{1,40}}){{1,200}}"},
+    ]
+    return {"prompt": "hi", "max_tokens": 4} | rng.choice(constraints)
