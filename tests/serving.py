@@ -162,3 +162,21 @@ def probe(base: str, api_key: str, stop_file: str, out_file: str, health_every: 
             time.sleep(health_every)
     Path(out_file).write_text(json.dumps({"health": health, "malformed": malformed, "health_statuses": statuses,
                                           "malformed_statuses": malformed_statuses}))
+
+
+def plain_probe(base: str, api_key: str, stop_file: str, out_file: str, every: float = 0.25) -> None:
+    """Run in a process of its own beside a load: send a plain completion (2 tokens, greedy) every ``every``
+    seconds until ``stop_file`` exists, then write each one's [sent at (time.time()), seconds, status] to
+    ``out_file`` as JSON: what a plain client waits while the load (and what it holds) goes on."""
+    import json
+    from pathlib import Path
+
+    sent = []
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0}
+    with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {api_key}"}) as client:
+        while not Path(stop_file).exists():
+            at, start = time.time(), time.perf_counter()
+            response = client.post(f"{base}/v1/completions", json=body)
+            sent.append([at, time.perf_counter() - start, response.status_code])
+            time.sleep(every)
+    Path(out_file).write_text(json.dumps(sent))

@@ -201,3 +201,13 @@ def test_parallel_tool_calls_false_makes_at_most_one_call(connection) -> None:
 
     assert max(calls_per_choice(True)) > 1, "with parallel calls the model makes several: the check has power"
     assert set(calls_per_choice(False)) == {1}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_temperature_is_held_to_openais_range(connection, path) -> None:
+    """Before: up to 100 was taken, where OpenAI's maximum is 2 (the Responses API already held to 2)."""
+    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": USER_HI}
+    over = connection.post(path, json=body | {"max_tokens": 2, "temperature": 2.5})
+    assert over.status_code == 400 and over.json()["error"]["param"] == "temperature", over.text
+    assert "2" in over.json()["error"]["message"]
+    assert connection.post(path, json=body | {"max_tokens": 2, "temperature": 2}).status_code == 200

@@ -2,8 +2,12 @@
 
 Each request is drawn from a seed: a completion (token ids or text) or a chat, streamed or not, greedy or
 seeded sampling, n of 1-3, stop strings, and one in four leaves at a random point (after a few events, or a
-random fraction of a second). Mixed in: malformed bodies, oversized bodies (declared and chunked) and calls
-without the key. A separate process times ``/health`` and a malformed body's 400 all along.
+random fraction of a second). Mixed in: malformed bodies, oversized bodies (declared and chunked), calls
+without the key, hostile bodies (lone surrogates, nesting, numbers past every edge, long arrays: any 2xx or
+4xx), slow senders (a body sent in pieces, served; or one that stalls, 408) and, in the second half only,
+grammar bombs (constraints over a limit, refused, or as costly as the limits allow). A separate process times
+``/health`` and a malformed body's 400 all along, another a plain completion: its p99 with the grammar bombs
+must stay within twice its p99 without.
 
 Afterwards: no 5xx anywhere, no error event, the server's ledger balanced (every request finished, aborted
 or errored, none errored, none open), no KV block held, nothing running or waiting, memory growth bounded
@@ -18,6 +22,7 @@ malformed body's 400 p99 200 ms) are checked unless other work oversubscribes th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -26,6 +31,7 @@ import sys
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,10 +39,14 @@ import httpx
 import pytest
 
 from conveyor import LLM, SamplingParams
+from conveyor.core.structured import MAX_ENUM_VALUES
+from tests.hostile_bodies import grammar_bomb, random_hostile_body
 from tests.serving import ledger, rss_bytes, running_server, wait_until_idle
 
 API_KEY = "soak-key"
 BODY_LIMIT = 65536
+BODY_READ_TIMEOUT_S = 2
+KINDS = {"valid": 63, "malformed": 12, "oversized": 5, "unauthenticated": 3, "hostile": 10, "slow": 3, "bomb": 4}
 MAX_MODEL_LEN = 1024
 WORDS = ["river", "stone", "light", "north", "quiet", "garden", "signal", "paper", "engine", "window", "cloud"]
 STOPS = ["the", "a", "\n", "ing", ".", "er"]
@@ -115,6 +125,7 @@ class Soak:
     def __init__(self, base: str, config: SoakConfig) -> None:
         self.base, self.config, self.tally = base, config, Tally()
         self.headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        self.bombs = False  # grammar bombs among the requests: the second half only, to compare latency
 
     async def run(self, first: int, count: int) -> None:
         limits = httpx.Limits(max_connections=self.config.concurrency + 8)
@@ -131,12 +142,13 @@ class Soak:
 
     async def one(self, client: httpx.AsyncClient, i: int) -> None:
         rng = random.Random(f"{self.config.seed}-{i}")
-        kind = rng.choices(["valid", "malformed", "oversized", "unauthenticated"], [75, 14, 7, 4])[0]
+        weights = {kind: 0 if kind == "bomb" and not self.bombs else weight for kind, weight in KINDS.items()}
+        kind = rng.choices(list(weights), list(weights.values()))[0]
         self.tally.kinds[kind] += 1
         start = time.monotonic()
         try:
             await getattr(self, kind)(client, rng)
-        except httpx.HTTPError as error:  # a transport failure is a failure of the server too
+        except (httpx.HTTPError, OSError) as error:  # a transport failure is a failure of the server too
             self.tally.failures.append((kind, i, f"{type(error).__name__} after {time.monotonic() - start:.1f} s"))
         self.tally.latencies.append(time.monotonic() - start)
 
@@ -165,6 +177,45 @@ class Soak:
             self.tally.kinds["oversized chunked"] += 1
         response = await client.post(f"{self.base}/v1/completions", content=body, headers=self.headers)
         self.expect("oversized", response, 413)
+
+    async def hostile(self, client: httpx.AsyncClient, rng: random.Random) -> None:
+        path, content = random_hostile_body(rng)
+        response = await client.post(f"{self.base}{path}", content=content, headers=self.headers)
+        if 200 <= response.status_code < 300 or 400 <= response.status_code < 500:
+            self.tally.outcomes[f"hostile {response.status_code}"] += 1
+        else:
+            self.tally.failures.append(("hostile", response.status_code, content[:200], response.text[:200]))
+
+    async def bomb(self, client: httpx.AsyncClient, rng: random.Random) -> None:
+        body = grammar_bomb(rng, rng.randrange(10**9), MAX_ENUM_VALUES)
+        response = await client.post(f"{self.base}/v1/completions", json=body, headers=self.headers)
+        if response.status_code in (200, 400):
+            self.tally.outcomes[f"bomb {response.status_code}"] += 1
+        else:
+            self.tally.failures.append(("bomb", response.status_code, response.text[:200]))
+
+    async def slow(self, client: httpx.AsyncClient, rng: random.Random) -> None:
+        """A body sent in pieces over up to a second (served), or one that stops after its first bytes (408)."""
+        stall = rng.random() < 0.4
+        body = json.dumps({"prompt": "a slow sender", "max_tokens": 2}).encode()
+        address = httpx.URL(self.base)
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {address.host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        try:
+            writer.write(head.encode() + body[:5])
+            for start in range(5, len(body), 12) if not stall else ():
+                await asyncio.sleep(rng.uniform(0.05, 0.2))
+                writer.write(body[start : start + 12])
+                await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), BODY_READ_TIMEOUT_S + 60)
+        finally:
+            writer.close()
+        status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
+        if status == (408 if stall else 200):
+            self.tally.outcomes[f"slow {status}"] += 1
+        else:
+            self.tally.failures.append(("slow", status, answer[:200]))
 
     async def unauthenticated(self, client: httpx.AsyncClient, rng: random.Random) -> None:
         response = await client.post(f"{self.base}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
@@ -244,28 +295,67 @@ def _check_greedy(model_dir, greedy: list) -> int:
     return len(got)
 
 
+@contextlib.contextmanager
+def _probes(base: str, tmp_path: Path) -> Iterator[dict]:
+    """The two probe processes (``/health`` and a malformed body; a plain completion) for the duration of the
+    block; their figures fill the dict yielded, once they stopped."""
+    stop_file, figures = tmp_path / "stop", {}
+    outputs = {"probe": tmp_path / "probe.json", "plain": tmp_path / "plain.json"}
+    probers = [subprocess.Popen([sys.executable, "-c", f"import sys; from tests.serving import {name}; "
+                                 f"{name}(*sys.argv[1:])", base, API_KEY, str(stop_file), str(out)],
+                                cwd=Path(__file__).resolve().parent.parent) for name, out in
+               (("probe", outputs["probe"]), ("plain_probe", outputs["plain"]))]
+    try:
+        yield figures
+    finally:
+        stop_file.touch()
+        assert all(prober.wait(timeout=120) == 0 for prober in probers)
+    figures.update({name: json.loads(out.read_text()) for name, out in outputs.items()})
+
+
+@dataclass
+class Loaded:
+    soak: Soak
+    figures: dict  # the probes'
+    rss_before: int  # the server's, after the warm-up
+    duration: float
+    bombs_from: float  # when the grammar bombs began (time.time())
+
+
+def _load(server, config: SoakConfig, tmp_path: Path) -> Loaded:
+    """The soak's requests after its warm-up, the second half with grammar bombs."""
+    soak = Soak(server.base, config)
+    asyncio.run(soak.run(0, config.warmup))  # first requests: the allocator and caches settle
+    wait_until_idle(server)
+    rss_before = rss_bytes(server.process.pid)
+    half = config.requests // 2
+    with _probes(server.base, tmp_path) as figures:
+        start = time.monotonic()
+        asyncio.run(soak.run(config.warmup, half))
+        bombs_from, soak.bombs = time.time(), True
+        asyncio.run(soak.run(config.warmup + half, config.requests - half))
+        duration = time.monotonic() - start
+    return Loaded(soak, figures, rss_before, duration, bombs_from)
+
+
+def _plain_p99_ms(plain: list, bombs_from: float) -> tuple[float, float]:
+    """A plain completion's p99 latency without the grammar bombs and with them, in ms."""
+    without = [latency for sent, latency, _ in plain if sent < bombs_from]
+    during = [latency for sent, latency, _ in plain if sent >= bombs_from]
+    return round(_percentile(without, 0.99) * 1000, 1), round(_percentile(during, 0.99) * 1000, 1)
+
+
 def run_soak(model_dir, tmp_path: Path, config: SoakConfig) -> dict:
     flags = ["--num-kv-blocks", "512", "--max-num-seqs", "32", "--max-request-bytes", str(BODY_LIMIT),
-             "--max-model-len", str(MAX_MODEL_LEN)]
+             "--max-model-len", str(MAX_MODEL_LEN), "--body-read-timeout", str(BODY_READ_TIMEOUT_S)]
     with running_server(model_dir, *flags, api_key=API_KEY) as server:
-        soak = Soak(server.base, config)
-        asyncio.run(soak.run(0, config.warmup))  # first requests: the allocator and caches settle
-        wait_until_idle(server)
-        rss_before = rss_bytes(server.process.pid)
-        stop_file, probe_file = tmp_path / "stop", tmp_path / "probe.json"
-        prober = subprocess.Popen([sys.executable, "-c", "import sys; from tests.serving import probe; "
-                                   "probe(*sys.argv[1:])", server.base, API_KEY, str(stop_file), str(probe_file)],
-                                  cwd=Path(__file__).resolve().parent.parent)
-        start = time.monotonic()
-        asyncio.run(soak.run(config.warmup, config.requests))
-        duration = time.monotonic() - start
-        stop_file.touch()
-        assert prober.wait(timeout=60) == 0
+        run = _load(server, config, tmp_path)
         values = wait_until_idle(server)
         books = ledger(server)
         rss_after = rss_bytes(server.process.pid)
-    probe = json.loads(probe_file.read_text())
-    tally = soak.tally
+    figures, duration, rss_before, tally = run.figures, run.duration, run.rss_before, run.soak.tally
+    probe, plain = figures["probe"], figures["plain"]
+    without_bombs, with_bombs = _plain_p99_ms(plain, run.bombs_from)
     report = {
         "model": Path(model_dir).name, "requests": config.requests, "concurrency": config.concurrency,
         "duration_s": round(duration, 1), "machine": _machine(),
@@ -279,6 +369,8 @@ def run_soak(model_dir, tmp_path: Path, config: SoakConfig) -> dict:
         "malformed_400_p99_ms": round(_percentile(probe["malformed"], 0.99) * 1000, 1),
         "malformed_400_max_ms": round(max(probe["malformed"]) * 1000, 1),
         "probes": len(probe["health"]) + len(probe["malformed"]),
+        "plain_probes": len(plain), "plain_p99_without_bombs_ms": without_bombs,
+        "plain_p99_with_bombs_ms": with_bombs,
         "request_latency_p50_s": round(_percentile(tally.latencies, 0.5), 2),
         "request_latency_max_s": round(max(tally.latencies), 2),
     }
@@ -286,21 +378,27 @@ def run_soak(model_dir, tmp_path: Path, config: SoakConfig) -> dict:
     print("\nsoak:", json.dumps(report, indent=1))
     if os.environ.get("CONVEYOR_SOAK_REPORT"):
         Path(os.environ["CONVEYOR_SOAK_REPORT"]).write_text(json.dumps(report, indent=1) + "\n")
+    _check(report, tally, figures, books, values, config)
+    return report
 
+
+def _check(report: dict, tally: Tally, figures: dict, books: dict, values: dict, config: SoakConfig) -> None:
+    probe = figures["probe"]
     assert not tally.failures, tally.failures[:5]
     assert all(s == 200 for s in probe["health_statuses"]) and all(s == 400 for s in probe["malformed_statuses"])
+    assert all(status == 200 for *_, status in figures["plain"]), "a plain completion was not served"
     assert books["open"] == 0 and books["errored"] == 0
     assert books["submitted"] == books["finished"] + books["aborted"] + books["errored"]
     assert report["leaked_kv_blocks"] == 0
     assert not any(values.get(f"conveyor:num_requests_{q}") for q in ("running", "waiting", "swapped"))
     assert tally.outcomes["disconnected"] > 0 and tally.outcomes["completed"] > 0
-    assert rss_after - rss_before < 256 * 2**20, "memory grew by more than 256 MiB"
+    assert report["rss_after_mib"] - report["rss_before_mib"] < 256, "memory grew by more than 256 MiB"
     if config.check_latency and _oversubscribed():
         warnings.warn(f"latency figures not checked: the machine is oversubscribed ({_machine()})", stacklevel=1)
     elif config.check_latency:
         assert report["health_p99_ms"] <= 100, report
         assert report["malformed_400_p99_ms"] <= 200, report
-    return report
+        assert report["plain_p99_with_bombs_ms"] <= 2 * report["plain_p99_without_bombs_ms"], report
 
 
 def _machine() -> str:

@@ -39,6 +39,10 @@ logger = logging.getLogger("conveyor.replicas")
 POLL_INTERVAL_S = 0.5
 POLL_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 600.0
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+# Ray replaces a loopback node address by the machine's own unless this is off; with it off, its GCS, raylets,
+# workers and agents all listen on the node address, loopback (by default they listened on every interface).
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 @dataclass(slots=True)
@@ -47,6 +51,7 @@ class ReplicaSettings:
     router_policy: str = "cache-aware"
     num_threads: int | None = None  # torch threads (and Ray CPUs) per replica; None: cores / replicas
     ray_address: str | None = None  # None: start Ray here; "auto" or host:port: join a cluster
+    ray_host: str = "127.0.0.1"  # the node address of a Ray started here, where all its processes listen
     max_restarts: int = 3  # per replica, by Ray
     max_waiting_requests: int = 1024  # per replica
 
@@ -73,6 +78,30 @@ class FailoverCounts:
     errored: int = 0  # had streamed already: ended with an error event
     unplaced: int = 0  # no healthy replica was left to retry on
     by_replica: dict[int, int] = field(default_factory=dict)  # failures seen per replica
+
+
+def ray_start(settings: ReplicaSettings, cpus: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """``ray.init``'s arguments, and the environment Ray must see before it is imported: a Ray started here
+    listens on ``ray_host`` only when that is loopback (another address lets other machines join, and Ray then
+    listens on every interface); a cluster joined at ``ray_address`` is as its operator set it up."""
+    if settings.ray_address:
+        return {"address": settings.ray_address, "log_to_driver": False}, {}
+    options = {"address": "local", "num_cpus": cpus, "include_dashboard": False, "log_to_driver": False,
+               "_node_ip_address": settings.ray_host}
+    return options, ({RAY_LOOPBACK_ENV: "0"} if settings.ray_host in LOOPBACK else {})
+
+
+def _import_ray(environment: dict[str, str]):
+    """``import ray`` after setting ``environment``; refused if Ray was imported before and would not keep to
+    loopback (it reads the switch once, at import)."""
+    os.environ.update(environment)
+    import ray
+    from ray._private import ray_constants
+
+    if environment.get(RAY_LOOPBACK_ENV) == "0" and ray_constants.ENABLE_RAY_CLUSTER:
+        raise RuntimeError(f"Ray was imported before {RAY_LOOPBACK_ENV}=0 could be set: it would listen on "
+                           "every interface, not on loopback")
+    return ray
 
 
 def _ray_errors() -> tuple[type[BaseException], ...]:
@@ -110,19 +139,15 @@ class ReplicaSet:
 
     def start(self) -> None:
         """Start Ray (or join ``ray_address``), create the replicas, and wait until each has loaded its model."""
-        import ray
-
         threads = self._threads_per_replica()
+        cpus = max(os.cpu_count() or 1, threads * self.settings.num_replicas)
+        options, environment = ray_start(self.settings, cpus)
+        ray = _import_ray(environment)
         if not ray.is_initialized():
             # Ray runs its workers at nice 15 by default, as background jobs; replicas are the service itself
             # and must not yield their cores to every other process on the machine.
             os.environ.setdefault("RAY_worker_niceness", "0")
-            if self.settings.ray_address:
-                ray.init(address=self.settings.ray_address, log_to_driver=False)
-            else:
-                cpus = max(os.cpu_count() or 1, threads * self.settings.num_replicas)
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False,
-                         _node_ip_address="127.0.0.1")
+            ray.init(**options)
             self._started_ray = True
         # Resolved (a GGUF converted) once, here: replicas starting together would otherwise race to convert it.
         config = dataclasses.replace(self.config, model=str(resolve_model(self.config.model)))

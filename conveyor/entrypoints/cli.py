@@ -215,6 +215,9 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
                    help="how requests are spread over the replicas")
     g.add_argument("--ray-address", default=None,
                    help="an existing Ray cluster (auto, or host:port); default: start Ray on this machine")
+    g.add_argument("--ray-host", default="127.0.0.1",
+                   help="the node address of the Ray started here, where its processes listen: loopback by "
+                   "default; this machine's address lets other machines join (Ray then listens on all interfaces)")
     g.add_argument("--max-replica-restarts", type=int, default=3, help="times Ray restarts a replica that dies")
 
 

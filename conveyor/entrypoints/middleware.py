@@ -103,6 +103,16 @@ class BodyLimit:
                           "invalid_request_error", "request_too_large")
 
 
+def carries_key(headers, api_key: str | None) -> bool:
+    """Whether ASGI ``headers`` carry ``Authorization: Bearer api_key`` (always, when no key is set); compared in
+    constant time."""
+    if api_key is None:
+        return True
+    header = dict(headers or []).get(b"authorization", b"")
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
+
+
 class APIKeyAuth:
     """ASGI middleware: every route needs ``Authorization: Bearer KEY`` except those in ``open_paths``.
 
@@ -111,19 +121,15 @@ class APIKeyAuth:
     """
 
     def __init__(self, app, api_key: str, open_paths: frozenset[str], drain_limit: int) -> None:
-        self.app, self._key, self.open_paths, self.drain_limit = app, api_key.encode(), open_paths, drain_limit
+        self.app, self._key, self.open_paths, self.drain_limit = app, api_key, open_paths, drain_limit
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths or self._authorized(scope):
+        if scope["type"] != "http" or scope["path"] in self.open_paths or carries_key(scope.get("headers"),
+                                                                                       self._key):
             return await self.app(scope, receive, send)
         await _drain(receive, self.drain_limit)
         await _send_error(send, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
                           "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
-
-    def _authorized(self, scope) -> bool:
-        header = dict(scope.get("headers") or []).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
 
 class HostAllowList:

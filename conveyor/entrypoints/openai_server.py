@@ -39,7 +39,7 @@ from conveyor.entrypoints.choices import OutputStream, open_streams
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.metrics import EngineMetrics
-from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, HostAllowList, error_body
+from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, HostAllowList, carries_key, error_body
 from conveyor.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -315,10 +315,18 @@ async def _close_on_disconnect(raw: Request, stream: OutputStream) -> None:
     stream.close()
 
 
+def public_health(report: dict) -> dict:
+    """What /health shows a caller without the key (it is open to all): each replica's state, not its process
+    ids, host name or load (the open /health once showed every replica's PID and the machine's name)."""
+    return {"replicas": [{"replica": r["replica"], "healthy": r["healthy"]} for r in report["replicas"]]}
+
+
 def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) -> None:
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         replicas = serving.engine.health_report()  # None for one engine; each replica's state behind a router
+        if replicas is not None and not carries_key(request.scope.get("headers"), serving.settings.api_key):
+            replicas = public_health(replicas)
         if serving.engine.error is not None:
             body = error_body("engine stopped", "internal_server_error") | (replicas or {})
             return JSONResponse(body, status_code=503)

@@ -36,7 +36,7 @@ MAX_NESTING = 64
 def check_text_and_nesting(value: Any, path: str = "", depth: int = 0) -> None:
     """Refuse, naming where, a string that is not Unicode text (JSON's ``"\\ud800"`` decodes to a lone surrogate,
     which no tokenizer takes: it was a 500 and a dropped connection), nesting deeper than MAX_NESTING, and a
-    number that is not finite (NaN for temperature was refused as "less than or equal to 100")."""
+    number that is not finite (NaN for temperature was refused as "less than or equal to 2")."""
     if depth > MAX_NESTING:
         where = path if len(path) <= 80 else path[:80] + "..."
         raise ValueError(f"{where or 'the body'}: nested deeper than {MAX_NESTING} levels of objects and lists")
@@ -81,8 +81,8 @@ class StreamOptions(Body):
 class SamplingRequest(Body):
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's range (the Responses API's too)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)  # OpenAI says 0-1, but 0 keeps no token: refused, as by vLLM
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = None

@@ -7,6 +7,7 @@ and the process exits with status 1 for its supervisor (systemd, Kubernetes, a s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import threading
@@ -76,13 +77,12 @@ def _check_replica_args(args: argparse.Namespace) -> None:
 
 
 def _replicas(args: argparse.Namespace, config: EngineConfig, name: str) -> tuple[ReplicaSet, ReplicaMetrics]:
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise ValueError("--data-parallel-size > 1 runs replicas on Ray: pip install 'conveyor[ray]'") from None
+    if importlib.util.find_spec("ray") is None:  # found, not imported: Ray reads its loopback switch at import
+        raise ValueError("--data-parallel-size > 1 runs replicas on Ray: pip install 'conveyor[ray]'")
     metrics = ReplicaMetrics(name)
     replica_settings = ReplicaSettings(args.data_parallel_size, args.router_policy, args.num_threads,
-                                       args.ray_address, args.max_replica_restarts, args.max_waiting_requests)
+                                       args.ray_address, args.ray_host, args.max_replica_restarts,
+                                       args.max_waiting_requests)
     return ReplicaSet(config, replica_settings, on_poll=metrics.on_poll), metrics
 
 
