@@ -118,9 +118,10 @@ def test_the_compiled_grammar_cache_keeps_to_its_bytes_least_recently_used_first
     assert cache.get(("json", "4")) == "grammar 4"
 
 
-def test_compilers_that_stay_busy_are_a_503_to_retry(served, connection) -> None:
+def test_compilers_that_stay_busy_are_a_429_to_retry(served, connection) -> None:
     """Two compilers, five constraints that never compile: the first two hold the compilers for the whole
-    budget, so a constraint that waits that long for one is answered 503 "busy" (with Retry-After), not held."""
+    budget, so a constraint that waits that long for one is answered 429 "busy" (with Retry-After), not held:
+    too many constraints, not a server that is down."""
     def hanging(index: int) -> httpx.Response:
         body = PLAIN | {"guided_regex": f"{HANG}-busy-{index}[a-z]+"}
         return httpx.post(f"{served.base}/v1/completions", json=body, timeout=120)
@@ -131,8 +132,10 @@ def test_compilers_that_stay_busy_are_a_503_to_retry(served, connection) -> None
         waiting = [pool.submit(hanging, index) for index in range(2, 5)]
         results = [future.result() for future in first + waiting]
     statuses = sorted(response.status_code for response in results)
-    assert set(statuses) <= {400, 503} and 503 in statuses, [r.text for r in results]
-    for busy in (response for response in results if response.status_code == 503):
-        assert busy.headers["retry-after"] == "1" and "stayed busy" in busy.json()["error"]["message"], busy.text
+    assert set(statuses) <= {400, 429} and 429 in statuses, [r.text for r in results]
+    for busy in (response for response in results if response.status_code == 429):
+        error = busy.json()["error"]
+        assert busy.headers["retry-after"] == "1" and "stayed busy" in error["message"], busy.text
+        assert error["code"] == "grammar_compilers_busy", busy.text
     assert connection.post("/v1/completions", json=PLAIN).status_code == 200
     wait_until_idle(served)

@@ -45,6 +45,12 @@ class EngineOverloaded(Exception):
     """The waiting queue is at its limit; the caller should retry later."""
 
 
+class CompilesOverloaded(EngineOverloaded):
+    """Every grammar compiler stayed busy for the compile budget: what holds them is constraints sent to this
+    server (a client's own, often), so it is answered as too many requests (429) rather than the server being
+    down (503); the caller may retry later."""
+
+
 class EngineDead(Exception):
     """The step loop stopped (an error, or the server shutting down); the request cannot be served."""
 
@@ -182,11 +188,11 @@ class AsyncEngine:
     def compile_grammar(self, spec: StructuredOutput) -> None:
         """Compile ``spec``'s grammar into the engine's cache, so that ``make_request`` finds it there: the server
         calls this from a pool of its own, and a slow compile never holds up the tokenizer's. ValueError naming
-        what cannot be compiled (or not within the budget); EngineOverloaded when the compilers stay busy."""
+        what cannot be compiled (or not within the budget); CompilesOverloaded when the compilers stay busy."""
         try:
             self._engine.grammars.compile(spec)
         except CompilersBusy as error:
-            raise EngineOverloaded(str(error)) from None
+            raise CompilesOverloaded(str(error)) from None
 
     def stats(self) -> EngineStats:
         """The engine's state as of the latest step, without waiting for the loop thread."""

@@ -34,7 +34,13 @@ import conveyor
 from conveyor.core.request import Request as EngineRequest
 from conveyor.core.request import check_prompt_length
 from conveyor.engine import RequestOutput
-from conveyor.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestFailed
+from conveyor.engine.async_engine import (
+    AsyncEngine,
+    CompilesOverloaded,
+    EngineDead,
+    EngineOverloaded,
+    RequestFailed,
+)
 from conveyor.entrypoints.choices import OutputStream, open_streams
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from conveyor.entrypoints.logprob_format import LogprobFormatter
@@ -154,6 +160,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         overloaded = APIError(503, f"server overloaded: {error}; retry later", "server_overloaded",
                               code="server_overloaded")
         return _error_response(overloaded, headers={"Retry-After": "1"})
+
+    @app.exception_handler(CompilesOverloaded)
+    async def _compiles_overloaded(_: Request, error: CompilesOverloaded) -> JSONResponse:
+        busy = APIError(429, f"too many constraints compiling: {error}; retry later", "rate_limit_error",
+                        code="grammar_compilers_busy")
+        return _error_response(busy, headers={"Retry-After": "1"})
 
     @app.exception_handler(EngineDead)
     async def _dead(_: Request, error: EngineDead) -> JSONResponse:
