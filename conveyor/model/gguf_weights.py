@@ -20,8 +20,9 @@ import gguf
 import numpy as np
 
 from conveyor.core.model_config import ModelConfig
+from conveyor.model.families import family_for
 from conveyor.model.gguf import ROPE_FREQS, hf_name, rope_heads, rope_row_order
-from conveyor.model.llama import LAYER_NORMS, LAYER_PROJECTIONS
+from conveyor.model.layers import LAYER_PROJECTIONS
 from conveyor.model.quant_formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
@@ -157,7 +158,7 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
             del read  # the next projection's parts are decoded only once these are packed
             if f"{p}{parts[0]}.bias" in hf:
                 ours[f"{p}{fused}.bias"] = np.concatenate([restored(f"{p}{part}.bias") for part in parts])
-        for norm in LAYER_NORMS:
+        for norm in family_for(config).layer_norms:
             ours[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return ours
 

@@ -27,7 +27,8 @@ from safetensors import safe_open
 
 from conveyor.core.cache_dir import cache_dir, make_cache_folder, write_cache_file
 from conveyor.core.model_config import ModelConfig
-from conveyor.model.llama import LAYER_NORMS, LAYER_PROJECTIONS, Linear, LlamaModel
+from conveyor.model.families import family_for
+from conveyor.model.llama import LAYER_PROJECTIONS, Linear, LlamaModel
 
 logger = logging.getLogger("conveyor")
 
@@ -157,7 +158,7 @@ def _our_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
             state[f"{p}{ours}.weight"] = torch.cat([hf[f"{p}{part}.weight"] for part in parts])
             if f"{p}{parts[0]}.bias" in hf:
                 state[f"{p}{ours}.bias"] = torch.cat([hf[f"{p}{part}.bias"] for part in parts])
-        for norm in LAYER_NORMS:
+        for norm in family_for(config).layer_norms:
             state[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return state
 
@@ -185,7 +186,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
     model.to_empty(device=device)
-    model.rotary = model.rotary.__class__(config, max_positions).to(device)
+    model.build_rotary(max_positions, device)
     state = _gguf_state_dict(source, config) if source is not None else _our_state_dict(_read_safetensors(folder),
                                                                                         config)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -282,7 +283,7 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
     else:
         model.lm_head = linear("lm_head.weight")
     model.to_empty(device="cpu")  # what is left on meta: norms (loaded below) and the rotary tables
-    model.rotary = model.rotary.__class__(config, max_positions)
+    model.build_rotary(max_positions, "cpu")
     state = {name: torch.from_numpy(np.ascontiguousarray(weight)) for name, weight in weights.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if name != "embed_tokens.weight"]  # QuantizedEmbedding's empty placeholder
