@@ -69,6 +69,10 @@ def float32_folder(model: str | os.PathLike | None) -> Path:
 
 
 def _model_path(model: str | os.PathLike | None) -> Path:
+    from conveyor.model.packaged import PACKAGED, packaged_model_path
+
+    if isinstance(model, str) and model in PACKAGED:  # a model that ships as packages: --model gemma3-270m
+        return packaged_model_path(model)
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -76,7 +80,8 @@ def _model_path(model: str | os.PathLike | None) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         return path
-    raise FileNotFoundError(f"model: {str(model)!r} is neither a HF model folder nor a .gguf file")
+    raise FileNotFoundError(f"model: {str(model)!r} is neither a HF model folder nor a .gguf file (nor one of "
+                            f"{', '.join(PACKAGED)})")
 
 
 def gguf_source(folder: Path) -> Path | None:
