@@ -126,3 +126,17 @@ def test_a_family_the_native_stack_lacks_says_so_once(family, caplog):
         LLM(str(folder), num_kv_blocks=64)
     warnings = [r.getMessage() for r in caplog.records if "not the native kernels" in r.getMessage()]
     assert len(warnings) == (0 if NATIVE[name] else 1), warnings
+
+
+def test_a_window_no_sequence_reaches_runs_on_the_native_stack(tmp_path, default_model_dir):
+    """Mistral's window of 4096 under a max_model_len of 1024 never binds: the native stack runs it, and its
+    tokens are transformers' (which applies the window, to no effect here)."""
+    reference_model = _build("mistral", tmp_path, default_model_dir)
+    config = tmp_path / "config.json"
+    config.write_text(config.read_text().replace('"sliding_window": 24', '"sliding_window": 4096'))
+    reference_model.config.sliding_window = 4096
+    llm = LLM(str(tmp_path), num_kv_blocks=512, max_model_len=1024)
+    assert llm.engine.kernel_width is not None, "the native stack runs a window it never reaches"
+    prompts = _prompts(seed=3)
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert output.token_ids == hf_greedy(reference_model, prompt, GREEDY.max_tokens), len(prompt)

@@ -261,17 +261,16 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
         model = LlamaModel(config, max_positions)
 
     def linear(name: str, bias_name: str | None = None) -> torch.nn.Module:
-        weight = weights.pop(name)
-        bias = weights.pop(bias_name, None) if bias_name else None
+        """The projection ``name``: quantized, or a plain Linear. Float tensors (a plain weight, a bias) stay in
+        ``weights`` and are loaded with the norms below, after ``to_empty``, which would clear them here."""
+        weight = weights[name]
+        bias = weights.get(bias_name) if bias_name else None
         bias_t = None if bias is None else torch.from_numpy(bias)
         if isinstance(weight, tuple):
+            del weights[name]
             native, kind = weight
             return QuantizedLinear(kernels, native, bias_t, kind)
-        plain = Linear(weight.shape[1], weight.shape[0], bias=bias_t is not None, device="cpu")
-        plain.weight.data = torch.from_numpy(weight)
-        if bias_t is not None:
-            plain.bias.data = bias_t
-        return plain
+        return Linear(weight.shape[1], weight.shape[0], bias=bias_t is not None, device="meta")
 
     for i, layer in enumerate(model.layers):
         for ours in LAYER_PROJECTIONS:  # "self_attn.qkv_proj": the module's parent and its attribute
