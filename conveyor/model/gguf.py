@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 from conveyor.model.families import LLAMA, Family, gguf_family
 from conveyor.model.gguf_families import default_chat_template, family_config, is_norm, layer_names
 
-__all__ = ["ROPE_FREQS", "convert_gguf_to_hf", "hf_name", "rope_heads", "rope_row_order", "unpermute_rope_rows"]
+__all__ = ["ROPE_FREQS", "convert_gguf_to_hf", "hf_name", "hf_norm", "rope_heads", "rope_row_order",
+           "unpermute_rope_rows"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -59,7 +60,7 @@ def convert_gguf_to_hf(
     dtype: str = "float32",
     weights: bool = True,
 ) -> pathlib.Path:
-    """Dequantize a llama-family GGUF file into a HF folder (``weights=False``: the folder without weights).
+    """Dequantize a GGUF file of a family read here into a HF folder (``weights=False``: the folder without weights).
 
     Writes config.json, model.safetensors (with weights), tokenizer files (tokenizer.json, tokenizer_config.json
     with the chat template, special tokens) and generation_config.json. Everything is written to a temporary sibling
