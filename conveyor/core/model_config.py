@@ -1,4 +1,11 @@
-"""The numbers that define a Llama-family model, read from a HF ``config.json``."""
+"""The numbers that define a decoder model, read from a HF ``config.json``.
+
+Only what any part of Conveyor needs to know without the model code: shapes, rope bases and scaling per
+layer kind, which layers attend to a window, and the keys each family's config classes fill in by default
+(so a folder written by another version of transformers reads the same). What the layers are made of (norm
+kind and placement, QK-norm, embedding scale) is the family's, in :mod:`conveyor.model.families`; this module
+stays torch-free so the simulator and the KV manager read the same numbers.
+"""
 
 from __future__ import annotations
 
@@ -31,15 +38,36 @@ class ModelConfig:
     # How the weights are stored when not in float: "Q4_1/Q8_0" (the layers' GGUF type / the LM head's), from
     # config.json's quantization_config (a GGUF file's folder writes it). None: float weights.
     stored_as: str | None = None
+    model_type: str = "llama"
+    hidden_act: str = "silu"
+    # Per layer: the window it attends to (the last W positions, itself included), or None for the whole context.
+    layer_windows: tuple[int | None, ...] = ()
+    # The rope of windowed layers where it differs from the others' (Gemma 3: base 10000 locally, 1e6 globally).
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] = field(default_factory=dict)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        if raw.get("model_type") not in ("llama", "mistral", "qwen2", None):
-            raise ValueError(f"unsupported model_type {raw.get('model_type')!r}: Conveyor runs Llama-family decoders")
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
-        if rope.get("rope_type", rope.get("type", "default")) == "default":
-            rope = {}
+        """The config of a HF ``config.json``'s dict; a key the model needs and the dict lacks is a ValueError
+        naming it (a multimodal config's text part is read, as its text model would be)."""
+        raw = _text_config(raw)
+        model_type = raw.get("model_type") or "llama"
+        full = {**_FAMILY_DEFAULTS.get(model_type, {}), **{k: v for k, v in raw.items() if v is not None}}
+        try:
+            return cls._from_full_dict(full, model_type)
+        except KeyError as missing:
+            raise ValueError(f"model: config.json lacks {missing.args[0]!r}, which a {model_type} model needs "
+                             f"(needed: {', '.join(REQUIRED_KEYS)})") from None
+
+    @classmethod
+    def _from_full_dict(cls, raw: dict[str, Any], model_type: str) -> ModelConfig:
+        missing = [key for key in REQUIRED_KEYS if key not in raw]
+        if missing:
+            raise KeyError(missing[0])
+        global_rope, local_rope = _rope_by_layer_kind(raw)
+        theta = global_rope.pop("rope_theta", None) or raw.get("rope_theta", 10000.0)
+        local_theta = local_rope.pop("rope_theta", None) if local_rope is not None else None
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         return cls(
@@ -54,12 +82,18 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            rope_scaling=rope,
+            rope_scaling=_scaling(global_rope),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
-            attention_bias=raw.get("attention_bias", raw.get("model_type") == "qwen2"),
+            attention_bias=raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
             stored_as=_stored_as(raw.get("quantization_config")),
+            model_type=model_type,
+            hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
+            layer_windows=_layer_windows(raw, model_type),
+            local_rope_theta=None if local_theta is None else float(local_theta),
+            local_rope_scaling=_scaling(local_rope or {}),
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
         )
 
     @classmethod
@@ -78,6 +112,10 @@ class ModelConfig:
         layers, _, head = self.stored_as.partition("/")
         return gguf_weights(layers, head)
 
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends to, None for the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers, per byte of element size."""
@@ -89,3 +127,65 @@ def _stored_as(quantization: dict[str, Any] | None) -> str | None:
     if not quantization or quantization.get("quant_method") != "gguf":
         return None
     return f"{quantization.get('layer_type')}/{quantization.get('lm_head_type')}"
+
+
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+# What each family's HF config class fills in when a config.json leaves a key out (transformers' defaults).
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": {"attention_bias": True},
+    "gemma3_text": {"tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh", "rope_theta": 1e6,
+                    "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "sliding_window_pattern": 6, "head_dim": 256, "rms_norm_eps": 1e-6},
+}
+_FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text part (Gemma 3's ``text_config``), else the config itself."""
+    text = raw.get("text_config")
+    if isinstance(text, dict) and "num_hidden_layers" in text:
+        return {"model_type": f"{raw.get('model_type')}_text", **text}
+    return raw
+
+
+def _rope_by_layer_kind(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The rope parameters of full-attention layers, and of windowed ones where they have their own: from
+    transformers 5's ``rope_parameters`` (one dict, or one per layer kind) or the older top-level keys."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        local = params.get("sliding_attention")
+        return dict(params.get("full_attention") or {}), None if local is None else dict(local)
+    local_theta = raw.get("rope_local_base_freq")
+    return dict(params), None if local_theta is None else {"rope_theta": local_theta}
+
+
+def _scaling(rope: dict[str, Any]) -> dict[str, Any]:
+    """A rope dict without its base: empty for plain rope."""
+    rope = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {} if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+
+
+def _layer_windows(raw: dict[str, Any], model_type: str) -> tuple[int | None, ...]:
+    """Each layer's window: from ``layer_types`` where the config lists them, else the way each family's
+    config class derives them (Mistral: every layer when ``sliding_window`` is set; Qwen: layers from
+    ``max_window_layers`` on when ``use_sliding_window``; Gemma 3: five local layers in every six)."""
+    layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        kinds = [_default_layer_kind(raw, model_type, i) for i in range(layers)]
+    if window is None:
+        return (None,) * layers
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
+
+
+def _default_layer_kind(raw: dict[str, Any], model_type: str, layer: int) -> str:
+    if model_type == "mistral":
+        return "sliding_attention"
+    if model_type.startswith("qwen"):
+        windowed = raw.get("use_sliding_window", False) and layer >= raw.get("max_window_layers", 0)
+        return "sliding_attention" if windowed else "full_attention"
+    if model_type.startswith("gemma3"):
+        pattern = raw.get("sliding_window_pattern", 6)
+        return "full_attention" if (layer + 1) % pattern == 0 else "sliding_attention"
+    return "full_attention"

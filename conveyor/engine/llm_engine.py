@@ -68,6 +68,9 @@ class Engine:
         self.model_path = folder
         self.tokenizer = Tokenizer(folder)
         self.model_config = ModelConfig.from_folder(folder)
+        from conveyor.model.families import family_for
+
+        family_for(self.model_config)  # an architecture the layers lack is refused before anything loads
         self.tokenizer.check_model_vocabulary(self.model_config.vocab_size)  # before the weights load: at once
         if config.device == "auto":
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,6 +83,7 @@ class Engine:
         )
         self.kv_block_bytes = plan.block_bytes
         self.max_model_len = plan.max_model_len
+        self._native_refusal = self._native_gaps(dtype, device)
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
         model = load_model(folder, dtype, device, self.max_model_len, self._quantized_kernels(dtype, device),
                            None if config.quantization == "none" else config.quantization)
@@ -111,16 +115,31 @@ class Engine:
 
     def _native_kernels(self, dtype, device):
         """The native kernels where they may run this model: on CPU, float32 or bfloat16, not refused (``--kernels
-        torch``), a head size they are unrolled for, and built. None: PyTorch ops."""
+        torch``), a head size they are unrolled for, a family whose layers the stack has, and built. None:
+        PyTorch ops."""
         import torch
 
         from conveyor.model.kernels import NATIVE_HEAD_SIZES, native_kernels
 
         if self.config.kernels == "torch" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
             return None
-        if self.model_config.head_dim not in NATIVE_HEAD_SIZES:
+        if self.model_config.head_dim not in NATIVE_HEAD_SIZES or self._native_refusal:
             return None
         return native_kernels()
+
+    def _native_gaps(self, dtype, device) -> bool:
+        """Whether the native stack lacks what this model's family needs, said once in a warning where the
+        native kernels would otherwise run it: the model then runs on PyTorch ops, never half on each."""
+        import torch
+
+        from conveyor.model.families import native_gaps
+
+        gaps = native_gaps(self.model_config, self.max_model_len)
+        wanted = self.config.kernels != "torch" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        if gaps and wanted:
+            logger.warning("%s runs on PyTorch ops, not the native kernels: the native stack lacks %s",
+                           self.model_config.model_type, ", ".join(gaps))
+        return bool(gaps)
 
     def _quantized_kernels(self, dtype, device):
         """The native kernels, where a GGUF file's (or --quantization's) weights can stay quantized: as

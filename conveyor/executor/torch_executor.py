@@ -163,7 +163,7 @@ class TorchExecutor:
         tables, context_lens = self._padded_tables(rows), self._tensor([s.context_len for s in rows])
         slots = torch.arange(tables.shape[1] * self.block_size, device=self.device)
         mask = (slots[None, :] < context_lens[:, None]).view(len(rows), 1, 1, -1)
-        return DecodeGroup(row_start, row_start + len(rows), tables, mask)
+        return DecodeGroup(row_start, row_start + len(rows), tables, mask, context_lens)
 
     def _prefill_chunk(self, item: ScheduledRequest, row: int) -> PrefillChunk:
         start, n = item.start_position, item.num_scheduled_tokens

@@ -1,1 +1,1 @@
-"""Llama-family layers, attention over block tables, and weight loading (GGUF, safetensors)."""
+"""Model families over shared layers, attention over block tables, and weight loading (GGUF, safetensors)."""

@@ -11,11 +11,16 @@ With the native kernels the whole decoder stack runs in one native call
 (csrc/native_llama.h, LlamaModel.run_native), whose attention reads every
 row's context, prompt rows and decode rows alike, through its sequence's
 block table; no grouping, no padded copy, and none of this metadata.
+
+A layer with a window attends to the last ``window`` positions only (itself
+included, as the reference's sliding-window mask): its masks are the full
+ones with the positions behind the window cleared, built once per step and
+window (:func:`windowed`) and shared by every layer of that window.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +34,8 @@ class PrefillChunk:
     query_end: int
     start_position: int
     block_ids: torch.Tensor  # blocks covering [0, context_len), only read when start_position > 0
-    causal_mask: torch.Tensor | None  # [n, context_len] bool, only when start_position > 0
+    # [n, context_len] bool, when start_position > 0 or the layers have a window; None: plain causal
+    causal_mask: torch.Tensor | None
 
     @property
     def context_len(self) -> int:
@@ -44,6 +50,7 @@ class DecodeGroup:
     row_end: int
     block_tables: torch.Tensor  # [rows, max_blocks], padded with block 0
     mask: torch.Tensor  # [rows, 1, 1, max_blocks * block_size] bool, False on padding
+    context_lens: torch.Tensor | None = None  # [rows]: each row's context, for a window's mask
 
 
 @dataclass(slots=True)
@@ -53,6 +60,34 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat KV slot of each new token
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    by_window: dict[int, AttentionMetadata] = field(default_factory=dict)  # windowed(): built once per window
+
+
+def windowed(meta: AttentionMetadata, window: int | None) -> AttentionMetadata:
+    """``meta`` for layers that see the last ``window`` positions: each mask also cleared where key position
+    <= query position - window (None: ``meta`` as it is)."""
+    if window is None:
+        return meta
+    if window not in meta.by_window:
+        decodes = [replace(g, mask=g.mask & _behind(g.mask.shape[-1], g.context_lens - 1, window).view(g.mask.shape))
+                   for g in meta.decodes]
+        prefills = [_windowed_chunk(chunk, window) for chunk in meta.prefills]
+        meta.by_window[window] = AttentionMetadata(meta.slot_mapping, decodes, prefills)
+    return meta.by_window[window]
+
+
+def _behind(num_keys: int, query_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[queries, num_keys] bool: key position within the window of each query position."""
+    keys = torch.arange(num_keys, device=query_positions.device)
+    return keys[None, :] > query_positions[:, None] - window
+
+
+def _windowed_chunk(chunk: PrefillChunk, window: int) -> PrefillChunk:
+    queries = torch.arange(chunk.start_position, chunk.context_len, device=chunk.block_ids.device)
+    causal = chunk.causal_mask
+    if causal is None:  # a first chunk: its keys are its own rows
+        causal = torch.arange(chunk.context_len, device=queries.device)[None, :] <= queries[:, None]
+    return replace(chunk, causal_mask=causal & _behind(chunk.context_len, queries, window))
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -77,9 +112,12 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """query [T, H, D], key/value [T, KVH, D] of this step's tokens -> [T, H, D]."""
+    """query [T, H, D], key/value [T, KVH, D] of this step's tokens -> [T, H, D]; with ``window``, each row
+    attends to the last ``window`` positions only."""
     write_kv(kv_cache, key, value, meta.slot_mapping)
+    meta = windowed(meta, window)
     out = torch.empty_like(query)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_end)
@@ -93,7 +131,9 @@ def paged_attention(
         q = query[rows].transpose(0, 1)  # [H, n, D]
         if chunk.start_position == 0:
             k, v = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            causal = chunk.causal_mask is None
+            attn = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=True)
         else:
             ctx = chunk.context_len
             k = _gather(kv_cache[0], chunk.block_ids)[:, :ctx]

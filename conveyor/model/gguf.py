@@ -1,10 +1,12 @@
-"""Turn a llama-family GGUF file into a Hugging Face model folder: with its weights, or only its description.
+"""Turn a GGUF file into a Hugging Face model folder: with its weights, or only its description.
 
 Conveyor runs a GGUF file's quantized weights as they are (:mod:`conveyor.model.gguf_weights`), but what
 describes the model (config.json, the tokenizer and its chat template, generation defaults) is read the HF
 way, so a GGUF file gets a small folder of those, without weights (``weights=False``). With weights, every
 tensor is dequantized once, llama.cpp's layout changes undone, and the folder is one that both Conveyor and
-``transformers`` load: the export other engines are compared on. Nothing is downloaded.
+``transformers`` load: the export other engines are compared on. Nothing is downloaded. The architectures
+read are those of :mod:`conveyor.model.families` with a GGUF name (llama, qwen2, qwen3, gemma3); what
+each names or leaves out is in :mod:`conveyor.model.gguf_families`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["ROPE_FREQS", "convert_gguf_to_hf", "hf_name", "rope_heads", "rope_row_order", "unpermute_rope_rows"]
+from conveyor.model.families import LLAMA, Family, gguf_family
+from conveyor.model.gguf_families import default_chat_template, family_config, is_norm, layer_names
 
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+__all__ = ["ROPE_FREQS", "convert_gguf_to_hf", "hf_name", "hf_norm", "rope_heads", "rope_row_order",
+           "unpermute_rope_rows"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -39,19 +43,6 @@ _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
-}
-
-# Per-layer GGUF names "blk.N.<key>" -> HF "model.layers.N.<value>".
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
 }
 
 # llama.cpp stores Llama-3 RoPE scaling as a precomputed per-frequency tensor instead of config values.
@@ -69,7 +60,7 @@ def convert_gguf_to_hf(
     dtype: str = "float32",
     weights: bool = True,
 ) -> pathlib.Path:
-    """Dequantize a llama-family GGUF file into a HF folder (``weights=False``: the folder without weights).
+    """Dequantize a GGUF file of a family read here into a HF folder (``weights=False``: the folder without weights).
 
     Writes config.json, model.safetensors (with weights), tokenizer files (tokenizer.json, tokenizer_config.json
     with the chat template, special tokens) and generation_config.json. Everything is written to a temporary sibling
@@ -82,16 +73,16 @@ def convert_gguf_to_hf(
     _check_destination(out)
 
     reader = gguf.GGUFReader(src)
-    arch = _architecture(reader, src)
+    arch, family = _architecture(reader, src)
     hparams = _hyperparameters(reader, arch)
     if weights:
-        tensors, rope_freqs = _convert_tensors(reader, hparams, torch_dtype)
+        tensors, rope_freqs = _convert_tensors(reader, family, hparams, torch_dtype)
         shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
     else:
-        tensors, shapes, rope_freqs = {}, _tensor_shapes(reader), _rope_freqs(reader)
-    config = _build_config(reader, arch, hparams, shapes, rope_freqs, dtype)
+        tensors, shapes, rope_freqs = {}, _tensor_shapes(reader, family), _rope_freqs(reader)
+    config = _build_config(reader, (arch, family), hparams, shapes, rope_freqs, dtype)
     if not weights:  # the weights stay in the file, in its formats: say which (ModelConfig.stored_as)
-        config["quantization_config"] = _quantization_config(reader)
+        config["quantization_config"] = _quantization_config(reader, family)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(out)
@@ -102,7 +93,7 @@ def convert_gguf_to_hf(
             save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", _generation_config(config))
-        _save_tokenizer(src, staging, config["max_position_embeddings"])
+        _save_tokenizer(src, staging, config["max_position_embeddings"], default_chat_template(family))
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -151,14 +142,13 @@ def _meta(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return value
 
 
-def _architecture(reader: gguf.GGUFReader, src: pathlib.Path) -> str:
-    """Only llama-style graphs are converted: other architectures need different names and configs."""
+def _architecture(reader: gguf.GGUFReader, src: pathlib.Path) -> tuple[str, Family]:
+    """The file's architecture and its family; one no family here reads is refused, naming those read."""
     arch = _meta(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"{src}: unsupported GGUF architecture {arch!r}; only {sorted(SUPPORTED_ARCHITECTURES)} can be converted"
-        )
-    return arch
+    try:
+        return arch, gguf_family(arch)
+    except ValueError as error:
+        raise ValueError(f"{src}: {error}") from None
 
 
 def _hyperparameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
@@ -186,7 +176,7 @@ def _hyperparameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
 
 
 def _convert_tensors(
-    reader: gguf.GGUFReader, hparams: dict[str, Any], dtype: torch.dtype
+    reader: gguf.GGUFReader, family: Family, hparams: dict[str, Any], dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
     """Dequantize, rename and re-layout every tensor; rope_freqs is returned apart since it is config, not weight."""
     tensors: dict[str, torch.Tensor] = {}
@@ -196,17 +186,27 @@ def _convert_tensors(
         if tensor.name == ROPE_FREQS:
             rope_freqs = values
             continue
-        name = hf_name(tensor.name)
-        heads = rope_heads(name, hparams["num_attention_heads"], hparams["num_key_value_heads"])
+        name = hf_name(tensor.name, family)
+        heads = rope_heads(name, hparams["num_attention_heads"], hparams["num_key_value_heads"], family)
         if heads:
             values = unpermute_rope_rows(values, heads)
-        tensors[name] = torch.from_numpy(values).to(dtype).contiguous()
+        tensors[name] = torch.from_numpy(hf_norm(name, values, family)).to(dtype).contiguous()
     return tensors, rope_freqs
 
 
-def rope_heads(name: str, num_heads: int, num_kv_heads: int) -> int:
+def hf_norm(name: str, values: np.ndarray, family: Family) -> np.ndarray:
+    """A tensor's values as HF holds them: a Gemma norm's weight less the 1 llama.cpp added (in float32, as
+    transformers' own GGUF reader subtracts it)."""
+    if family.gguf_norm_offset and is_norm(name):
+        return values - np.float32(family.gguf_norm_offset)
+    return values
+
+
+def rope_heads(name: str, num_heads: int, num_kv_heads: int, family: Family = LLAMA) -> int:
     """The heads whose rows llama.cpp permuted in the tensor of this HF name (0: none): a Q or K projection's
-    weight or bias."""
+    weight or bias, in a family whose files llama.cpp permutes (Llama's; Qwen and Gemma keep HF's order)."""
+    if not family.gguf_permuted_qk:
+        return 0
     if name.endswith(("q_proj.weight", "q_proj.bias")):
         return num_heads
     if name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -220,16 +220,16 @@ def rope_row_order(rows: int, n_heads: int) -> np.ndarray:
     return unpermute_rope_rows(np.arange(rows), n_heads)
 
 
-def _tensor_shapes(reader: gguf.GGUFReader) -> dict[str, tuple[int, ...]]:
+def _tensor_shapes(reader: gguf.GGUFReader, family: Family) -> dict[str, tuple[int, ...]]:
     """Every weight's HF name and shape, without reading its values."""
-    return {hf_name(t.name): tuple(int(dim) for dim in reversed(t.shape)) for t in reader.tensors
+    return {hf_name(t.name, family): tuple(int(dim) for dim in reversed(t.shape)) for t in reader.tensors
             if t.name != ROPE_FREQS}
 
 
-def _quantization_config(reader: gguf.GGUFReader) -> dict[str, str]:
+def _quantization_config(reader: gguf.GGUFReader, family: Family) -> dict[str, str]:
     """The file's storage types: the most common among the layers' projections, and the LM head's (the
     embedding's when tied), as HF's quantization_config records a quantized checkpoint's method."""
-    types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors if t.name != ROPE_FREQS}
+    types = {hf_name(t.name, family): t.tensor_type.name for t in reader.tensors if t.name != ROPE_FREQS}
     layers = [kind for name, kind in types.items() if name.startswith("model.layers.") and name.endswith("proj.weight")]
     head = types.get("lm_head.weight", types["model.embed_tokens.weight"])
     return {"quant_method": "gguf", "layer_type": max(set(layers), key=layers.count) if layers else head,
@@ -258,17 +258,17 @@ def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return np.array(values, dtype=np.float32, copy=not values.flags.writeable).reshape(shape)
 
 
-def hf_name(gguf_name: str) -> str:
-    """Translate a GGUF tensor name to the HF Llama parameter name, or fail loudly on unknown weights."""
+def hf_name(gguf_name: str, family: Family = LLAMA) -> str:
+    """Translate a GGUF tensor name to the HF parameter name of ``family``, or fail loudly on unknown weights."""
     base, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         raise ValueError(f"unexpected GGUF tensor name {gguf_name!r}")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama equivalent")
+    parts, names = base.split("."), layer_names(family)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face {family.name} equivalent")
 
 
 def unpermute_rope_rows(values: np.ndarray, n_heads: int) -> np.ndarray:
@@ -290,17 +290,18 @@ def unpermute_rope_rows(values: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _build_config(
     reader: gguf.GGUFReader,
-    arch: str,
+    arch_family: tuple[str, Family],
     hparams: dict[str, Any],
     shapes: dict[str, tuple[int, ...]],
     rope_freqs: np.ndarray | None,
     dtype: str,
 ) -> dict[str, Any]:
-    """Assemble a LlamaConfig dict.
+    """Assemble the config dict of the file's family (Llama's keys, and the family's own: gguf_families).
 
     RoPE goes into ``rope_parameters`` (what transformers 5 reads); ``rope_theta`` is repeated at the top level
     for older readers. ``torch_dtype`` and ``dtype`` are both written for the same reason.
     """
+    arch, family = arch_family
     context = _meta(reader, f"{arch}.context_length", 2048)
     theta = _meta(reader, f"{arch}.rope.freq_base", 10000.0)
     vocab = shapes["model.embed_tokens.weight"][0]
@@ -322,6 +323,10 @@ def _build_config(
         "use_cache": True,
     }
     config.update(_special_token_ids(reader))
+    config.update(family_config(family, lambda key, default=None: _meta(reader, f"{arch}.{key}", default), hparams,
+                                config["rope_parameters"]))
+    if "hidden_activation" in config:
+        del config["hidden_act"]
     return config
 
 
@@ -408,18 +413,19 @@ def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
 # Tokenizer and final move
 
 
-def _save_tokenizer(src: pathlib.Path, out: pathlib.Path, max_length: int) -> None:
+def _save_tokenizer(src: pathlib.Path, out: pathlib.Path, max_length: int, default_template: str | None) -> None:
     """Rebuild the tokenizer with transformers' own GGUF converter and save it in plain HF form.
 
     The chat template is kept inside tokenizer_config.json (``save_jinja_files=False``) so readers that predate
     chat_template.jinja still find it. Load-time flags that transformers records as init arguments are dropped:
-    they describe how we loaded the GGUF, not how the saved folder should be loaded.
+    they describe how we loaded the GGUF, not how the saved folder should be loaded. A file without a chat
+    template gets its family's ``default_template`` where there is one.
     """
     from transformers import AutoTokenizer  # heavy import, only needed here
 
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
     if not tokenizer.chat_template:
-        tokenizer.chat_template = None  # keep "no template" explicit instead of an empty string
+        tokenizer.chat_template = default_template  # None keeps "no template" explicit, not an empty string
     tokenizer.model_max_length = max_length
     for key in ("is_local", "local_files_only", "gguf_file"):
         tokenizer.init_kwargs.pop(key, None)

@@ -20,8 +20,9 @@ import gguf
 import numpy as np
 
 from conveyor.core.model_config import ModelConfig
-from conveyor.model.gguf import ROPE_FREQS, hf_name, rope_heads, rope_row_order
-from conveyor.model.llama import LAYER_NORMS, LAYER_PROJECTIONS
+from conveyor.model.families import Family, family_for
+from conveyor.model.gguf import ROPE_FREQS, hf_name, hf_norm, rope_heads, rope_row_order
+from conveyor.model.layers import LAYER_PROJECTIONS
 from conveyor.model.quant_formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
@@ -36,7 +37,8 @@ def read_gguf_weights(path: Path, config: ModelConfig,
     matrices, or float32 arrays. Each passes through ``convert`` as soon as it is read (the loader packs it
     there), so that only one weight at a time is held decoded (a decoded code takes a byte, twice a 4-bit one's
     packed size)."""
-    tensors = {hf_name(t.name).removeprefix("model."): t for t in tensor_index(path) if t.name != ROPE_FREQS}
+    family = family_for(config)
+    tensors = {hf_name(t.name, family).removeprefix("model."): t for t in tensor_index(path) if t.name != ROPE_FREQS}
     with path.open("rb") as file:
         return _our_names(lambda name: _read_tensor(tensors[name], file.fileno()), set(tensors), config,
                           convert or _same)
@@ -142,12 +144,13 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
                convert: Callable[[Weight], Any]) -> dict[str, Any]:
     """HF names (without ``model.``) -> ours, with rotary rows restored and the fused projections joined
     (loader._our_state_dict's names, on quantized weights); each weight read when it is needed."""
-    hf = _Reads(read, names)
+    family = family_for(config)
+    hf = _Reads(read, names, family)
     ours: dict[str, Any] = {"embed_tokens.weight": convert(hf["embed_tokens.weight"]), "norm.weight": hf["norm.weight"]}
     if not config.tie_word_embeddings:
         ours["lm_head.weight"] = convert(hf["lm_head.weight"])
     def restored(name: str) -> Weight:  # a tensor read, in HF's rotary row order
-        return _rope_rows(hf[name], rope_heads(name, config.num_heads, config.num_kv_heads))
+        return _rope_rows(hf[name], rope_heads(name, config.num_heads, config.num_kv_heads, family))
 
     for i in range(config.num_layers):
         p = f"layers.{i}."
@@ -157,16 +160,17 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
             del read  # the next projection's parts are decoded only once these are packed
             if f"{p}{parts[0]}.bias" in hf:
                 ours[f"{p}{fused}.bias"] = np.concatenate([restored(f"{p}{part}.bias") for part in parts])
-        for norm in LAYER_NORMS:
+        for norm in family_for(config).layer_norms:
             ours[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return ours
 
 
 class _Reads:
-    """A GGUF file's tensors by HF name, each read (decoded) when looked up; a missing one named as the file's."""
+    """A GGUF file's tensors by HF name, each read (decoded) when looked up, a norm's as HF holds it (gguf.hf_norm);
+    a missing one named as the file's."""
 
-    def __init__(self, read: Callable[[str], Weight], names: set[str]) -> None:
-        self._read, self._names = read, names
+    def __init__(self, read: Callable[[str], Weight], names: set[str], family: Family) -> None:
+        self._read, self._names, self._family = read, names, family
 
     def __contains__(self, name: str) -> bool:
         return name in self._names
@@ -174,7 +178,8 @@ class _Reads:
     def __getitem__(self, name: str) -> Weight:
         if name not in self._names:
             raise ValueError(f"the GGUF file has no tensor for {name} (its config needs one)")
-        return self._read(name)
+        weight = self._read(name)
+        return hf_norm(name, weight, self._family) if isinstance(weight, np.ndarray) else weight
 
 
 def _rope_rows(weight: Weight, heads: int) -> Weight:

@@ -1,36 +1,30 @@
-"""A Llama-family decoder over a flat batch of tokens and a paged KV cache.
+"""A decoder of any family over a flat batch of tokens and a paged KV cache.
 
-RMSNorm, rotary embeddings, grouped-query attention and a SwiGLU MLP. Q, K and
-V share one projection, as do gate and up, so that a layer runs two large
-GEMMs instead of five small ones. The model only ever sees the flat token
-batch the executor packed; which request a token belongs to is known only
-to the attention metadata.
+The layers are the shared ones (:mod:`conveyor.model.layers`), built as the config's family describes
+(:mod:`conveyor.model.families`). The model only ever sees the flat token batch the executor packed; which
+request a token belongs to is known only to the attention metadata. Families the native stack runs (Llama's
+layers) can move into it whole (:meth:`LlamaModel.use_native_kernels`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.core.model_config import ModelConfig
-from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.attention import AttentionMetadata
+from conveyor.model.families import family_for, native_gaps
+from conveyor.model.layers import LAYER_PROJECTIONS, DecoderLayer, Linear, RotaryEmbedding, make_norm
+
+__all__ = ["LAYER_PROJECTIONS", "PROJECTIONS", "Linear", "LlamaModel", "StepInputs"]
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")  # the GEMM shapes of a step, by projection
-# A layer's projections under our names and the HF ones each stands for (the fused ones join theirs in this
-# order, weights and biases alike): what every loader maps a checkpoint's layer through.
-LAYER_PROJECTIONS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 @dataclass(slots=True)
@@ -48,155 +42,6 @@ class StepInputs:
     logit_rows: list[int]
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that can move its weight to the native kernel's packed layout.
-
-    Packed, the weight is tiles of 16 output columns (32 for the 512-bit
-    kernels), each contiguous, which a decode step streams at close to memory
-    bandwidth (see csrc/gemm.h). Packed in bfloat16, the tiles hold pairs
-    of consecutive inputs side by side, at half the bytes; inputs and outputs
-    stay float32 either way. Row counts in ``torch_rows`` (inclusive ranges)
-    run torch's own GEMM on the plain weight instead, which then stays.
-    """
-
-    kernels: ModuleType | None = None
-    packed: torch.Tensor | None = None
-    torch_rows: tuple[tuple[int, int], ...] = ()
-
-    def pack(self, kernels: ModuleType, width: int = 256, keep_weight: bool = False, bfloat16: bool = False,
-             out: torch.Tensor | None = None) -> None:
-        """Pack for the kernels of ``width`` bits (the layout follows that path's tile), in bfloat16 if asked;
-        into ``out`` if given (a view of the model's weight buffer, of ``kernels.packed_shape``)."""
-        self.kernels = kernels
-        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous(), width, bfloat16, out)
-        if not keep_weight:  # the plain copy would double the model's memory
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        if any(lo <= x.shape[0] <= hi for lo, hi in self.torch_rows):
-            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
-        y = self.kernels.packed_linear(x.float(), self.packed, self.out_features)
-        return y if self.bias is None else y + self.bias.float()
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the dtype, as the reference implementation does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    # float32 throughout, as the reference implementation computes it, so angles agree bit for bit.
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if kind is None:
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent stretch: long wavelengths scaled, short kept."""
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    original = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > original / low, inv_freq / factor, blended)
-    return torch.where(wavelen < original / high, inv_freq, out)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, looked up once per step."""
-
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        inv_freq = _rope_inv_freq(config)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), *rope)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
-
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class LlamaModel(nn.Module):
     """The decoder in PyTorch ops (any device and dtype, and the reference), or, once
     :meth:`use_native_kernels` has run, the same layers in one native call per step (on CPU: float32, or
@@ -205,10 +50,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
+        self.family = family = family_for(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, family, i) for i in range(config.num_layers))
+        self.norm = make_norm(family, config.hidden_size, config.rms_norm_eps)
+        self.build_rotary(max_positions)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.native = None  # the kernels' NativeLlama, holding the packed layers
         self.kernels: ModuleType | None = None  # the native kernels' module, once use_native_kernels has run
@@ -224,10 +70,22 @@ class LlamaModel(nn.Module):
         if self.native is not None:
             raise RuntimeError("this model runs as one native stack (use_native_kernels): step it with run_native")
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions, x.dtype)
+        if self.family.embedding_scale:  # in the activations' dtype, as the reference scales
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        ropes = (self.rotary(positions, x.dtype), None if self.rotary_local is None else
+                 self.rotary_local(positions, x.dtype))
         for layer, layer_cache in zip(self.layers, kv_cache):
-            x = layer(x, rope, layer_cache, meta)
+            x = layer(x, ropes, layer_cache, meta)
         return self.norm(x)
+
+    def build_rotary(self, max_positions: int, device: torch.device | str | None = None) -> None:
+        """The rope tables, in float32 on ``device`` (None: the current default): the global layers', and the
+        windowed layers' own where the family gives them another base (what a model built on the meta device
+        builds again once it has a device)."""
+        local = self.config.local_rope_theta is not None
+        with contextlib.nullcontext() if device is None else torch.device(device):
+            self.rotary = RotaryEmbedding(self.config, max_positions)
+            self.rotary_local = RotaryEmbedding(self.config, max_positions, local=True) if local else None
 
     def run_native(self, step: StepInputs, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """One step on the native stack: the final hidden states of every row and the logits of
@@ -252,6 +110,9 @@ class LlamaModel(nn.Module):
         (prompt logprobs). ``fused_swiglu_rows`` replaces
         the stack's own rule for when SwiGLU is fused into the packed gate/up GEMM. Norm weights, biases and
         the rotary tables go to the stack in float32."""
+        gaps = native_gaps(self.config, self.rotary.cos.shape[0])
+        if gaps:
+            raise ValueError(f"native kernels: the native stack lacks {', '.join(gaps)} ({self.family.name})")
         routes = {name: tuple(ranges) for name, ranges in (torch_rows or {}).items() if ranges}
         unknown = set(routes) - set(PROJECTIONS)
         if unknown:
@@ -260,7 +121,7 @@ class LlamaModel(nn.Module):
         self._pack_projections(kernels, width, bfloat16, keep=set(routes))
         self.lm_head.torch_rows = routes.get("lm_head", ())
         if self.rotary.cos.dtype != torch.float32:  # a model cast to bfloat16 cast its tables: build them again
-            self.rotary = RotaryEmbedding(self.config, self.rotary.cos.shape[0]).to(self.rotary.cos.device)
+            self.build_rotary(self.rotary.cos.shape[0], self.rotary.cos.device)
         c = self.config
         self.native = kernels.NativeLlama(
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps,

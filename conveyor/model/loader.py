@@ -27,7 +27,8 @@ from safetensors import safe_open
 
 from conveyor.core.cache_dir import cache_dir, make_cache_folder, write_cache_file
 from conveyor.core.model_config import ModelConfig
-from conveyor.model.llama import LAYER_NORMS, LAYER_PROJECTIONS, Linear, LlamaModel
+from conveyor.model.families import family_for
+from conveyor.model.llama import LAYER_PROJECTIONS, Linear, LlamaModel
 
 logger = logging.getLogger("conveyor")
 
@@ -68,6 +69,10 @@ def float32_folder(model: str | os.PathLike | None) -> Path:
 
 
 def _model_path(model: str | os.PathLike | None) -> Path:
+    from conveyor.model.packaged import PACKAGED, packaged_model_path
+
+    if isinstance(model, str) and model in PACKAGED:  # a model that ships as packages: --model gemma3-270m
+        return packaged_model_path(model)
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -75,7 +80,8 @@ def _model_path(model: str | os.PathLike | None) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         return path
-    raise FileNotFoundError(f"model: {str(model)!r} is neither a HF model folder nor a .gguf file")
+    raise FileNotFoundError(f"model: {str(model)!r} is neither a HF model folder nor a .gguf file (nor one of "
+                            f"{', '.join(PACKAGED)})")
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -157,7 +163,7 @@ def _our_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
             state[f"{p}{ours}.weight"] = torch.cat([hf[f"{p}{part}.weight"] for part in parts])
             if f"{p}{parts[0]}.bias" in hf:
                 state[f"{p}{ours}.bias"] = torch.cat([hf[f"{p}{part}.bias"] for part in parts])
-        for norm in LAYER_NORMS:
+        for norm in family_for(config).layer_norms:
             state[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return state
 
@@ -185,7 +191,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
     with torch.device("meta"):
         model = LlamaModel(config, max_positions)
     model.to_empty(device=device)
-    model.rotary = model.rotary.__class__(config, max_positions).to(device)
+    model.build_rotary(max_positions, device)
     state = _gguf_state_dict(source, config) if source is not None else _our_state_dict(_read_safetensors(folder),
                                                                                         config)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -255,17 +261,16 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
         model = LlamaModel(config, max_positions)
 
     def linear(name: str, bias_name: str | None = None) -> torch.nn.Module:
-        weight = weights.pop(name)
-        bias = weights.pop(bias_name, None) if bias_name else None
+        """The projection ``name``: quantized, or a plain Linear. Float tensors (a plain weight, a bias) stay in
+        ``weights`` and are loaded with the norms below, after ``to_empty``, which would clear them here."""
+        weight = weights[name]
+        bias = weights.get(bias_name) if bias_name else None
         bias_t = None if bias is None else torch.from_numpy(bias)
         if isinstance(weight, tuple):
+            del weights[name]
             native, kind = weight
             return QuantizedLinear(kernels, native, bias_t, kind)
-        plain = Linear(weight.shape[1], weight.shape[0], bias=bias_t is not None, device="cpu")
-        plain.weight.data = torch.from_numpy(weight)
-        if bias_t is not None:
-            plain.bias.data = bias_t
-        return plain
+        return Linear(weight.shape[1], weight.shape[0], bias=bias_t is not None, device="meta")
 
     for i, layer in enumerate(model.layers):
         for ours in LAYER_PROJECTIONS:  # "self_attn.qkv_proj": the module's parent and its attribute
@@ -282,7 +287,7 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
     else:
         model.lm_head = linear("lm_head.weight")
     model.to_empty(device="cpu")  # what is left on meta: norms (loaded below) and the rotary tables
-    model.rotary = model.rotary.__class__(config, max_positions)
+    model.build_rotary(max_positions, "cpu")
     state = {name: torch.from_numpy(np.ascontiguousarray(weight)) for name, weight in weights.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [name for name in missing if name != "embed_tokens.weight"]  # QuantizedEmbedding's empty placeholder

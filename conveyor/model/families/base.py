@@ -1,0 +1,44 @@
+"""What a model family is made of: a description the shared layers (:mod:`conveyor.model.layers`) read.
+
+A family is data, not code: the norm and where it sits, the activation, QK-norm, the embedding's scale,
+whether rope differs by layer kind, and how a GGUF file of it stores its tensors. What varies between
+checkpoints of one family (biases, tied embeddings, the attention scale, which layers attend to a window)
+is in the checkpoint's config (:class:`conveyor.core.model_config.ModelConfig`), with the family's
+defaults where a config leaves it out. A new family is a file of one of these, not a copy of the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Norm kinds: "rms" scales by w (Llama), "rms_one_plus" by 1 + w (Gemma, whose weights are stored around 0).
+NORM_KINDS = ("rms", "rms_one_plus")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # gate activations the shared MLP has (SwiGLU, GeGLU)
+PRE_NORMS = ("input_layernorm", "post_attention_layernorm")  # Llama's: before attention, before the MLP
+SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")  # Gemma's: before and after attention, before and after the MLP
+QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One family of decoders: every ``model_types`` value a config.json may name it by, and how its layers
+    differ from Llama's (the defaults are Llama's)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    gguf_architecture: str | None = None  # general.architecture of its GGUF files; None: none are read
+    hf_architecture: str = "LlamaForCausalLM"  # what an export's config.json names
+    norm: str = "rms"
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too, each before the residual add
+    qk_norm: bool = False  # a norm over each head's queries and keys, before rope
+    embedding_scale: bool = False  # embeddings times sqrt(hidden_size)
+    activations: tuple[str, ...] = ("silu",)
+    # llama.cpp reorders Q and K rows for its rope only for some architectures (Llama's); others keep HF's.
+    gguf_permuted_qk: bool = False
+    gguf_norm_offset: float = 0.0  # llama.cpp stores Gemma's norm weights as 1 + w: what reading subtracts
+
+    @property
+    def layer_norms(self) -> tuple[str, ...]:
+        """The norm weights of a layer, by HF name."""
+        return (SANDWICH_NORMS if self.sandwich_norms else PRE_NORMS) + (QK_NORMS if self.qk_norm else ())

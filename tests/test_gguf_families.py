@@ -1,0 +1,143 @@
+"""GGUF files of the Qwen families: a tiny random model written as llama.cpp lays a file out, read back.
+
+The file is built here from a tiny transformers model: llama.cpp's tensor names (no rotary row reordering:
+llama.cpp keeps HF's order for Qwen), its metadata keys, Q8_0 projections and the default model's tokenizer
+(tokens, merges, chat template) as metadata. Conveyor then runs the file itself on PyTorch ops (the file's
+weights dequantized), and transformers runs the float32 folder Conveyor's export writes of it: the greedy
+tokens must agree, and the export must hold the tiny model's float tensors as Q8_0 rounds them. Qwen2 also
+runs on the native kernels, its weights kept quantized. An architecture no family reads is refused in one
+line.
+"""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+
+from conveyor import LLM, SamplingParams
+from conveyor.entrypoints import cli
+from conveyor.model.loader import default_model_path, float32_folder
+from tests.harness import hf_greedy
+from tests.test_families import SHAPE, _randomise_norms_and_biases
+
+TOKENIZER_KEYS = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id")
+GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+                    "post_attention_layernorm": "ffn_norm"}
+
+
+def _gguf_name(hf: str) -> str:
+    hf = hf.removeprefix("model.")
+    base, _, suffix = hf.rpartition(".")
+    globals_ = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output"}
+    if base in globals_:
+        return f"{globals_[base]}.{suffix}"
+    _, layer, rest = base.split(".", 2)
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[rest]}.{suffix}"
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
+    """The default model's tokenizer and chat template, as its GGUF file stores them."""
+    reader = gguf.GGUFReader(default_model_path())
+    value = {key: reader.fields[f"tokenizer.ggml.{key}"].contents() for key in TOKENIZER_KEYS}
+    writer.add_tokenizer_model(value["model"])
+    writer.add_tokenizer_pre(value["pre"])
+    writer.add_token_list(value["tokens"])
+    writer.add_token_types(value["token_type"])
+    writer.add_token_merges(value["merges"])
+    writer.add_bos_token_id(value["bos_token_id"])
+    writer.add_eos_token_id(value["eos_token_id"])
+    writer.add_chat_template(reader.fields["tokenizer.chat_template"].contents())
+
+
+def _write_gguf(path, arch: str, model) -> None:
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    _copy_tokenizer(writer)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        values = tensor.float().numpy()
+        if values.ndim == 2:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(_gguf_name(name), values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def qwen_file(request, tmp_path_factory):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config_class = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[request.param]
+    model = transformers.AutoModelForCausalLM.from_config(config_class(**SHAPE, num_hidden_layers=2)).eval()
+    _randomise_norms_and_biases(model)
+    path = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf"
+    _write_gguf(path, request.param, model)
+    return request.param, path, model
+
+
+def test_a_qwen_gguf_file_runs_as_transformers_runs_its_export(qwen_file):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    arch, path, original = qwen_file
+    folder = float32_folder(path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == arch and config["head_dim"] == SHAPE["head_dim"]
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for name, tensor in original.state_dict().items():  # Q8_0 rounds each weight by at most half a step
+        assert torch.allclose(reference.state_dict()[name], tensor, atol=tensor.abs().max().item() / 127), name
+    prompts = [[int(t) for t in np.random.default_rng(n).integers(1000, 40000, n)] for n in (3, 20, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    llm = LLM(str(path), num_kv_blocks=256, kernels="torch")  # the file's weights dequantized: exact
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        assert output.token_ids == hf_greedy(reference, output.prompt_token_ids, 10), arch
+    assert llm.chat([[{"role": "user", "content": "Hi"}]], params, use_tqdm=False)[0].prompt_token_ids
+
+
+def test_qwen2_runs_on_the_native_kernels_kept_quantized(qwen_file):
+    """Kept quantized, activations are quantized too (docs/quantized-weights.md), so the tokens are not
+    compared bit for bit here; that the family runs natively, on the file's Q8_0 codes, is."""
+    arch, path, _ = qwen_file
+    llm = LLM(str(path), num_kv_blocks=256)
+    assert (llm.engine.kernel_width is not None) == (arch == "qwen2")
+    assert (llm.engine.kernel_dtype == "Q8_0") == (arch == "qwen2")
+    [output] = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                            use_tqdm=False)
+    assert len(output.token_ids) == 6
+
+
+def test_an_unknown_gguf_architecture_is_one_line(tmp_path, capsys):
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert cli.main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("conveyor: error:") and len(err.strip().splitlines()) == 1, err
+    assert "GGUF architecture 'gpt2' is not supported (supported: gemma3, llama, qwen2, qwen3)" in err
