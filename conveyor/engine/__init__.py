@@ -1,15 +1,18 @@
 """The engine around the core: model, tokenizer and text.
 
-``Engine`` is driven step by step; ``AsyncEngine`` runs it in a background thread for the server.
+``Engine`` is driven step by step; ``AsyncEngine`` runs it in a background thread for the server. A front end
+talks to an ``EngineClient`` (conveyor.engine.client): one AsyncEngine, or replicas behind a router.
 """
 
-from conveyor.engine.async_engine import (
-    AsyncEngine,
+from conveyor.engine.async_engine import AsyncEngine, RequestStream
+from conveyor.engine.client import (
+    EngineClient,
     EngineDead,
     EngineOverloaded,
+    LiveViewUnavailable,
+    OutputStream,
     RequestCounts,
     RequestFailed,
-    RequestStream,
 )
 from conveyor.engine.llm_engine import Engine
 from conveyor.engine.output import RequestMetrics, RequestOutput
@@ -17,8 +20,11 @@ from conveyor.engine.output import RequestMetrics, RequestOutput
 __all__ = [
     "AsyncEngine",
     "Engine",
+    "EngineClient",
     "EngineDead",
     "EngineOverloaded",
+    "LiveViewUnavailable",
+    "OutputStream",
     "RequestCounts",
     "RequestFailed",
     "RequestMetrics",
