@@ -58,23 +58,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_model_dir: Path):
-    """A real ``conveyor serve`` of the tiny model, served as "tiny", no API key: its base URL."""
+    """A real ``conveyor serve`` of the tiny model, served as "tiny", no API key: its base URL. One for the whole
+    run (each start costs seconds of loading): the modules that share it only send requests, and assert
+    nothing of the server's counters."""
     from tests.serving import running_server
 
     with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", "tiny") as running:
         yield running.base
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(server: str):
     from tests.serving import openai_client
 
     return openai_client(server)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def offline(tiny_model_dir: Path):
     """The tiny model offline, with the servers' pool size: what a server's greedy answers must equal."""
     from conveyor import LLM
