@@ -18,7 +18,7 @@ from conveyor.core.config import EngineConfig
 from conveyor.engine import AsyncEngine, Engine, EngineClient
 from conveyor.engine.replicas import ReplicaSet, ReplicaSettings
 from conveyor.entrypoints.metrics import EngineMetrics, ServerMetrics
-from conveyor.entrypoints.openai_server import ServerSettings, build_app
+from conveyor.entrypoints.openai.api_server import ServerSettings, build_app
 from conveyor.entrypoints.replica_metrics import ReplicaMetrics
 
 logger = logging.getLogger("conveyor.server")

@@ -35,12 +35,12 @@ from conveyor.core.errors import FieldError
 from conveyor.core.request import Request as EngineRequest
 from conveyor.engine import EngineClient, EngineDead, EngineOverloaded, OutputStream, RequestFailed, RequestOutput
 from conveyor.engine.request_builder import MaxTokensRule
-from conveyor.entrypoints.choices import open_streams
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
-from conveyor.entrypoints.logprob_format import LogprobFormatter
 from conveyor.entrypoints.metrics import ServerMetrics
-from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, HostAllowList, error_body
-from conveyor.entrypoints.protocol import (
+from conveyor.entrypoints.openai.choices import open_streams
+from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
+from conveyor.entrypoints.openai.middleware import APIKeyAuth, BodyLimit, HostAllowList, error_body
+from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -48,8 +48,8 @@ from conveyor.entrypoints.protocol import (
     TokenizeRequest,
     message_dicts,
 )
-from conveyor.entrypoints.response_shapes import ChatShape, CompletionShape, ResponseShape, usage
-from conveyor.entrypoints.responses_api import (
+from conveyor.entrypoints.openai.response_shapes import ChatShape, CompletionShape, ResponseShape, usage
+from conveyor.entrypoints.openai.responses_api import (
     FIELD_NAMES,
     MAX_STORED_RESPONSES,
     ResponsesRequest,
@@ -383,7 +383,7 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
 
 
 def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
-    """OpenAI's Responses API on the chat path (see conveyor.entrypoints.responses_api)."""
+    """OpenAI's Responses API on the chat path (see conveyor.entrypoints.openai.responses_api)."""
     store = ResponseStore()
 
     @app.post("/v1/responses")

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from conveyor.core.errors import FieldError
 from conveyor.core.sampling import MAX_LOGPROBS, SamplingParams
 from conveyor.core.structured import StructuredOutput
-from conveyor.entrypoints.tool_calls import ForcedToolCalls
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls
 
 MAX_MESSAGES = 1024  # messages of one chat request: the template renders them all, on the tokenizer pool
 MAX_TOOLS = 128  # tools of one chat request (OpenAI's limit): each is a branch of the grammar

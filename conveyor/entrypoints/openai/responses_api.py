@@ -23,9 +23,9 @@ from pydantic import Field
 from conveyor.core.errors import FieldError
 from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
-from conveyor.entrypoints.logprob_format import LogprobFormatter
-from conveyor.entrypoints.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
-from conveyor.entrypoints.tool_calls import ForcedToolCalls
+from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
+from conveyor.entrypoints.openai.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls
 
 MAX_STORED_RESPONSES = 1024
 
