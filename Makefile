@@ -55,8 +55,10 @@ docs: install
 docs-check: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
+# Two workers, each taking whole files (--dist loadfile), so a file's module-scoped server starts once: while
+# one worker waits on a server or a subprocess, the other computes.
 test: lint docs-check
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # Tests marked slow (minutes each); pytest's exit 5 means none is marked, which is not a failure.
 test-slow: install

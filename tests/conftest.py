@@ -1,5 +1,6 @@
-"""Shared fixtures: the default model's folder, a tiny random Llama that shares its tokenizer, and a server
-of it with the official client (``server``, ``client``: test_server and test_replicas define their own).
+"""Shared fixtures: the default model's folder, a tiny random Llama that shares its tokenizer, a server of it
+with the official client (``server``, ``client``: test_server and test_replicas define their own), and the
+offline engine a server's answers are compared with (``offline``).
 
 The tiny model is what most engine tests run on: it exercises every code path
 of the real one (GQA, RoPE, paged attention, chunked prefill, preemption) in
@@ -57,20 +58,30 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tiny_model_dir: Path):
-    """A real ``conveyor serve`` of the tiny model, served as "tiny", no API key: its base URL."""
+    """A real ``conveyor serve`` of the tiny model, served as "tiny", no API key: its base URL. One for the whole
+    run (each start costs seconds of loading): the modules that share it only send requests, and assert
+    nothing of the server's counters."""
     from tests.serving import running_server
 
     with running_server(tiny_model_dir, "--num-kv-blocks", "1024", "--served-model-name", "tiny") as running:
         yield running.base
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(server: str):
-    import openai
+    from tests.serving import openai_client
 
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_model_dir: Path):
+    """The tiny model offline, with the servers' pool size: what a server's greedy answers must equal."""
+    from conveyor import LLM
+
+    return LLM(str(tiny_model_dir), num_kv_blocks=1024)
 
 
 @pytest.fixture(scope="session")

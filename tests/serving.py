@@ -3,7 +3,9 @@
 * ``running_server``: starts the process (extra flags, extra environment), waits for ``/health``, yields a
   ``Server`` (its base URL and process), and stops it with SIGTERM;
 * ``metric``: one figure from ``/metrics``; ``wait_until_idle``: until nothing is open, running or holding KV;
-* ``rss_bytes``: a process's resident memory, from /proc.
+* ``rss_bytes``: a process's resident memory, from /proc;
+* ``openai_client``: the official client on a server; ``offline_text``: what the offline engine answers, which
+  a server's answer must equal (the ``offline`` fixture in conftest.py is that engine).
 """
 
 from __future__ import annotations
@@ -123,6 +125,21 @@ def wait_until_idle(server: Server, timeout: float = 30) -> dict[str, float]:
             return values
         assert time.monotonic() < deadline, f"still busy after {timeout} s: {busy}"
         time.sleep(0.1)
+
+
+def openai_client(base: str, api_key: str = "unused"):
+    """The official client on ``base``, without retries (a test sees every refusal as it came)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=api_key, max_retries=0)
+
+
+def offline_text(llm, prompt, max_tokens: int, ignore_eos: bool = False) -> str:
+    """The offline engine's greedy text for ``prompt`` (text or token ids)."""
+    from conveyor import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return llm.generate([prompt], params, use_tqdm=False)[0].text
 
 
 def rss_bytes(pid: int) -> int:

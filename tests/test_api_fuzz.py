@@ -17,7 +17,7 @@ from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.entrypoints.metrics import EngineMetrics
-from conveyor.entrypoints.openai_server import ServerSettings, build_app
+from conveyor.entrypoints.openai.api_server import ServerSettings, build_app
 
 
 @pytest.fixture(scope="module")

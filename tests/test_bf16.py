@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.kernels import BF16_FEATURE, WIDTH_ENV, bfloat16_unavailable
+from tests.references import paged_attention_reference
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +97,6 @@ def test_packing_bf16_where_the_cpu_lacks_it_names_the_feature(kernels):
         kernels.pack_linear_weight(torch.randn(4, 4), 512, bfloat16=True)
 
 
-def _reference_attention(query, k_cache, v_cache, tables, row_seq, lens, scale):
-    """Gather each row's context in order and run PyTorch's attention on it (float32)."""
-    out = []
-    for row in range(query.shape[0]):
-        ctx = int(lens[row])
-        blocks = tables[int(row_seq[row]), : -(-ctx // k_cache.shape[1])]
-        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
-        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
-        out.append(F.scaled_dot_product_attention(query[row].unsqueeze(1), k, v, scale=scale, enable_gqa=True))
-    return torch.stack(out).squeeze(2)
-
-
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 2, 8), (9, 3, 64), (2, 1, 128)])
 def test_attention_over_a_bf16_cache_matches_sdpa_on_the_rounded_values(bf16, width, block_size, heads, kv_heads,
@@ -123,7 +112,7 @@ def test_attention_over_a_bf16_cache_matches_sdpa_on_the_rounded_values(bf16, wi
                       torch.arange(201, 241)])
     query = torch.randn(len(row_seq), heads, head_dim)
     got = bf16.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5, width)
-    want = _reference_attention(query, cache[0].float(), cache[1].float(), tables, row_seq, lens, head_dim**-0.5)
+    want = paged_attention_reference(query, cache[0].float(), cache[1].float(), tables, row_seq, lens, head_dim**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

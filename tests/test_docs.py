@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.core.sampling import SamplingParams
-from conveyor.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

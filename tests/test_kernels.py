@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.references import paged_attention_reference
+
 
 def test_an_avx512_cpu_gets_the_512_bit_kernels(kernels):
     """The 512-bit path is only ever skipped on a CPU without AVX-512F, never lost on one that has it."""
@@ -101,19 +103,6 @@ def test_packed_linear_rejects_a_wrong_width(kernels):
         kernels.packed_linear(torch.randn(2, 31), packed, 16)
 
 
-def _reference_attention(query, k_cache, v_cache, tables, row_seq, lens, scale):
-    """Gather each row's context in order and run PyTorch's attention on it."""
-    out = []
-    for row in range(query.shape[0]):
-        ctx = int(lens[row])
-        blocks = tables[int(row_seq[row]), : -(-ctx // k_cache.shape[1])]
-        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [kvh, ctx, d]
-        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
-        q = query[row].unsqueeze(1)  # [h, 1, d]
-        out.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True).squeeze(1))
-    return torch.stack(out)
-
-
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8), (3, 1, 96)]
@@ -129,7 +118,7 @@ def test_paged_attention_of_decode_rows_matches_reference(kernels, width, block_
     query = torch.randn(len(lens), heads, head_dim)
     scale = head_dim**-0.5
     got = kernels.paged_attention(query, cache[0], cache[1], tables, rows, lens, scale, width)
-    want = _reference_attention(query, cache[0], cache[1], tables, rows, lens, scale)
+    want = paged_attention_reference(query, cache[0], cache[1], tables, rows, lens, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -143,7 +132,7 @@ def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, width, ro
     tables = torch.stack([torch.randperm(num_blocks)[:60] for _ in range(rows)])
     lens = torch.tensor([950, 13, 411][:rows])
     query = torch.randn(rows, heads, head_dim)
-    want = _reference_attention(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
+    want = paged_attention_reference(query, cache[0], cache[1], tables, torch.arange(rows), lens, 0.125)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 3, 5):  # parts of several sizes, and more parts than a short row has blocks
@@ -165,7 +154,7 @@ def test_paged_attention_of_prompt_rows_is_causal(kernels, width):
     lens = torch.cat([torch.arange(1, 8), torch.arange(6, 15), torch.tensor([23])])
     query = torch.randn(len(row_seq), heads, head_dim)
     got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25, width)
-    want = _reference_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.25)
+    want = paged_attention_reference(query, cache[0], cache[1], tables, row_seq, lens, 0.25)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -184,7 +173,7 @@ def test_paged_attention_of_long_prompt_chunks_matches_reference(kernels, width,
     lens = torch.cat([torch.arange(1, 251), torch.tensor([77]), torch.arange(301, 358), torch.tensor([399])])
     query = torch.randn(len(row_seq), heads, head_dim)
     got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5, width)
-    want = _reference_attention(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5)
+    want = paged_attention_reference(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -13,12 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
-import openai
 import pytest
 
-from conveyor import LLM, SamplingParams
 from conveyor.entrypoints.cli import main
-from tests.serving import running_server
+from tests.serving import offline_text, openai_client, running_server
 
 pytest.importorskip("ray", reason="the replica tests need the ray extra: pip install 'conveyor[ray]'")
 
@@ -41,17 +39,7 @@ def server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir):
-    return LLM(str(tiny_model_dir), num_kv_blocks=1024)
-
-
-def _offline_text(llm: LLM, prompt, max_tokens: int, ignore_eos: bool = False) -> str:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return llm.generate([prompt], params, use_tqdm=False)[0].text
+    return openai_client(server, "none")
 
 
 def _health(server: str) -> dict:
@@ -73,7 +61,7 @@ def test_completions_streamed_and_not_equal_one_engine(client, offline):
         full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
         chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)
         streamed = "".join(chunk.choices[0].text for chunk in chunks)
-        assert full.choices[0].text == streamed == _offline_text(offline, prompt, 12)
+        assert full.choices[0].text == streamed == offline_text(offline, prompt, 12)
 
 
 def test_chat_streamed_and_not_equal_one_engine(client, offline):
@@ -83,7 +71,7 @@ def test_chat_streamed_and_not_equal_one_engine(client, offline):
                                             stream=True)
     parts = [chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices]
     prompt_ids = offline.tokenizer.apply_chat_template(messages)
-    assert full.choices[0].message.content == "".join(parts) == _offline_text(offline, prompt_ids, 10)
+    assert full.choices[0].message.content == "".join(parts) == offline_text(offline, prompt_ids, 10)
 
 
 def test_cache_aware_sends_a_repeated_prefix_where_it_is_cached(client):
@@ -192,7 +180,7 @@ def test_a_killed_replica_loses_no_request_and_comes_back(server, offline):
     assert all(o.finish_reason == "length" for o in finished)
     for prompt, outcome in zip(prompts, outcomes):
         if not outcome.error:
-            assert outcome.text == _offline_text(offline, prompt, OUTPUT_LEN, ignore_eos=True)
+            assert outcome.text == offline_text(offline, prompt, OUTPUT_LEN, ignore_eos=True)
     failover = _health(server)["failover"]
     assert failover["errored"] == len(errored) and failover["unplaced"] == 0
     assert failover["retried"] + failover["errored"] >= 1, "the kill touched no request"

@@ -7,7 +7,7 @@ here checks the contract around every call: KV ownership, the token budget and
 ``max_num_seqs``, which requests run and in what order (running first, victims
 from the newest, FCFS admission that stops only for a reason), and at the end
 that every request finished exactly once with the output a lone run gives.
-The other policies, preemption modes and layouts are in test_policies_property.py.
+The other policies, preemption modes and layouts are in test_policy_properties.py.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from conveyor import LLM, SamplingParams
-from tests.serving import free_port, running_server
+from conveyor import SamplingParams
+from tests.serving import free_port, offline_text, openai_client, running_server
 
 API_KEY = "test-key"
 
@@ -31,16 +31,7 @@ def server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir):
-    return LLM(str(tiny_model_dir), num_kv_blocks=1024)
-
-
-def _offline_text(llm: LLM, prompt, max_tokens: int) -> str:
-    return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0].text
+    return openai_client(server, API_KEY)
 
 
 def test_completion_streamed_equals_unstreamed_equals_offline(client, offline):
@@ -48,7 +39,7 @@ def test_completion_streamed_equals_unstreamed_equals_offline(client, offline):
     full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
     chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)
     streamed = "".join(c.choices[0].text for c in chunks)
-    assert full.choices[0].text == streamed == _offline_text(offline, prompt, 12)
+    assert full.choices[0].text == streamed == offline_text(offline, prompt, 12)
     assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
 
 
@@ -64,7 +55,7 @@ def test_chat_streamed_equals_unstreamed_equals_offline(client, offline):
         if chunk.usage:
             usage = chunk.usage
     prompt_ids = offline.tokenizer.apply_chat_template(messages)
-    assert full.choices[0].message.content == "".join(parts) == _offline_text(offline, prompt_ids, 10)
+    assert full.choices[0].message.content == "".join(parts) == offline_text(offline, prompt_ids, 10)
     assert usage is not None and usage.completion_tokens == 10 and usage.prompt_tokens == len(prompt_ids)
 
 
@@ -278,7 +269,7 @@ def test_tokenize_detokenize_version(server):
     assert httpx.get(f"{server}/version", headers=AUTH).json()["version"]
     assert httpx.get(f"{server}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()["data"][0][
         "id"] == "tiny"
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+    client = openai_client(server, API_KEY)
     assert client.models.retrieve("tiny").id == "tiny"  # GET /v1/models/{model}
     with pytest.raises(openai.NotFoundError, match="'nope' does not exist") as missing:
         client.models.retrieve("nope")

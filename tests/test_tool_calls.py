@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from conveyor.entrypoints.tool_calls import ForcedToolCalls
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls
 
 MODEL = "tiny"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -104,7 +104,7 @@ def test_a_conversation_with_calls_and_their_results_goes_on(client):
 
 def test_tools_and_calls_reach_a_template_that_shows_them(tiny_model_dir, tmp_path):
     from conveyor.engine.tokenizer import Tokenizer
-    from conveyor.entrypoints.protocol import ChatCompletionRequest
+    from conveyor.entrypoints.openai.protocol import ChatCompletionRequest
 
     shutil.copy(tiny_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
     config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())

@@ -12,15 +12,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from conveyor.core.errors import FieldError
 from conveyor.core.sampling import SamplingParams
 
 
 def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
-    """ValueError unless a prompt of that length leaves room for at least one output token."""
+    """FieldError (``prompt``) unless a prompt of that length leaves room for at least one output token."""
     if num_prompt_tokens >= max_model_len:
-        raise ValueError(
-            f"prompt: {num_prompt_tokens} tokens, but max_model_len is {max_model_len}, which leaves no room for output"
-        )
+        raise FieldError("prompt", f"prompt: {num_prompt_tokens} tokens, but max_model_len is {max_model_len}, "
+                                   "which leaves no room for output")
 
 
 class RequestStatus(enum.Enum):

@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from conveyor.core.errors import FieldError
 from conveyor.core.structured import StructuredOutput
 
 # Below this temperature, sampling is greedy: dividing logits by it would overflow float32.
@@ -45,7 +46,9 @@ class SamplingParams:
     A stop string ends the text before it, or after it with ``include_stop_str_in_output`` (vLLM's name).
     """
 
-    max_tokens: int = 16
+    # vLLM's default; None: as many as the context leaves room for, decided when the request is built
+    # (conveyor.engine.request_builder, the one place a request's max_tokens is settled).
+    max_tokens: int | None = 16
     n: int = 1  # sequences to draw for the prompt (parallel sampling); they share the prompt's KV blocks
     temperature: float = 1.0
     top_k: int = 0
@@ -84,50 +87,51 @@ class SamplingParams:
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be an integer from 1 to {MAX_N}, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise _invalid("n", f"must be an integer from 1 to {MAX_N}, got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise _invalid("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         temperature = self.temperature
         if not isinstance(temperature, int | float) or not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise _invalid("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise _invalid("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
+            raise _invalid("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+            raise _invalid("top_k", f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise _invalid("seed", f"must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise _invalid("stop", f"must be non-empty strings, got {self.stop!r}")
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise FieldError("stop", f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
-            raise ValueError(f"stop: each stop string at most {MAX_STOP_STRING_CHARS} characters, got one of "
-                             f"{max(len(s) for s in self.stop)}")
+            raise FieldError("stop", f"stop: each stop string at most {MAX_STOP_STRING_CHARS} characters, got one "
+                                     f"of {max(len(s) for s in self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise _invalid("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids!r}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
+            raise FieldError("stop_token_ids",
+                             f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
 
     def _validate_processing(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+                raise _invalid(name, f"must be a number in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
-            raise ValueError(f"repetition_penalty must be a number in (0, 100], got {self.repetition_penalty!r}")
+            raise _invalid("repetition_penalty", f"must be a number in (0, 100], got {self.repetition_penalty!r}")
         for pair in self.logit_bias:
             if len(pair) != 2 or not _is_index(pair[0]) or not _is_number(pair[1]) or abs(pair[1]) > MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
-        if not _is_index(self.min_tokens) or self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer from 0 to max_tokens, got {self.min_tokens!r}")
+                raise _invalid("logit_bias", f"must map token ids >= 0 to numbers in [-100, 100], got {pair!r}")
+        if not _is_index(self.min_tokens) or self.min_tokens > (self.max_tokens or self.min_tokens):
+            raise _invalid("min_tokens", f"must be an integer from 0 to max_tokens, got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_index(value) or value > MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
+                raise _invalid(name, f"must be an integer from 0 to {MAX_LOGPROBS}, got {value!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
-            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
+            raise _invalid("structured_output", f"must be a StructuredOutput, got {self.structured_output!r}")
 
     @property
     def greedy(self) -> bool:
@@ -141,6 +145,11 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether anything changes this request's logits before sampling (a plain request skips it all)."""
         return bool(self.has_penalties or self.logit_bias or self.min_tokens or self.structured_output)
+
+
+def _invalid(field: str, rule: str) -> FieldError:
+    """``field`` broke ``rule``: the message names the field first, as the API's 400 shows it."""
+    return FieldError(field, f"{field} {rule}")
 
 
 def _is_number(value: object) -> bool:

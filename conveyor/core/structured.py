@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from conveyor.core.errors import FieldError
+
 StructuredKind = Literal["json", "json_object", "regex", "choice"]
 
 # Limits checked before anything is compiled. Compile time grows steeply with nesting (900 nested arrays took
@@ -39,21 +41,21 @@ class StructuredOutput:
         given = [name for name in ("json", "regex", "choice") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"structured_output: give exactly one of json, json_object, regex, choice; got {given}")
+            raise _refused(None, f"give exactly one of json, json_object, regex, choice; got {given}")
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", json.loads(self.json))
             except json.JSONDecodeError as error:
-                raise ValueError(f"structured_output.json: not valid JSON ({error})") from None
+                raise _refused("json", f"not valid JSON ({error})") from None
             except RecursionError:  # JSON text nested thousands deep: Python's parser gives up
-                raise ValueError(f"structured_output.json: the schema nests deeper than the limit of "
-                                 f"{MAX_SCHEMA_DEPTH} levels of objects and lists") from None
+                raise _refused("json", f"the schema nests deeper than the limit of "
+                               f"{MAX_SCHEMA_DEPTH} levels of objects and lists") from None
         if self.json is not None and not isinstance(self.json, dict):
-            raise ValueError(f"structured_output.json: a JSON schema must be an object, got {self.json!r}")
+            raise _refused("json", f"a JSON schema must be an object, got {self.json!r}")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
-            raise ValueError(f"structured_output.regex: must be a non-empty string, got {self.regex!r}")
+            raise _refused("regex", f"must be a non-empty string, got {self.regex!r}")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
-            raise ValueError(f"structured_output.choice: must be non-empty strings, got {self.choice!r}")
+            raise _refused("choice", f"must be non-empty strings, got {self.choice!r}")
         self._check_limits()
 
     def _check_limits(self) -> None:
@@ -63,11 +65,11 @@ class StructuredOutput:
             _SchemaCounts().walk(self.json, 0)  # first: the depth bounds how deep the text below recurses
         kind, text = self.key
         if len(text.encode()) > MAX_GRAMMAR_BYTES:
-            raise ValueError(f"structured_output.{kind}: {len(text.encode())} bytes, over the limit of "
-                             f"{MAX_GRAMMAR_BYTES} bytes of a schema, regex or choices")
+            raise _refused(kind, f"{len(text.encode())} bytes, over the limit of "
+                           f"{MAX_GRAMMAR_BYTES} bytes of a schema, regex or choices")
         if kind == "choice" and len(self.choice or ()) > MAX_ENUM_VALUES:
-            raise ValueError(f"structured_output.choice: {len(self.choice or ())} choices, over the limit of "
-                             f"{MAX_ENUM_VALUES}")
+            raise _refused("choice", f"{len(self.choice or ())} choices, over the limit of "
+                           f"{MAX_ENUM_VALUES}")
 
 
     def __hash__(self) -> int:
@@ -105,8 +107,8 @@ class _SchemaCounts:
 
     def walk(self, value: Any, depth: int) -> None:
         if depth > MAX_SCHEMA_DEPTH:
-            raise ValueError(f"structured_output.json: the schema nests deeper than the limit of "
-                             f"{MAX_SCHEMA_DEPTH} levels of objects and lists")
+            raise _refused("json", f"the schema nests deeper than the limit of "
+                           f"{MAX_SCHEMA_DEPTH} levels of objects and lists")
         if isinstance(value, list):
             for item in value:
                 self.walk(item, depth + 1)
@@ -118,10 +120,16 @@ class _SchemaCounts:
     def _check_node(self, node: dict[str, Any]) -> None:
         ref = node.get("$ref")
         if isinstance(ref, str) and not ref.startswith("#"):
-            raise ValueError(f"structured_output.json: $ref {ref[:100]!r} points outside the schema; only refs "
-                             "within it (#/$defs/...) are followed, nothing is fetched")
+            raise _refused("json", f"$ref {ref[:100]!r} points outside the schema; only refs "
+                           "within it (#/$defs/...) are followed, nothing is fetched")
         enum = node.get("enum")
         self.num_enum_values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
         if self.num_enum_values > MAX_ENUM_VALUES:
-            raise ValueError(f"structured_output.json: more than the limit of {MAX_ENUM_VALUES} enum and const "
-                             "values in the schema")
+            raise _refused("json", f"more than the limit of {MAX_ENUM_VALUES} enum and const "
+                           "values in the schema")
+
+
+def _refused(kind: str | None, reason: str) -> FieldError:
+    """A constraint refused, named ``structured_output.KIND`` (the server renames it to the client's field)."""
+    field = "structured_output" if kind is None else f"structured_output.{kind}"
+    return FieldError(field, f"{field}: {reason}")

@@ -31,9 +31,11 @@ from typing import Any
 from conveyor.core.request import Request
 from conveyor.core.stats import EngineStats
 from conveyor.core.structured import StructuredOutput
+from conveyor.engine.client import CompilesOverloaded, EngineDead, EngineOverloaded, RequestCounts, RequestFailed
 from conveyor.engine.live_stream import LiveStream, Watcher
 from conveyor.engine.llm_engine import Engine
 from conveyor.engine.output import RequestOutput
+from conveyor.engine.request_builder import RequestBuilder
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.executor.grammar_compilers import CompilersBusy
 
@@ -41,38 +43,8 @@ logger = logging.getLogger("conveyor.engine.async_engine")
 OUTCOMES = ("finished", "aborted", "errored")
 
 
-class EngineOverloaded(Exception):
-    """The waiting queue is at its limit; the caller should retry later."""
-
-
-class CompilesOverloaded(EngineOverloaded):
-    """Every grammar compiler stayed busy for the compile budget: what holds them is constraints sent to this
-    server (a client's own, often), so it is answered as too many requests (429) rather than the server being
-    down (503); the caller may retry later."""
-
-
-class EngineDead(Exception):
-    """The step loop stopped (an error, or the server shutting down); the request cannot be served."""
-
-
-class RequestFailed(Exception):
-    """The engine failed on this request (a step that raised, or a request it could not take); the others go on.
-    The message is meant for the client: it names what failed, never a trace."""
-
-
 class _CallerGone(Exception):
     """Put in a request's queue when its caller closes the stream, to wake a reader still waiting on it."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestCounts:
-    """Requests since start, by how they ended; ``submitted == finished + aborted + errored + open`` always."""
-
-    submitted: int
-    finished: int
-    aborted: int
-    errored: int
-    open: int
 
 
 @dataclass(slots=True)
@@ -120,6 +92,9 @@ class RequestStream:
 
 
 class AsyncEngine:
+    """One engine behind the server: an :class:`~conveyor.engine.client.EngineClient` whose step loop runs in a
+    background thread (see the module's docstring)."""
+
     def __init__(
         self,
         engine: Engine,
@@ -181,12 +156,13 @@ class AsyncEngine:
     def vocab_size(self) -> int:
         return self._engine.model_config.vocab_size
 
-    def make_request(self, *args, **kwargs) -> Request:
-        """Tokenize and check a request (see ``Engine.make_request``); touches no engine state."""
-        return self._engine.make_request(*args, **kwargs)
+    @property
+    def requests(self) -> RequestBuilder:
+        """The engine's own builder: it touches no engine state, so the server's threads may use it."""
+        return self._engine.requests
 
     def compile_grammar(self, spec: StructuredOutput) -> None:
-        """Compile ``spec``'s grammar into the engine's cache, so that ``make_request`` finds it there: the server
+        """Compile ``spec``'s grammar into the engine's cache, so that ``add_request`` finds it there: the server
         calls this from a pool of its own, and a slow compile never holds up the tokenizer's. ValueError naming
         what cannot be compiled (or not within the budget); CompilesOverloaded when the compilers stay busy."""
         try:
@@ -203,7 +179,7 @@ class AsyncEngine:
         return None
 
     def submit(self, request: Request) -> RequestStream:
-        """Hand ``request`` (already checked by ``Engine.make_request``) to the loop; its outputs as a stream.
+        """Hand ``request`` (built by ``requests``) to the loop; its outputs as a stream.
 
         Raises EngineDead or EngineOverloaded at once, before anything is queued. Call from the event loop
         that will read the stream, and close the stream when done with it (``finally: stream.close()``).
@@ -235,8 +211,11 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    async def watch(self) -> AsyncIterator[dict[str, Any]]:
+    def watch(self) -> AsyncIterator[dict[str, Any]]:
         """The live dashboard's stream: a keyframe, then deltas at most 10 a second (see ``conveyor.core.live``)."""
+        return self._watch()
+
+    async def _watch(self) -> AsyncIterator[dict[str, Any]]:
         watcher = Watcher(asyncio.get_running_loop())
         self._commands.put(("watch", watcher))
         self._wake.set()

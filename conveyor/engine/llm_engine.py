@@ -9,7 +9,6 @@ others), and text.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -19,12 +18,13 @@ from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
 from conveyor.core.live import LiveRecorder
 from conveyor.core.model_config import ModelConfig
-from conveyor.core.request import FinishReason, Request, check_prompt_length
+from conveyor.core.request import FinishReason, Request
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
 from conveyor.core.weight_format import WeightFormat
 from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
+from conveyor.engine.request_builder import RequestBuilder, check_logit_bias
 from conveyor.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class Engine:
         self._logprobs: dict[str, LogprobState] = {}  # per sequence that asked for logprobs or prompt_logprobs
         self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
         self._families: dict[str, _Family] = {}  # requests with n > 1, by the caller's id
-        self._ids = itertools.count()
+        self.requests = RequestBuilder(self.tokenizer, self.model_config.vocab_size, self.max_model_len, clock)
 
     @property
     def trace(self) -> Trace | None:
@@ -222,32 +222,19 @@ class Engine:
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> Request:
-        """Tokenize and check a request without touching the engine; raises ValueError naming the field."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        self._check_params(params)
-        token_ids = self._prompt_ids(prompt)
-        check_prompt_length(len(token_ids), self.max_model_len)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            eos_token_id=self.tokenizer.eos_token_id,
-            priority=priority,
-            prompt_text=prompt if isinstance(prompt, str) else None,
-        )
+        """Tokenize and check a request without touching the engine (see RequestBuilder), and compile its
+        constraint; raises FieldError naming the field."""
+        request = self.requests.build(prompt, sampling_params, request_id, arrival_time, priority)
+        self._check_params(request.sampling_params)
         return request
 
     def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against the vocabulary, and that a constraint
-        compiles (compiled here, once per constraint, so a bad one is refused before it reaches the engine)."""
+        """What a request made elsewhere (a replicas front end) may still lack: token ids against the vocabulary,
+        and that a constraint compiles (compiled here, once per constraint, so a bad one is refused before it
+        reaches the engine)."""
         check_logit_bias(params, self.model_config.vocab_size)
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)
-
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        return prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
 
     def add_request(
         self,
@@ -432,30 +419,3 @@ class Engine:
             prompt_logprobs=None if logprobs is None else logprobs.prompt_list(request.num_prompt_tokens),
         )
 
-
-def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
-    """logit_bias names token ids of this model's vocabulary; ValueError naming the field otherwise."""
-    bad = [token for token, _ in params.logit_bias if token >= vocab_size]
-    if bad:
-        raise ValueError(f"logit_bias: token ids must be below the vocabulary size {vocab_size}, got {bad[:5]}")
-
-
-def prompt_token_ids(prompt: str | list[int], tokenizer: Tokenizer, vocab_size: int) -> list[int]:
-    """A prompt's token ids: text tokenized, or ids checked against the vocabulary; ValueError naming ``prompt``.
-
-    A module function, so a front end that holds only the tokenizer (the replicas' router) checks prompts alike.
-    """
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt: empty prompt")
-        token_ids = tokenizer.encode(prompt)
-        if not token_ids:  # a request of no tokens has no logits to sample from: it would fail its step
-            raise ValueError("prompt: the text tokenizes to no tokens")
-        return token_ids
-    token_ids = list(prompt)
-    if not token_ids:
-        raise ValueError("prompt: empty list of token ids")
-    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
-    return token_ids

@@ -1,10 +1,12 @@
 """Data-parallel replicas on Ray behind the router, with the face of one :class:`AsyncEngine`.
 
-The server talks to a :class:`ReplicaSet` as it would to one engine: ``make_request``,
-``generate``, ``stats``, ``tokenizer``, ``max_model_len``. Underneath, each request goes to the
-replica the router picks (:mod:`conveyor.router`), and its outputs stream back through a Ray
-generator. A replica that dies is taken out of routing at once; a request that had no output
-yet is sent to another replica, one that had streamed ends with an error. Ray restarts the
+The server talks to a :class:`ReplicaSet` as it would to one engine: both are an
+:class:`~conveyor.engine.client.EngineClient`, and requests are built by the same
+:class:`~conveyor.engine.request_builder.RequestBuilder`, here over the first replica's
+tokenizer. Underneath, each request goes to the replica the router picks
+(:mod:`conveyor.router`), and its outputs stream back through a Ray generator. A replica
+that dies is taken out of routing at once; a request that had no output yet is sent to
+another replica, one that had streamed ends with an error. Ray restarts the
 actor (up to ``max_restarts`` times), and a monitor thread, which polls every replica's stats,
 puts it back when it answers again.
 """
@@ -18,19 +20,19 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.core.config import EngineConfig, usable_cores
-from conveyor.core.request import Request, check_prompt_length
-from conveyor.core.sampling import SamplingParams
+from conveyor.core.request import Request
 from conveyor.core.stats import EngineStats
 from conveyor.core.structured import StructuredOutput
-from conveyor.engine.async_engine import EngineDead, EngineOverloaded
-from conveyor.engine.llm_engine import check_logit_bias, prompt_token_ids
+from conveyor.engine.client import EngineDead, EngineOverloaded, LiveViewUnavailable, RequestCounts
 from conveyor.engine.output import RequestOutput
 from conveyor.engine.replica_actor import EngineReplica
+from conveyor.engine.request_builder import RequestBuilder
 from conveyor.engine.tokenizer import Tokenizer
 from conveyor.model.loader import resolve_model
 from conveyor.router import NoHealthyReplica, Router
@@ -131,9 +133,8 @@ class ReplicaSet:
         self._in_flight: dict[str, int] = {}  # request id -> replica
         self.draining = False
         self._failing_all = False
-        self.tokenizer: Tokenizer
-        self.max_model_len = 0
-        self.vocab_size = 0
+        self._ledger = _Ledger()
+        self.requests: RequestBuilder  # set by start(), from what the first replica reports
 
     # ----- life cycle ---------------------------------------------------------
 
@@ -161,8 +162,7 @@ class ReplicaSet:
         ]
         described = ray.get([actor.describe.remote() for actor in self._actors], timeout=START_TIMEOUT_S)
         first = described[0]
-        self.tokenizer = Tokenizer(first["model_path"])
-        self.max_model_len, self.vocab_size = first["max_model_len"], first["vocab_size"]
+        self.requests = RequestBuilder(Tokenizer(first["model_path"]), first["vocab_size"], first["max_model_len"])
         for index, (health, info) in enumerate(zip(self.health, described)):
             health.healthy, health.pid, health.host = True, info["pid"], info["host"]
             self._report(index)
@@ -204,32 +204,30 @@ class ReplicaSet:
     def num_unfinished(self) -> int:
         return len(self._in_flight)
 
-    def make_request(
-        self,
-        prompt: str | list[int],
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-    ) -> Request:
-        """Tokenize and check a request here, as one engine would (a constraint's grammar is compiled, and
-        refused if it does not compile, by the replica that takes it)."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        check_logit_bias(params, self.vocab_size)
-        token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
-        check_prompt_length(len(token_ids), self.max_model_len)
-        return Request(
-            request_id=request_id or f"req-{time.monotonic_ns()}",
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            eos_token_id=self.tokenizer.eos_token_id,
-            priority=priority,
-            prompt_text=prompt if isinstance(prompt, str) else None,
-        )
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.requests.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.requests.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.requests.vocab_size
+
+    def request_counts(self) -> RequestCounts:
+        """The front end's ledger: every request submitted here, by how its stream ended."""
+        return self._ledger.counts()
+
+    def watch(self) -> AsyncIterator[dict[str, Any]]:
+        """No live view: each replica has its own scheduler, and the dashboard shows one."""
+        raise LiveViewUnavailable("the live dashboard shows one engine's scheduler; this server routes to several "
+                                  "replicas (--data-parallel-size), each with its own")
 
     def compile_grammar(self, spec: StructuredOutput) -> None:
-        """Nothing here: the replica that takes the request compiles its grammar (see ``make_request``)."""
+        """Nothing here: the replica that takes the request compiles its grammar, and refuses it if it does not
+        compile (the request then ends with RequestFailed)."""
 
     def stats(self) -> EngineStats:
         """All healthy replicas' latest stats, summed (KV usage: the mean)."""
@@ -256,7 +254,8 @@ class ReplicaSet:
         """``generate`` with the face the server reads (as ``AsyncEngine.submit``): ``close()`` aborts."""
         if self.draining:
             raise EngineOverloaded("the server is shutting down")
-        return GeneratorStream(self.generate(request))
+        self._ledger.submitted += 1
+        return GeneratorStream(self.generate(request), self._ledger.ended)
 
     async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Route ``request``, stream its outputs; on a replica's death, retry it elsewhere if nothing was sent."""
@@ -396,19 +395,30 @@ class GeneratorStream:
 
     _END = object()
 
-    def __init__(self, outputs: AsyncIterator[RequestOutput]) -> None:
+    def __init__(self, outputs: AsyncIterator[RequestOutput], on_end: Callable[[str], None]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._on_end: Callable[[str], None] | None = on_end  # called once: finished, aborted or errored
         self._task = asyncio.get_running_loop().create_task(self._pump(outputs))
         self.done = False
 
     async def _pump(self, outputs: AsyncIterator[RequestOutput]) -> None:
+        outcome = "aborted"  # unless it gets to the end: cancelled by close()
         try:
             async for output in outputs:
                 self._queue.put_nowait(output)
+            outcome = "finished"
         except Exception as error:  # handed to the reader, which raises it
+            outcome = "errored"
             self._queue.put_nowait(error)
         finally:
+            self._end(outcome)
             self._queue.put_nowait(self._END)
+
+    def _end(self, outcome: str) -> None:
+        """Report how the stream ended, the first time only (close() may come before or after the end)."""
+        if self._on_end is not None:
+            self._on_end(outcome)
+            self._on_end = None
 
     def __aiter__(self) -> GeneratorStream:
         return self
@@ -425,7 +435,24 @@ class GeneratorStream:
 
     def close(self) -> None:
         self.done = True
+        self._end("aborted")  # here, not in the task: a task cancelled before it ran never runs its finally
         self._task.cancel()
+
+
+@dataclass(slots=True)
+class _Ledger:
+    """Requests through the front end by how they ended (touched on the event loop only)."""
+
+    submitted: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+
+    def ended(self, outcome: str) -> None:
+        self.outcomes[outcome] += 1
+
+    def counts(self) -> RequestCounts:
+        o = self.outcomes
+        ended = o["finished"] + o["aborted"] + o["errored"]
+        return RequestCounts(self.submitted, o["finished"], o["aborted"], o["errored"], self.submitted - ended)
 
 
 class _ReplicaFailed(Exception):

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from conveyor.core.errors import FieldError
+
 # Tokenizers ship inside the model folder; never reach for a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -55,7 +57,7 @@ class Tokenizer:
         try:
             return self._tok.encode(text, add_special_tokens=True)
         except Exception as error:  # the tokenizers library raises TypeError, ValueError, Rust panics, ...
-            raise ValueError(f"prompt: the tokenizer cannot take this text ({type(error).__name__}: "
+            raise FieldError("prompt", f"prompt: the tokenizer cannot take this text ({type(error).__name__}: "
                              f"{_first_line(error)})") from None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -70,23 +72,24 @@ class Tokenizer:
         are further variables the template may read, ``tools`` OpenAI's tool definitions (a template that
         knows tools shows them to the model; others leave them out)."""
         if not self._tok.chat_template:
-            raise ValueError("messages: this model has no chat template; send a plain prompt instead")
+            raise FieldError("messages", "messages: this model has no chat template; send a plain prompt instead")
         from jinja2 import TemplateError
 
         taken = sorted(set(template_kwargs or ()) & self._template_arguments)
         if taken:
-            raise ValueError(f"chat_template_kwargs: {', '.join(taken)} cannot be set there (the server sets them)")
+            raise FieldError("chat_template_kwargs",
+                             f"chat_template_kwargs: {', '.join(taken)} cannot be set there (the server sets them)")
         try:
             ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message, tokenize=True,
                                                 **(template_kwargs or {}))
         except TemplateError as error:  # the template refused these messages (roles, order, ...)
-            raise ValueError(f"messages: the chat template refused them: {error}") from None
+            raise FieldError("messages", f"messages: the chat template refused them: {error}") from None
         except ValueError as error:  # e.g. a final message the template's output does not end with
-            raise ValueError(f"messages: {error}") from None
+            raise FieldError("messages", f"messages: {error}") from None
         except Exception as error:  # the template's own code failed on what the client sent (a TypeError when
             # a chat_template_kwargs value has a type the template does not expect, a RecursionError, ...)
-            raise ValueError(f"messages: the chat template failed on these messages, tools and "
+            raise FieldError("messages", f"messages: the chat template failed on these messages, tools and "
                              f"chat_template_kwargs ({type(error).__name__}: {_first_line(error)})") from None
         # Newer transformers return a BatchEncoding here, older ones a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -14,19 +14,20 @@ import hmac
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 
 from conveyor.core.live import delta_as_json_ready
-from conveyor.engine.async_engine import AsyncEngine
+from conveyor.engine import EngineClient, LiveViewUnavailable
 from conveyor.viz.dashboard import dashboard_page
 
 TRACE_ROUTE = "/dashboard/trace.jsonl"
 DASHBOARD_PATHS = ("/dashboard", "/debug/stream")  # they check the API key themselves (header or query)
 
 
-def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, api_key: str | None) -> None:
+def add_dashboard_routes(app: FastAPI, engine: EngineClient, api_key: str | None) -> None:
     """``GET /dashboard`` (the page, live) and ``GET /debug/stream`` (its events), behind ``api_key``."""
 
     @app.get("/dashboard", include_in_schema=False)
@@ -38,17 +39,17 @@ def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, api_key: str | None)
         refused = _refusal(request, api_key)
         if refused is not None:
             return refused
-        if not hasattr(engine, "watch"):  # replicas (--data-parallel-size > 1): no one scheduler to show
-            error = {"message": "the live dashboard shows one engine's scheduler; this server routes to several "
-                                "replicas (--data-parallel-size), each with its own", "type": "invalid_request_error",
-                     "param": None, "code": "not_supported"}
+        try:
+            deltas = engine.watch()
+        except LiveViewUnavailable as why:  # replicas (--data-parallel-size > 1): no one scheduler to show
+            error = {"message": str(why), "type": "invalid_request_error", "param": None, "code": "not_supported"}
             return JSONResponse({"error": error}, status_code=501)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(_events(engine), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_events(deltas), media_type="text/event-stream", headers=headers)
 
 
-async def _events(engine: AsyncEngine) -> AsyncIterator[str]:
-    async for delta in engine.watch():
+async def _events(deltas: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    async for delta in deltas:
         yield f"data: {json.dumps(delta_as_json_ready(delta), separators=(',', ':'))}\n\n"
 
 

@@ -7,6 +7,8 @@ a million requests, disconnects included.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.core.stats import EngineStats
@@ -17,6 +19,42 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80
 
 def gauge_by_tenant(registry: CollectorRegistry, name: str, doc: str) -> Gauge:
     return Gauge(f"conveyor:{name}", doc, ["model_name", "tenant"], registry=registry)
+
+
+class ServerMetrics(Protocol):
+    """What the server's /metrics reads: one engine's (EngineMetrics) or the replicas' (ReplicaMetrics)."""
+
+    registry: CollectorRegistry
+
+    def on_requests(self, counts: RequestCounts) -> None:
+        """The engine client's request ledger, read when the metrics are scraped."""
+        ...
+
+
+class RequestLedgerMetrics:
+    """The request ledger as Prometheus figures: every request the server took ends exactly once, so
+    ``requests_submitted == sum(requests_ended) + requests_open``."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.submitted = Counter("conveyor:requests_submitted", "Requests handed to the engine", ["model_name"],
+                                 registry=registry)
+        self.ended = Counter("conveyor:requests_ended", "Requests ended, by outcome: finished, aborted (the client "
+                             "left) or errored", ["model_name", "outcome"], registry=registry)
+        self.open = Gauge("conveyor:requests_open", "Requests submitted and not ended yet", ["model_name"],
+                          registry=registry)
+        self._model = model_name
+        self._counted: dict[str, int] = {}  # the ledger's totals, as last added to the counters
+
+    def on_requests(self, counts: RequestCounts) -> None:
+        """Advance the counters to the ledger's totals (scrapes come one at a time, on the event loop)."""
+        self._advance(self.submitted.labels(self._model), "submitted", counts.submitted)
+        for outcome in ("finished", "aborted", "errored"):
+            self._advance(self.ended.labels(self._model, outcome), outcome, getattr(counts, outcome))
+        self.open.labels(self._model).set(counts.open)
+
+    def _advance(self, counter: Counter, name: str, total: int) -> None:
+        counter.inc(total - self._counted.get(name, 0))
+        self._counted[name] = total
 
 
 class EngineMetrics:
@@ -47,11 +85,7 @@ class EngineMetrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.success = counter("request_success", "Requests finished, by reason", ("finished_reason",))
         self.failed_steps = counter("num_failed_steps", "Steps whose execution raised (their requests got an error)")
-        # Every request the server took ends exactly once: submitted == sum of ended + open.
-        self.submitted = counter("requests_submitted", "Requests handed to the engine")
-        self.ended = counter("requests_ended", "Requests ended, by outcome: finished, aborted (the client left) "
-                             "or errored", ("outcome",))
-        self.open = gauge("requests_open", "Requests submitted and not ended yet")
+        self.ledger = RequestLedgerMetrics(r, model_name)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens of a request")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
@@ -98,10 +132,7 @@ class EngineMetrics:
 
     def on_requests(self, counts: RequestCounts) -> None:
         """The server's request ledger (see AsyncEngine.request_counts), read when the metrics are scraped."""
-        self._count(self.submitted, "requests_submitted", counts.submitted)
-        for outcome in ("finished", "aborted", "errored"):
-            self._count(self.ended, f"requests_ended:{outcome}", getattr(counts, outcome), outcome)
-        self.open.labels(self._model).set(counts.open)
+        self.ledger.on_requests(counts)
 
     def _on_tenant(self, tenant: str, figures: dict[str, float]) -> None:
         m = self._model

@@ -1,12 +1,15 @@
 """Prometheus metrics of data-parallel replicas: vLLM's engine gauges with a ``replica`` label, plus the
-router's and failover's counts. Updated from the front end's polls of each replica's stats."""
+router's and failover's counts, updated from the front end's polls of each replica's stats; and the front
+end's request ledger, as one engine's server reports it."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from conveyor.core.stats import EngineStats
+from conveyor.engine import RequestCounts
 from conveyor.engine.replicas import FailoverCounts, ReplicaHealth
+from conveyor.entrypoints.metrics import RequestLedgerMetrics
 
 
 class ReplicaMetrics:
@@ -32,8 +35,13 @@ class ReplicaMetrics:
         self.routed = counter("router_requests_routed", "Requests the router sent to the replica")
         self.failover = counter("router_failover_requests", "Requests a replica failure touched, by outcome",
                                 ["model_name", "outcome"])
+        self.ledger = RequestLedgerMetrics(r, model_name)
         self._model = model_name
         self._counted: dict[tuple[str, int], float] = {}  # running totals as last added, per replica
+
+    def on_requests(self, counts: RequestCounts) -> None:
+        """The front end's request ledger (see ReplicaSet.request_counts), read when the metrics are scraped."""
+        self.ledger.on_requests(counts)
 
     def on_poll(self, replica: int, health: ReplicaHealth, num_routed: int, failover: FailoverCounts) -> None:
         """After the front end polled ``replica``: its gauges, and counters advanced to its running totals."""

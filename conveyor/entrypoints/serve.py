@@ -16,10 +16,10 @@ from pathlib import Path
 import uvicorn
 
 from conveyor.core.config import EngineConfig
-from conveyor.engine import AsyncEngine, Engine
+from conveyor.engine import AsyncEngine, Engine, EngineClient
 from conveyor.engine.replicas import ReplicaSet, ReplicaSettings
-from conveyor.entrypoints.metrics import EngineMetrics
-from conveyor.entrypoints.openai_server import ServerSettings, build_app
+from conveyor.entrypoints.metrics import EngineMetrics, ServerMetrics
+from conveyor.entrypoints.openai.api_server import ServerSettings, build_app
 from conveyor.entrypoints.replica_metrics import ReplicaMetrics
 
 logger = logging.getLogger("conveyor.server")
@@ -37,33 +37,35 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allowed_hosts=args.allowed_hosts, tenant_header=config.tenant_header)
     _check_replica_args(args)
-    replicas = args.data_parallel_size > 1 or args.ray_address
-    if replicas:
-        async_engine, metrics = _replicas(args, config, name)
-        async_engine.start()  # Ray starts the replicas here; they report the tokenizer and limits the app needs
+    engine: EngineClient
+    metrics: ServerMetrics
+    single: AsyncEngine | None = None  # this process's own engine; replicas run in processes of Ray's
+    if args.data_parallel_size > 1 or args.ray_address:
+        engine, metrics = _replicas(args, config, name)
+        engine.start()  # Ray starts the replicas here; they report the tokenizer and limits the app needs
     else:
         metrics = EngineMetrics(name)
-        async_engine = AsyncEngine(Engine(config), args.max_waiting_requests, on_step=metrics.on_step,
-                                   live_show_text=args.dashboard_show_text)
-    app = build_app(async_engine, settings, metrics)
+        engine = single = AsyncEngine(Engine(config), args.max_waiting_requests, on_step=metrics.on_step,
+                                      live_show_text=args.dashboard_show_text)
+    app = build_app(engine, settings, metrics)
     server = _GracefulServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning",
         # A backstop: the engine ends unfinished streams with an error event at the shutdown timeout.
         timeout_graceful_shutdown=args.shutdown_timeout + 5,
     ))
-    server.on_exit = lambda: async_engine.begin_shutdown(args.shutdown_timeout)
-    if not replicas:  # a replica that dies is restarted by Ray; this process's own engine is not
-        async_engine.on_fatal = lambda error: _exit_after_fatal(server)
-        async_engine.start()
+    server.on_exit = lambda: engine.begin_shutdown(args.shutdown_timeout)
+    if single is not None:  # a replica that dies is restarted by Ray; this process's own engine is not
+        single.on_fatal = lambda error: _exit_after_fatal(server)
+        single.start()
     print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models;"
           f" the batch, live: http://{args.host}:{args.port}/dashboard)", flush=True)
     try:
         server.run()  # returns after SIGTERM/SIGINT, once in-flight requests finished or timed out
     finally:
-        async_engine.stop()
-    if async_engine.error is not None:
+        engine.stop()
+    if engine.error is not None:
         logger.error("exiting with status %d: the engine stopped (%s)", EXIT_ENGINE_DEAD,
-                     type(async_engine.error).__name__)
+                     type(engine.error).__name__)
         return EXIT_ENGINE_DEAD
     return 0
 

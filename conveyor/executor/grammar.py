@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from conveyor.core.errors import FieldError
 from conveyor.core.scheduler.output import ScheduledRequest
 from conveyor.core.structured import StructuredOutput
 from conveyor.executor.grammar_compilers import CompileRefused, GrammarCompilers
@@ -105,7 +106,7 @@ class GrammarBackend:
         try:
             serialized = self._compilers.compile(*key)
         except CompileRefused as error:
-            raise ValueError(f"structured_output.{spec.kind}: {error}") from None
+            raise FieldError(f"structured_output.{spec.kind}", f"structured_output.{spec.kind}: {error}") from None
         compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self._info)
         self.cache.put(key, compiled, compiled.memory_size_bytes)
         return compiled
@@ -159,7 +160,8 @@ class LazyGrammarBackend:
                 try:
                     self._backend = GrammarBackend(*self._args)
                 except ImportError:
-                    raise ValueError("structured_output: xgrammar is not installed (pip install xgrammar)") from None
+                    raise FieldError("structured_output",
+                                     "structured_output: xgrammar is not installed (pip install xgrammar)") from None
             return self._backend
 
     def compile(self, spec: StructuredOutput) -> Any:

@@ -6,25 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Protocol
 
 from conveyor.core.request import Request
-from conveyor.engine import AsyncEngine, RequestOutput
+from conveyor.engine import EngineClient, OutputStream, RequestOutput
 
 _DONE = object()
 
 
-class OutputStream(Protocol):
-    """What the server reads a response from: outputs as they come; ``close()`` aborts what is still open."""
-
-    def __aiter__(self) -> OutputStream: ...
-
-    async def __anext__(self) -> RequestOutput: ...
-
-    def close(self) -> None: ...
-
-
-def open_streams(engine: AsyncEngine, requests: list[Request]) -> OutputStream:
+def open_streams(engine: EngineClient, requests: list[Request]) -> OutputStream:
     """Submit every request (all or none: if one is refused, those already in are aborted) and return their
     outputs as one stream. One request is the engine's own stream."""
     streams: list[OutputStream] = []

@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 from conveyor.engine import RequestOutput
-from conveyor.entrypoints.logprob_format import LogprobFormatter
-from conveyor.entrypoints.tool_calls import ForcedToolCalls, ToolCallStream
-from conveyor.entrypoints.tool_calls import finish_reason as tool_finish_reason
+from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, ToolCallStream
+from conveyor.entrypoints.openai.tool_calls import finish_reason as tool_finish_reason
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:

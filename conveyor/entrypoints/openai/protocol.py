@@ -22,9 +22,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from conveyor.core.errors import FieldError
 from conveyor.core.sampling import MAX_LOGPROBS, SamplingParams
 from conveyor.core.structured import StructuredOutput
-from conveyor.entrypoints.tool_calls import ForcedToolCalls
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls
 
 MAX_MESSAGES = 1024  # messages of one chat request: the template renders them all, on the tokenizer pool
 MAX_TOOLS = 128  # tools of one chat request (OpenAI's limit): each is a branch of the grammar
@@ -106,9 +107,8 @@ class SamplingRequest(Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
 
-    def unsupported(self) -> str | None:
-        """The first field set to something the engine cannot do yet, as an error message."""
-        return None
+    def check_supported(self) -> None:
+        """FieldError naming the first field set to something the engine cannot do yet."""
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
         """The constraint the body asks for, with the name of the field that asked (for a 400 naming it)."""
@@ -116,7 +116,7 @@ class SamplingRequest(Body):
             ("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
             ("guided_choice", self.guided_choice)) if value is not None]
         if len(given) > 1:
-            raise ValueError(f"{given[1][0]}: give only one of guided_json, guided_regex, guided_choice")
+            raise FieldError(given[1][0], f"{given[1][0]}: give only one of guided_json, guided_regex, guided_choice")
         if not given:
             return None
         name, value = given[0]
@@ -126,34 +126,36 @@ class SamplingRequest(Body):
             if name == "guided_regex":
                 return name, StructuredOutput(regex=value)
             return name, StructuredOutput(choice=tuple(value))
-        except ValueError as error:
-            raise ValueError(f"{name}: {str(error).split(': ', 1)[-1]}") from None
+        except FieldError as error:
+            raise error.renamed(name) from None
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) as SamplingParams takes them; the endpoints read ``logprobs`` differently."""
         return None, self.prompt_logprobs
 
-    def field_error(self, message: str) -> tuple[str, str]:
-        """(param, message) of a ValueError raised while making the request: a constraint that does not
-        compile is named by the field the client used for it (``response_format``, ``guided_json``, ...)."""
-        if message.startswith("structured_output"):
-            structured = self.structured_output()
-            name = structured[0] if structured else "structured_output"
-            return name, f"{name}: {message.split(': ', 1)[-1]}"
-        return message.split(":")[0].split(" ")[0], message
+    def in_client_terms(self, error: FieldError) -> FieldError:
+        """An error raised while making the request, under the name the client knows: a constraint that does
+        not compile is named by the field the client used for it (``response_format``, ``guided_json``, ...)."""
+        if not error.field.startswith("structured_output"):
+            return error
+        structured = self.structured_output()
+        return error.renamed(structured[0] if structured else "structured_output")
 
     def _logit_bias(self) -> dict[int, float]:
         try:
             return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
         except ValueError:
-            raise ValueError(f"logit_bias: keys must be token ids, got {list(self.logit_bias or {})[:5]}") from None
+            keys = list(self.logit_bias or {})[:5]
+            raise FieldError("logit_bias", f"logit_bias: keys must be token ids, got {keys}") from None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
+        """The body's sampling fields; max_tokens None where the client gave none (the request builder settles
+        it, from the server's --default-max-tokens or the room left in the context)."""
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         structured = self.structured_output()
         logprobs, prompt_logprobs = self.logprob_counts()
         return SamplingParams(
-            max_tokens=self.max_tokens_given() or max(default_max_tokens, self.min_tokens),
+            max_tokens=self.max_tokens_given(),
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -196,12 +198,12 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top alternatives per token (legacy API)
 
-    def unsupported(self) -> str | None:
+    def check_supported(self) -> None:
         if self.suffix:
-            return "suffix is not supported yet"
+            raise FieldError("suffix", "suffix is not supported yet")
         if self.best_of not in (None, 1):
-            return "best_of is not supported yet"
-        return super().unsupported()
+            raise FieldError("best_of", "best_of is not supported yet")
+        super().check_supported()
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         # echo with logprobs returns the prompt's logprobs too, as OpenAI's legacy API does.
@@ -215,9 +217,9 @@ class CompletionRequest(SamplingRequest):
         several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         prompts = list(prompt) if several else [prompt]
         if not prompts:
-            raise ValueError("prompt: empty list of prompts")
+            raise FieldError("prompt", "prompt: empty list of prompts")
         if len(prompts) > MAX_PROMPTS:
-            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
+            raise FieldError("prompt", f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
         return prompts
 
 
@@ -241,12 +243,12 @@ class ResponseFormat(Body):
         if self.type == "json_object":
             return StructuredOutput(json_object=True)
         if self.json_schema is None:
-            raise ValueError("response_format: type json_schema needs a json_schema field")
+            raise FieldError("response_format", "response_format: type json_schema needs a json_schema field")
         schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
         try:
             return StructuredOutput(json=schema)
-        except ValueError as error:
-            raise ValueError(f"response_format: {str(error).split(': ', 1)[-1]}") from None
+        except FieldError as error:
+            raise error.renamed("response_format") from None
 
 
 class ChatMessage(BaseModel):
@@ -291,8 +293,8 @@ class ChatTemplateOptions(Body):
         generation prompt unless the caller asked for both, which no template can do."""
         continuing = self.continue_final_message
         if continuing and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
-            raise ValueError("continue_final_message: cannot continue the final message and add a generation "
-                             "prompt after it; set add_generation_prompt to false")
+            raise FieldError("continue_final_message", "continue_final_message: cannot continue the final message "
+                             "and add a generation prompt after it; set add_generation_prompt to false")
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
         return {"add_generation_prompt": self.add_generation_prompt and not continuing,
                 "continue_final_message": continuing, "template_kwargs": self.chat_template_kwargs or {},
@@ -315,14 +317,14 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
     service_tier: Literal["auto", "default"] | None = None
     modalities: list[Literal["text"]] | None = None
 
-    def unsupported(self) -> str | None:
+    def check_supported(self) -> None:
         if self.store:
-            return "store: this server keeps no completions (store must be false)"
-        return super().unsupported()
+            raise FieldError("store", "store: this server keeps no completions (store must be false)")
+        super().check_supported()
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs: needs logprobs set to true")
+            raise FieldError("top_logprobs", "top_logprobs: needs logprobs set to true")
         return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
     def structured_output(self) -> tuple[str, StructuredOutput] | None:
@@ -331,7 +333,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
         asked = [given for given in (super().structured_output(), wanted and ("response_format", wanted),
                                      forced and ("tool_choice", forced.structured_output())) if given]
         if len(asked) > 1:
-            raise ValueError(f"{asked[1][0]}: give only one of {asked[0][0]} and {asked[1][0]}")
+            raise FieldError(asked[1][0], f"{asked[1][0]}: give only one of {asked[0][0]} and {asked[1][0]}")
         return asked[0] if asked else None
 
     def forced_tool_calls(self) -> ForcedToolCalls | None:
@@ -339,20 +341,20 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
         choice = self.tool_choice
         tools = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in self.tools or ()}
         if len(tools) < len(self.tools or ()):
-            raise ValueError("tools: two tools have the same name")
+            raise FieldError("tools", "tools: two tools have the same name")
         if self.tools and choice in (None, "auto"):
-            raise ValueError("tool_choice: auto (the default with tools) needs a parser of this model's own "
-                             "tool-call format, which this server has not; send tool_choice required or a named "
-                             "function (the calls are then held to the tools' schemas), or none")
+            raise FieldError("tool_choice", "tool_choice: auto (the default with tools) needs a parser of this "
+                             "model's own tool-call format, which this server has not; send tool_choice required or a "
+                             "named function (the calls are then held to the tools' schemas), or none")
         if choice in (None, "auto", "none"):
             return None
         named = None if choice == "required" else choice.function.name
         if not tools:
-            raise ValueError("tool_choice: needs tools to call")
+            raise FieldError("tool_choice", "tool_choice: needs tools to call")
         if named is not None and named not in tools:
-            raise ValueError(f"tool_choice: no tool named {named!r} in tools")
+            raise FieldError("tool_choice", f"tool_choice: no tool named {named!r} in tools")
         if self.echo:
-            raise ValueError("echo: a reply of tool calls repeats no message")
+            raise FieldError("echo", "echo: a reply of tool calls repeats no message")
         return ForcedToolCalls(tools, named, parallel=self.parallel_tool_calls is not False)
 
     def max_tokens_given(self) -> int | None:
@@ -376,7 +378,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         content = message.content
         if isinstance(content, list):
             if any(part.get("type") != "text" for part in content):
-                raise ValueError("messages: only text content parts are supported")
+                raise FieldError("messages", "messages: only text content parts are supported")
             content = "".join(str(part.get("text", "")) for part in content)
         extra = {key: value for key, value in (message.model_extra or {}).items()
                  if key in ("name", "tool_call_id") or (key == "tool_calls" and isinstance(value, list))}

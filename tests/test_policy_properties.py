@@ -64,7 +64,7 @@ class Combo:
 
 
 # lpm orders by cached prefix; without prefix caching (these schedulers have none) it is fcfs, so it is tested
-# with the cache, in test_prefix_caching_properties.py.
+# with the cache, in test_prefix_cache_properties.py.
 COMBOS = [Combo(*values) for values in itertools.product(
     SCHEDULER_CLASSES, [p for p in POLICIES if p != "lpm"], PREEMPTION_MODES, LAYOUTS)]
 

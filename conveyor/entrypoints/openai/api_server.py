@@ -31,22 +31,24 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import conveyor
+from conveyor.core.errors import FieldError
 from conveyor.core.request import Request as EngineRequest
-from conveyor.core.request import check_prompt_length
-from conveyor.engine import RequestOutput
-from conveyor.engine.async_engine import (
-    AsyncEngine,
+from conveyor.engine import (
     CompilesOverloaded,
+    EngineClient,
     EngineDead,
     EngineOverloaded,
+    OutputStream,
     RequestFailed,
+    RequestOutput,
 )
-from conveyor.entrypoints.choices import OutputStream, open_streams
+from conveyor.engine.request_builder import MaxTokensRule
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
-from conveyor.entrypoints.logprob_format import LogprobFormatter
-from conveyor.entrypoints.metrics import EngineMetrics
-from conveyor.entrypoints.middleware import APIKeyAuth, BodyLimit, HostAllowList, carries_key, error_body
-from conveyor.entrypoints.protocol import (
+from conveyor.entrypoints.metrics import ServerMetrics
+from conveyor.entrypoints.openai.choices import open_streams
+from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
+from conveyor.entrypoints.openai.middleware import APIKeyAuth, BodyLimit, HostAllowList, carries_key, error_body
+from conveyor.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -54,8 +56,8 @@ from conveyor.entrypoints.protocol import (
     TokenizeRequest,
     message_dicts,
 )
-from conveyor.entrypoints.response_shapes import ChatShape, CompletionShape, ResponseShape, usage
-from conveyor.entrypoints.responses_api import (
+from conveyor.entrypoints.openai.response_shapes import ChatShape, CompletionShape, ResponseShape, usage
+from conveyor.entrypoints.openai.responses_api import (
     FIELD_NAMES,
     MAX_STORED_RESPONSES,
     ResponsesRequest,
@@ -74,6 +76,17 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+def _bad_field(error: ValueError) -> APIError:
+    """A 400 for a bad field: the param is the field a FieldError carries (None for any other ValueError)."""
+    param = error.field if isinstance(error, FieldError) else None
+    return APIError(400, str(error), "invalid_request_error", param)
+
+
+def _refusal(body: SamplingRequest, error: ValueError) -> APIError:
+    """A 400 for a bad field of ``body``, under the name the client used for it."""
+    return _bad_field(body.in_client_terms(error) if isinstance(error, FieldError) else error)
 
 
 def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -105,7 +118,7 @@ class ServerSettings:
                              "give a key, or unset it to serve without authentication")
 
 
-def build_app(engine: AsyncEngine, settings: ServerSettings, metrics: EngineMetrics) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
     """The FastAPI app: error shapes, auth, and the routes, each group added by its own function."""
     app = FastAPI(title="Conveyor", version=conveyor.__version__)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes, read_timeout=settings.body_read_timeout)
@@ -195,9 +208,12 @@ class _Serving:
     would otherwise hold up every open stream while it is tokenized.
     """
 
-    def __init__(self, engine: AsyncEngine, settings: ServerSettings) -> None:
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.engine = engine
         self.settings = settings
+        # The server's rule, as OpenAI's: a request without max_tokens gets --default-max-tokens (or the rest of
+        # the context), and one asking past the context is refused.
+        self.max_tokens = MaxTokensRule(settings.default_max_tokens, fit_context=True)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self._pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="conveyor-tokenize")
@@ -221,8 +237,7 @@ class _Serving:
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self._grammar_pool, self.engine.compile_grammar, structured[1])
         except ValueError as error:
-            param, message = body.field_error(str(error))
-            raise APIError(400, message, "invalid_request_error", param) from None
+            raise _refusal(body, error) from None
 
     def check_sequences(self, num_prompts: int, n: int) -> None:
         """Refuse a request for more sequences (prompts x n) than ``--max-sequences-per-request``."""
@@ -239,28 +254,12 @@ class _Serving:
     def make_request(self, body: SamplingRequest, prompt: str | list[int], kind: str) -> EngineRequest:
         """Check and tokenize (call through ``off_loop``)."""
         self.check_model(body.model)
-        problem = body.unsupported()
-        if problem:
-            raise APIError(400, problem, "invalid_request_error", problem.split("=")[0].split(":")[0])
-        if isinstance(prompt, list):  # token ids: refuse an overlong list before looking at each id
-            self._check_prompt_length(len(prompt))
         try:
-            params = body.sampling_params(self.settings.default_max_tokens or 1)
-            request = self.engine.make_request(prompt, params, f"{kind}-{uuid.uuid4().hex}", priority=body.priority)
-            if body.max_tokens_given() is None and self.settings.default_max_tokens is None:
-                # As vLLM and OpenAI: no max_tokens means up to the model's context, not a short default.
-                room = self.max_model_len - request.num_prompt_tokens
-                params = request.sampling_params = dataclasses.replace(params, max_tokens=max(room, 1))
+            body.check_supported()
+            return self.engine.requests.build(prompt, body.sampling_params(), f"{kind}-{uuid.uuid4().hex}",
+                                              priority=body.priority, max_tokens=self.max_tokens)
         except ValueError as error:
-            param, message = body.field_error(str(error))
-            raise APIError(400, message, "invalid_request_error", param) from None
-        max_model_len = self.max_model_len
-        if request.num_prompt_tokens + params.max_tokens > max_model_len:
-            params_max = max_model_len - request.num_prompt_tokens
-            raise APIError(400, f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) "
-                                f"is more than max_model_len ({max_model_len}); lower max_tokens to {params_max}",
-                           "invalid_request_error", "max_tokens")
-        return request
+            raise _refusal(body, error) from None
 
     def make_chat_request(self, body: ChatCompletionRequest) -> EngineRequest:
         """Template, tokenize and check a chat request (call through ``off_loop``)."""
@@ -268,18 +267,11 @@ class _Serving:
         try:
             prompt = self.tokenizer.apply_chat_template(body.message_dicts(), **body.template_options())
         except ValueError as error:
-            param, message = body.field_error(str(error))
-            raise APIError(400, message, "invalid_request_error", param) from None
+            raise _refusal(body, error) from None
         if not prompt:  # a template may show only some roles: nothing to compute, no logits to sample from
             raise APIError(400, "messages: the chat template renders these messages as no tokens",
                            "invalid_request_error", "messages")
         return self.make_request(body, prompt, "chatcmpl")
-
-    def _check_prompt_length(self, num_tokens: int) -> None:
-        try:
-            check_prompt_length(num_tokens, self.max_model_len)
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "prompt") from None
 
     async def respond(self, body: SamplingRequest, requests: list[EngineRequest], fmt: ResponseShape, raw: Request):
         """Stream the requests' outputs as server-sent events, or wait for the last and answer it whole.
@@ -333,7 +325,7 @@ def public_health(report: dict) -> dict:
     return {"replicas": [{"replica": r["replica"], "healthy": r["healthy"]} for r in report["replicas"]]}
 
 
-def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) -> None:
+def _add_info_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
         replicas = serving.engine.health_report()  # None for one engine; each replica's state behind a router
@@ -350,8 +342,7 @@ def _add_info_routes(app: FastAPI, serving: _Serving, metrics: EngineMetrics) ->
 
     @app.get("/metrics")
     async def prometheus_metrics() -> PlainTextResponse:
-        if isinstance(metrics, EngineMetrics):  # one engine's request ledger; replicas report failover counts
-            metrics.on_requests(serving.engine.request_counts())
+        metrics.on_requests(serving.engine.request_counts())
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
@@ -378,8 +369,7 @@ def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
                 return tokenizer.encode(body.prompt)
             return tokenizer.apply_chat_template(message_dicts(body.messages), **body.template_options())
         except ValueError as error:
-            message = str(error)
-            raise APIError(400, message, "invalid_request_error", message.split(":")[0]) from None
+            raise _bad_field(error) from None
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -405,8 +395,8 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
     async def completions(body: CompletionRequest, raw: Request):
         try:
             prompts = body.prompts()
-        except ValueError as error:
-            raise APIError(400, str(error), "invalid_request_error", "prompt") from None
+        except FieldError as error:
+            raise _bad_field(error) from None
         serving.check_sequences(len(prompts), body.n)
         await serving.compile_grammar(body)
         requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
@@ -425,7 +415,7 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
 
 
 def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
-    """OpenAI's Responses API on the chat path (see conveyor.entrypoints.responses_api)."""
+    """OpenAI's Responses API on the chat path (see conveyor.entrypoints.openai.responses_api)."""
     store = ResponseStore()
 
     @app.post("/v1/responses")
@@ -485,8 +475,7 @@ def _in_responses_terms(error: ValueError | APIError) -> APIError:
         param = ".".join(str(p) for p in first["loc"])
         error = APIError(400, f"{param}: {first['msg']}", "invalid_request_error", param)
     elif not isinstance(error, APIError):
-        message = str(error)
-        error = APIError(400, message, "invalid_request_error", message.split(":")[0])
+        error = _bad_field(error)
     head = (error.param or "").split(".")[0]
     if head in FIELD_NAMES:
         # A message's index is the chat request's (instructions and history first), not the input's: "input".

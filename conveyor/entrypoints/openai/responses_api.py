@@ -20,11 +20,12 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from conveyor.core.errors import FieldError
 from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
-from conveyor.entrypoints.logprob_format import LogprobFormatter
-from conveyor.entrypoints.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
-from conveyor.entrypoints.tool_calls import ForcedToolCalls
+from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
+from conveyor.entrypoints.openai.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls
 
 MAX_STORED_RESPONSES = 1024
 
@@ -124,15 +125,17 @@ def _message_of(item: dict[str, Any], index: int) -> dict[str, Any]:
     if kind == "function_call_output":
         return {"role": "tool", "tool_call_id": item.get("call_id"), "content": str(item.get("output", ""))}
     if kind != "message":
-        raise ValueError(f"input: item {index} is of type {kind!r}; message, function_call and "
+        raise FieldError("input", f"input: item {index} is of type {kind!r}; message, function_call and "
                          "function_call_output are supported")
     content = item.get("content")
     if isinstance(content, list):
         if any(not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text") for part in content):
-            raise ValueError(f"input: item {index}: only input_text and output_text content parts are supported")
+            raise FieldError("input", f"input: item {index}: only input_text and output_text content parts are "
+                                      "supported")
         content = "".join(str(part.get("text", "")) for part in content)
     if not isinstance(content, str) or item.get("role") not in ("user", "system", "developer", "assistant"):
-        raise ValueError(f"input: item {index} needs a role (user, system, developer or assistant) and a content")
+        raise FieldError("input", f"input: item {index} needs a role (user, system, developer or assistant) and "
+                                  "a content")
     return {"role": item["role"], "content": content}
 
 
