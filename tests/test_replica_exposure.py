@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from conveyor.engine.replicas import RAY_LOOPBACK_ENV, ReplicaSettings, ray_start
-from conveyor.entrypoints.openai_server import public_health
+from conveyor.entrypoints.openai.api_server import public_health
 from tests.serving import running_server
 
 KEY = "exposure-key"
