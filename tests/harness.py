@@ -496,3 +496,16 @@ def hf_greedy(hf_model, prompt_token_ids: list[int], max_new_tokens: int) -> lis
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
     return out[0, len(prompt_token_ids) :].tolist()
+
+
+def write_gpt2_gguf(path) -> None:
+    """A GGUF file of an architecture Conveyor does not run (gpt2): one tensor, enough for a refusal."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

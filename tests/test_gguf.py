@@ -9,13 +9,13 @@ import os
 import pathlib
 import time
 
-import gguf
 import numpy as np
 import pytest
 import torch
 
 from conveyor.model.gguf import STALE_PARTIAL_S, _remove_stale_partials, convert_gguf_to_hf, unpermute_rope_rows
 from conveyor.model.loader import conversion_key, default_model_path
+from tests.harness import write_gpt2_gguf
 
 # transformers (imported lazily, inside the tests) and huggingface_hub read these once, on import.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -119,12 +119,7 @@ def test_missing_file_names_path(tmp_path: pathlib.Path) -> None:
 
 def test_non_llama_architecture_is_rejected(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "tiny-gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gpt2_gguf(path)
     with pytest.raises(ValueError, match="gpt2"):
         convert_gguf_to_hf(path, tmp_path / "out")
     assert list(tmp_path.iterdir()) == [path], "nothing may be written for a rejected file"

@@ -20,7 +20,7 @@ import pytest
 from conveyor import LLM, SamplingParams
 from conveyor.entrypoints import cli
 from conveyor.model.loader import default_model_path, float32_folder
-from tests.harness import hf_greedy
+from tests.harness import hf_greedy, write_gpt2_gguf
 from tests.test_families import SHAPE, _randomise_norms_and_biases
 
 TOKENIZER_KEYS = ("model", "pre", "tokens", "token_type", "merges", "bos_token_id", "eos_token_id")
@@ -131,12 +131,7 @@ def test_qwen2_runs_on_the_native_kernels_kept_quantized(qwen_file):
 
 def test_an_unknown_gguf_architecture_is_one_line(tmp_path, capsys):
     path = tmp_path / "tiny-gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gpt2_gguf(path)
     assert cli.main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("conveyor: error:") and len(err.strip().splitlines()) == 1, err
