@@ -412,7 +412,9 @@ def _oversubscribed() -> bool:
 
 
 def test_soak_short(tiny_model_dir, tmp_path):
-    run_soak(tiny_model_dir, tmp_path, SoakConfig(requests=300, concurrency=32, seed=1))
+    """The soak's every check but latency on the tiny model, in `make test`: there the suite's other worker
+    shares the two cores, so the latency figures are printed and held to their bounds by `make soak` only."""
+    run_soak(tiny_model_dir, tmp_path, SoakConfig(requests=300, concurrency=32, seed=1, check_latency=False))
 
 
 @pytest.mark.slow
