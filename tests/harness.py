@@ -509,3 +509,12 @@ def write_gpt2_gguf(path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def cpu_flags() -> set[str]:
+    """The words of /proc/cpuinfo, which hold its flags (empty where there is none: another OS): what the
+    tests that follow the CPU's features check them against."""
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    return set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()

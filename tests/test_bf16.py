@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.model.kernels import BF16_FEATURE, WIDTH_ENV, bfloat16_unavailable
+from tests.harness import cpu_flags
 from tests.references import paged_attention_reference
 
 
@@ -38,8 +38,7 @@ def rounded(t: torch.Tensor) -> torch.Tensor:
 
 def test_an_avx512_bf16_cpu_gets_the_bfloat16_kernels(kernels):
     """The bf16 path is only ever skipped on a CPU without avx512_bf16, never lost on one that has it."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    flags = cpu_flags()
     assert kernels.has_bfloat16() == (BF16_FEATURE in flags) or not flags
 
 

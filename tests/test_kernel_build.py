@@ -21,6 +21,7 @@ from conveyor.model.kernels import (
     source_bytes,
     wait_for_build_lock,
 )
+from tests.harness import cpu_flags
 
 AVX2 = "c++ 12.2.0\n-march=znver3 -mavx2 -mfma -mno-avx512f"
 AVX512 = "c++ 12.2.0\n-march=znver3 -mavx2 -mfma -mavx512f -mavx512bw"
@@ -51,7 +52,7 @@ def test_the_sources_a_key_covers_are_the_unit_and_every_header_beside_it(tmp_pa
 def test_the_compiler_target_names_this_cpus_instruction_set() -> None:
     target = compiler_target()
     assert "-march=" in target, target
-    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    flags = cpu_flags()
     if "avx2" in flags:
         assert "-mavx2" in target.split()
     if flags and "avx512f" not in flags:

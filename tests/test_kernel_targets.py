@@ -13,17 +13,10 @@ from pathlib import Path
 import pytest
 
 from conveyor.model.kernels import TARGET_ENV, kernel_cflags
+from tests.harness import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 AVX2_ONLY = "x86-64-v3"
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
 
 
 def test_the_target_names_the_march_of_the_build(monkeypatch) -> None:

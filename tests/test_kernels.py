@@ -12,19 +12,18 @@ decode rows. The whole stack: tests/test_native_stack.py.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.harness import cpu_flags
 from tests.references import paged_attention_reference
 
 
 def test_an_avx512_cpu_gets_the_512_bit_kernels(kernels):
     """The 512-bit path is only ever skipped on a CPU without AVX-512F, never lost on one that has it."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    flags = cpu_flags()
     assert 256 in kernels.kernel_widths()
     assert (512 in kernels.kernel_widths()) == ("avx512f" in flags) or not flags
 
