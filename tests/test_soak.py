@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -283,16 +284,40 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else 0.0
 
 
-def _check_greedy(model_dir, greedy: list) -> int:
-    """Every completed greedy output against the offline engine's; how many sequences were compared."""
+# How close the offline engine's two likeliest tokens must be for a differing greedy output to count as a
+# tie: a batch of another size sums its float32 dot products in another order, and where two tokens' logits
+# are within that rounding either is the greedy choice. Far above the rounding (~1e-5), far below any real
+# preference.
+NEAR_TIE_LOGPROB = 0.01
+
+
+def _check_greedy(model_dir, greedy: list) -> dict:
+    """Every completed greedy output against the offline engine's: equal, or differing first where the offline
+    engine's two likeliest tokens tie (within NEAR_TIE_LOGPROB) and the server took the other of them."""
     llm = LLM(str(model_dir), num_kv_blocks=512, max_model_len=MAX_MODEL_LEN)
     prompts = [llm.tokenizer.apply_chat_template(p) if endpoint == "chat" else p for p, _, endpoint, _ in greedy]
-    outputs = llm.generate(prompts, [params for _, params, _, _ in greedy], use_tqdm=False)
-    expected = [o.text for o in outputs]
+    params = [dataclasses.replace(p, logprobs=2) for _, p, _, _ in greedy for _ in range(p.n)]
+    outputs = llm.generate(prompts, [dataclasses.replace(p, logprobs=2) for _, p, _, _ in greedy], use_tqdm=False)
     got = [text for *_, texts in greedy for text in texts]
-    mismatches = [(g, e) for g, e in zip(got, expected) if g != e]
-    assert len(got) == len(expected) and not mismatches, f"{len(mismatches)} greedy outputs differ: {mismatches[:3]}"
-    return len(got)
+    assert len(got) == len(outputs) == len(params), (len(got), len(outputs))
+    differing = [(text, output) for text, output in zip(got, outputs) if text != output.text]
+    not_ties = [(text, output.text) for text, output in differing if not _is_near_tie(llm.tokenizer, text, output)]
+    assert not not_ties, f"{len(not_ties)} greedy outputs differ: {not_ties[:3]}"
+    return {"sequences": len(got), "equal": len(got) - len(differing), "near_ties": len(differing)}
+
+
+def _is_near_tie(tokenizer, text: str, output) -> bool:
+    """Whether ``text`` leaves the offline output first at a token whose two likeliest choices tie, by taking
+    the other one."""
+    ids = output.token_ids
+    for i in range(len(ids)):
+        if not text.startswith(tokenizer.decode(ids[: i + 1])):
+            top = output.logprobs[i].top
+            if len(top) < 2 or top[0][1] - top[1][1] > NEAR_TIE_LOGPROB:
+                return False
+            other = tokenizer.decode([*ids[:i], top[1][0]])
+            return text.startswith(other) or other.startswith(text)
+    return False
 
 
 @contextlib.contextmanager
@@ -326,6 +351,7 @@ def _load(server, config: SoakConfig, tmp_path: Path) -> Loaded:
     """The soak's requests after its warm-up, the second half with grammar bombs."""
     soak = Soak(server.base, config)
     asyncio.run(soak.run(0, config.warmup))  # first requests: the allocator and caches settle
+    asyncio.run(_fill_caches(soak))
     wait_until_idle(server)
     rss_before = rss_bytes(server.process.pid)
     half = config.requests // 2
@@ -336,6 +362,22 @@ def _load(server, config: SoakConfig, tmp_path: Path) -> Loaded:
         asyncio.run(soak.run(config.warmup + half, config.requests - half))
         duration = time.monotonic() - start
     return Loaded(soak, figures, rss_before, duration, bombs_from)
+
+
+async def _fill_caches(soak: Soak) -> None:
+    """Make resident what is meant to grow to a bound, so that the memory check after the load sees leaks only:
+    the KV pool's pages are touched first when a block is first written (each of the 512 blocks at least once:
+    24 distinct prompts of 400 tokens, 9,600 tokens beside the warm-up's), and the compiled grammars' cache is
+    filled to its byte limit by grammar bombs (measured on the default model: resident memory grew by 220 MiB
+    over the first 20 bombs, 39 over the next 20, 5 over the 20 after: bounded, unlike a leak)."""
+    rng = random.Random("fill")
+    async with httpx.AsyncClient(timeout=600) as client:
+        prompts = [[rng.randrange(1, 100) for _ in range(400)] for _ in range(24)]
+        await asyncio.gather(*(client.post(f"{soak.base}/v1/completions", headers=soak.headers,
+                                           json={"prompt": prompt, "max_tokens": 1}) for prompt in prompts))
+        for i in range(40):
+            await client.post(f"{soak.base}/v1/completions", headers=soak.headers,
+                              json=grammar_bomb(rng, 10**9 + i, MAX_ENUM_VALUES))
 
 
 def _plain_p99_ms(plain: list, bombs_from: float) -> tuple[float, float]:
