@@ -35,6 +35,20 @@ TINY_CONFIG = dict(
     bos_token_id=1,
 )
 
+# The files that take longest (tens of seconds each on 2 cores: real weights against transformers, fuzzing, the
+# short soak, Ray), run first: `make test` hands whole files to two workers in this order, and a long file
+# taken last would leave one worker computing alone at the end.
+LONGEST_FIRST = (
+    "test_gemma3.py", "test_quantized.py", "test_correctness.py", "test_gguf.py", "test_api_fuzz.py",
+    "test_soak.py", "test_replica_exposure.py", "test_replicas.py", "test_server.py", "test_grammar_bombs.py",
+    "test_structured_output.py", "test_dashboard.py", "test_fair_property.py", "test_responsiveness.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:

@@ -51,7 +51,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.family = family = family_for(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Its weight given, not drawn: nn.Embedding's own random init, even on the meta device the loaders build
+        # on, goes through torch's reference ops and imports torch._dynamo, 1.3-2.4 s of every start.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, family, i) for i in range(config.num_layers))
         self.norm = make_norm(family, config.hidden_size, config.rms_norm_eps)
         self.build_rotary(max_positions)
