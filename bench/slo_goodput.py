@@ -42,7 +42,8 @@ def free_port() -> int:
 def server(flags: list[str]) -> Iterator[str]:
     port = free_port()
     command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--port", str(port), *flags]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # No terminal: a server started from a shell job would be stopped (SIGTTIN) as soon as anything read it.
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
