@@ -1,7 +1,7 @@
 """Every policy combination gives the same greedy tokens, request by request, under memory pressure.
 
 The policies decide who runs when, never what a request computes: static or
-continuous, paged or contiguous, recompute or swap, FCFS or priority must
+continuous, paged or contiguous, recompute or swap, FCFS, priority or slo must
 all agree with an unconstrained run, token for token.
 """
 
@@ -56,3 +56,16 @@ def test_policies_agree_token_for_token(tiny_model_dir, reference, scheduler, kv
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
     if kv_layout == "paged":
         assert stats.num_preemptions > 0, "the small pool should force preemption"
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_slo_agrees_token_for_token_under_tight_targets(tiny_model_dir, reference, preemption_mode):
+    """Targets so tight that the slo policy's every rule acts (late requests last, victims by slack, steps held
+    short for the running): still the unconstrained run's tokens, and the pool whole at the end."""
+    prompts, params, _ = _workload()
+    llm = LLM(str(tiny_model_dir), scheduling_policy="slo", preemption_mode=preemption_mode, num_kv_blocks=24,
+              block_size=4, max_model_len=80, max_num_seqs=4, swap_space=40_000, ttft_slo_ms=20, tpot_slo_ms=2)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == reference
+    stats = llm.engine.stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_preemptions > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from conveyor.bench.workload import (
     multi_turn_workload,
     shared_prefix_workload,
 )
-from conveyor.core.figures import mean, percentile
+from conveyor.core.figures import mean, met_targets, percentile
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class RequestTiming:
     latency: float | None = None
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    status: int | None = None  # the HTTP status of a request the server did not answer with 200
     text: str = ""  # the answer, which a multi-turn conversation sends back in its next turn
 
     @property
@@ -86,6 +88,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str | None, item: Syn
         async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
                 timing.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                timing.status, timing.latency = response.status_code, time.perf_counter() - start
                 return timing
             async for line in response.aiter_lines():
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -111,7 +114,10 @@ async def _one(client: httpx.AsyncClient, url: str, model: str | None, item: Syn
 
 async def run_serve_benchmark(base_url: str, model: str | None, workload: list[SyntheticRequest],
                               request_rate: float, seed: int, api_key: str | None,
-                              extra: ExtraBody | None = None) -> tuple[list[RequestTiming], float]:
+                              extra: ExtraBody | None = None,
+                              every_body: dict[str, Any] | None = None) -> tuple[list[RequestTiming], float]:
+    """Send the workload; ``every_body``: fields every request carries (its latency targets), ``extra``: fields
+    a share of them carries."""
     rng = random.Random(seed)
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -120,7 +126,7 @@ async def run_serve_benchmark(base_url: str, model: str | None, workload: list[S
         tasks = []
         start = time.perf_counter()
         for index, item in enumerate(workload):
-            fields = extra.fields if extra is not None and extra.applies_to(index) else None
+            fields = {**(every_body or {}), **(extra.fields if extra is not None and extra.applies_to(index) else {})}
             tasks.append(asyncio.create_task(_one(client, url, model, item, headers, fields)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
@@ -169,8 +175,7 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
               slo_tpot: float | None) -> dict[str, Any]:
     done = [t for t in timings if t.error is None]
     itl = [b - a for t in done for a, b in zip(t.token_times, t.token_times[1:])]
-    good = [t for t in done if (slo_ttft is None or t.ttft <= slo_ttft)
-            and (slo_tpot is None or t.tpot is None or t.tpot <= slo_tpot)]
+    good = [t for t in done if met_targets(t.ttft, t.tpot, slo_ttft, slo_tpot)]
     result: dict[str, Any] = {
         "completed": len(done),
         "failed": len(timings) - len(done),
@@ -187,6 +192,10 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
         result[f"{name}_mean_s"] = mean(values)
         for q in (50, 90, 99):
             result[f"{name}_p{q}_s"] = percentile(values, q)
+    refused = [t.latency for t in timings if t.status == 429]
+    result["refused"] = len(refused)  # 429: a queue cap, or a deadline admission control saw would be missed
+    result["refused_latency_p99_s"] = percentile(refused, 99)
+    result["refused_latency_max_s"] = max(refused, default=math.nan)
     errors = [t.error for t in timings if t.error]
     if errors:
         result["first_error"] = errors[0]
@@ -196,13 +205,15 @@ def summarize(timings: list[RequestTiming], elapsed: float, slo_ttft: float | No
 def bench_serve(base_url: str, model: str | None, num_prompts: int, request_rate: float, seed: int,
                 output_range: tuple[int, int], vocab_size: int, slo_ttft: float | None, slo_tpot: float | None,
                 api_key: str | None, workload_kind: str = "longtail", extra: ExtraBody | None = None,
-                num_turns: int = 6, num_system_prompts: int = 0) -> dict[str, Any]:
+                num_turns: int = 6, num_system_prompts: int = 0, send_slo: bool = False) -> dict[str, Any]:
     """``workload_kind``: ``longtail`` (``bench throughput``'s requests), ``shared-prefix`` (its shared-prefix
     requests: 8 prefixes of 400-800 tokens, questions of 16-48, ``output_range[1]`` output tokens) or
     ``multi-turn`` (``num_prompts`` conversations of ``num_turns`` turns, ``output_range[1]`` tokens per answer,
     starting at ``request_rate`` conversations/s, with their own system prompts or ``num_system_prompts`` shared
     ones). ``extra``: fields sent with a share of the requests (not
-    with ``multi-turn``, whose turns must stay plain answers to resend)."""
+    with ``multi-turn``, whose turns must stay plain answers to resend). ``send_slo``: every request carries
+    ``slo_ttft``/``slo_tpot`` as its own targets (``ttft_slo_ms``, ``tpot_slo_ms``), for a server that schedules
+    and sheds by them (``--scheduling-policy slo --admission-control``)."""
     if workload_kind == "multi-turn":
         if extra is not None:
             raise ValueError("--extra-body applies to the longtail and shared-prefix workloads, not multi-turn")
@@ -219,11 +230,14 @@ def bench_serve(base_url: str, model: str | None, num_prompts: int, request_rate
         workload = long_tail_workload(num_prompts, seed, vocab_size, output_range=output_range)
     else:
         raise ValueError(f"--workload must be longtail or shared-prefix, got {workload_kind!r}")
+    targets = {"ttft_slo_ms": slo_ttft and slo_ttft * 1000, "tpot_slo_ms": slo_tpot and slo_tpot * 1000}
+    every_body = {k: v for k, v in targets.items() if v} if send_slo else None
     timings, elapsed = asyncio.run(run_serve_benchmark(base_url, model, workload, request_rate, seed, api_key,
-                                                       extra))
+                                                       extra, every_body))
     extra_fields = {} if extra is None else {"extra_body": json.dumps(extra.fields), "extra_fraction": extra.fraction}
     return {"workload": workload_kind, "request_rate": request_rate, "num_prompts": num_prompts,
-            "seed": seed} | extra_fields | summarize(timings, elapsed, slo_ttft, slo_tpot)
+            "seed": seed, "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot, "slo_sent": send_slo} | extra_fields \
+        | summarize(timings, elapsed, slo_ttft, slo_tpot)
 
 
 def print_serve(result: dict[str, Any]) -> None:

@@ -70,8 +70,10 @@ class EngineConfig:
     scheduling_policy: str = _option("fcfs", "priority: lower value first, preempting less important running "
                                      "requests; lpm: longest cached prefix first (SGLang's cache-aware order), "
                                      "first come first served when the queue is long; fair: fair shares between "
-                                     "tenants (VTC's virtual token counters; see --tenant-weights)",
-                                     choices=("fcfs", "priority", "lpm", "fair"))
+                                     "tenants (VTC's virtual token counters; see --tenant-weights); slo: least "
+                                     "slack to its deadline first, the running requests' time per output token "
+                                     "protected (see --ttft-slo-ms, --tpot-slo-ms)",
+                                     choices=("fcfs", "priority", "lpm", "fair", "slo"))
     preemption_mode: str = _option("recompute", "what happens to a preempted request's KV: dropped and recomputed, "
                                    "or swapped to CPU", choices=("recompute", "swap"))
     max_num_partial_prefills: int = _option(1, "prompts computed in chunks side by side, each taking at most "
@@ -89,6 +91,24 @@ class EngineConfig:
     tenant_header: str | None = _option(None, "HTTP header that names a request's tenant (e.g. X-Tenant-Id), "
                                         "for a gateway that authenticates callers",
                                         unset="the body's user field (OpenAI's)")
+    tenant_cache_salt: bool = _option(False, "salt each tenant's prefix cache apart: a tenant's prompts are never "
+                                      "found cached by another's requests, so none can probe them through "
+                                      "cached_tokens (a body's cache_salt, vLLM's, salts within a tenant)")
+    max_num_queued_requests: int | None = _option(None, "most requests waiting to be admitted; a new one past it is "
+                                                  "refused: 429 with Retry-After (offline: RequestRefused) "
+                                                  "(vLLM's name)", minimum=1, unset="no cap")
+    max_num_queued_tokens: int | None = _option(None, "most tokens (prompts, and output so far of a preempted "
+                                                "request) waiting to be admitted; a new request that would pass it "
+                                                "is refused the same way", minimum=1, unset="no cap")
+    ttft_slo_ms: int | None = _option(None, "time-to-first-token target, in ms, of a request that names none (its "
+                                      "body's ttft_slo_ms): the slo policy orders by it, --admission-control "
+                                      "refuses by it, goodput counts it", minimum=1, unset="none")
+    tpot_slo_ms: int | None = _option(None, "time-per-output-token target (the mean after the first), in ms, of a "
+                                      "request that names none (tpot_slo_ms): the slo policy protects it, goodput "
+                                      "counts it", minimum=1, unset="none")
+    admission_control: bool = _option(False, "refuse (429 with Retry-After; offline: RequestRefused) a request "
+                                      "whose time-to-first-token target the wait ahead of it, predicted from the "
+                                      "measured step times, already misses")
     swap_space: int | str = _option("4GiB", "CPU memory for swapped KV (with --preemption-mode swap)", minimum=0,
                                     size=True)
     kv_layout: str = _option("paged", "paged: blocks on demand; contiguous: a --max-model-len slab reserved per "
@@ -118,6 +138,9 @@ class EngineConfig:
         if self.scheduling_policy == "fair" and self.scheduler == "static":
             raise ValueError("scheduling_policy: fair orders continuous admission; static batches form in arrival "
                              "order (use fcfs or priority with scheduler static)")
+        if self.scheduling_policy == "slo" and self.scheduler == "static":
+            raise ValueError("scheduling_policy: slo orders continuous admission by deadline; static batches form in "
+                             "arrival order (use fcfs or priority with scheduler static)")
         self.tenant_weight_map()  # a ValueError now rather than at the first request
         check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
         if self.enable_prefix_caching and self.kv_layout == "contiguous":
@@ -127,6 +150,10 @@ class EngineConfig:
     def tenant_weight_map(self) -> dict[str, float]:
         """``tenant_weights`` read: from its JSON text, or from the file it names."""
         return parse_tenant_weights(self.tenant_weights)
+
+    def slo_seconds(self) -> tuple[float | None, float | None]:
+        """The default TTFT and TPOT targets in seconds (the scheduler's unit)."""
+        return tuple(None if ms is None else ms / 1000 for ms in (self.ttft_slo_ms, self.tpot_slo_ms))
 
     @property
     def prefix_caching(self) -> bool:

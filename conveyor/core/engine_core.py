@@ -94,6 +94,7 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         kv = PrefixCachingKVCacheManager(plan.num_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks)
     else:
         kv = PagedKVCacheManager(plan.num_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks)
+    ttft_slo, tpot_slo = config.slo_seconds()
     scheduler_config = SchedulerConfig(
         config.max_num_seqs,
         config.max_num_batched_tokens,
@@ -104,6 +105,12 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         config.max_num_partial_prefills,
         config.max_long_partial_prefills,
         config.long_prefill_token_threshold,
+        max_num_queued_requests=config.max_num_queued_requests,
+        max_num_queued_tokens=config.max_num_queued_tokens,
+        admission_control=config.admission_control,
+        ttft_slo=ttft_slo,
+        tpot_slo=tpot_slo,
+        tenant_cache_salt=config.tenant_cache_salt,
     )
     return SCHEDULERS[config.scheduler](scheduler_config, kv, clock)
 
@@ -130,9 +137,10 @@ class EngineCore:
 
     # ----- the public face of the core: requests in, stats and steps out -----
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request; ValueError (naming the field) if it cannot be served."""
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request, check_admission: bool = True) -> None:
+        """Queue a request; ValueError (naming the field) if it cannot be served, RequestRefused if admission
+        control turns it away (not judged with ``check_admission`` False: see Scheduler.add_request)."""
+        self.scheduler.add_request(request, check_admission)
         if self.live is not None:
             self.live.on_add(request.request_id)
 
@@ -183,6 +191,11 @@ class EngineCore:
             "max_model_len": self.plan.max_model_len,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
+            "max_num_queued_requests": config.max_num_queued_requests,
+            "max_num_queued_tokens": config.max_num_queued_tokens,
+            "admission_control": config.admission_control,
+            "ttft_slo_ms": config.ttft_slo_ms,
+            "tpot_slo_ms": config.tpot_slo_ms,
             "num_kv_blocks": self.plan.num_blocks,
             "num_cpu_blocks": self.plan.num_cpu_blocks,
         }
@@ -204,6 +217,7 @@ class EngineCore:
         else:
             self._consecutive_failures = 0
             updated = self.scheduler.update(output, sampled)
+            self.scheduler.record_step(output, self.clock() - start)
         result = postprocess(updated) if postprocess is not None else updated
         if trace is not None or live is not None:
             end = self.clock()

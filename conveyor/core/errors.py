@@ -25,3 +25,19 @@ class FieldError(ValueError):
         """The same error under the name the client used for the field (``response_format`` for a
         ``structured_output`` it asked for that way)."""
         return FieldError(field, f"{field}: {self.reason}")
+
+
+class RequestRefused(Exception):
+    """The engine will not queue this request now, though it could take it later: a queue is at its cap
+    (``--max-num-queued-requests`` / ``--max-num-queued-tokens``), or the wait ahead of it already misses its
+    time-to-first-token target (admission control). Refused before it costs anything, so the client can go
+    elsewhere or come back: the server answers 429 with ``Retry-After``; offline, the caller gets this error.
+
+    ``reason`` is the code a client sees (``queue_full``, ``deadline_unattainable``); ``retry_after`` the seconds
+    after which the engine expects to have room.
+    """
+
+    def __init__(self, reason: str, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after

@@ -71,3 +71,9 @@ def request_figures(
         "latency_p99_s": percentile(latency, 99),
         "normalized_latency_mean_s": mean(normalized),
     }
+
+
+def met_targets(ttft: float, tpot: float | None, ttft_target: float | None, tpot_target: float | None) -> bool:
+    """Whether a request met its latency targets (None: no target; ``tpot`` None: one output token, no TPOT):
+    what goodput counts, in the benchmark and the simulator alike."""
+    return (ttft_target is None or ttft <= ttft_target) and (tpot_target is None or tpot is None or tpot <= tpot_target)

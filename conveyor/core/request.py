@@ -52,6 +52,10 @@ class Request:
     prompt_text: str | None = None
     cache_salt: str | None = None  # prefix caching shares blocks only between requests with the same salt
     tenant: str = ""  # who the request is served for (the fair policy's unit of share); "" when nobody is named
+    # Latency targets in seconds (None: none): time to first token, and mean time per output token after it.
+    # The slo policy orders and protects by them, admission control refuses by the first, goodput counts both.
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (OpenAI's cached_tokens)

@@ -114,6 +114,10 @@ class AsyncEngine:
         self._outcomes: Counter[str] = Counter()
         self._num_submitted = 0
         self._num_pending = 0  # added by callers, not yet taken in by the loop
+        self._pending_load = (0, 0)  # their sequences and tokens, which admission control counts as queued
+        scheduler = engine.core.scheduler
+        self._scheduler = scheduler  # read here only for its immutable rules and pure judgement (refusal)
+        self._admission_view = scheduler.admission_view() if scheduler.admission.active else None
         # Guards the streams, the counts and ``error``: a request is either registered before the loop
         # fails (and then failed by it) or refused, never left unanswered.
         self._lock = threading.Lock()
@@ -193,9 +197,14 @@ class AsyncEngine:
             waiting = self._stats.num_waiting + self._num_pending
             if waiting >= self.max_waiting_requests:
                 raise EngineOverloaded(f"{waiting} requests are waiting, the limit is {self.max_waiting_requests}")
+            if self._admission_view is not None:  # judged here, at once, on the queue as of the latest step
+                refused = self._scheduler.refusal(request, self._admission_view, self._pending_load)
+                if refused is not None:
+                    raise refused
             if request.request_id in self._streams:
                 raise ValueError(f"request_id {request.request_id!r} is already in the engine")
             self._num_pending += 1
+            self._pending_load = _plus(self._pending_load, request, 1)
             self._num_submitted += 1
             self._streams[request.request_id] = stream
         self._commands.put(("add", request))
@@ -282,6 +291,7 @@ class AsyncEngine:
                     continue
                 outputs = self._engine.step()
                 self._stats = self._engine.stats()
+                self._publish_admission_view()
                 for output in outputs:
                     self._deliver(output)
                 self._report(outputs)
@@ -306,7 +316,7 @@ class AsyncEngine:
             logger.exception("on_step failed")
 
     def _apply_commands(self) -> None:
-        num_added = 0
+        num_added, taken = 0, (0, 0)
         while True:
             try:
                 command, value = self._commands.get_nowait()
@@ -314,10 +324,11 @@ class AsyncEngine:
                 break
             if command == "add":
                 num_added += 1
+                taken = _plus(taken, value, 1)
                 if value.request_id not in self._streams:
                     continue  # its caller left before the loop took it in
                 try:
-                    self._engine.add_request(value)
+                    self._engine.add_request(value, check_admission=False)  # judged in submit
                 except Exception as error:  # this request cannot be served; the others can
                     logger.warning("request %s refused by the engine: %s", value.request_id, error)
                     self._fail(value.request_id, RequestFailed(f"the engine could not take the request: {error}"))
@@ -334,7 +345,14 @@ class AsyncEngine:
         # One lock for both: a caller never sees a request counted twice (pending and waiting) or not at all.
         with self._lock:
             self._num_pending -= num_added
+            self._pending_load = _plus(self._pending_load, taken, -1)
             self._stats = self._engine.stats()
+            self._publish_admission_view()
+
+    def _publish_admission_view(self) -> None:
+        """The queue as admission control in ``submit`` reads it (only where admission control is on)."""
+        if self._admission_view is not None:
+            self._admission_view = self._scheduler.admission_view()
 
     def _deliver(self, output: RequestOutput) -> None:
         request_id = output.request_id
@@ -349,6 +367,15 @@ class AsyncEngine:
             if stream.num_open == 0 and self._close(request_id, "finished", stream) is None:
                 return
         _put(stream, output)
+
+
+def _plus(load: tuple[int, int], what: Request | tuple[int, int], sign: int) -> tuple[int, int]:
+    """``load`` (sequences, tokens) with a request's (n sequences of its tokens each), or another load, added
+    (``sign`` 1) or taken away (-1)."""
+    if isinstance(what, Request):
+        n = what.sampling_params.n
+        what = (n, n * what.num_tokens)
+    return load[0] + sign * what[0], load[1] + sign * what[1]
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:

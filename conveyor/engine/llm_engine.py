@@ -243,7 +243,11 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        check_admission: bool = True,
     ) -> str:
+        """Queue a request (a prompt, or one made by ``make_request`` or a front end); its id. FieldError for a bad
+        one; RequestRefused where admission control turns it away, unless ``check_admission`` is False (the
+        server's thread judged it already, on the latest view of the queue)."""
         if isinstance(prompt, Request):  # made elsewhere (a replicas front end holds only the tokenizer): check
             request = prompt  # what needs this engine (compiles are cached: no second cost for our own)
             self._check_params(request.sampling_params)
@@ -252,21 +256,23 @@ class Engine:
         if request.request_id in self._families:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         if request.sampling_params.n == 1:
-            self._add_sequence(request, request.request_id, 0)
+            self._add_sequence(request, request.request_id, 0, check_admission)
         else:
-            self._add_sequence(self._sequence(request, 0), request.request_id, 0)
+            self._add_sequence(self._sequence(request, 0), request.request_id, 0, check_admission)
             self._families[request.request_id] = _Family(request)
         return request.request_id
 
-    def _add_sequence(self, request: Request, caller_id: str, index: int) -> None:
+    def _add_sequence(self, request: Request, caller_id: str, index: int, check_admission: bool = False) -> None:
+        """Queue one sequence; only the first of a request is judged by admission control (the others join an
+        admitted request)."""
         params = request.sampling_params
         if params.prompt_logprobs is not None:
             # Every prompt token must be computed to have its logprobs: a salt of its own keeps the
             # sequence from finding its prompt in the prefix cache.
             request.cache_salt = f"prompt-logprobs:{request.request_id}"
+        self.core.add_request(request, check_admission)  # first: a refused request leaves nothing behind
         if params.logprobs is not None or params.prompt_logprobs is not None:
             self._logprobs[request.request_id] = LogprobState([] if params.logprobs is not None else None)
-        self.core.add_request(request)
         self._text[request.request_id] = TextState(request, self.tokenizer)
         self._caller[request.request_id] = (caller_id, index)
 

@@ -147,6 +147,9 @@ def _add_bench_serve(bench: Commands) -> None:
     srv.add_argument("--vocab-size", type=int, default=49152, help="prompt token ids are drawn below this")
     srv.add_argument("--slo-ttft", type=float, default=None, help="seconds; goodput counts requests within it")
     srv.add_argument("--slo-tpot", type=float, default=None, help="seconds per output token, for goodput")
+    srv.add_argument("--send-slo", action="store_true", help="send --slo-ttft and --slo-tpot with every request as "
+                     "its targets (ttft_slo_ms, tpot_slo_ms), for a server run with --scheduling-policy slo and "
+                     "--admission-control; refusals (429) are counted apart")
     srv.add_argument("--extra-body", default=None, help="JSON object merged into the requests' bodies (e.g. "
                      "logprobs, penalties, guided_json), to measure what those parameters cost")
     srv.add_argument("--extra-body-fraction", type=float, default=1.0, help="share of the requests, spread "
@@ -381,7 +384,7 @@ def _bench_serve(args: argparse.Namespace) -> int:
     result = bench_serve(args.base_url, args.model, args.num_prompts, args.request_rate, args.seed,
                          int_pair(args.output_len, "--output-len"), args.vocab_size, args.slo_ttft, args.slo_tpot,
                          args.api_key, args.workload, parse_extra_body(args.extra_body, args.extra_body_fraction),
-                         args.num_turns, args.num_system_prompts)
+                         args.num_turns, args.num_system_prompts, args.send_slo)
     print_serve(result)
     write_json(result, args.json)
     return 0 if result["completed"] else 1

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from conveyor.core.config import EngineConfig
+from conveyor.core.errors import RequestRefused
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
 from conveyor.engine.tokenizer import Tokenizer
@@ -38,6 +39,8 @@ class LLM:
         """One output per prompt, in order; with ``n`` > 1, n outputs per prompt (``index`` 0..n-1) in a row.
 
         ``priority``: one integer per prompt, lower first (with ``scheduling_policy="priority"``).
+        Raises RequestRefused (and runs none of them) when admission control turns one away: more prompts than
+        ``max_num_queued_requests`` or ``max_num_queued_tokens`` allow at once, say.
         """
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts))
@@ -48,8 +51,15 @@ class LLM:
         requests = [
             self.engine.make_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priorities)
         ]
-        for request in requests:
-            self.engine.add_request(request)
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.engine.add_request(request)
+                added.append(request.request_id)
+        except (RequestRefused, ValueError):  # a queue cap or a deadline: the call is refused whole, as a bad prompt
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
         return self._run([(r.request_id, r.sampling_params.n) for r in requests], use_tqdm)
 
     def chat(

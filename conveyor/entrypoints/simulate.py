@@ -257,6 +257,8 @@ TABLE_COLUMNS = {
     "TTFT mean s": "ttft_mean_s",
     "TTFT p99 s": "ttft_p99_s",
     "TPOT mean s": "tpot_mean_s",
+    "goodput req/s": "goodput_requests_per_s",
+    "refused": "refused",
     "latency p50 s": "latency_p50_s",
     "latency p90 s": "latency_p90_s",
     "latency p99 s": "latency_p99_s",

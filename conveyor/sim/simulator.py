@@ -11,12 +11,14 @@ from __future__ import annotations
 import bisect
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
-from conveyor.core.figures import config_figures, request_figures
+from conveyor.core.errors import RequestRefused
+from conveyor.core.figures import config_figures, met_targets, request_figures
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.scheduler import SchedulerOutput
@@ -56,6 +58,7 @@ class FinishedSums:
     finishes: list[float] = field(default_factory=list)
     preemptions: int = 0
     cached_tokens: int = 0
+    num_good: int = 0  # met their latency targets (goodput counts them)
 
     def add(self, request: Request) -> None:
         self.prompt_lens.append(request.num_prompt_tokens)
@@ -66,6 +69,9 @@ class FinishedSums:
         self.finishes.append(request.finish_time)
         self.preemptions += request.num_preemptions
         self.cached_tokens += request.num_cached_tokens
+        ttft, n = self.ttft[-1], request.num_output_tokens
+        tpot = (self.latency[-1] - ttft) / (n - 1) if n > 1 else None
+        self.num_good += met_targets(ttft, tpot, request.ttft_slo, request.tpot_slo)
 
 
 @dataclass(slots=True)
@@ -113,13 +119,13 @@ class Simulation:
         """Run to the last finish; the figures of ``conveyor bench throughput`` and a few more."""
         wall_start = time.perf_counter()
         clock, core, arrivals, conversations = self.clock, self.core, self.arrivals, self.conversations
-        finished, sums = FinishedSums(), _StepSums()
+        finished, sums, refused = FinishedSums(), _StepSums(), Counter()
         next_index, idle_steps = 0, 0
         for request in conversations.first_turns():
-            core.add_request(request)
+            _add(core, request, refused)
         while next_index < len(arrivals) or core.has_unfinished_requests():
             while next_index < len(arrivals) and arrivals[next_index].arrival_time <= clock.now:
-                core.add_request(workload_request(arrivals[next_index], next_index, self.plan.max_model_len))
+                _add(core, workload_request(arrivals[next_index], next_index, self.plan.max_model_len), refused)
                 next_index += 1
             if not core.has_unfinished_requests():
                 clock.now = arrivals[next_index].arrival_time  # nothing to do until the next arrival
@@ -128,14 +134,34 @@ class Simulation:
                 if request.status is FINISHED:  # is_finished, without a property call per request and step
                     finished.add(request)
                     if conversations and (next_turn := conversations.next_turn(request, clock.now)) is not None:
-                        core.add_request(next_turn)
+                        _add(core, next_turn, refused)
             sums.add(core.last_output)
             idle_steps = idle_steps + 1 if core.last_output.is_empty else 0
             if idle_steps > MAX_IDLE_STEPS:
                 raise RuntimeError(f"the scheduler scheduled nothing for {MAX_IDLE_STEPS} steps in a row")
         figures = _figures(self.config, self.cost, finished, sums, self.executor, clock.now, core)
+        figures.update(_shedding_figures(finished, refused, figures["elapsed_s"]))
         figures["simulation_wall_s"] = time.perf_counter() - wall_start
         return figures
+
+
+def _add(core: EngineCore, request: Request, refused: Counter[str]) -> None:
+    """Queue a request, or count it refused by admission control (its client was told at once: a 429)."""
+    try:
+        core.add_request(request)
+    except RequestRefused as refusal:
+        refused[refusal.reason] += 1
+
+
+def _shedding_figures(finished: FinishedSums, refused: Counter[str], elapsed: float) -> dict[str, Any]:
+    """Goodput (finished requests that met their targets, per second) and the requests admission refused."""
+    return {
+        "goodput_requests_per_s": finished.num_good / elapsed if elapsed > 0 else math.nan,
+        "met_targets_fraction": finished.num_good / max(len(finished.ttft) + sum(refused.values()), 1),
+        "refused": sum(refused.values()),
+        "refused_queue_full": refused["queue_full"],
+        "refused_deadline": refused["deadline_unattainable"],
+    }
 
 
 def simulate(

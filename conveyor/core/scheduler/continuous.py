@@ -6,8 +6,9 @@ the KV pool, ``max_num_seqs`` and the step's token budget allow. A request
 that finishes leaves after the step in which it finished, and its blocks
 return to the pool at once, so a waiting request joins on the very next step.
 
-When a running request needs a block and the pool is empty, the running
-request last in the policy's order (for fcfs the most recent arrival) is
+When a running request needs a block and the pool is empty, the policy
+names a victim (most: the running request last in their order, for fcfs the
+most recent arrival; slo: the one that can best afford it), which is
 preempted. By recompute, its KV is dropped and it goes back to the front of
 the waiting queue, to be prefilled again later (prompt and output so far). By
 swap, its blocks are copied to a CPU pool and it waits in the swapped queue;
@@ -20,23 +21,29 @@ This class is the step's mechanics only. What differs between policies (the
 order of the queues, whom to admit next, whom to preempt for a newcomer) is
 a policy object (``policies/``), and what becomes of a victim's KV is a
 preemption mode object (``preemption.py``), both chosen once at construction.
+Whether a new request may join the queue at all (queue caps, deadlines) is
+admission control's (``admission.py``), judged as it arrives.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from conveyor.core.config import check_option, check_partial_prefills, engine_option
+from conveyor.core.errors import RequestRefused
 from conveyor.core.kv import CachedPrefix, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
+from conveyor.core.scheduler.admission import AdmissionControl, AdmissionView, margins
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler.policies import SchedulingPolicy, make_policy
 from conveyor.core.scheduler.preemption import PreemptionMode, make_preemption
 from conveyor.core.scheduler.prefill import PartialPrefills
+from conveyor.core.scheduler.step_times import StepTimes
 from conveyor.core.stats import EngineStats
 
 POLICIES = engine_option("scheduling_policy").choices
@@ -55,6 +62,14 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 1  # prompts computed in chunks side by side (see prefill.py)
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0  # 0: 4% of max_model_len
+    # Load shedding and deadlines (admission.py): caps on the waiting queue, refusing a request its TTFT target
+    # cannot be met for, the targets a request without its own gets (seconds), and a cache salt per tenant.
+    max_num_queued_requests: int | None = None
+    max_num_queued_tokens: int | None = None
+    admission_control: bool = False
+    ttft_slo: float | None = None
+    tpot_slo: float | None = None
+    tenant_cache_salt: bool = False
 
     def __post_init__(self) -> None:
         """The rules of EngineConfig's fields of the same names (``policy`` is its ``scheduling_policy``)."""
@@ -63,6 +78,12 @@ class SchedulerConfig:
             check_option(name, getattr(self, name))
         check_option("scheduling_policy", self.policy)
         check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
+        for name in ("max_num_queued_requests", "max_num_queued_tokens"):
+            check_option(name, getattr(self, name))
+        for name in ("ttft_slo", "tpot_slo"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 def _num_new_tokens(request: Request, budget: int) -> int:
@@ -94,6 +115,14 @@ def _scheduled_request(request: Request, num_new: int, block_ids: list[int]) -> 
     )
 
 
+def _unschedule(request: Request, scheduled: list[ScheduledRequest]) -> int:
+    """Take the request's share of this step out of ``scheduled`` (it is being preempted); its tokens, or 0."""
+    for i, item in enumerate(scheduled):
+        if item.request_id == request.request_id:
+            return scheduled.pop(i).num_scheduled_tokens
+    return 0
+
+
 class Scheduler:
     """Decides, step by step, which requests run and how many tokens each computes."""
 
@@ -104,8 +133,10 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         policy: SchedulingPolicy | None = None,
         preemption: PreemptionMode | None = None,
+        step_times: StepTimes | None = None,
     ) -> None:
-        """``policy`` and ``preemption`` default to the ones ``config`` names."""
+        """``policy`` and ``preemption`` default to the ones ``config`` names; ``step_times`` (what steps
+        measured to cost: the slo policy and admission control read it) to a fresh one."""
         if config.max_model_len > kv_manager.capacity_tokens:
             # Otherwise a request alone in the engine could need more blocks than exist, and never finish.
             raise ValueError(
@@ -116,8 +147,21 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
-        self.policy = policy or make_policy(config.policy, kv_manager, config.tenant_weights)
+        self.step_times = step_times if step_times is not None else StepTimes()
+        self.policy = policy or make_policy(config.policy, kv_manager, config.tenant_weights, clock,
+                                            self.step_times, config.max_num_batched_tokens)
         self.preemption = preemption or make_preemption(config.preemption_mode)
+        self.admission = AdmissionControl(
+            config.max_num_queued_requests, config.max_num_queued_tokens, config.admission_control,
+            config.ttft_slo, config.tpot_slo, config.tenant_cache_salt, config.max_num_batched_tokens)
+        # Steps are timed only where something reads the times (they cost a sum over the step's requests).
+        self.times_steps = config.admission_control or self.policy.uses_step_times
+        # The base policy preempts for memory from the back of the running queue, which the loop over it has
+        # not reached yet; a policy that picks elsewhere makes the loop run over a copy and skip its victims.
+        self._victims_from_back = type(self.policy).memory_victim is SchedulingPolicy.memory_victim
+        self.num_queued_tokens = 0  # tokens of the waiting queue's requests (prompt and output so far)
+        self._admitted_tokens = 0  # of those, taken in by this step's admissions (the drain rates count them)
+        self._admitted_requests = 0
         # Every queue is kept sorted by the policy's order: waiting is admitted from the front; running is
         # served from the front and preempted from the back.
         self._order = self.policy.order
@@ -149,15 +193,51 @@ class Scheduler:
 
     # ----- queue management -------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, check_admission: bool = True) -> None:
+        """Queue a request, with the default targets it lacks and its tenant's cache salt. RequestRefused if
+        admission control turns it away (``check_admission`` False: the caller judged it already, as the
+        server does before handing it over, or it belongs to a request already admitted)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         check_prompt_length(request.num_tokens, self.config.max_model_len)
+        self.admission.prepare(request)
+        if check_admission and self.admission.active and (refused := self.refusal(request)) is not None:
+            raise refused
         request.arrival_order = self._num_added
         self._num_added += 1
         self.requests[request.request_id] = request
-        bisect.insort(self.waiting, request, key=self._order)
+        self._enqueue_waiting(request)
         self.policy.on_arrival(request)
+
+    def admission_view(self) -> AdmissionView:
+        """What admission control reads of the queue and the step times now, as a frozen copy (the server's
+        thread judges newcomers by the latest one while the loop runs the next step)."""
+        times = self.step_times
+        rates, keyed = (times.drain_rate, times.request_drain_rate), self.policy.queue_keys()
+        queue = (len(self.waiting), self.num_queued_tokens, len(self.running), times.line(), *rates)
+        if keyed is None:
+            return AdmissionView(*queue)
+        keys, sums = keyed
+        spare = margins(keys, sums, self.clock(), *rates) if self.admission.check_deadlines else (math.inf,) * len(sums)
+        return AdmissionView(*queue, keys, sums, spare)
+
+    def refusal(self, request: Request, view: AdmissionView | None = None,
+                pending: tuple[int, int] = (0, 0)) -> RequestRefused | None:
+        """Why admission control would turn ``request`` away now (None: it would not), judged on ``view`` (the
+        queue as it is when None). With a view, any thread may ask: nothing of the scheduler's is read but its
+        immutable rules, the clock and the policy's pure ``admission_key``."""
+        view = self.admission_view() if view is None else view
+        self.admission.apply_targets(request)  # the defaults count: the request is not shared yet
+        key = self.policy.admission_key(request, view.step_line)
+        return self.admission.refusal(request, view, self.clock(), key, pending)
+
+    def _enqueue_waiting(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._order)
+        self.num_queued_tokens += request.num_tokens
+
+    def _dequeue_waiting(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self.num_queued_tokens -= request.num_tokens
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """End a request wherever it is; its blocks return to the pool at once."""
@@ -167,7 +247,10 @@ class Scheduler:
         queue = {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
             request.status, self.waiting
         )
-        queue.remove(request)
+        if queue is self.waiting:
+            self._dequeue_waiting(request)
+        else:
+            queue.remove(request)
         if queue is not self.running:
             self.policy.on_dequeued(request, queue is self.swapped, first_admission=False)
         self._finish(request, reason)
@@ -235,6 +318,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._preempted_this_step = preempted = []
         self._swap_out = []
+        self._admitted_tokens = self._admitted_requests = 0
         swap_in: list[tuple[int, int]] = []
         if self.prefills is not None:
             self._chunk_cap = self.prefills.share(self.running, len(self.waiting) + len(self.swapped))
@@ -247,7 +331,9 @@ class Scheduler:
             self._deferred = set()
             if self.prefills is not None:
                 self.prefills.count_under_way(self.running, {s.request_id: s.num_scheduled_tokens for s in scheduled})
-            budget = self._resume_or_admit(budget, scheduled, swap_in)
+            # The policy may hold some of the budget back (slo: to keep the step short for the running).
+            allowed = self.policy.admission_tokens(budget, self.config.max_num_batched_tokens - budget, self.running)
+            self._resume_or_admit(allowed, scheduled, swap_in)
 
         self.step_index += 1
         output = SchedulerOutput(
@@ -277,29 +363,39 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         grow_table = self.kv_manager.grow_table
         cap = self._chunk_cap
-        for request in self.running:  # preemption takes from the back: the loop never meets a preempted request
+        running = RequestStatus.RUNNING
+        # Preemption from the back never meets a request the loop has yet to reach; a policy that preempts
+        # elsewhere needs the loop over a copy, whose victims it skips.
+        for request in self.running if self._victims_from_back else list(self.running):
             if budget <= 0:
                 break
+            if request.status is not running:
+                continue  # preempted earlier in this loop
             num_new = _num_new_tokens(request, budget if budget < cap else cap)
             end = request.num_computed_tokens + num_new
             block_ids = grow_table(request.request_id, end)
             if block_ids is None:  # the pool is short
-                block_ids = self._make_room(request, end)
+                block_ids, refund = self._make_room(request, end, scheduled)
+                budget += refund
                 if block_ids is None:
-                    break  # the request preempted itself: it was the most recent arrival
+                    continue  # the request preempted itself
             scheduled.append(_scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return scheduled, budget
 
-    def _make_room(self, request: Request, num_tokens: int) -> list[int] | None:
-        """Grow the request's block table, preempting later arrivals until it fits; the table, or None
-        if the request had to preempt itself."""
+    def _make_room(self, request: Request, num_tokens: int,
+                   scheduled: list[ScheduledRequest]) -> tuple[list[int] | None, int]:
+        """Grow the request's block table, preempting the policy's victims (for most, later arrivals) until it
+        fits; the table (None if the request had to preempt itself), and the tokens of this step that victims
+        already scheduled give back to the budget."""
+        refund = 0
         while (block_ids := self.kv_manager.grow_table(request.request_id, num_tokens)) is None:
-            victim = self.running[-1]
+            victim = self.policy.memory_victim(self.running, request)
+            refund += _unschedule(victim, scheduled)
             self._preempt(victim)
             if victim is request:
-                return None
-        return block_ids
+                return None, refund
+        return block_ids, refund
 
     def _resume_or_admit(self, budget: int, scheduled: list[ScheduledRequest], swap_in: list[tuple[int, int]]) -> int:
         """Swapped and waiting requests as the policy ranks them (by its order: a swapped request ahead of the
@@ -416,7 +512,9 @@ class Scheduler:
             request.num_cached_tokens = prefix.num_tokens
         if prefix.num_tokens:
             self._cached_this_step[request.request_id] = prefix.num_tokens
-        self.waiting.remove(request)
+        self._dequeue_waiting(request)
+        self._admitted_tokens += request.num_tokens
+        self._admitted_requests += 1
         self.policy.on_dequeued(request, swapped=False, first_admission=first_admission)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._order)
@@ -438,10 +536,7 @@ class Scheduler:
         """Preempt ``victims`` for ``request``; the tokens they had been given this step (back to the budget)."""
         refund = 0
         for victim in victims:
-            for i, item in enumerate(scheduled):
-                if item.request_id == victim.request_id:
-                    refund += scheduled.pop(i).num_scheduled_tokens
-                    break
+            refund += _unschedule(victim, scheduled)
             self._preempt(victim)
             victim.last_preempted_by = (request.request_id, self.step_index)
         return refund
@@ -462,7 +557,7 @@ class Scheduler:
         self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        bisect.insort(self.waiting, request, key=self._order)
+        self._enqueue_waiting(request)
         self.policy.on_queued(request, swapped=False)
 
     # ----- after the executor ran the step ----------------------------------
@@ -502,6 +597,13 @@ class Scheduler:
                 self._finish(request, reason, stop_reason)
         self.policy.on_tokens(updated)
         return updated
+
+    def record_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The step ``output`` took ``seconds``, schedule to update: the measured step times learn from it
+        (only where a policy or admission control reads them)."""
+        if self.times_steps:
+            self.step_times.record(output.num_batched_tokens, seconds, self._admitted_tokens,
+                                   self.policy.has_backlog(self.waiting), self._admitted_requests)
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params

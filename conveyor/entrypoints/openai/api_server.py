@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import conveyor
-from conveyor.core.errors import FieldError
+from conveyor.core.errors import FieldError, RequestRefused
 from conveyor.core.request import Request as EngineRequest
 from conveyor.engine import (
     CompilesOverloaded,
@@ -180,6 +180,13 @@ def _add_error_handlers(app: FastAPI) -> None:
                         code="grammar_compilers_busy")
         return _error_response(busy, headers={"Retry-After": "1"})
 
+    @app.exception_handler(RequestRefused)
+    async def _refused(_: Request, error: RequestRefused) -> JSONResponse:
+        """A queue cap or a deadline the wait already misses: too many requests now (429), not a server down;
+        Retry-After says when the engine expects room."""
+        refused = APIError(429, f"request refused: {error}; retry later", "rate_limit_error", code=error.reason)
+        return _error_response(refused, headers={"Retry-After": str(int(error.retry_after))})
+
     @app.exception_handler(EngineDead)
     async def _dead(_: Request, error: EngineDead) -> JSONResponse:
         return _error_response(_engine_error(error), headers={"Retry-After": "1"})
@@ -279,8 +286,11 @@ class _Serving:
         Either way a client that disconnects aborts its requests at once, queued or running: their queue
         slots and KV blocks return to the others.
         """
-        self.assign_tenant(requests, body.user, raw)
-        stream = open_streams(self.engine, requests)  # overloaded or dead: 503 at once, from the handlers above
+        self.assign_service(requests, body, raw)
+        try:  # refused (429), overloaded or dead (503): at once, from the handlers above
+            stream = open_streams(self.engine, requests)
+        except FieldError as error:  # more tokens than the queue cap could ever hold
+            raise _refusal(body, error) from None
         if body.stream:  # the headers go out now; the tokens follow, and a disconnect cancels the stream
             return StreamingResponse(_sse(stream, fmt, *body.usage_in_stream()), media_type="text/event-stream")
         outputs = await self.finals(stream, raw, len(requests) * requests[0].sampling_params.n)
@@ -288,9 +298,17 @@ class _Serving:
             return Response(status_code=499)  # the client left (nginx's code); nobody reads this
         return fmt.full(outputs)
 
+    def assign_service(self, requests: list[EngineRequest], body: SamplingRequest, raw: Request) -> None:
+        """What the body asks of the engine beyond sampling: its tenant, cache salt and latency targets."""
+        self.assign_tenant(requests, body.user, raw)
+        ttft, tpot = (None if ms is None else ms / 1000 for ms in (body.ttft_slo_ms, body.tpot_slo_ms))
+        for request in requests:
+            request.cache_salt, request.ttft_slo, request.tpot_slo = body.cache_salt, ttft, tpot
+
     def assign_tenant(self, requests: list[EngineRequest], user: str | None, raw: Request) -> None:
         """Whom the requests are served for: the header ``--tenant-header`` names when the call has it (a
-        gateway sets it), else OpenAI's ``user``; the fair policy shares by it, the metrics count by it."""
+        gateway sets it), else OpenAI's ``user``; the fair policy shares by it, the metrics count by it (and
+        ``--tenant-cache-salt`` salts the prefix cache by it)."""
         header = self.settings.tenant_header
         tenant = (raw.headers.get(header) if header else None) or user or ""
         for request in requests:

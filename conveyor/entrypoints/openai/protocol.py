@@ -11,7 +11,8 @@ default, ``modalities`` text, ``parallel_tool_calls``; function ``tools`` with
 ``skip_special_tokens``, ``guided_json`` / ``guided_regex`` /
 ``guided_choice``, ``stream_options.continuous_usage_stats``; on chat
 ``add_generation_prompt``, ``continue_final_message``,
-``chat_template_kwargs`` and ``echo``) are accepted as vLLM accepts them.
+``chat_template_kwargs`` and ``echo``; ``cache_salt``) are accepted as vLLM accepts them. Conveyor's own:
+``ttft_slo_ms`` and ``tpot_slo_ms``, the request's latency targets (the slo policy and admission control).
 """
 
 from __future__ import annotations
@@ -96,6 +97,12 @@ class SamplingRequest(Body):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+    # vLLM's: the prefix cache shares blocks only between requests of the same salt (and, with
+    # --tenant-cache-salt, the same tenant)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
+    # Conveyor's latency targets for this request, in ms (the server's --ttft-slo-ms / --tpot-slo-ms otherwise)
+    ttft_slo_ms: float | None = Field(default=None, gt=0, le=86_400_000)
+    tpot_slo_ms: float | None = Field(default=None, gt=0, le=86_400_000)
     n: int = 1  # sequences per prompt; they share the prompt's KV blocks (prefix caching)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

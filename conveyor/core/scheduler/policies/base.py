@@ -30,6 +30,7 @@ class SchedulingPolicy:
 
     name = "fcfs"
     order: Callable[[Request], tuple] = staticmethod(arrival_order)
+    uses_step_times = False  # whether it reads the measured step times (the scheduler times steps only then)
 
     def __init__(self, kv_manager: PagedKVCacheManager) -> None:
         self.kv_manager = kv_manager
@@ -56,6 +57,33 @@ class SchedulingPolicy:
         head of the queue waits for memory, and nobody overtakes it.
         """
         return None
+
+    def memory_victim(self, running: list[Request], needing: Request) -> Request:
+        """Whom to preempt when ``needing`` (a running request) lacks a block and the pool is empty: the back of
+        the running queue, the request the policy's order cares least about (it may be ``needing`` itself).
+        A policy that picks another must be ready for the scheduler to take back that victim's tokens of
+        this step."""
+        return running[-1]
+
+    def admission_tokens(self, budget: int, num_scheduled: int, running: list[Request]) -> int:
+        """Of the step's ``budget`` left after the running requests took ``num_scheduled`` tokens, how many
+        admissions and resumes may use (all of it: only a policy that protects the running holds some back)."""
+        return budget
+
+    def admission_key(self, request: Request, line: tuple[float, float] | None) -> float | None:
+        """Where a newcomer would join the policy's queue, for admission control to count the work ahead of it;
+        None: everything queued is ahead (first come, first served and its kin)."""
+        return None
+
+    def queue_keys(self) -> tuple[tuple[float, ...], tuple[int, ...]] | None:
+        """The policy's waiting queue as admission control reads it (keys ascending, running sums of tokens);
+        None with ``admission_key`` None."""
+        return None
+
+    def has_backlog(self, waiting: list[Request]) -> bool:
+        """Whether requests still wait that the engine would admit first: what makes a step count toward the
+        drain rate (its admissions were limited, not the queue)."""
+        return bool(waiting)
 
     # ----- what happens to requests, for policies that keep accounts (fair); the others ignore it ------
 

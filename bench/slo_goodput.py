@@ -1,0 +1,106 @@
+"""Goodput at 1.5x capacity on the real engine: first come, first served against slo with admission control,
+same sitting (issue 32's Done line: the second at least twice the first, every 429 within 50 ms).
+
+For each configuration, a fresh `conveyor serve` (its engine flags, then the configuration's), a burst of
+`--num-prompts` requests all at once to measure its capacity (the completion rate; the first configuration's
+is used for both), then the same number of requests as Poisson arrivals at `--load` times that rate, each with
+the TTFT and TPOT targets (sent as its own targets with `--send-slo`, so only the slo server acts on them):
+
+    .venv/bin/python bench/slo_goodput.py --num-prompts 200 --slo-ttft 2 --slo-tpot 0.2 -- --max-num-seqs 16
+
+Prints goodput, completions, refusals and the slowest 429 of each, and the ratio of the goodputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+
+from conveyor.bench.report import format_table
+from conveyor.bench.serve import bench_serve
+
+CONFIGURATIONS = {"fcfs": ["--scheduling-policy", "fcfs"],
+                  "slo+admission": ["--scheduling-policy", "slo", "--admission-control"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(flags: list[str]) -> Iterator[str]:
+    port = free_port()
+    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--port", str(port), *flags]
+    # No terminal: a server started from a shell job would be stopped (SIGTTIN) as soon as anything read it.
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with status {process.returncode}: {' '.join(command)}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not start in 300 s")
+            time.sleep(0.5)
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--load", type=float, default=1.5, help="offered rate as a multiple of the capacity")
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    parser.add_argument("--slo-tpot", type=float, default=0.2, help="seconds per output token")
+    parser.add_argument("--output-len", default="8,256")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("engine_flags", nargs="*", help="flags for both servers, after --")
+    args = parser.parse_args()
+    low, high = (int(x) for x in args.output_len.split(","))
+    capacity, results = None, {}
+    for name, flags in CONFIGURATIONS.items():
+        with server([*args.engine_flags, *flags]) as base:
+            def run(rate: float, base: str = base) -> dict:
+                return bench_serve(base, None, args.num_prompts, rate, args.seed, (low, high), 49152, args.slo_ttft,
+                                   args.slo_tpot, None, send_slo=True)
+
+            if capacity is None:
+                capacity = run(float("inf"))["requests_per_s"]
+                print(f"capacity: {capacity:.2f} req/s; offering {args.load * capacity:.2f} req/s", flush=True)
+            results[name] = run(args.load * capacity)
+    rows = [[name, r["goodput_requests_per_s"], r["completed"], r["refused"], r["refused_latency_max_s"],
+             r["ttft_p99_s"], r["tpot_p99_s"]] for name, r in results.items()]
+    print(format_table(["configuration", "goodput req/s", "completed", "refused (429)", "slowest 429 s",
+                        "TTFT p99 s", "TPOT p99 s"], rows))
+    base_goodput = results["fcfs"]["goodput_requests_per_s"]
+    ratio = results["slo+admission"]["goodput_requests_per_s"] / base_goodput if base_goodput else float("inf")
+    print(f"goodput, slo + admission control / fcfs: {ratio:.2f}x")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump({"capacity_requests_per_s": capacity, "load": args.load, "results": results}, file, indent=2,
+                      default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
