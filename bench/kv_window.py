@@ -144,9 +144,10 @@ def main() -> None:
     results = {}
     for name in CONFIGS:
         config = engine_config(args, pool, name)
-        if not args.simulate_only:
-            results[(name, "engine")] = run_engine(args, config)
         results[(name, "simulator")] = run_simulator(args, config, model)
+        if not args.simulate_only:
+            results[(name, "engine")] = peaks = run_engine(args, config)
+            print(f"{name} on the engine: {peaks}", flush=True)  # the engine's runs are long: each as it ends
     report(dict(sorted(results.items(), key=lambda kv: (kv[0][0] != "windowed", kv[0][1]))), sources)
 
 
