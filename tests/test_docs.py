@@ -1,7 +1,7 @@
 """The README stays a front page, its links lead somewhere, and the docs' tables follow the code and carry their
 provenance: the request-parameter table names every field the server takes, and every figure table (the
-benchmark pages, quantized weights, reliability) is stamped with its machine, date, commit and command. (The
-flag tables: tests/test_flags.py.)"""
+benchmark pages, quantized weights, reliability, the KV cache) is stamped with its machine, date, commit and
+command. (The flag tables: tests/test_flags.py.)"""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 FIGURE_PAGES = [*sorted(p for p in (DOCS / "benchmarks").glob("*.md") if p.name != "index.md"),
-                DOCS / "quantized-weights.md", DOCS / "reliability.md"]
+                DOCS / "quantized-weights.md", DOCS / "reliability.md", DOCS / "kv-cache.md"]
 REFERENCE_TABLES = {  # tables of those pages that hold no figures
-    "| peer | set-up | what it runs |", "| GGUF type | kept as | exact? |", "| kind | needs | used by default |"}
+    "| peer | set-up | what it runs |", "| GGUF type | kept as | exact? |", "| kind | needs | used by default |",
+    "| `--kv-layout` | |"}
 STAMP = re.compile(r"^Machine: .+\. Recorded: \d{4}-\d{2}-\d{2}, commit [0-9a-f]{7}\b.*\. Command: .+\.$")
 
 

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from conveyor.core.config import EngineConfig
-from conveyor.core.kv import ContiguousKVCacheManager, PagedKVCacheManager, PrefixCachingKVCacheManager
+from conveyor.core.kv import (
+    ContiguousKVCacheManager,
+    GroupedKVCacheManager,
+    KVLayout,
+    PagedKVCacheManager,
+    PrefixCachingKVCacheManager,
+    kv_layout,
+)
 from conveyor.core.live import LiveRecorder
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import SCHEDULERS, Scheduler, SchedulerConfig, SchedulerOutput
@@ -47,16 +54,36 @@ class Executor(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class KVCachePlan:
-    """How big the KV pools are, and the longest sequence they let a request reach."""
+    """How big the KV pools are, the longest sequence they let a request reach, and the KV groups a block
+    belongs to (``layout`` None: one group of every layer)."""
 
     num_blocks: int
     num_cpu_blocks: int
     block_bytes: int
     max_model_len: int
+    layout: KVLayout | None = None
 
 
-def plan_kv_cache(config: EngineConfig, kv_bytes_per_token: int, model_max_len: int) -> KVCachePlan:
-    """Size the pools from the config; ``kv_bytes_per_token`` counts all layers, K and V, in the model's dtype."""
+def plan_kv_cache(config: EngineConfig, kv_bytes_per_token: int, model_max_len: int,
+                  layer_windows: tuple[int | None, ...] = ()) -> KVCachePlan:
+    """Size the pools from the config; ``kv_bytes_per_token`` counts all layers, K and V, in the model's dtype.
+
+    With windows that bind (``layer_windows``, per layer) on the paged layout without prefix caching, the
+    layers form KV groups (:mod:`conveyor.core.kv.groups`): the pool keeps its bytes in blocks of one group
+    each, so ``--num-kv-blocks`` still counts blocks of every layer, and the pool has that many times the
+    number of groups."""
+    plan = _plan_one_group(config, kv_bytes_per_token, model_max_len)
+    if config.kv_layout != "paged" or config.prefix_caching:
+        return plan
+    layout = kv_layout(layer_windows, len(layer_windows), plan.max_model_len)
+    if not layout.windowed:
+        return plan
+    groups = layout.num_groups
+    return KVCachePlan(plan.num_blocks * groups, plan.num_cpu_blocks * groups, plan.block_bytes // groups,
+                       plan.max_model_len, layout)
+
+
+def _plan_one_group(config: EngineConfig, kv_bytes_per_token: int, model_max_len: int) -> KVCachePlan:
     block_bytes = config.block_size * kv_bytes_per_token
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -90,6 +117,8 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         kv: PagedKVCacheManager = ContiguousKVCacheManager(
             plan.num_blocks, config.block_size, plan.max_model_len, plan.num_cpu_blocks
         )
+    elif plan.layout is not None:
+        kv = GroupedKVCacheManager(plan.num_blocks, config.block_size, plan.layout, num_cpu_blocks=plan.num_cpu_blocks)
     elif config.prefix_caching:
         kv = PrefixCachingKVCacheManager(plan.num_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks)
     else:

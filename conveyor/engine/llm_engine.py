@@ -79,8 +79,14 @@ class Engine:
         self.device = device
         dtype = DTYPES[config.dtype]
         plan = plan_kv_cache(
-            config, self.model_config.kv_bytes_per_token * dtype.itemsize, self.model_config.max_position_embeddings
+            config, self.model_config.kv_bytes_per_token * dtype.itemsize, self.model_config.max_position_embeddings,
+            self.model_config.layer_windows,
         )
+        self.kv_layout = plan.layout  # KV groups, where windowed layers give back blocks; None: one group
+        if plan.layout is not None:
+            logger.info("KV cache: %d groups of %d layers (windows %s): windowed groups give back the blocks "
+                        "behind their window", plan.layout.num_groups, plan.layout.layers_per_group,
+                        sorted({w for w in plan.layout.windows if w is not None}))
         self.kv_block_bytes = plan.block_bytes
         self.max_model_len = plan.max_model_len
         self._native_refusal = self._native_gaps(dtype, device)
@@ -98,7 +104,7 @@ class Engine:
         self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
         self.executor = TorchExecutor(
             model, num_blocks, config.block_size, config.seed, num_cpu_blocks,
-            constrain=self.grammars.constrain, forget=self.grammars.forget,
+            constrain=self.grammars.constrain, forget=self.grammars.forget, kv_layout=plan.layout,
         )
         # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too; the executor it runs
         # fails on purpose only where a test asked for it (see conveyor.executor.faults).

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from conveyor.core.kv import KVLayout
 from conveyor.core.logprobs import TokenLogprob
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.executor.logprobs import token_logprobs
@@ -32,17 +33,28 @@ class TorchExecutor:
         num_cpu_blocks: int = 0,
         constrain: Constrain | None = None,
         forget: Callable[[list[str]], None] | None = None,
+        kv_layout: KVLayout | None = None,
     ) -> None:
         """``constrain`` masks constrained rows to what their grammars allow; ``forget`` is told which requests
-        ended, so whatever keeps per-request state (the grammar matchers) can drop it."""
+        ended, so whatever keeps per-request state (the grammar matchers) can drop it. ``kv_layout``: the KV
+        groups (conveyor.core.kv.groups), each block then holding one group's layers; None: one group."""
         config = model.config
         param = model.embed_tokens.weight
         self.model = model
         self.device = param.device
         self.block_size = block_size
-        # Zeroed, not empty: padded decode rows read unused slots, which must hold finite numbers.
+        self.num_groups = 1 if kv_layout is None else kv_layout.num_groups
+        self._has_null_blocks = kv_layout is not None and kv_layout.windowed  # NULL_BLOCK entries in tables
+        cache_layers = config.num_layers
+        if kv_layout is not None:
+            if model.native is not None:
+                raise ValueError("native kernels: the native stack reads one block table for every layer")
+            model.kv_slots = kv_layout.layer_slots()
+            cache_layers = kv_layout.layers_per_group
+        # Zeroed, not empty: padded decode rows (and entries behind a window) read unused slots, which must
+        # hold finite numbers.
         self.kv_cache = model.zeroed_kv_cache(
-            (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), param.dtype,
+            (cache_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), param.dtype,
             self.device,
         )
         # The swap space: same layout, in host memory (pinned when the device is a GPU, for fast copies).
@@ -125,47 +137,57 @@ class TorchExecutor:
     @torch.no_grad()  # not inference_mode: the sampler changes these logits in place after it has ended
     def _run_torch(self, batch: list[ScheduledRequest], inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The model in PyTorch ops: the final hidden states, and the logits of the rows that sample."""
-        meta = self._torch_metadata(batch, self._tensor(inputs.slots))
-        hidden = self.model(self._tensor(inputs.token_ids), self._tensor(inputs.positions), self.kv_cache, meta)
+        meta = self._torch_metadata(batch, [item.block_ids for item in batch], self._tensor(inputs.slots))
+        metas = [meta] + [self._group_metadata(batch, g) for g in range(1, self.num_groups)]
+        hidden = self.model(self._tensor(inputs.token_ids), self._tensor(inputs.positions), self.kv_cache, metas)
         rows = inputs.logit_rows
         if not rows:
             return hidden, hidden[:0]
         sampled = hidden if len(rows) == hidden.shape[0] else hidden[self._tensor(rows)]  # all rows: no gather
         return hidden, self.model.compute_logits(sampled)
 
-    def _torch_metadata(self, batch: list[ScheduledRequest], slots: torch.Tensor) -> AttentionMetadata:
-        """Decode rows in groups of similar context, and one causal chunk per prompt (see model/attention.py)."""
+    def _group_metadata(self, batch: list[ScheduledRequest], group: int) -> AttentionMetadata:
+        """The attention metadata of KV group ``group``: the same rows and masks, its own tables and slots."""
+        bs = self.block_size
+        tables = [item.group_block_ids[group] for item in batch]
+        slots = [table[p // bs] * bs + p % bs for item, table in zip(batch, tables)
+                 for p in range(item.start_position, item.context_len)]
+        return self._torch_metadata(batch, tables, self._tensor(slots))
+
+    def _torch_metadata(self, batch: list[ScheduledRequest], tables: list[list[int]],
+                        slots: torch.Tensor) -> AttentionMetadata:
+        """Decode rows in groups of similar context, and one causal chunk per prompt (see model/attention.py);
+        ``tables``: each request's block table in the KV group this is for."""
         num_decodes = sum(1 for s in batch if s.num_scheduled_tokens == 1)
         first_rows = itertools.accumulate((item.num_scheduled_tokens for item in batch), initial=0)
-        prefills = [
-            self._prefill_chunk(item, row) for item, row in zip(batch, first_rows) if item.num_scheduled_tokens > 1
-        ]
-        return AttentionMetadata(
-            slot_mapping=slots, decodes=self._decode_groups(batch[:num_decodes]), prefills=prefills
-        )
+        prefills = [self._prefill_chunk(item, table, row)
+                    for item, table, row in zip(batch, tables, first_rows) if item.num_scheduled_tokens > 1]
+        decodes = self._decode_groups(batch[:num_decodes], tables[:num_decodes])
+        return AttentionMetadata(slot_mapping=slots, decodes=decodes, prefills=prefills, block_size=self.block_size)
 
-    def _decode_groups(self, decodes: list[ScheduledRequest]) -> list[DecodeGroup]:
+    def _decode_groups(self, decodes: list[ScheduledRequest], tables: list[list[int]]) -> list[DecodeGroup]:
         """One group per power-of-two bucket of block count: padding stays under 2x per row."""
         groups = []
         row_start = 0
-        for _, members in itertools.groupby(decodes, key=_bucket):
-            rows = list(members)
-            groups.append(self._decode_group(rows, row_start))
+        for _, members in itertools.groupby(zip(decodes, tables), key=lambda pair: _bucket(pair[0])):
+            rows, row_tables = zip(*members)
+            groups.append(self._decode_group(list(rows), list(row_tables), row_start))
             row_start += len(rows)
         return groups
 
-    def _padded_tables(self, rows: list[ScheduledRequest]) -> torch.Tensor:
-        """Block tables padded with block 0 to the longest."""
-        width = max(len(s.block_ids) for s in rows)
-        return self._tensor([s.block_ids + [0] * (width - len(s.block_ids)) for s in rows])
+    def _padded_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables padded with block 0 to the longest (entries behind a window read block 0 too)."""
+        width = max(len(table) for table in tables)
+        padded = self._tensor([table + [0] * (width - len(table)) for table in tables])
+        return padded.clamp_(min=0) if self._has_null_blocks else padded
 
-    def _decode_group(self, rows: list[ScheduledRequest], row_start: int) -> DecodeGroup:
-        tables, context_lens = self._padded_tables(rows), self._tensor([s.context_len for s in rows])
-        slots = torch.arange(tables.shape[1] * self.block_size, device=self.device)
+    def _decode_group(self, rows: list[ScheduledRequest], tables: list[list[int]], row_start: int) -> DecodeGroup:
+        padded, context_lens = self._padded_tables(tables), self._tensor([s.context_len for s in rows])
+        slots = torch.arange(padded.shape[1] * self.block_size, device=self.device)
         mask = (slots[None, :] < context_lens[:, None]).view(len(rows), 1, 1, -1)
-        return DecodeGroup(row_start, row_start + len(rows), tables, mask, context_lens)
+        return DecodeGroup(row_start, row_start + len(rows), padded, mask, context_lens)
 
-    def _prefill_chunk(self, item: ScheduledRequest, row: int) -> PrefillChunk:
+    def _prefill_chunk(self, item: ScheduledRequest, table: list[int], row: int) -> PrefillChunk:
         start, n = item.start_position, item.num_scheduled_tokens
         mask = None
         if start > 0:
@@ -175,7 +197,7 @@ class TorchExecutor:
             query_start=row,
             query_end=row + n,
             start_position=start,
-            block_ids=self._tensor(item.block_ids),
+            block_ids=self._padded_tables([table])[0],
             causal_mask=mask,
         )
 

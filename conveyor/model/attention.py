@@ -15,7 +15,11 @@ block table; no grouping, no padded copy, and none of this metadata.
 A layer with a window attends to the last ``window`` positions only (itself
 included, as the reference's sliding-window mask): its masks are the full
 ones with the positions behind the window cleared, built once per step and
-window (:func:`windowed`) and shared by every layer of that window.
+window (:func:`windowed`) and shared by every layer of that window. Where the
+block size is known, the blocks wholly behind every row's window are left out
+of the gather too (a decode group's by its shortest row), so a windowed layer
+reads about its window, not its context; they may be blocks a windowed KV
+group has given back (conveyor.core.kv.groups), whose entries read block 0.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ class PrefillChunk:
     query_start: int
     query_end: int
     start_position: int
-    block_ids: torch.Tensor  # blocks covering [0, context_len), only read when start_position > 0
-    # [n, context_len] bool, when start_position > 0 or the layers have a window; None: plain causal
+    block_ids: torch.Tensor  # blocks covering [key_start, context_len), only read when start_position > 0
+    # [n, context_len - key_start] bool, when start_position > 0 or the layers have a window; None: plain causal
     causal_mask: torch.Tensor | None
+    key_start: int = 0  # the position of the first key block_ids holds (a multiple of the block size)
 
     @property
     def context_len(self) -> int:
@@ -61,33 +66,49 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
     by_window: dict[int, AttentionMetadata] = field(default_factory=dict)  # windowed(): built once per window
+    block_size: int = 0  # 0: unknown, so windowed() gathers every block and only masks
 
 
 def windowed(meta: AttentionMetadata, window: int | None) -> AttentionMetadata:
     """``meta`` for layers that see the last ``window`` positions: each mask also cleared where key position
-    <= query position - window (None: ``meta`` as it is)."""
+    <= query position - window, and blocks wholly behind every row's window left out (None: ``meta`` as it
+    is)."""
     if window is None:
         return meta
     if window not in meta.by_window:
-        decodes = [replace(g, mask=g.mask & _behind(g.mask.shape[-1], g.context_lens - 1, window).view(g.mask.shape))
-                   for g in meta.decodes]
-        prefills = [_windowed_chunk(chunk, window) for chunk in meta.prefills]
-        meta.by_window[window] = AttentionMetadata(meta.slot_mapping, decodes, prefills)
+        decodes = [_windowed_decodes(group, window, meta.block_size) for group in meta.decodes]
+        prefills = [_windowed_chunk(chunk, window, meta.block_size) for chunk in meta.prefills]
+        meta.by_window[window] = AttentionMetadata(meta.slot_mapping, decodes, prefills, block_size=meta.block_size)
     return meta.by_window[window]
 
 
-def _behind(num_keys: int, query_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """[queries, num_keys] bool: key position within the window of each query position."""
-    keys = torch.arange(num_keys, device=query_positions.device)
+def _within(key_start: int, key_end: int, query_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """[queries, key_end - key_start] bool: key position within the window of each query position."""
+    keys = torch.arange(key_start, key_end, device=query_positions.device)
     return keys[None, :] > query_positions[:, None] - window
 
 
-def _windowed_chunk(chunk: PrefillChunk, window: int) -> PrefillChunk:
+def _windowed_decodes(group: DecodeGroup, window: int, block_size: int) -> DecodeGroup:
+    """A decode group's tables from the first block its shortest row's window reaches, its mask to match."""
+    first = max(0, (int(group.context_lens.min()) - window) // block_size) if block_size else 0
+    num_keys, rows = group.mask.shape[-1], group.mask.shape[0]
+    within = _within(first * block_size, num_keys, group.context_lens - 1, window).view(rows, 1, 1, -1)
+    mask = group.mask[..., first * block_size :] & within
+    return replace(group, block_tables=group.block_tables[:, first:], mask=mask)
+
+
+def _windowed_chunk(chunk: PrefillChunk, window: int, block_size: int) -> PrefillChunk:
     queries = torch.arange(chunk.start_position, chunk.context_len, device=chunk.block_ids.device)
     causal = chunk.causal_mask
     if causal is None:  # a first chunk: its keys are its own rows
         causal = torch.arange(chunk.context_len, device=queries.device)[None, :] <= queries[:, None]
-    return replace(chunk, causal_mask=causal & _behind(chunk.context_len, queries, window))
+        return replace(chunk, causal_mask=causal & _within(0, chunk.context_len, queries, window))
+    first = 0
+    if block_size:  # blocks left out: those wholly before the first query's window
+        first = max(0, (chunk.start_position - window + 1) // block_size - chunk.key_start // block_size)
+    key_start = chunk.key_start + first * block_size
+    mask = causal[:, first * block_size:] & _within(key_start, chunk.context_len, queries, window)
+    return replace(chunk, block_ids=chunk.block_ids[first:], causal_mask=mask, key_start=key_start)
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -135,9 +156,9 @@ def paged_attention(
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, is_causal=causal, scale=scale,
                                                   enable_gqa=True)
         else:
-            ctx = chunk.context_len
-            k = _gather(kv_cache[0], chunk.block_ids)[:, :ctx]
-            v = _gather(kv_cache[1], chunk.block_ids)[:, :ctx]
+            num_keys = chunk.context_len - chunk.key_start
+            k = _gather(kv_cache[0], chunk.block_ids)[:, :num_keys]
+            v = _gather(kv_cache[1], chunk.block_ids)[:, :num_keys]
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=True)
         out[rows] = attn.transpose(0, 1)
     return out

@@ -59,6 +59,9 @@ class LlamaModel(nn.Module):
         self.norm = make_norm(family, config.hidden_size, config.rms_norm_eps)
         self.build_rotary(max_positions)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Per layer: (its KV group, its index in the cache tensor), set by the executor for a grouped layout
+        # (conveyor.core.kv.groups); one group of every layer by default.
+        self.kv_slots: list[tuple[int, int]] = [(0, layer) for layer in range(config.num_layers)]
         self.native = None  # the kernels' NativeLlama, holding the packed layers
         self.kernels: ModuleType | None = None  # the native kernels' module, once use_native_kernels has run
 
@@ -67,9 +70,10 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
     ) -> torch.Tensor:
-        """Hidden states of every token; ``kv_cache`` is [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+        """Hidden states of every token; ``kv_cache`` is [layers, 2, blocks, block_size, kv_heads, head_dim]
+        (with KV groups, [layers per group, ...], and ``meta`` one metadata per group: see ``kv_slots``)."""
         if self.native is not None:
             raise RuntimeError("this model runs as one native stack (use_native_kernels): step it with run_native")
         x = self.embed_tokens(input_ids)
@@ -77,8 +81,9 @@ class LlamaModel(nn.Module):
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         ropes = (self.rotary(positions, x.dtype), None if self.rotary_local is None else
                  self.rotary_local(positions, x.dtype))
-        for layer, layer_cache in zip(self.layers, kv_cache):
-            x = layer(x, ropes, layer_cache, meta)
+        metas = (meta,) if isinstance(meta, AttentionMetadata) else meta
+        for layer, (group, slot) in zip(self.layers, self.kv_slots):
+            x = layer(x, ropes, kv_cache[slot], metas[group])
         return self.norm(x)
 
     def build_rotary(self, max_positions: int, device: torch.device | str | None = None) -> None:

@@ -58,7 +58,8 @@ class ClusterSimulation:
             raise ValueError(f"--num-replicas must be >= 1, got {num_replicas}")
         self.config = config
         self.cost = cost
-        self.plan = plan_kv_cache(config, cost.kv_bytes_per_token, cost.model.max_position_embeddings)
+        self.plan = plan_kv_cache(config, cost.kv_bytes_per_token, cost.model.max_position_embeddings,
+                                  cost.model.layer_windows)
         self.replicas = [self._replica() for _ in range(num_replicas)]
         self.router_clock = VirtualClock()
         self.router = Router(num_replicas, router_policy, block_size=config.block_size, seed=seed,

@@ -108,7 +108,8 @@ class Simulation:
         self.config = config
         self.cost = cost
         self.clock = VirtualClock()
-        self.plan = plan_kv_cache(config, cost.kv_bytes_per_token, cost.model.max_position_embeddings)
+        self.plan = plan_kv_cache(config, cost.kv_bytes_per_token, cost.model.max_position_embeddings,
+                                  cost.model.layer_windows)
         self.executor = SimulatedExecutor(cost, self.clock, config.block_size)
         self.core = EngineCore(config, self.plan, self.executor, self.clock)
         self.trace = self.core.start_trace() if record_trace else None

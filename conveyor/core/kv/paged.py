@@ -132,6 +132,9 @@ class PagedKVCacheManager:
     num_hits = 0
     num_cached_free_blocks = 0
     num_shared_slots = 0  # slots that shared blocks save (block references beyond the first, times block size)
+    # KV groups (conveyor.core.kv.groups): one here, over the whole context; see GroupedKVCacheManager.
+    num_groups = 1
+    windowed = False
 
     @property
     def capacity_tokens(self) -> int:
@@ -147,6 +150,21 @@ class PagedKVCacheManager:
     def evictable_block_ids(self) -> list[int]:
         """The free blocks that still hold a cached prefix, least recently used first: none here."""
         return []
+
+    def blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
+        """Blocks the request's tables lack to hold ``num_tokens`` tokens, every KV group counted."""
+        return self._extra_blocks(request_id, num_tokens)
+
+    def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's table in each KV group: none but ``block_ids`` here (one group)."""
+        return ()
+
+    def release_behind_window(self, request: Request) -> None:
+        """After a step: give back the blocks every windowed layer has passed (no window here)."""
+
+    def _device_blocks(self, request_id: str) -> list[int]:
+        """Every device block the request holds, in any group."""
+        return self.block_tables.get(request_id, [])
 
     def _extra_blocks(self, request_id: str, num_tokens: int) -> int:
         extra = blocks_for_tokens(num_tokens, self.block_size) - len(self.block_tables.get(request_id, ()))
@@ -171,7 +189,7 @@ class PagedKVCacheManager:
         """What ``can_admit`` would say once the requests ``freed`` gave their blocks back (nothing changes here):
         priority preemption asks it before preempting anyone."""
         reserve = self.watermark_blocks if keep_watermark else 0
-        blocks = [block for victim in freed for block in self.block_tables.get(victim, ())]
+        blocks = [block for victim in freed for block in self._device_blocks(victim)]
         return self.pool.can_take_after_freeing(self._extra_blocks(request_id, num_tokens) + reserve, blocks)
 
     def admit(self, request: Request, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> list[int] | None:

@@ -334,6 +334,8 @@ class Scheduler:
             # The policy may hold some of the budget back (slo: to keep the step short for the running).
             allowed = self.policy.admission_tokens(budget, self.config.max_num_batched_tokens - budget, self.running)
             self._resume_or_admit(allowed, scheduled, swap_in)
+        if self.kv_manager.num_groups > 1:
+            self._add_group_tables(scheduled)
 
         self.step_index += 1
         output = SchedulerOutput(
@@ -353,6 +355,13 @@ class Scheduler:
         self._finished_since_last_step = []
         self._cached_this_step = {}
         return output
+
+    def _add_group_tables(self, scheduled: list[ScheduledRequest]) -> None:
+        """Hand the executor every KV group's table of each scheduled request, as this step left them (a table
+        is replaced, never changed, so these are the step's own)."""
+        group_block_ids = self.kv_manager.group_block_ids
+        for item in scheduled:
+            item.group_block_ids = group_block_ids(item.request_id)
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int]:
         """Serve the running requests, oldest first, each with the tokens it lacks; the budget left.
@@ -448,12 +457,8 @@ class Scheduler:
 
     def _blocks_to_go_on(self) -> int:
         """Blocks the running requests still need to finish their prompts and take one more token each."""
-        kv, block_size = self.kv_manager, self.kv_manager.block_size
-        needed = 0
-        for r in self.running:
-            missing = -(-(r.num_tokens + 1) // block_size) - len(kv.block_ids(r.request_id))
-            needed += missing if missing > 0 else 0
-        return needed
+        blocks_to_grow = self.kv_manager.blocks_to_grow  # every KV group's
+        return sum(blocks_to_grow(r.request_id, r.num_tokens + 1) for r in self.running)
 
     def _next_to_admit(self) -> Request | None:
         """The waiting request admission considers next: the policy's choice (the static scheduler's own)."""
@@ -574,6 +579,7 @@ class Scheduler:
         # Prefix caching indexes the blocks a step filled; most decodes fill none, so only a chunk that
         # crosses a block boundary calls it.
         commit, block_size = (kv.commit_computed, kv.block_size) if kv.caches_prefixes else (None, 0)
+        release = kv.release_behind_window if kv.windowed else None  # blocks a windowed group has passed
         for item in output.scheduled:
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
@@ -582,6 +588,8 @@ class Scheduler:
             request.num_computed_tokens = end = start + len(item.token_ids)
             if commit is not None and end // block_size != start // block_size:
                 commit(request)
+            if release is not None:
+                release(request)
             if not item.samples_token:
                 continue
             if request.first_token_time is None:

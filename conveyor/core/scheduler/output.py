@@ -27,6 +27,9 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
+    # With KV groups (conveyor.core.kv.groups): the request's table in each group, ``block_ids`` being group
+    # 0's; empty with one group.
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -50,7 +50,8 @@ class StaticScheduler(Scheduler):
         """Take the head of the queue, up to max_num_seqs, while their prompts fit in free blocks."""
         free = self.kv_manager.num_free_blocks
         for request in self.waiting:
-            need = blocks_for_tokens(request.num_tokens + 1, self.kv_manager.block_size)
+            # In every KV group (one, unless windowed layers have their own: conveyor.core.kv.groups).
+            need = blocks_for_tokens(request.num_tokens + 1, self.kv_manager.block_size) * self.kv_manager.num_groups
             if len(self._members) == self.config.max_num_seqs or (need > free and self._members):
                 break
             free -= need
