@@ -1,5 +1,5 @@
 """Goodput at 1.5x capacity on the real engine: first come, first served against slo with admission control,
-same sitting (issue 32's Done line: the second at least twice the first, every 429 within 50 ms).
+same sitting (the aim: the second at least twice the first, every 429 within 50 ms).
 
 For each configuration, a fresh `conveyor serve` (its engine flags, then the configuration's), a burst of
 `--num-prompts` requests all at once to measure its capacity (the completion rate; the first configuration's
