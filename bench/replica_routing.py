@@ -10,53 +10,15 @@ Prints each run's prefix-cache hit rate and time to first token, and each policy
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from conveyor.bench.local_server import local_server
 from conveyor.bench.report import format_table
 from conveyor.bench.serve import bench_serve
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def replica_server(policy: str, flags: list[str]) -> Iterator[str]:
-    port = free_port()
-    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--port", str(port),
-               "--router-policy", policy, *flags]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with status {process.returncode}: {' '.join(command)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start in 300 s")
-            time.sleep(0.5)
-        yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def warm_up(base: str, num_requests: int) -> None:
@@ -91,7 +53,7 @@ def main() -> int:
     for round_index in range(args.rounds):
         for policy in policies:
             print(f"round {round_index + 1}: {policy} ...", file=sys.stderr, flush=True)
-            with replica_server(policy, flags) as base:
+            with local_server(["--router-policy", policy, *flags]) as base:
                 warm_up(base, 2 * args.data_parallel_size)
                 result = bench_serve(base, None, args.conversations, args.rate, 0, (1, args.output_len), 49152,
                                      None, None, None, workload_kind="multi-turn", num_turns=args.turns)

@@ -14,55 +14,15 @@ Prints goodput, completions, refusals and the slowest 429 of each, and the ratio
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import signal
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 
-import httpx
-
+from conveyor.bench.local_server import local_server
 from conveyor.bench.report import format_table
 from conveyor.bench.serve import bench_serve
 
 CONFIGURATIONS = {"fcfs": ["--scheduling-policy", "fcfs"],
                   "slo+admission": ["--scheduling-policy", "slo", "--admission-control"]}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server(flags: list[str]) -> Iterator[str]:
-    port = free_port()
-    command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--port", str(port), *flags]
-    # No terminal: a server started from a shell job would be stopped (SIGTTIN) as soon as anything read it.
-    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with status {process.returncode}: {' '.join(command)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the server did not start in 300 s")
-            time.sleep(0.5)
-        yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 def main() -> int:
@@ -79,7 +39,7 @@ def main() -> int:
     low, high = (int(x) for x in args.output_len.split(","))
     capacity, results = None, {}
     for name, flags in CONFIGURATIONS.items():
-        with server([*args.engine_flags, *flags]) as base:
+        with local_server([*args.engine_flags, *flags]) as base:
             def run(rate: float, base: str = base) -> dict:
                 return bench_serve(base, None, args.num_prompts, rate, args.seed, (low, high), 49152, args.slo_ttft,
                                    args.slo_tpot, None, send_slo=True)
