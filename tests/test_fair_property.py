@@ -12,8 +12,9 @@ is first scheduled (``PROMPT_TOKEN_WEIGHT`` per token) and every token handed ba
   is served too; and every request finishes with the output a lone run gives;
 * the mechanics' contract holds (KV ownership, budget, max_num_seqs).
 
-Two mutants, each one line from the policy (no lift on return from idle; the most-served tenant
-first), must fail these checks on a workload built to show it.
+Three mutants, each a line or two from the policy (no lift on return from idle; the most-served tenant
+first; swap-in and memory preemption in arrival order, as fcfs has them), must fail these checks on a
+workload built to show it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from hypothesis import strategies as st
 from conveyor.core.kv import PagedKVCacheManager
 from conveyor.core.request import Request
 from conveyor.core.scheduler import Scheduler, SchedulerConfig
-from conveyor.core.scheduler.policies import FairPolicy, TenantAccount
+from conveyor.core.scheduler.policies import FairPolicy, SchedulingPolicy, TenantAccount
 from conveyor.core.scheduler.policies.fair import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT
 from tests.harness import FakeClock, SwapAwareExecutor, check_pool, make_request, reference_output
 
@@ -243,6 +244,14 @@ class MostServedFirst(FairPolicy):
         return waiting is None
 
 
+class ArrivalOrderPreemption(FairPolicy):
+    """Swapped requests resume, and memory is taken back, in arrival order: the less-served tenant's later
+    requests are the victims, and wait behind the more-served tenant's earlier ones to swap back in."""
+
+    next_to_resume = SchedulingPolicy.next_to_resume
+    memory_victim = SchedulingPolicy.memory_victim
+
+
 def idle_return_workload() -> FairWorkload:
     """t0 is served alone for a long while, then both are backlogged together, with equal weights."""
     t0 = TenantLoad("t0", 1, (Burst(0, 40, 4, 6), Burst(200, 30, 4, 6)))
@@ -258,16 +267,26 @@ def equal_backlog_workload() -> FairWorkload:
                         preemption_mode="recompute", tenants=tenants)
 
 
+def swap_pressure_workload() -> FairWorkload:
+    """t1 fills the batch and the pool, with swap; t0 (weight 2) and t2 arrive a step later. The random
+    workloads found this one: the base choices let t1 gain 64 on t0, over the bound of 58."""
+    tenants = (TenantLoad("t0", 2, (Burst(1, 2, 1, 3),)), TenantLoad("t1", 1, (Burst(0, 7, 1, 7),)),
+               TenantLoad("t2", 1, (Burst(1, 1, 1, 1),)))
+    return FairWorkload(num_blocks=14, block_size=1, max_num_seqs=6, max_num_batched_tokens=6,
+                        preemption_mode="swap", tenants=tenants)
+
+
 def test_fair_policy_passes_the_mutants_workloads() -> None:
-    for workload in (idle_return_workload(), equal_backlog_workload()):
+    for workload in (idle_return_workload(), equal_backlog_workload(), swap_pressure_workload()):
         driver = FairDriver(workload).run()
         driver.check_gap()
         driver.check_no_starvation()
 
 
 @pytest.mark.parametrize(("mutant", "workload"), [(NoLift, idle_return_workload()),
-                                                  (MostServedFirst, equal_backlog_workload())],
-                         ids=["no-lift", "most-served-first"])
+                                                  (MostServedFirst, equal_backlog_workload()),
+                                                  (ArrivalOrderPreemption, swap_pressure_workload())],
+                         ids=["no-lift", "most-served-first", "arrival-order-preemption"])
 def test_mutants_fail_the_checks(mutant: type[FairPolicy], workload: FairWorkload) -> None:
     driver = FairDriver(workload, mutant).run()
     with pytest.raises(AssertionError):

@@ -412,8 +412,9 @@ class Scheduler:
         go on stops both (nobody overtakes)."""
         while budget > 0:
             request = self._next_to_admit()
-            if self.swapped and self.policy.resumes_before(self.swapped[0], request):
-                taken = self._resume(self.swapped[0], budget, scheduled, swap_in)
+            resuming = self.policy.next_to_resume(self.swapped) if self.swapped else None
+            if resuming is not None and self.policy.resumes_before(resuming, request):
+                taken = self._resume(resuming, budget, scheduled, swap_in)
             elif request is not None:
                 taken = self._admit_next(request, budget, scheduled)
             else:

@@ -7,6 +7,8 @@ order and priority a thrash guard):
 
 * ``order``: the key every queue is kept sorted by (arrival, or priority then arrival);
 * ``next_to_admit``: whom admission considers next among the waiting;
+* ``next_to_resume``: which swapped request resuming considers next (most: the first in their order;
+  fair: the least-served tenant's);
 * ``victims_for``: whom to preempt so that a newcomer fits (most policies: nobody);
 * ``memory_victim``: whom to preempt when a running request needs a block and none is free (most
   policies: the back of the running queue in their order, the request they care least about; slo: the

@@ -45,8 +45,13 @@ class SchedulingPolicy:
             return waiting[0] if waiting else None
         return next((r for r in waiting if r.request_id not in passed_over), None)
 
+    def next_to_resume(self, swapped: list[Request]) -> Request:
+        """The swapped request resuming considers next; ``swapped`` is sorted by ``order`` and not empty."""
+        return swapped[0]
+
     def resumes_before(self, swapped: Request, waiting: Request | None) -> bool:
-        """Whether the head of the swapped queue goes on before ``waiting``, the request admission would take."""
+        """Whether ``swapped`` (``next_to_resume``'s choice) goes on before ``waiting``, the request admission
+        would take."""
         return waiting is None or self.order(swapped) < self.order(waiting)
 
     def victims_for(self, request: Request, running: list[Request], step_index: int,

@@ -10,7 +10,9 @@ out later.
 Service is charged once per token of work: the whole prompt at a request's first admission (VTC's
 rule, so several admissions in one step see each other), and each output token as it is drawn. A
 request preempted and later resumed or recomputed is not charged again, and does not get the lift:
-preemption is the engine's doing, so it costs the tenant neither share nor place.
+preemption is the engine's doing, so it costs the tenant neither share nor place. Memory is taken back
+from the most-served tenant, and swapped requests resume least-served first: otherwise a tenant that
+holds the batch would keep it through preemption, its earlier arrivals outranking everyone's later ones.
 
 The bound (VTC's theorem, checked by tests/test_fair_property.py): while two tenants are both backlogged,
 the difference of their services, each divided by its weight, stays within ``2 * U / w_min``, where ``U``
@@ -56,9 +58,9 @@ class TenantAccount:
 class FairPolicy(SchedulingPolicy):
     """Virtual token counters per tenant; the least-served backlogged tenant is admitted first.
 
-    The queues stay in arrival order (a tenant's own requests are first come, first served, and
-    preemption for memory takes the latest arrival, as under fcfs); only the choice of whom to admit
-    next looks at tenants.
+    The queues stay in arrival order (a tenant's own requests are first come, first served); the choices
+    between tenants look at the counters: whom to admit and whom to resume (the least served), and whom
+    to preempt when memory runs out (the most served).
     """
 
     name = "fair"
@@ -93,6 +95,17 @@ class FairPolicy(SchedulingPolicy):
             if len(seen) == self._num_tenants_waiting:
                 break  # every waiting tenant's first request has been seen
         return best
+
+    def next_to_resume(self, swapped: list[Request]) -> Request:
+        """The earliest swapped request of the least-served tenant: a tenant's swapped requests must not wait
+        behind a more-served tenant's that happened to arrive first."""
+        return min(swapped, key=lambda r: (self.accounts[r.tenant].counter, r.arrival_time, r.arrival_order))
+
+    def memory_victim(self, running: list[Request], needing: Request) -> Request:
+        """The latest running request of the most-served tenant: memory is taken back from the tenant ahead,
+        never from one behind it (taking the latest arrival, as fcfs does, would preempt a tenant that has
+        just been let in ahead of one that has held the batch all along)."""
+        return max(running, key=lambda r: (self.accounts[r.tenant].counter, r.arrival_time, r.arrival_order))
 
     def resumes_before(self, swapped: Request, waiting: Request | None) -> bool:
         """Between tenants, the less served goes on first (a swapped request holds no device blocks, so it
