@@ -48,10 +48,12 @@ class RooflinePoint:
         return self.measured_tokens_per_s / self.bound_tokens_per_s
 
 
-def machine_cost_model(model: ModelConfig, machine: MachineFigures, weights: WeightFormat | None = None) -> CostModel:
+def machine_cost_model(model: ModelConfig, machine: MachineFigures, weights: WeightFormat | None = None,
+                       kv_element_bytes: int | None = None) -> CostModel:
     """The cost model at this machine's measured peaks, with no efficiency loss and no overhead: the bound, for
-    weights stored as ``weights`` (None: in the machine figures' dtype). Quantized weights are multiplied by
-    the int8 kernels, so their compute roof is those kernels' rate where it was measured."""
+    weights stored as ``weights`` (None: in the machine figures' dtype) and K/V elements of ``kv_element_bytes``
+    (None: that dtype's). Quantized weights are multiplied by the int8 kernels, so their compute roof is those
+    kernels' rate where it was measured."""
     spec = HardwareSpec(
         name="this machine",
         peak_flops={machine.dtype: compute_roof(machine, weights)},
@@ -63,7 +65,7 @@ def machine_cost_model(model: ModelConfig, machine: MachineFigures, weights: Wei
         bandwidth_efficiency=1.0,
         step_overhead_s=0.0,
     )
-    return CostModel(model, spec, machine.dtype, weights=weights)
+    return CostModel(model, spec, machine.dtype, weights=weights, kv_element_bytes=kv_element_bytes)
 
 
 def compute_roof(machine: MachineFigures, weights: WeightFormat | None) -> float:
@@ -97,7 +99,7 @@ def run_roofline(
     """Bounds at every (batch, context); the engine measured at ``measured_context_len``. With a ``probe``,
     the bandwidth roof is read again around each run of steps measured and that run is held against what was
     read (_measured_point): the machine's bandwidth drifts, and a roof read minutes earlier can be half off."""
-    cost = machine_cost_model(engine.model_config, machine, engine.weight_format)
+    cost = machine_cost_model(engine.model_config, machine, engine.weight_format, engine.kv_dtype.itemsize)
     points = []
     for context_len in context_lens:
         for batch_size in batch_sizes:
@@ -127,7 +129,7 @@ def _measured_point(engine: Engine, machine: MachineFigures, point: RooflinePoin
         after = probe.measure()[0]
         bandwidth = (before + after) / 2
         cost = machine_cost_model(engine.model_config, replace(machine, memory_bandwidth=bandwidth),
-                                  engine.weight_format)
+                                  engine.weight_format, engine.kv_dtype.itemsize)
         bound = decode_point(cost, point.batch_size, point.context_len).bound_tokens_per_s
         tokens, seconds = tokens + slice_tokens, seconds + slice_seconds
         bound_seconds += slice_tokens / bound

@@ -56,6 +56,11 @@ class EngineConfig:
     model: str | None = _option(None, "HF model folder or .gguf file", unset="SmolLM2-135M-Instruct")
     dtype: str = _option("float32", "dtype of the weights, activations and KV cache",
                          choices=("float32", "bfloat16", "float16"))
+    kv_cache_dtype: str = _option("auto", "what the KV cache stores: auto (--dtype), bfloat16, or fp8 (fp8_e5m2: "
+                                  "one byte an element, as vLLM's CPU backend, so the pool holds four times "
+                                  "float32's tokens; attention reads a quarter of the bytes, and greedy output "
+                                  "may part from float32's where two tokens are close)",
+                                  choices=("auto", "bfloat16", "fp8", "fp8_e5m2"))
     device: str = _option("auto", "auto (CUDA when present), cpu, cuda, cuda:1, ...")
     max_num_seqs: int = _option(128, "most requests in one batch", minimum=1)
     max_num_batched_tokens: int = _option(2048, "token budget of one step", minimum=1)
@@ -146,6 +151,10 @@ class EngineConfig:
         if self.enable_prefix_caching and self.kv_layout == "contiguous":
             raise ValueError("enable_prefix_caching: the contiguous layout cannot share blocks; "
                              "use kv_layout paged, or leave prefix caching off")
+
+    def kv_cache_element_bytes(self, model_dtype_bytes: int) -> int:
+        """Bytes of one K or V element in the cache: the model's own under ``auto``, else ``kv_cache_dtype``'s."""
+        return {"bfloat16": 2, "fp8": 1, "fp8_e5m2": 1}.get(self.kv_cache_dtype, model_dtype_bytes)
 
     def tenant_weight_map(self) -> dict[str, float]:
         """``tenant_weights`` read: from its JSON text, or from the file it names."""

@@ -1,6 +1,6 @@
 // Attention straight over the paged KV cache. Each query row reads its own context through its sequence's
 // block table; nothing is gathered into a padded copy, and decode rows and prompt rows of any length share one
-// call. The cache holds float32 or bfloat16 (widened in registers, computed on as float32).
+// call. The cache holds float32, bfloat16 or fp8 e5m2 (widened in registers, computed on as float32).
 
 #pragma once
 
@@ -216,10 +216,14 @@ AttendFn<C> attend_fn(int64_t dim) {
 }
 
 // Copies this step's K and V rows (row_stride apart) into their cache slots.
-// A bf16 cache gets them rounded to nearest even (as torch's .to(torch.bfloat16)).
+// A bf16 cache gets them rounded to nearest even (as torch's .to(torch.bfloat16)), an fp8 one likewise (as
+// .to(torch.float8_e5m2)).
 inline void store_cache_row(const float* from, int64_t n, float* to) { std::copy(from, from + n, to); }
 inline void store_cache_row(const float* from, int64_t n, uint16_t* to) {
   for (int64_t i = 0; i < n; ++i) to[i] = bf16_bits(from[i]);
+}
+inline void store_cache_row(const float* from, int64_t n, uint8_t* to) {
+  for (int64_t i = 0; i < n; ++i) to[i] = fp8_e5m2_bits(from[i]);
 }
 
 template <typename C>

@@ -36,14 +36,13 @@ constexpr int64_t kRowsPerBlock = 64;  // rows that share a weight tile while it
 // registers (rows * vecs accumulators, plus the tile row and a broadcast, must fit the register file). Its
 // micro-kernels are built for 1 to TableRows rows, a few past MaxRows where that fits, so that other
 // heights can be timed (packed_linear's max_rows).
-// In (what the micro-kernel reads x as), Weight (the packed weight's element) and Cache (the KV cache's, in the
-// stack) are float here; PathBf16 has bf16 for all three.
+// In (what the micro-kernel reads x as) and Weight (the packed weight's element) are float here; PathBf16 has
+// bf16 for both. The KV cache's element is the cache's own (attention.h), whatever the path.
 template <typename V, int Vecs, int MaxRows, int TableRows>
 struct GemmPath {
   using Vec = V;
   using In = float;
   using Weight = float;
-  using Cache = float;
   static constexpr int kLanes = sizeof(V) / sizeof(float);
   static constexpr int kVecs = Vecs;
   static constexpr int64_t kTile = kLanes * Vecs;
@@ -131,7 +130,6 @@ struct PathBf16 {
   using Vec = v16;  // what the stack's float32 kernels (norm, rotary, SwiGLU's gate) run on
   using In = uint16_t;
   using Weight = uint16_t;
-  using Cache = uint16_t;
   static constexpr int kLanes = 16;
   static constexpr int kVecs = 2;
   static constexpr int64_t kTile = 32;

@@ -167,15 +167,15 @@ torch::Tensor packed_swiglu(const torch::Tensor& x, const torch::Tensor& packed,
   return out;
 }
 
-// query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D], both float32 or both bfloat16 (widened to
-// float32 as they are read); block_tables [S, max_blocks]; row_seq [T] (which table each row uses);
+// query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D] of one dtype: float32, bfloat16 or uint8 of
+// fp8 e5m2 bits (widened to float32 as they are read); block_tables [S, max_blocks]; row_seq [T] (which table each row uses);
 // context_lens [T]. Returns [T, H, D] float32.
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& row_seq,
                               const torch::Tensor& context_lens, double scale, int64_t width) {
-  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
-  check_cache(k_cache, "k_cache", bf16);
-  check_cache(v_cache, "v_cache", bf16);
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must have one dtype");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && query.dim() == 3, "query must be [T, H, D] float32");
   auto q = query.contiguous();
   auto tables = as_int64(block_tables), seqs = as_int64(row_seq), lens = as_int64(context_lens);
@@ -186,17 +186,13 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
   check_rows(tables, seqs, lens, shape.block_size);
   auto out = torch::empty_like(q);
   with_path(width, [&](auto path) {
-    const auto attend = [&](const auto* k, const auto* v) {
+    with_cache_data(k_cache, [&](auto* k) {
       using P = decltype(path);
+      const auto* v = static_cast<const std::remove_pointer_t<decltype(k)>*>(v_cache.data_ptr());
       attention_rows<typename P::Vec, P>(q.data_ptr<float>(), rows, heads * dim, heads, k, v, shape,
                                          tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
                                          lens.data_ptr<int64_t>(), static_cast<float>(scale), out.data_ptr<float>());
-    };
-    if (bf16) {
-      attend(static_cast<const uint16_t*>(k_cache.data_ptr()), static_cast<const uint16_t*>(v_cache.data_ptr()));
-    } else {
-      attend(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-    }
+    });
   });
   return out;
 }
@@ -242,6 +238,15 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up, int64_t width) {
 }
 
 // The index of each row's largest value in x [rows, n] float32 (the first of equals; a NaN counts as largest).
+// x as fp8 e5m2 bits (uint8, same shape), rounded as the native stack writes its fp8 KV cache: what the tests
+// hold to torch's .to(torch.float8_e5m2).
+torch::Tensor fp8_e5m2(const torch::Tensor& x) {
+  check_float_rows(x, "x");
+  auto out = torch::empty(x.sizes(), x.options().dtype(torch::kByte));
+  store_cache_row(x.data_ptr<float>(), x.numel(), out.data_ptr<uint8_t>());
+  return out;
+}
+
 std::vector<int64_t> argmax(const torch::Tensor& x, int64_t width) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   auto xc = x.contiguous();
@@ -310,6 +315,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("n"), arg("max_rows") = 0, release_gil());
   m.def("packed_swiglu", &packed_swiglu, "silu(x . Wg^T) * (x . Wu^T), gate and up packed as one weight",
         arg("x"), arg("packed"), arg("intermediate"), release_gil());
+  m.def("fp8_e5m2", &fp8_e5m2, "x rounded to fp8 e5m2, as uint8 bits (how an fp8 KV cache stores K and V)",
+        arg("x"));
   m.def("argmax", &argmax, "the index of each row's largest value (first of equals; NaN counts as largest)",
         arg("x"), arg("width") = 256, release_gil());
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, times weight", arg("x"), arg("weight"), arg("eps"),

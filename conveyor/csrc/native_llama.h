@@ -55,7 +55,8 @@ using ProjectionWeight = std::variant<torch::Tensor, QuantWeight>;
 // projection). One forward runs every layer for a flat batch of prompt and decode rows: in eager PyTorch the
 // same step is about twelve dispatches per layer, each costing Python and allocator time that at batch 1 adds
 // up to a third of the step. With bfloat16, its weights are
-// packed bf16 and its KV cache is bf16; norms, biases and everything computed stay float32.
+// packed bf16; norms, biases and everything computed stay float32. The KV cache it is handed may hold float32,
+// bf16 or fp8 e5m2 (--kv-cache-dtype), whatever the weights are.
 class NativeLlama {
  public:
   NativeLlama(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
@@ -187,7 +188,7 @@ class NativeLlama {
                                                 const std::vector<int64_t>& row_seq,
                                                 const std::vector<int64_t>& logit_rows) {
     TORCH_CHECK(embedding_.defined() || embedding_quant_, "set_io must run before the first step");
-    check_cache(kv_cache, "kv_cache", bf16_);
+    check_cache(kv_cache, "kv_cache");
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
                     kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
                 "kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim]");
@@ -219,7 +220,7 @@ class NativeLlama {
     std::vector<int64_t> greedy;
     with_gemm_path(width_, bf16_, [&](auto path) {
       using P = decltype(path);
-      run<P>(step, out.data_ptr<float>());
+      with_cache_data(kv_cache, [&](auto* cache) { run<P, std::remove_pointer_t<decltype(cache)>>(step, out.data_ptr<float>()); });
       logits = lm_head_logits<P>(out, logit_rows);
       greedy = argmax_rows<typename P::Vec>(logits.data_ptr<float>(), logits.size(0), logits.size(1));
     });
@@ -299,11 +300,11 @@ class NativeLlama {
     return logits;
   }
 
-  // Every layer and the final norm on path P; out [tokens, hidden].
-  template <typename P>
+  // Every layer and the final norm on path P, the KV cache's elements C (float, bf16 or fp8 e5m2 bits, whatever
+  // the weights are); out [tokens, hidden].
+  template <typename P, typename C>
   void run(const Step& step, float* out) {
     using V = typename P::Vec;
-    using C = typename P::Cache;
     const int64_t tokens = step.tokens;
     const int64_t q_width = heads_ * dim_, qkv_width = (heads_ + 2 * kv_heads_) * dim_;
     auto opts = final_norm_.options();

@@ -43,10 +43,21 @@ inline void check_float_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be a contiguous float32 tensor");
 }
 
-// A KV cache: contiguous, float32 or bfloat16 (bf16 when `bf16`, where the caller knows which).
-inline void check_cache(const torch::Tensor& t, const char* name, bool bf16) {
-  TORCH_CHECK(t.scalar_type() == (bf16 ? torch::kBFloat16 : torch::kFloat32) && t.is_contiguous(), name,
-              " must be a contiguous ", bf16 ? "bfloat16" : "float32", " tensor");
+// A KV cache: contiguous float32, bfloat16, or uint8 holding fp8 e5m2 bits (--kv-cache-dtype fp8).
+inline void check_cache(const torch::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kByte) && t.is_contiguous(),
+              name, " must be a contiguous float32, bfloat16 or uint8 (fp8 e5m2) tensor");
+}
+
+// Runs f with a cache's data as its element type: float, uint16_t (bf16 bits) or uint8_t (fp8 e5m2 bits).
+template <typename Fn>
+void with_cache_data(const torch::Tensor& cache, const Fn& f) {
+  switch (cache.scalar_type()) {
+    case torch::kBFloat16: return f(static_cast<uint16_t*>(cache.data_ptr()));
+    case torch::kByte: return f(static_cast<uint8_t*>(cache.data_ptr()));
+    default: return f(cache.data_ptr<float>());
+  }
 }
 
 inline torch::Tensor as_int64(const torch::Tensor& t) { return t.to(torch::kInt64).contiguous(); }

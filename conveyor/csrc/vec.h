@@ -8,6 +8,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace conveyor {
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -39,6 +43,54 @@ inline uint16_t bf16_bits(float f) {
 inline float cache_float(float x) { return x; }
 inline float cache_float(uint16_t bits) {
   const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// fp8 e5m2 (1 sign, 5 exponent, 2 mantissa bits: the top byte of a float16) as vLLM's --kv-cache-dtype fp8
+// stores K and V on CPU: narrowing rounds to nearest, ties to even, and overflows to infinity exactly as torch's
+// .to(torch.float8_e5m2) does (c10's algorithm: the denormal range rounded by a float addition that leaves the
+// result in the low bits, the normal range by adding the rounding bias below the kept mantissa).
+inline uint8_t fp8_e5m2_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint8_t bits;
+  if (u >= (143u << 23)) {  // |f| >= 2^16, infinity or NaN: past every finite e5m2 after rounding
+    bits = u > (255u << 23) ? 0x7f : 0x7c;
+  } else if (u < (113u << 23)) {  // |f| < 2^-14: e5m2's denormals
+    const uint32_t denormal_bias = 134u << 23;
+    float biased, shifted;
+    __builtin_memcpy(&biased, &u, sizeof biased);
+    __builtin_memcpy(&shifted, &denormal_bias, sizeof shifted);
+    biased += shifted;
+    uint32_t r;
+    __builtin_memcpy(&r, &biased, sizeof r);
+    bits = static_cast<uint8_t>(r - denormal_bias);
+  } else {
+    const uint32_t odd = (u >> 21) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + odd;
+    bits = static_cast<uint8_t>(u >> 21);
+  }
+  return static_cast<uint8_t>(bits | (sign >> 24));
+}
+
+// An e5m2 byte as float32, exactly: its bits are a float16's top byte.
+inline float cache_float(uint8_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x80u) << 24, exponent = (bits >> 2) & 0x1fu;
+  const uint32_t mantissa = bits & 0x3u;
+  uint32_t u;
+  if (exponent == 0x1f) {
+    u = sign | 0x7f800000u | (mantissa << 21);
+  } else if (exponent == 0) {  // zero or a denormal: mantissa * 2^-16
+    float f = static_cast<float>(mantissa) * 0x1p-16f;
+    __builtin_memcpy(&u, &f, sizeof u);
+    u |= sign;
+  } else {
+    u = sign | ((exponent + 112) << 23) | (mantissa << 21);
+  }
   float f;
   __builtin_memcpy(&f, &u, sizeof f);
   return f;
@@ -122,6 +174,31 @@ inline V loadc(const uint16_t* p) {
   const typename IntOf<V>::type bits = __builtin_convertvector(half, typename IntOf<V>::type) << 16;
   V v;
   __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// fp8 e5m2 widened: each byte becomes a float16's top byte, which the CPU's float16 conversion (F16C) widens
+// exactly, denormals, infinities and NaNs included; without F16C, lane by lane.
+template <typename V>
+inline V loadc(const uint8_t* p) {
+  V v;
+#if defined(__F16C__)
+  if constexpr (sizeof(V) == 32) {
+    const __m128i half = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
+    const __m256 wide = _mm256_cvtph_ps(half);
+    __builtin_memcpy(&v, &wide, sizeof v);
+    return v;
+  }
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) {
+    const __m256i half = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+    const __m512 wide = _mm512_cvtph_ps(half);
+    __builtin_memcpy(&v, &wide, sizeof v);
+    return v;
+  }
+#endif
+#endif
+  for (int lane = 0; lane < kLanesOf<V>; ++lane) v[lane] = cache_float(p[lane]);
   return v;
 }
 

@@ -54,6 +54,7 @@ class Engine:
         from conveyor.executor.faults import with_injected_faults
         from conveyor.executor.grammar import LazyGrammarBackend
         from conveyor.executor.torch_executor import TorchExecutor
+        from conveyor.model.attention import kv_cache_dtype
         from conveyor.model.loader import DTYPES, load_model, resolve_model
 
         self.config = config
@@ -78,9 +79,10 @@ class Engine:
             device = torch.device(config.device)
         self.device = device
         dtype = DTYPES[config.dtype]
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)  # uint8: fp8 e5m2 bits
         plan = plan_kv_cache(
-            config, self.model_config.kv_bytes_per_token * dtype.itemsize, self.model_config.max_position_embeddings,
-            self.model_config.layer_windows,
+            config, self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize,
+            self.model_config.max_position_embeddings, self.model_config.layer_windows,
         )
         self.kv_layout = plan.layout  # KV groups, where windowed layers give back blocks; None: one group
         if plan.layout is not None:
@@ -105,6 +107,7 @@ class Engine:
         self.executor = TorchExecutor(
             model, num_blocks, config.block_size, config.seed, num_cpu_blocks,
             constrain=self.grammars.constrain, forget=self.grammars.forget, kv_layout=plan.layout,
+            kv_dtype=self.kv_dtype,
         )
         # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too; the executor it runs
         # fails on purpose only where a test asked for it (see conveyor.executor.faults).

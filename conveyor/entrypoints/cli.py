@@ -414,7 +414,7 @@ def _bench_perplexity(args: argparse.Namespace, config: EngineConfig) -> int:
     from conveyor.engine import Engine
 
     text = Path(args.text).read_text(encoding="utf-8")
-    config.max_model_len = max(config.max_model_len or 0, args.context)
+    config.max_model_len = max(config.max_model_len or 0, args.context + 1)  # a chunk, and the one token it draws
     engine = Engine(config)
     print(f"kernels: {_kernels_in_use(engine)}")
     result = perplexity(engine, text, args.context)

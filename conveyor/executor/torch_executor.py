@@ -34,10 +34,12 @@ class TorchExecutor:
         constrain: Constrain | None = None,
         forget: Callable[[list[str]], None] | None = None,
         kv_layout: KVLayout | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """``constrain`` masks constrained rows to what their grammars allow; ``forget`` is told which requests
         ended, so whatever keeps per-request state (the grammar matchers) can drop it. ``kv_layout``: the KV
-        groups (conveyor.core.kv.groups), each block then holding one group's layers; None: one group."""
+        groups (conveyor.core.kv.groups), each block then holding one group's layers; None: one group.
+        ``kv_dtype``: what the cache stores (conveyor.model.attention.kv_cache_dtype); None: the model's dtype."""
         config = model.config
         param = model.embed_tokens.weight
         self.model = model
@@ -54,13 +56,13 @@ class TorchExecutor:
         # Zeroed, not empty: padded decode rows (and entries behind a window) read unused slots, which must
         # hold finite numbers.
         self.kv_cache = model.zeroed_kv_cache(
-            (cache_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), param.dtype,
+            (cache_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), kv_dtype or param.dtype,
             self.device,
         )
         # The swap space: same layout, in host memory (pinned when the device is a GPU, for fast copies).
         self.cpu_kv_cache = torch.zeros(
             (*self.kv_cache.shape[:2], num_cpu_blocks, *self.kv_cache.shape[3:]),
-            dtype=param.dtype,
+            dtype=self.kv_cache.dtype,
             pin_memory=self.device.type == "cuda" and num_cpu_blocks > 0,
         )
         self.sampler = Sampler(seed)

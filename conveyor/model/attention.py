@@ -20,6 +20,12 @@ block size is known, the blocks wholly behind every row's window are left out
 of the gather too (a decode group's by its shortest row), so a windowed layer
 reads about its window, not its context; they may be blocks a windowed KV
 group has given back (conveyor.core.kv.groups), whose entries read block 0.
+
+The cache may store K and V in a narrower dtype than the model computes in (``--kv-cache-dtype``):
+bfloat16, or fp8 e5m2 held as its uint8 bits (torch has no index ops on float8 tensors). K and V are
+rounded as they are written and widened as they are read, and a first prompt chunk, which attends to
+its own rows without reading the cache, attends to them rounded the same way: every row sees K and V
+as the cache holds them, as the native stack's attention does (it reads everything from the cache).
 """
 
 from __future__ import annotations
@@ -111,17 +117,48 @@ def _windowed_chunk(chunk: PrefillChunk, window: int, block_size: int) -> Prefil
     return replace(chunk, block_ids=chunk.block_ids[first:], causal_mask=mask, key_start=key_start)
 
 
+# What --kv-cache-dtype names, as the cache tensor's dtype (None: the model's own). fp8 is e5m2, the one fp8
+# format that needs no scale (e4m3 tops out at 448, which K can pass), as vLLM's CPU backend stores it.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.uint8,
+                                                  "fp8_e5m2": torch.uint8}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensor's dtype for ``--kv-cache-dtype name`` (uint8 holds fp8 e5m2 bits)."""
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to what a cache of ``cache_dtype`` stores (fp8 e5m2 as its bits)."""
+    if cache_dtype == torch.uint8:
+        return x.to(torch.float8_e5m2).view(torch.uint8)
+    return x.to(cache_dtype)
+
+
+def from_cache(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache elements widened to ``dtype`` (a no-op where the cache is in it already)."""
+    if stored.dtype == torch.uint8:
+        return stored.view(torch.float8_e5m2).to(dtype)
+    return stored.to(dtype)
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` gives it back: rounded there and widened again."""
+    return x if cache_dtype == x.dtype else from_cache(to_cache(x, cache_dtype), x.dtype)
+
+
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V in their slots. ``kv_cache``: [2, num_blocks, block_size, kv_heads, head_dim]."""
+    """Store this step's K/V in their slots, rounded to the cache's dtype. ``kv_cache``: [2, num_blocks,
+    block_size, kv_heads, head_dim]."""
     _, num_blocks, block_size, kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
+    flat[0].index_copy_(0, slot_mapping, to_cache(key, kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, to_cache(value, kv_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim]."""
-    blocks = cache[block_ids]  # [..., nb, bs, kvh, d]
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., num_blocks] block ids -> [..., kv_heads, num_blocks * block_size, head_dim], widened to ``dtype``."""
+    blocks = from_cache(cache[block_ids], dtype)  # [..., nb, bs, kvh, d]
     *lead, nb, bs, kvh, d = blocks.shape
     return blocks.reshape(*lead, nb * bs, kvh, d).transpose(-3, -2)
 
@@ -142,8 +179,8 @@ def paged_attention(
     out = torch.empty_like(query)
     for group in meta.decodes:
         rows = slice(group.row_start, group.row_end)
-        k = _gather(kv_cache[0], group.block_tables)
-        v = _gather(kv_cache[1], group.block_tables)
+        k = _gather(kv_cache[0], group.block_tables, query.dtype)
+        v = _gather(kv_cache[1], group.block_tables, query.dtype)
         q = query[rows].unsqueeze(2)  # [rows, H, 1, D]
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale, enable_gqa=True)
         out[rows] = attn.squeeze(2)
@@ -151,14 +188,15 @@ def paged_attention(
         rows = slice(chunk.query_start, chunk.query_end)
         q = query[rows].transpose(0, 1)  # [H, n, D]
         if chunk.start_position == 0:
-            k, v = key[rows].transpose(0, 1), value[rows].transpose(0, 1)
+            k = as_cached(key[rows], kv_cache.dtype).transpose(0, 1)
+            v = as_cached(value[rows], kv_cache.dtype).transpose(0, 1)
             causal = chunk.causal_mask is None
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, is_causal=causal, scale=scale,
                                                   enable_gqa=True)
         else:
             num_keys = chunk.context_len - chunk.key_start
-            k = _gather(kv_cache[0], chunk.block_ids)[:, :num_keys]
-            v = _gather(kv_cache[1], chunk.block_ids)[:, :num_keys]
+            k = _gather(kv_cache[0], chunk.block_ids, query.dtype)[:, :num_keys]
+            v = _gather(kv_cache[1], chunk.block_ids, query.dtype)[:, :num_keys]
             attn = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=True)
         out[rows] = attn.transpose(0, 1)
     return out

@@ -219,6 +219,9 @@ class LlamaModel(nn.Module):
         it, not at its full size from the start."""
         if self.kernels is None or device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=device)
+        if dtype == torch.uint8:  # fp8 bits: a float32 buffer of a quarter the elements, seen as bytes
+            numel = math.prod(shape)
+            return self.kernels.huge_page_buffer(-(-numel // 4), False).view(torch.uint8)[:numel].view(shape)
         buffer = self.kernels.huge_page_buffer(math.prod(shape), dtype == torch.bfloat16)
         return buffer.view(shape)
 

@@ -93,7 +93,7 @@ def total_params(model: ModelConfig) -> int:
 
 class CostModel:
     def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, tensor_parallel_size: int = 1,
-                 weights: WeightFormat | None = None) -> None:
+                 weights: WeightFormat | None = None, kv_element_bytes: int | None = None) -> None:
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
         tp = tensor_parallel_size
@@ -118,7 +118,8 @@ class CostModel:
         self.dense_flops_per_token = 2 * layers * layer_params / tp
         self.lm_head_flops_per_row = 2 * model.vocab_size * h / tp
         self.attention_flops_per_pair = 4 * layers * (model.num_heads // tp) * model.head_dim
-        self.kv_bytes_per_token = 2 * layers * kv_heads * model.head_dim * b  # K and V, all layers
+        # K and V, all layers, in the cache's dtype (--kv-cache-dtype; None: the model's).
+        self.kv_bytes_per_token = 2 * layers * kv_heads * model.head_dim * (kv_element_bytes or b)
         self.allreduce_bytes_per_token = h * b  # one hidden vector per token, twice per layer
         self.flops = hardware.flops(dtype) * hardware.flops_efficiency
         self.bandwidth = hardware.memory_bandwidth * hardware.bandwidth_efficiency

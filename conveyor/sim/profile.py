@@ -43,7 +43,7 @@ from conveyor.core.config import usable_cores
 from conveyor.core.cpu import this_cpu
 from conveyor.core.model_config import ModelConfig
 from conveyor.sim.cost import CostModel, StepWork
-from conveyor.sim.hardware import HardwareSpec
+from conveyor.sim.hardware import DTYPE_BYTES, HardwareSpec
 
 ENGINE_PACKAGES = ("core", "engine", "executor", "model", "csrc")  # the code a real step runs
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -360,7 +360,8 @@ def new_profile(fitted: dict[str, Any], per_swapped_token_s: float, machine: dic
 
 
 def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tensor_parallel_size: int = 1,
-                    step_profile: str = "auto", threads: int | None = None) -> tuple[CostModel, str]:
+                    step_profile: str = "auto", threads: int | None = None,
+                    kv_element_bytes: int | None = None) -> tuple[CostModel, str]:
     """The cost model a simulation prices its steps with, and a line saying which.
 
     ``step_profile``: ``none``, the roofline; a file, that profile (refused if it was measured on another
@@ -368,9 +369,12 @@ def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tens
     when ``conveyor simulate calibrate`` has measured one and it is still current, else the roofline. A
     stale profile is never used: ``auto`` says so and falls back to the roofline.
     """
-    roofline = CostModel(model, hardware, dtype, tensor_parallel_size)
+    roofline = CostModel(model, hardware, dtype, tensor_parallel_size, kv_element_bytes=kv_element_bytes)
     if step_profile == "none":
         return roofline, "roofline"
+    if kv_element_bytes not in (None, DTYPE_BYTES[dtype]):
+        # A profile times steps over a cache in the model's dtype; another one reads other bytes per token.
+        return roofline, "roofline (a step profile is measured with the KV cache in the model's dtype)"
     if step_profile != "auto":
         profile = load_profile(step_profile)
         check_profile(profile, model, dtype, tensor_parallel_size)
