@@ -1,7 +1,7 @@
 """``--kv-cache-dtype fp8`` against the model's own dtype: what the pool holds, what it costs in agreement, speed.
 
-Three measurements on one model (the default: the Q4_1 file, on the native kernels), each for ``auto`` and
-``fp8`` in turn:
+Three measurements on one model (the default: the Q4_1 file, on the native kernels), each for ``auto``,
+``bfloat16`` and ``fp8`` in turn:
 
 - **capacity**: KV blocks in a pool of ``--kv-cache-memory``, and the most requests running at once when
   ``--hold-requests`` prompts of ``--hold-prompt-len`` tokens arrive together and each decodes 16 tokens;
@@ -26,7 +26,7 @@ from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 
-DTYPES = ("auto", "fp8")
+DTYPES = ("auto", "bfloat16", "fp8")
 
 
 def greedy_outputs(engine: Engine) -> list[list[int]]:
