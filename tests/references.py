@@ -9,6 +9,18 @@ import torch
 import torch.nn.functional as F
 
 
+def ragged_rows(num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tables, row_seq, lens) of one attention call over a cache of ``num_blocks``: decode rows of ragged
+    contexts (one token, a block and one, 160) and three prompt chunks (causal), the last (positions 200..239)
+    long enough for the tiled kernel."""
+    max_blocks = 320 // block_size
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in range(6)])
+    row_seq = torch.tensor([0, 1, 2] + [3] * 6 + [4] * 4 + [5] * 40)
+    lens = torch.cat([torch.tensor([1, block_size + 1, 160]), torch.arange(1, 7), torch.arange(40, 44),
+                      torch.arange(201, 241)])
+    return tables, row_seq, lens
+
+
 def paged_attention_reference(query, k_cache, v_cache, tables, row_seq, lens, scale) -> torch.Tensor:
     """Gather each row's context in order from its sequence's block table and run PyTorch's attention on it.
 

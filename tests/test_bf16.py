@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from conveyor.model.kernels import BF16_FEATURE, WIDTH_ENV, bfloat16_unavailable
 from tests.harness import cpu_flags
-from tests.references import paged_attention_reference
+from tests.references import paged_attention_reference, ragged_rows
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +104,7 @@ def test_attention_over_a_bf16_cache_matches_sdpa_on_the_rounded_values(bf16, wi
     last chunk (positions 200..239) long enough for the tiled kernel."""
     torch.manual_seed(block_size + head_dim)
     cache = torch.randn(2, 400, block_size, kv_heads, head_dim).bfloat16()
-    max_blocks = 320 // block_size
-    tables = torch.stack([torch.randperm(400)[:max_blocks] for _ in range(6)])
-    row_seq = torch.tensor([0, 1, 2] + [3] * 6 + [4] * 4 + [5] * 40)
-    lens = torch.cat([torch.tensor([1, block_size + 1, 160]), torch.arange(1, 7), torch.arange(40, 44),
-                      torch.arange(201, 241)])
+    tables, row_seq, lens = ragged_rows(400, block_size)
     query = torch.randn(len(row_seq), heads, head_dim)
     got = bf16.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5, width)
     want = paged_attention_reference(query, cache[0].float(), cache[1].float(), tables, row_seq, lens, head_dim**-0.5)

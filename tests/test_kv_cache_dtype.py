@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.references import paged_attention_reference
-from tests.test_native_stack import _stack_model
+from tests.references import paged_attention_reference, ragged_rows
+from tests.test_native_stack import _stack_model, mixed_batch
 
 
 def _every_kind_of_float() -> torch.Tensor:
@@ -50,11 +50,7 @@ def test_attention_over_a_narrow_cache_matches_sdpa_on_the_widened_values(kernel
 
     torch.manual_seed(block_size + head_dim)
     cache = _cache_of(torch.randn(2, 400, block_size, kv_heads, head_dim) * 3, kv_cache_dtype)
-    max_blocks = 320 // block_size
-    tables = torch.stack([torch.randperm(400)[:max_blocks] for _ in range(6)])
-    row_seq = torch.tensor([0, 1, 2] + [3] * 6 + [4] * 4 + [5] * 40)
-    lens = torch.cat([torch.tensor([1, block_size + 1, 160]), torch.arange(1, 7), torch.arange(40, 44),
-                      torch.arange(201, 241)])
+    tables, row_seq, lens = ragged_rows(400, block_size)
     query = torch.randn(len(row_seq), heads, head_dim)
     got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, head_dim**-0.5, width)
     wide = from_cache(cache, torch.float32)
@@ -75,18 +71,13 @@ def test_native_stack_over_a_narrow_cache_matches_the_torch_layers(kernels, widt
     narrow cache: both write the step's K and V rounded alike and attend to what the cache holds. A K or V
     that lands within float32 noise of a rounding boundary may round to the neighbouring value on one side
     only, so the caches are held to agree but for a few elements, each within one step of the format."""
-    from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk, from_cache
+    from conveyor.model.attention import AttentionMetadata, from_cache
     from conveyor.model.llama import StepInputs
 
     torch.manual_seed(5)
     model = _stack_model(80)
     config, block_size = model.config, 4
-    tables = torch.tensor([[3, 9, 4, 0], [7, 1, 0, 0], [12, 15, 2, 0]])
-    positions = torch.cat([torch.arange(5, 10), torch.arange(0, 6), torch.tensor([10])])
-    row_seq = torch.tensor([0] * 5 + [1] * 6 + [2])
-    decodes = [DecodeGroup(11, 12, tables[2:3], (torch.arange(16) < 11).view(1, 1, 1, 16))]
-    prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
-    prefills = [PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)]
+    positions, row_seq, tables, decodes, prefills = mixed_batch()
     slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])
     cache = _cache_of(torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim),
                       kv_cache_dtype)

@@ -59,19 +59,25 @@ def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tabl
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
 
 
-def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels, width):
-    """A prompt with a cached prefix, a fresh prompt and a decode row in one step."""
+def mixed_batch():
+    """One step of a prompt chunk after a cached prefix (sequence 0: positions 5..9 after 5 cached), a fresh
+    prompt (sequence 1: 0..5) and a decode row (sequence 2, at position 10): (positions, row_seq, tables,
+    decodes, prefills), block size 4."""
     from conveyor.model.attention import DecodeGroup, PrefillChunk
 
-    torch.manual_seed(5)
     tables = torch.tensor([[3, 9, 4, 0], [7, 1, 0, 0], [12, 15, 2, 0]])
-    # seq 0: prefix of 5 cached, chunk at 5..9; seq 1: fresh prompt 0..5; seq 2: decode at position 10.
     positions = torch.cat([torch.arange(5, 10), torch.arange(0, 6), torch.tensor([10])])
     row_seq = torch.tensor([0] * 5 + [1] * 6 + [2])
-    decode_mask = (torch.arange(16) < 11).view(1, 1, 1, 16)
+    decodes = [DecodeGroup(11, 12, tables[2:3], (torch.arange(16) < 11).view(1, 1, 1, 16))]
     prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
-    decodes = [DecodeGroup(11, 12, tables[2:3], decode_mask)]
     prefills = [PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)]
+    return positions, row_seq, tables, decodes, prefills
+
+
+def test_native_stack_matches_the_torch_layers_on_a_mixed_batch(kernels, width):
+    """A prompt with a cached prefix, a fresh prompt and a decode row in one step."""
+    torch.manual_seed(5)
+    positions, row_seq, tables, decodes, prefills = mixed_batch()
     _assert_native_stack_matches(kernels, width, _stack_model(80), positions, row_seq, tables, decodes, prefills)
 
 
@@ -103,15 +109,8 @@ EVERY_ROW = [(1, 2**62)]
 )
 def test_native_stack_with_gemms_routed_to_torch_matches_the_torch_layers(kernels, width, routes):
     """--kernels auto may hand some projections at some row counts to torch's GEMM inside the stack."""
-    from conveyor.model.attention import DecodeGroup, PrefillChunk
-
     torch.manual_seed(5)
-    tables = torch.tensor([[3, 9, 4, 0], [7, 1, 0, 0], [12, 15, 2, 0]])
-    positions = torch.cat([torch.arange(5, 10), torch.arange(0, 6), torch.tensor([10])])
-    row_seq = torch.tensor([0] * 5 + [1] * 6 + [2])
-    decodes = [DecodeGroup(11, 12, tables[2:3], (torch.arange(16) < 11).view(1, 1, 1, 16))]
-    prefix_mask = torch.arange(10)[None, :] <= torch.arange(5, 10)[:, None]
-    prefills = [PrefillChunk(0, 5, 5, tables[0], prefix_mask), PrefillChunk(5, 11, 0, tables[1], None)]
+    positions, row_seq, tables, decodes, prefills = mixed_batch()
     _assert_native_stack_matches(
         kernels, width, _stack_model(80), positions, row_seq, tables, decodes, prefills, torch_rows=routes
     )
