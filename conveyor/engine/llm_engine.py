@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from conveyor.core.config import EngineConfig, usable_cores
-from conveyor.core.engine_core import EngineCore, plan_kv_cache
+from conveyor.core.engine_core import EngineCore, KVCachePlan, plan_kv_cache
 from conveyor.core.live import LiveRecorder
 from conveyor.core.model_config import ModelConfig
 from conveyor.core.request import FinishReason, Request
@@ -80,15 +80,8 @@ class Engine:
         self.device = device
         dtype = DTYPES[config.dtype]
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)  # uint8: fp8 e5m2 bits
-        plan = plan_kv_cache(
-            config, self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize,
-            self.model_config.max_position_embeddings, self.model_config.layer_windows,
-        )
+        plan = self._plan_kv_cache()
         self.kv_layout = plan.layout  # KV groups, where windowed layers give back blocks; None: one group
-        if plan.layout is not None:
-            logger.info("KV cache: %d groups of %d layers (windows %s): windowed groups give back the blocks "
-                        "behind their window", plan.layout.num_groups, plan.layout.layers_per_group,
-                        sorted({w for w in plan.layout.windows if w is not None}))
         self.kv_block_bytes = plan.block_bytes
         self.max_model_len = plan.max_model_len
         self._native_refusal = self._native_gaps(dtype, device)
@@ -117,6 +110,18 @@ class Engine:
         self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
         self._families: dict[str, _Family] = {}  # requests with n > 1, by the caller's id
         self.requests = RequestBuilder(self.tokenizer, self.model_config.vocab_size, self.max_model_len, clock)
+
+    def _plan_kv_cache(self) -> KVCachePlan:
+        """The pools, sized in the cache's own dtype, and the KV groups where windowed layers have their own."""
+        plan = plan_kv_cache(
+            self.config, self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize,
+            self.model_config.max_position_embeddings, self.model_config.layer_windows,
+        )
+        if plan.layout is not None:
+            logger.info("KV cache: %d groups of %d layers (windows %s): windowed groups give back the blocks "
+                        "behind their window", plan.layout.num_groups, plan.layout.layers_per_group,
+                        sorted({w for w in plan.layout.windows if w is not None}))
+        return plan
 
     @property
     def trace(self) -> Trace | None:

@@ -368,13 +368,17 @@ class Scheduler:
 
         The one loop over every running request in every step, so a visit costs little: most are
         decodes that need one token and no new block, for which ``grow_table`` only checks a length.
+        Where victims come from the back of the running queue and no prefill share caps a request's
+        tokens (the defaults), the loop never meets a preempted request and never caps: it runs without
+        either check (the simulator's long runs spend a third of their time here).
         """
+        if self._victims_from_back and self._chunk_cap >= self.config.max_num_batched_tokens:
+            return self._schedule_running_plain(budget)
         scheduled: list[ScheduledRequest] = []
         grow_table = self.kv_manager.grow_table
         cap = self._chunk_cap
         running = RequestStatus.RUNNING
-        # Preemption from the back never meets a request the loop has yet to reach; a policy that preempts
-        # elsewhere needs the loop over a copy, whose victims it skips.
+        # A policy that preempts elsewhere than the back needs the loop over a copy, whose victims it skips.
         for request in self.running if self._victims_from_back else list(self.running):
             if budget <= 0:
                 break
@@ -388,6 +392,25 @@ class Scheduler:
                 budget += refund
                 if block_ids is None:
                     continue  # the request preempted itself
+            scheduled.append(_scheduled_request(request, num_new, block_ids))
+            budget -= num_new
+        return scheduled, budget
+
+    def _schedule_running_plain(self, budget: int) -> tuple[list[ScheduledRequest], int]:
+        """_schedule_running where preemption takes from the back and nothing caps a request's tokens."""
+        scheduled: list[ScheduledRequest] = []
+        grow_table = self.kv_manager.grow_table
+        for request in self.running:
+            if budget <= 0:
+                break
+            num_new = _num_new_tokens(request, budget)
+            end = request.num_computed_tokens + num_new
+            block_ids = grow_table(request.request_id, end)
+            if block_ids is None:  # the pool is short
+                block_ids, refund = self._make_room(request, end, scheduled)
+                budget += refund
+                if block_ids is None:
+                    break  # the request preempted itself: it was the back of the queue
             scheduled.append(_scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return scheduled, budget
@@ -580,7 +603,7 @@ class Scheduler:
         # Prefix caching indexes the blocks a step filled; most decodes fill none, so only a chunk that
         # crosses a block boundary calls it.
         commit, block_size = (kv.commit_computed, kv.block_size) if kv.caches_prefixes else (None, 0)
-        release = kv.release_behind_window if kv.windowed else None  # blocks a windowed group has passed
+        windowed = kv.windowed  # its groups give back the blocks their windows have passed
         for item in output.scheduled:
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
@@ -589,8 +612,8 @@ class Scheduler:
             request.num_computed_tokens = end = start + len(item.token_ids)
             if commit is not None and end // block_size != start // block_size:
                 commit(request)
-            if release is not None:
-                release(request)
+            if windowed:
+                kv.release_behind_window(request)
             if not item.samples_token:
                 continue
             if request.first_token_time is None:
