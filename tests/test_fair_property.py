@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from conveyor.core.kv import PagedKVCacheManager
@@ -297,7 +297,9 @@ def test_mutants_fail_the_checks(mutant: type[FairPolicy], workload: FairWorkloa
 
 @pytest.mark.parametrize("mutant", [NoLift, MostServedFirst], ids=["no-lift", "most-served-first"])
 def test_the_random_workloads_find_each_mutant(mutant: type[FairPolicy]) -> None:
-    """Not only the hand-built workloads: the property's own generator finds a workload each mutant fails."""
+    """Not only the hand-built workloads: the property's own generator finds a workload each mutant fails.
+    Generation only: the claim is that one is found, not the smallest one; shrinking it reran the driver
+    hundreds of times more (15-25 s a mutant, where finding one takes 0.1-2 s)."""
 
     def breaks_the_bound(workload: FairWorkload) -> bool:
         try:
@@ -307,7 +309,8 @@ def test_the_random_workloads_find_each_mutant(mutant: type[FairPolicy]) -> None
         return False
 
     find(fair_workloads(), breaks_the_bound,
-         settings=settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck)))
+         settings=settings(max_examples=1000, deadline=None, database=None, phases=[Phase.generate],
+                           suppress_health_check=list(HealthCheck)))
 
 
 def test_tenants_past_the_cap_are_forgotten_when_their_last_request_ends(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,12 +21,31 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 _CONTEXT_TOKENS = 6
 
 
+def _hf_tokenizer(folder: Path) -> Any:
+    """The transformers tokenizer of ``folder``. A folder whose tokenizer_config.json names the plain
+    ``TokenizersBackend`` (what Conveyor's GGUF conversion writes for the default model), with no remote code
+    (``auto_map``) and no Mistral ``tekken.json``, is one AutoTokenizer would load as exactly that class after
+    reading the model's config to rule out the exceptions; loaded directly, the config is not read, which
+    skips importing transformers' model configurations (and through them torch.distributed and sympy):
+    about 3 of a server's 8 seconds of start on the tiny model. Any other folder goes through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = None
+    if (isinstance(config, dict) and config.get("tokenizer_class") == "TokenizersBackend"
+            and "auto_map" not in config and not (folder / "tekken.json").exists()):
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
 class Tokenizer:
     def __init__(self, folder: str | Path) -> None:
-        from transformers import AutoTokenizer
-
         try:
-            self._tok = AutoTokenizer.from_pretrained(str(folder))
+            self._tok = _hf_tokenizer(Path(folder))
         except Exception as error:  # transformers' message spans lines and names classes, not files
             raise ValueError(f"{folder}: no usable tokenizer (a model folder needs tokenizer.json, or a "
                              f"tokenizer_config.json with the vocabulary files it names): {_first_line(error)}"

@@ -8,7 +8,6 @@ layers) can move into it whole (:meth:`LlamaModel.use_native_kernels`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -89,11 +88,19 @@ class LlamaModel(nn.Module):
     def build_rotary(self, max_positions: int, device: torch.device | str | None = None) -> None:
         """The rope tables, in float32 on ``device`` (None: the current default): the global layers', and the
         windowed layers' own where the family gives them another base (what a model built on the meta device
-        builds again once it has a device)."""
+        builds again once it has a device). Tables for the meta device are computed on CPU and moved there:
+        computed on meta, their arithmetic goes through torch's reference ops, which import torch._dynamo
+        (about a second of every start, for tables the loader builds again on the real device)."""
         local = self.config.local_rope_theta is not None
-        with contextlib.nullcontext() if device is None else torch.device(device):
-            self.rotary = RotaryEmbedding(self.config, max_positions)
-            self.rotary_local = RotaryEmbedding(self.config, max_positions, local=True) if local else None
+        target = torch.get_default_device() if device is None else torch.device(device)
+        with torch.device("cpu") if target.type == "meta" else target:
+            rotary = RotaryEmbedding(self.config, max_positions)
+            rotary_local = RotaryEmbedding(self.config, max_positions, local=True) if local else None
+        if target.type == "meta":
+            rotary.to(target)
+            if rotary_local is not None:
+                rotary_local.to(target)
+        self.rotary, self.rotary_local = rotary, rotary_local
 
     def run_native(self, step: StepInputs, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """One step on the native stack: the final hidden states of every row and the logits of
