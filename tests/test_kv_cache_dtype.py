@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.references import paged_attention_reference, ragged_rows
-from tests.test_native_stack import _stack_model, mixed_batch
+from tests.test_native_stack import _assert_native_stack_matches, _stack_model, mixed_batch
 
 
 def _every_kind_of_float() -> torch.Tensor:
@@ -68,60 +68,36 @@ def test_attention_refuses_k_and_v_of_different_dtypes(kernels):
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bfloat16"])
 def test_native_stack_over_a_narrow_cache_matches_the_torch_layers(kernels, width, kv_cache_dtype):
     """A prompt after a cached prefix, a fresh prompt and a decode row in one step, with a float32 model over a
-    narrow cache: both write the step's K and V rounded alike and attend to what the cache holds. A K or V
-    that lands within float32 noise of a rounding boundary may round to the neighbouring value on one side
-    only, so the caches are held to agree but for a few elements, each within one step of the format."""
-    from conveyor.model.attention import AttentionMetadata, from_cache
-    from conveyor.model.llama import StepInputs
-
+    narrow cache (how the caches and outputs are held: test_native_stack._assert_native_stack_matches)."""
     torch.manual_seed(5)
-    model = _stack_model(80)
-    config, block_size = model.config, 4
     positions, row_seq, tables, decodes, prefills = mixed_batch()
-    slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])
-    cache = _cache_of(torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim),
-                      kv_cache_dtype)
-    ids = torch.randint(0, config.vocab_size, (len(positions),))
-    torch_cache = cache.clone()
-    with torch.inference_mode():
-        want = model(ids, positions, torch_cache, AttentionMetadata(slots, decodes, prefills))
-        model.use_native_kernels(kernels, width)
-        inputs = StepInputs(ids.tolist(), positions.tolist(), slots.tolist(), tables.tolist(), row_seq.tolist(), [0])
-        got, _, _ = model.run_native(inputs, cache)
-    apart = (cache != torch_cache).sum().item()
-    assert apart <= cache.numel() // 500, f"{apart} of {cache.numel()} cache elements differ"
-    wide, torch_wide = from_cache(cache, torch.float32), from_cache(torch_cache, torch.float32)
-    torch.testing.assert_close(wide, torch_wide, rtol=0.25, atol=2.0**-14)
-    atol = 1e-4 if apart == 0 else 5e-2
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=atol)
+    _assert_native_stack_matches(kernels, width, _stack_model(80), positions, row_seq, tables, decodes, prefills,
+                                 kv_cache_dtype=kv_cache_dtype)
 
 
-@pytest.mark.parametrize(("kv_cache_dtype", "ratio"), [("fp8", 4), ("fp8_e5m2", 4), ("bfloat16", 2), ("auto", 1)])
-def test_the_pool_holds_more_blocks_in_a_narrow_dtype(tiny_model_dir, kv_cache_dtype, ratio):
+def test_the_pool_holds_more_blocks_in_a_narrow_dtype(tiny_model_dir):
     from conveyor.core.config import EngineConfig
     from conveyor.engine import Engine
 
-    def pool(name: str) -> tuple[int, torch.dtype]:
-        engine = Engine(EngineConfig(model=str(tiny_model_dir), kv_cache_memory="4MiB", kv_cache_dtype=name))
-        return engine.executor.kv_cache.shape[2], engine.executor.kv_cache.dtype
-
-    blocks, dtype = pool(kv_cache_dtype)
-    float_blocks, _ = pool("auto")
-    assert blocks == ratio * float_blocks
-    assert dtype == {"fp8": torch.uint8, "fp8_e5m2": torch.uint8, "bfloat16": torch.bfloat16}.get(kv_cache_dtype,
-                                                                                                 torch.float32)
+    pools = {}
+    for name in ("auto", "bfloat16", "fp8", "fp8_e5m2"):
+        config = EngineConfig(model=str(tiny_model_dir), kv_cache_memory="4MiB", kv_cache_dtype=name)
+        cache = Engine(config).executor.kv_cache
+        pools[name] = (cache.shape[2], cache.dtype)
+    float_blocks = pools["auto"][0]
+    assert pools == {"auto": (float_blocks, torch.float32), "bfloat16": (2 * float_blocks, torch.bfloat16),
+                     "fp8": (4 * float_blocks, torch.uint8), "fp8_e5m2": (4 * float_blocks, torch.uint8)}
 
 
 @pytest.mark.parametrize("kernels_flag", ["native", "torch"])
 def test_generation_over_an_fp8_cache_runs_and_repeats_itself(tiny_model_dir, kernels_flag):
     """Greedy tokens over an fp8 cache, alone and beside other requests (batching must not change what the
     cache holds: each row's K and V are rounded on their own), on either path."""
-    from conveyor.core.config import EngineConfig
     from conveyor.core.sampling import SamplingParams
     from conveyor.entrypoints.llm import LLM
 
     llm = LLM(model=str(tiny_model_dir), kv_cache_dtype="fp8", kernels=kernels_flag, kv_cache_memory="8MiB")
-    assert isinstance(llm.engine.config, EngineConfig) and llm.engine.executor.kv_cache.dtype == torch.uint8
+    assert llm.engine.executor.kv_cache.dtype == torch.uint8
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["The capital of France is", "One, two, three,", "def add(a, b):"]
     batched = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]

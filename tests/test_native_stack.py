@@ -33,16 +33,23 @@ def _stack_model(intermediate_size: int):
 
 
 def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tables, decodes, prefills, block_size=4,
-                                 torch_rows=None, fused_swiglu_rows=None):
+                                 torch_rows=None, fused_swiglu_rows=None, kv_cache_dtype="auto"):
     """The same step through the PyTorch layers and through NativeLlama (with some GEMMs routed to torch's,
     and SwiGLU fused at given row counts, if asked): equal hidden states, caches, and logits of the rows the
-    LM head is asked for (some, out of order)."""
-    from conveyor.model.attention import AttentionMetadata
+    LM head is asked for (some, out of order).
+
+    Over a cache narrower than the model (``kv_cache_dtype``), both write the step's K and V rounded alike and
+    attend to what the cache holds; a K or V within float32 noise of a rounding boundary may round to the
+    neighbouring value on one side only, so the caches are held to agree but for a few elements, each within
+    one step of the format, and the outputs to a tolerance that allows for those."""
+    from conveyor.model.attention import AttentionMetadata, from_cache, to_cache
+    from conveyor.model.attention import kv_cache_dtype as storage_dtype
     from conveyor.model.llama import StepInputs
 
     config = model.config
     slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])
-    cache = torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim)
+    cache = to_cache(torch.randn(config.num_layers, 2, 32, block_size, config.num_kv_heads, config.head_dim),
+                     storage_dtype(kv_cache_dtype, torch.float32))
     ids = torch.randint(0, config.vocab_size, (len(positions),))
     logit_rows = [len(positions) - 1, 0, len(positions) // 2]
     torch_cache = cache.clone()
@@ -54,9 +61,17 @@ def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tabl
                             logit_rows)
         got, got_logits, greedy = model.run_native(inputs, cache)
     assert greedy == got_logits.argmax(dim=-1).tolist()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    atol = 1e-4
+    if cache.dtype == torch.float32:
+        torch.testing.assert_close(cache, torch_cache, rtol=1e-5, atol=1e-5)
+    else:
+        apart = (cache != torch_cache).sum().item()
+        assert apart <= cache.numel() // 500, f"{apart} of {cache.numel()} cache elements differ"
+        torch.testing.assert_close(from_cache(cache, torch.float32), from_cache(torch_cache, torch.float32),
+                                   rtol=0.25, atol=2.0**-14)
+        atol = 1e-4 if apart == 0 else 5e-2
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=atol)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=atol)
 
 
 def mixed_batch():
