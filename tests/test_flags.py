@@ -122,7 +122,7 @@ def test_parser_has_one_option_per_field_with_its_default() -> None:
         assert action.option_strings == expected
         assert action.default == option.default
         assert tuple(action.choices or ()) == option.choices
-        assert option.help in action.help
+        assert option.help.replace("%", "%%") in action.help
     assert engine_config(parse([])) == EngineConfig()
 
 
@@ -182,6 +182,15 @@ def test_tenant_weights_are_a_json_object_given_inline_or_in_a_file(tmp_path) ->
                           (str(tmp_path / "missing.json"), "neither a JSON object nor a readable file")]:
         with pytest.raises(ValueError, match=message):
             EngineConfig(tenant_weights=text)
+
+
+def test_every_command_prints_its_help() -> None:
+    """argparse formats help strings with %: one unescaped percent sign in any flag's help breaks --help."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert commands
+    for name, command in {"conveyor": parser, **commands}.items():
+        assert command.format_help(), name
 
 
 def test_parser_refuses_a_bad_choice_or_integer() -> None:

@@ -13,6 +13,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     for option in engine_options():
         help_text = f"{option.help} (default: {option.unset})" if option.unset else option.help
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %: "4% of" would break --help
         if option.type is bool:  # --flag and --no-flag, as vLLM's --enable-prefix-caching
             g.add_argument(option.flag, action=argparse.BooleanOptionalAction, default=option.default, help=help_text)
         else:
