@@ -76,6 +76,25 @@ def test_row_counts_from_1_to_600_on_the_vector_kernels(kernels) -> None:
             assert_close_to_reference(kernels, x_all[:rows], matrix, dot)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5, 8])
+def test_a_few_rows_cover_every_tile_once_whatever_the_thread_count(kernels, threads: int) -> None:
+    """A step's few rows share a weight's tiles out among the threads: with an odd count, more threads than
+    tiles, and shares of a tile or two, every output is the reference's."""
+    rng = np.random.default_rng(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in [1, 16, 17, 40, 47, 100, 333]:
+            matrix = random_matrix("Q4_1", n, 256, n)
+            for rows in [1, 2, 4]:
+                for dot in kernels.quant_dots():
+                    # new inputs each call: a tile left unwritten cannot pass on what the last call left there
+                    x = rng.standard_normal((rows, 256)).astype(np.float32)
+                    assert_close_to_reference(kernels, x, matrix, dot)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_activations_are_quantized_as_the_reference_does(kernels) -> None:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 96)).astype(np.float32) * rng.uniform(0.01, 100, (5, 1)).astype(np.float32)

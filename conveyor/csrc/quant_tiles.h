@@ -241,9 +241,9 @@ void quant_tile_vnni512(const QuantizedRows& x, int64_t row, const QuantTileView
 
 #if defined(CONVEYOR_AVX2)
 // u8 codes . s8 activations, 4 at a time, added to 8 int32 lanes: vpdpbusd where the CPU has VNNI, else
-// vpmaddubsw (pairs to int16) and vpmaddwd (pairs of those to int32). Full 8-bit codes go through vpmaddubsw
-// as two nibbles, the high one weighted 16 in vpmaddwd, since a pair of 255 * 127 overflows int16.
-template <bool Vnni, bool Full>
+// vpmaddubsw (pairs to int16) and vpmaddwd (pairs of those to int32). The codes must be under 128 without VNNI:
+// a pair of larger ones times 127 overflows vpmaddubsw's int16 (group_sums_256 takes full 8-bit codes apart).
+template <bool Vnni>
 inline __m256i dot4x8(__m256i acc, __m256i codes, __m256i x) {
 #if defined(CONVEYOR_VNNI256)
   if constexpr (Vnni) {
@@ -254,14 +254,73 @@ inline __m256i dot4x8(__m256i acc, __m256i codes, __m256i x) {
 #endif
   }
 #endif
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
+}
+
+// One group's integer sums, sum(code * xq), for Rows rows against one half of a tile (8 outputs, int32 lanes).
+// Without VNNI the multiplies bound the kernel (vpmaddubsw and vpmaddwd share the core's multiply pipes: a Zen 3
+// core read Q4_1 from cache at 15 GB/s with both for every 4 inputs), so each is made to count:
+// - 4-bit codes: vpmaddubsw's int16 pair sums add up over the whole group before one vpmaddwd (8 of them, each
+//   at most 2 * 15 * 127, stay under 32,767);
+// - full 8-bit codes (Q8_0, zero point 128): taken as signed bytes code - 128, whose magnitude is vpmaddubsw's
+//   unsigned operand and whose sign moves onto the activation (vpsignb): one vpmaddubsw and one vpmaddwd for
+//   4 inputs where splitting the codes into nibbles took two of each (the pair sums, at most 2 * 128 * 127,
+//   fit); 128 * sum(xq) then makes them the codes' sums again.
+// Both give the same integers as the plain way, so the outputs are the same to the bit.
+template <typename F, int Rows, bool Vnni>
+inline void group_sums_256(const QuantizedRows& x, int64_t row, int64_t g, const uint8_t* bytes, __m256i* sum) {
   const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (Full) {
+  const auto xq = [&](int r, int input) {
+    return _mm256_set1_epi32(load_i32(x.q + (row + r) * x.k + g * F::kGroup + input));
+  };
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
+  if constexpr (F::kBits == 4) {
     const __m256i low = _mm256_set1_epi8(0x0f);
-    const __m256i lo = _mm256_and_si256(codes, low), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), _mm256_set1_epi16(16)));
+    __m256i pairs[Rows];
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) pairs[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int o = 0; o < F::kGroup / 8; ++o) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * o));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) {
+        if constexpr (Vnni) {
+          sum[r] = dot4x8<true>(dot4x8<true>(sum[r], lo, xq(r, 8 * o)), hi, xq(r, 8 * o + 4));
+        } else {
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, xq(r, 8 * o)));
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, xq(r, 8 * o + 4)));
+        }
+      }
+    }
+    if constexpr (!Vnni) {
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) sum[r] = _mm256_madd_epi16(pairs[r], ones);
+    }
+  } else if constexpr (F::kFull && !Vnni) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
+    for (int quad = 0; quad < F::kGroup / 4; ++quad) {
+      const __m256i centred = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * quad)),
+                                               flip);
+      const __m256i magnitude = _mm256_abs_epi8(centred);
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) {
+        const __m256i signed_x = _mm256_sign_epi8(xq(r, 4 * quad), centred);
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) sum[r] = _mm256_add_epi32(sum[r], _mm256_set1_epi32(128 * x.sums[(row + r) * x.groups + g]));
+  } else {
+#pragma GCC unroll 8
+    for (int quad = 0; quad < F::kGroup / 4; ++quad) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * quad));
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) sum[r] = dot4x8<Vnni>(sum[r], v, xq(r, 4 * quad));
+    }
   }
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones));
 }
 
 template <typename F>
@@ -280,38 +339,13 @@ void quant_half_tile_256(const QuantizedRows& x, int64_t row, const QuantTileVie
   __m256 acc[Rows];
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0f);
   for (int64_t g = 0; g < t.groups; ++g) {
     const uint8_t* bytes = t.codes + g * F::kGroupBytes + 32 * half;
     if constexpr (Rows <= 4) {
       if (half == 0) prefetch_group_ahead<F>(t, g);  // the second pass finds the tile in L1
     }
     __m256i sum[Rows];
-#pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
-    if constexpr (F::kBits == 4) {
-#pragma GCC unroll 4
-      for (int o = 0; o < F::kGroup / 8; ++o) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * o));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-#pragma GCC unroll 4
-        for (int r = 0; r < Rows; ++r) {
-          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 8 * o;
-          sum[r] = dot4x8<Vnni, false>(sum[r], lo, _mm256_set1_epi32(load_i32(xq)));
-          sum[r] = dot4x8<Vnni, false>(sum[r], hi, _mm256_set1_epi32(load_i32(xq + 4)));
-        }
-      }
-    } else {
-#pragma GCC unroll 8
-      for (int quad = 0; quad < F::kGroup / 4; ++quad) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * quad));
-#pragma GCC unroll 4
-        for (int r = 0; r < Rows; ++r) {
-          const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 4 * quad;
-          sum[r] = dot4x8<Vnni, F::kFull>(sum[r], v, _mm256_set1_epi32(load_i32(xq)));
-        }
-      }
-    }
+    group_sums_256<F, Rows, Vnni>(x, row, g, bytes, sum);
     const __m256 s = load_scales8<F>(t.scales, g * kQuantTile + 8 * half);
     [[maybe_unused]] __m256 mins;
     if constexpr (F::kMins) mins = load_scales8<F>(t.mins, g * kQuantTile + 8 * half);
