@@ -1,7 +1,9 @@
 """llama.cpp's ``llama-server`` (64 slots, ``--threads`` threads, continuous batching) driven over HTTP.
 
 ``--gguf`` picks the file: ``f32`` (the default model dequantized, what the float32 engines run), ``q4_1`` (the
-default model's own Q4_1 file, as shipped) or ``q8_0`` (that file requantized by llama-quantize).
+default model's own Q4_1 file, as shipped), ``q8_0`` (that file requantized by llama-quantize) or
+``gemma3-270m`` (Gemma 3 270M's Q4_K_M file, as its package ships it: ``conveyor bench compare --model
+gemma3-270m`` runs Conveyor on the same file).
 
 The runner starts the server, sends each request to ``/completion`` with a
 token-id prompt (all of a workload's requests concurrently, or one after
@@ -99,12 +101,16 @@ def gguf_file(kind: str) -> str:
         from conveyor.model.loader import default_model_path
 
         return str(default_model_path())
+    if kind == "gemma3-270m":
+        from conveyor.model.packaged import packaged_model_path
+
+        return str(packaged_model_path(kind))
     return str(DIR / f"model-{kind}.gguf")
 
 
 if __name__ == "__main__":
     parser = peer_io.argument_parser(__doc__.splitlines()[0], DIR / "model-f32.gguf")
-    parser.add_argument("--gguf", choices=("f32", "q8_0", "q4_1"), default=None,
+    parser.add_argument("--gguf", choices=("f32", "q8_0", "q4_1", "gemma3-270m"), default=None,
                         help="run this kind of the default model's GGUF file instead of --model")
     args = parser.parse_args()
     model = gguf_file(args.gguf) if args.gguf else args.model

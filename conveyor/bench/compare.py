@@ -68,6 +68,9 @@ PEERS = (
     Peer("llamacpp-q8_0", "run_llamacpp.py", None,
          (".peers/llama.cpp/build/bin/llama-server", ".peers/llama.cpp/model-q8_0.gguf"), "setup_llamacpp.sh",
          ("--gguf", "q8_0")),
+    # llama.cpp on Gemma 3 270M's Q4_K_M file (with `conveyor bench compare --model gemma3-270m`).
+    Peer("llamacpp-gemma3-270m", "run_llamacpp.py", None, (".peers/llama.cpp/build/bin/llama-server",),
+         "setup_llamacpp.sh", ("--gguf", "gemma3-270m")),
     # OpenVINO's own weight compression of the same weights (int8; int4 with some layers kept int8).
     Peer("openvino-int8", "run_openvino.py", ".peers/openvino/bin/python",
          (".peers/openvino/model-int8/openvino_model.xml",), "setup_openvino.sh",
