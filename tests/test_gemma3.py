@@ -114,3 +114,19 @@ def test_serve_answers_the_openai_client(gemma_file):
                                               max_tokens=8, temperature=0)
         assert chat.choices[0].message.content is not None
         assert chat.usage.prompt_tokens > 5, "the chat template's turns are in the prompt"
+
+
+def test_the_comparison_prompts_are_41_tokens_on_gemmas_tokenizer_too(gemma_file):
+    """`conveyor bench compare --model gemma3-270m` builds W1 from Gemma's tokenizer, which needs the filler
+    twice to reach 41 tokens; each prompt still holds its question whole and opens the model's turn."""
+    from conveyor.bench.workload import w1_requests
+    from conveyor.engine.tokenizer import Tokenizer
+    from conveyor.model.loader import resolve_model
+
+    tokenizer = Tokenizer(resolve_model("gemma3-270m"))
+    requests = w1_requests(tokenizer)
+    assert {len(r.prompt_token_ids) for r in requests} == {41}
+    assert len({tuple(r.prompt_token_ids) for r in requests}) == 64
+    text = tokenizer.decode(requests[0].prompt_token_ids, skip_special_tokens=False)
+    assert "<start_of_turn>user\nWhat is the capital of France?" in text
+    assert text.endswith("<end_of_turn>\n<start_of_turn>model\n")

@@ -200,8 +200,13 @@ class Workload:
 
 
 def chat_prompt_ids(tokenizer, question: str, length: int) -> list[int]:
-    """``question`` (plus filler) in the chat template, its content cut so the whole is ``length`` token ids."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question + _W1_FILLER}])
+    """``question`` (plus filler) in the chat template, its content cut so the whole is ``length`` token ids. A
+    tokenizer with fewer tokens to the filler or a shorter template (Gemma's) gets the filler again, as many
+    times as it takes; the default model's prompts need it once."""
+    for times in range(1, 9):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question + _W1_FILLER * times}])
+        if len(ids) >= length:
+            break
     excess = len(ids) - length
     if excess < 0:
         raise ValueError(f"W1: {question!r} with filler is {len(ids)} tokens, fewer than {length}")
