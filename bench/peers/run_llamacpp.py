@@ -111,7 +111,7 @@ def gguf_file(kind: str) -> str:
 if __name__ == "__main__":
     parser = peer_io.argument_parser(__doc__.splitlines()[0], DIR / "model-f32.gguf")
     parser.add_argument("--gguf", choices=("f32", "q8_0", "q4_1", "gemma3-270m"), default=None,
-                        help="run this kind of the default model's GGUF file instead of --model")
+                        help="run this GGUF file instead of --model: a kind of the default model's, or Gemma 3 270M's")
     args = parser.parse_args()
     model = gguf_file(args.gguf) if args.gguf else args.model
     port = free_port()
