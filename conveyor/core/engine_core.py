@@ -31,6 +31,7 @@ from conveyor.core.kv import (
 from conveyor.core.live import LiveRecorder
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import SCHEDULERS, Scheduler, SchedulerConfig, SchedulerOutput
+from conveyor.core.scheduler.fast_forward import FastForwardScheduler
 from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
 
@@ -111,8 +112,12 @@ def _max_model_len(wanted: int | None, model_limit: int, capacity: int) -> int:
     return wanted
 
 
-def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[], float]) -> Scheduler:
-    """The KV manager the config's layout names, and the scheduler over it (``scheduler.kv_manager``)."""
+def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[], float],
+                    fast_forward_token: int | None = None) -> Scheduler:
+    """The KV manager the config's layout names, and the scheduler over it (``scheduler.kv_manager``).
+
+    ``fast_forward_token``: every decode draws this token (a simulation), so the continuous scheduler may
+    advance determined decodes as a group (:mod:`conveyor.core.scheduler.fast_forward`)."""
     if config.kv_layout == "contiguous":
         kv: PagedKVCacheManager = ContiguousKVCacheManager(
             plan.num_blocks, config.block_size, plan.max_model_len, plan.num_cpu_blocks
@@ -141,6 +146,8 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         tpot_slo=tpot_slo,
         tenant_cache_salt=config.tenant_cache_salt,
     )
+    if fast_forward_token is not None and config.scheduler == "continuous":
+        return FastForwardScheduler(scheduler_config, kv, clock, fast_forward_token)
     return SCHEDULERS[config.scheduler](scheduler_config, kv, clock)
 
 
@@ -153,11 +160,14 @@ class EngineCore:
         plan: KVCachePlan,
         executor: Executor,
         clock: Callable[[], float] = time.monotonic,
+        fast_forward_token: int | None = None,
     ) -> None:
+        """``fast_forward_token``: the executor draws this token for every request (a simulation's), which lets
+        the scheduler advance determined decodes as a group, with the same results (see ``build_scheduler``)."""
         self.config = config
         self.plan = plan
         self.clock = clock
-        self.scheduler = build_scheduler(config, plan, clock)
+        self.scheduler = build_scheduler(config, plan, clock, fast_forward_token)
         self.executor = executor
         self.trace: Trace | None = None
         self.live: LiveRecorder | None = None  # set while a dashboard watches
@@ -238,7 +248,9 @@ class EngineCore:
         start = self.clock()
         output = self.last_output = self.scheduler.schedule()
         trace, live = self.trace, self.live
-        slots = self.scheduler.slot_holders() if trace is not None or live is not None else []
+        watched = trace is not None or live is not None
+        slots = self.scheduler.slot_holders() if watched else []
+        listed = self.scheduler.listed(output) if watched else output  # a fast-forward's group, expanded
         try:
             sampled = self.executor.execute(output)
         except Exception as error:  # whatever it was, it ends this step's requests, not the engine
@@ -251,9 +263,9 @@ class EngineCore:
         if trace is not None or live is not None:
             end = self.clock()
             if trace is not None:
-                trace.record(output, slots, [r.request_id for r in updated if r.is_finished], start, end)
+                trace.record(listed, slots, [r.request_id for r in updated if r.is_finished], start, end)
             if live is not None:
-                live.after_step(output, slots, updated, start, end)
+                live.after_step(listed, slots, updated, start, end)
         return result
 
 

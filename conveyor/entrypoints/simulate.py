@@ -85,6 +85,9 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     g.add_argument("--plot", default="sweep.png", help="where --sweep draws")
     g.add_argument("--latency-bound", type=float, default=DEFAULT_LATENCY_BOUND,
                    help="mean normalized latency (s per output token) a sustainable rate stays under")
+    g.add_argument("--fast-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="advance the running requests whose decodes are determined as a group, exact to the step "
+                   "(the same figures and trace as one request at a time, several times faster)")
     g.add_argument("--trace", default=None, help="write the scheduler trace (JSON lines); a folder when there "
                    "are several runs")
     g.add_argument("--json", default=None, help="also write the figures to this file")
@@ -154,7 +157,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                 result, trace = simulate_cluster(config, cost, workload, args.num_replicas, policy, conversations,
                                                  args.workload_seed), None
             else:
-                result, trace = simulate(config, cost, workload, bool(args.trace), conversations)
+                result, trace = simulate(config, cost, workload, bool(args.trace), conversations,
+                                         args.fast_forward)
             result = {"configuration": spec, "request_rate": rate, "steps_priced_by": priced_by, **result}
             results[spec].append(result)
             if trace is not None:

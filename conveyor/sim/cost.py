@@ -67,8 +67,10 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
         if item.samples_token:
             sampled.append(item.request_id)
     swap_blocks = len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out)
-    work = StepWork(len(output.scheduled), num_tokens, len(sampled), attention_pairs, kv_tokens_read, swap_blocks,
-                    decode_context, decode_rows)
+    grouped, context = output.num_grouped_decodes, output.grouped_decode_context  # decodes counted, not listed
+    work = StepWork(len(output.scheduled) + grouped, num_tokens + grouped, len(sampled) + grouped,
+                    attention_pairs + context, kv_tokens_read + context, swap_blocks, decode_context + context,
+                    decode_rows + grouped)
     return work, sampled
 
 

@@ -124,10 +124,10 @@ class GroupedKVCacheManager(PagedKVCacheManager):
         if cpu_tables:
             self.cpu_pool.give_back(_live(cpu_tables))
 
-    def memory_report(self) -> MemoryReport:
+    def memory_report(self, uncounted_slots: int = 0) -> MemoryReport:
         """Slots count in every group: a token's K/V lies once in each group that still holds it."""
         report = super().memory_report()
-        used = self.num_groups * self._used_slots - self.block_size * self._num_behind
+        used = self.num_groups * (self._used_slots + uncounted_slots) - self.block_size * self._num_behind
         return MemoryReport(self.pool.num_blocks * self.block_size, report.reserved_slots, used,
                             report.unusable_free_slots, report.num_requests)
 

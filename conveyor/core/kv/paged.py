@@ -236,6 +236,14 @@ class PagedKVCacheManager:
         self._num_tokens[request_id] = num_tokens
         return table
 
+    def append_blocks(self, request_ids: list[str]) -> None:
+        """One more block for each of these requests, taken in this order, their counts of tokens left as they
+        are (``grow_table`` brings them up): a fast-forward's decodes that reach a new block in the same step.
+        The caller has checked that the pool has them."""
+        tables = self.block_tables
+        for request_id, block in zip(request_ids, self.pool.take(len(request_ids)), strict=True):
+            tables[request_id] = tables[request_id] + [block]  # a new list, as grow_table makes
+
     def _drop_table(self, request_id: str) -> list[int] | None:
         """Remove the request's device table, and its tokens from the used slots; the table, if any."""
         table = self.block_tables.pop(request_id, None)
@@ -256,13 +264,14 @@ class PagedKVCacheManager:
         """Return a request's device blocks to the pool (prefix caching: tail first, see its override)."""
         self.pool.give_back(table)
 
-    def memory_report(self) -> MemoryReport:
-        """Token slots reserved vs holding real KV, and free slots no request could use."""
+    def memory_report(self, uncounted_slots: int = 0) -> MemoryReport:
+        """Token slots reserved vs holding real KV, and free slots no request could use; ``uncounted_slots``:
+        tokens in held blocks that the manager has not been told of yet (a fast-forward's group of decodes)."""
         pool, block_size, shared = self.pool, self.block_size, self.num_shared_slots
         return MemoryReport(
             capacity_slots=self.capacity_tokens,
             reserved_slots=(pool.num_blocks - pool.num_free) * block_size,
-            used_slots=self._used_slots - shared,  # a shared block's tokens are held once
+            used_slots=self._used_slots + uncounted_slots - shared,  # a shared block's tokens are held once
             unusable_free_slots=pool.unusable_free_blocks() * block_size,
             num_requests=len(self.block_tables),
             shared_slots=shared,

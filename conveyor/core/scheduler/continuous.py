@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from conveyor.core.config import check_option, check_partial_prefills, engine_option
 from conveyor.core.errors import RequestRefused
-from conveyor.core.kv import CachedPrefix, PagedKVCacheManager
+from conveyor.core.kv import CachedPrefix, MemoryReport, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
 from conveyor.core.scheduler.admission import AdmissionControl, AdmissionView, margins
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -349,11 +349,20 @@ class Scheduler:
             num_running=len(self.running),
             num_swapped=len(self.swapped),
             kv_usage=self.kv_manager.usage,
-            memory=self.kv_manager.memory_report(),
+            memory=self._memory_report(),
             cached_tokens=self._cached_this_step,
         )
         self._finished_since_last_step = []
         self._cached_this_step = {}
+        return output
+
+    def _memory_report(self) -> MemoryReport:
+        """The KV pool as this step's allocations left it (the fast-forward adds its group's tokens)."""
+        return self.kv_manager.memory_report()
+
+    def listed(self, output: SchedulerOutput) -> SchedulerOutput:
+        """The step with every request it serves listed, as a trace records it (call right after ``schedule``):
+        ``output`` itself here; the simulator's fast-forward expands its group of decodes (fast_forward.py)."""
         return output
 
     def _add_group_tables(self, scheduled: list[ScheduledRequest]) -> None:
@@ -596,15 +605,22 @@ class Scheduler:
 
         Returns the requests that received a token this step, finished or not.
         """
-        now = self.clock()
         updated: list[Request] = []
+        self._update_items(output.scheduled, sampled_token_ids, updated)
+        self.policy.on_tokens(updated)
+        return updated
+
+    def _update_items(self, items: list[ScheduledRequest], sampled_token_ids: dict[str, int],
+                      updated: list[Request]) -> None:
+        """``update`` for these of the step's requests, in their order; those that got a token join ``updated``."""
+        now = self.clock()
         requests, running = self.requests, RequestStatus.RUNNING
         kv = self.kv_manager
         # Prefix caching indexes the blocks a step filled; most decodes fill none, so only a chunk that
         # crosses a block boundary calls it.
         commit, block_size = (kv.commit_computed, kv.block_size) if kv.caches_prefixes else (None, 0)
         windowed = kv.windowed  # its groups give back the blocks their windows have passed
-        for item in output.scheduled:
+        for item in items:
             request = requests.get(item.request_id)
             if request is None or request.status is not running:
                 continue  # aborted while the step ran
@@ -627,8 +643,6 @@ class Scheduler:
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason, stop_reason)
-        self.policy.on_tokens(updated)
-        return updated
 
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
         """The step ``output`` took ``seconds``, schedule to update: the measured step times learn from it

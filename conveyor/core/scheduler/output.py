@@ -60,11 +60,16 @@ class SchedulerOutput:
     memory: MemoryReport | None = None  # after this step's allocations
     # Requests admitted in this step whose leading blocks came from the prefix cache: request id -> tokens.
     cached_tokens: dict[str, int] = field(default_factory=dict)
+    # Decodes advanced as a group (the simulator's fast-forward, scheduler/fast_forward.py): counted here, not
+    # listed in ``scheduled``; each computes one token and draws one, and together they attend to
+    # ``grouped_decode_context`` keys. Always 0 on the real engine.
+    num_grouped_decodes: int = 0
+    grouped_decode_context: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(len(s.token_ids) for s in self.scheduled) + self.num_grouped_decodes
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.num_grouped_decodes
