@@ -10,7 +10,7 @@ and ``ignore_eos``.
 from __future__ import annotations
 
 from conveyor.core.scheduler.output import SchedulerOutput
-from conveyor.sim.cost import CostModel, step_work
+from conveyor.sim.cost import CostModel, StepWork, step_work
 
 
 class VirtualClock:
@@ -38,10 +38,19 @@ class SimulatedExecutor:
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Price the step and move the clock."""
         work, sampled = step_work(output)
+        self._run(work)
+        token = self.token_id
+        return dict.fromkeys(sampled, token)
+
+    def execute_group(self, num_decodes: int, context: int) -> None:
+        """A step of decodes only, given by their number and the keys they attend to in all (a fast-forward's
+        group): priced as ``execute`` prices the same decodes listed one by one."""
+        n = num_decodes
+        self._run(StepWork(n, n, n, context, context, 0, context, n))
+
+    def _run(self, work: StepWork) -> None:
         duration = self.cost.step_time(work, self.block_size)
         self.clock.now += duration
         self.busy_time += duration
         self.num_model_steps += 1 if work.num_seqs else 0
         self.num_busy_slot_steps += work.num_seqs
-        token = self.token_id
-        return dict.fromkeys(sampled, token)

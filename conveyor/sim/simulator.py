@@ -21,7 +21,7 @@ from conveyor.core.errors import RequestRefused
 from conveyor.core.figures import config_figures, met_targets, request_figures
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling import SamplingParams
-from conveyor.core.scheduler import SchedulerOutput
+from conveyor.core.scheduler.fast_forward import FastForwardScheduler
 from conveyor.core.trace import Trace
 from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock
@@ -81,12 +81,12 @@ class _StepSums:
     waste_sum: float = 0.0
     waste_steps: int = 0
 
-    def add(self, output: SchedulerOutput) -> None:
+    def add(self, num_running: int, reserved_slots: int, used_slots: int) -> None:
         self.steps += 1
-        self.peak_running = max(self.peak_running, output.num_running)
-        memory = output.memory
-        if memory is not None and memory.reserved_slots:
-            self.waste_sum += 1 - memory.used_slots / memory.reserved_slots
+        if num_running > self.peak_running:
+            self.peak_running = num_running
+        if reserved_slots:
+            self.waste_sum += 1 - used_slots / reserved_slots
             self.waste_steps += 1
 
 
@@ -127,6 +127,11 @@ class Simulation:
         clock, core, arrivals, conversations = self.clock, self.core, self.arrivals, self.conversations
         finished, sums, refused = self.finished, _StepSums(), Counter()
         next_index, idle_steps = 0, 0
+        # Steps that hold only the fast-forward's group run without an output (a trace lists every step's requests).
+        scheduler = core.scheduler
+        group = scheduler if isinstance(scheduler, FastForwardScheduler) and scheduler.fast_forward else None
+        if self.trace is not None:
+            group = None
         for request in conversations.first_turns():
             _add(core, request, refused)
         while next_index < len(arrivals) or core.has_unfinished_requests():
@@ -136,12 +141,17 @@ class Simulation:
             if not core.has_unfinished_requests():
                 clock.now = arrivals[next_index].arrival_time  # nothing to do until the next arrival
                 continue
-            for request in core.step():
-                if request.status is FINISHED:  # is_finished, without a property call per request and step
-                    finished.add(request)
-                    if conversations and (next_turn := conversations.next_turn(request, clock.now)) is not None:
-                        _add(core, next_turn, refused)
-            sums.add(core.last_output)
+            if group is not None and group.group_step_ready():  # the fast-forward's group alone: no listing
+                step = group.advance_group()
+                self.executor.execute_group(step.num_decodes, step.context)
+                self._finished(group.finish_group_step(), refused)
+                sums.add(step.num_decodes, step.reserved_slots, step.used_slots)
+                idle_steps = 0
+                continue
+            self._finished(core.step(), refused)
+            output = core.last_output
+            memory = output.memory
+            sums.add(output.num_running, *((memory.reserved_slots, memory.used_slots) if memory else (0, 0)))
             idle_steps = idle_steps + 1 if core.last_output.is_empty else 0
             if idle_steps > MAX_IDLE_STEPS:
                 raise RuntimeError(f"the scheduler scheduled nothing for {MAX_IDLE_STEPS} steps in a row")
@@ -150,6 +160,16 @@ class Simulation:
         figures.update(_fast_forward_figures(core))
         figures["simulation_wall_s"] = time.perf_counter() - wall_start
         return figures
+
+
+    def _finished(self, updated: list[Request], refused: Counter[str]) -> None:
+        """Count the step's finished requests; a conversation's next turn arrives as its answer completes."""
+        conversations, core = self.conversations, self.core
+        for request in updated:
+            if request.status is FINISHED:  # is_finished, without a property call per request and step
+                self.finished.add(request)
+                if conversations and (next_turn := conversations.next_turn(request, self.clock.now)) is not None:
+                    _add(core, next_turn, refused)
 
 
 def _add(core: EngineCore, request: Request, refused: Counter[str]) -> None:

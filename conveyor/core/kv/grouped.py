@@ -124,12 +124,16 @@ class GroupedKVCacheManager(PagedKVCacheManager):
         if cpu_tables:
             self.cpu_pool.give_back(_live(cpu_tables))
 
-    def memory_report(self, uncounted_slots: int = 0) -> MemoryReport:
+    def reserved_and_used_slots(self, uncounted_slots: int = 0) -> tuple[int, int]:
         """Slots count in every group: a token's K/V lies once in each group that still holds it."""
+        reserved, _ = super().reserved_and_used_slots()
+        return reserved, self.num_groups * (self._used_slots + uncounted_slots) - self.block_size * self._num_behind
+
+    def memory_report(self, uncounted_slots: int = 0) -> MemoryReport:
         report = super().memory_report()
-        used = self.num_groups * (self._used_slots + uncounted_slots) - self.block_size * self._num_behind
-        return MemoryReport(self.pool.num_blocks * self.block_size, report.reserved_slots, used,
-                            report.unusable_free_slots, report.num_requests)
+        reserved, used = self.reserved_and_used_slots(uncounted_slots)
+        return MemoryReport(self.pool.num_blocks * self.block_size, reserved, used, report.unusable_free_slots,
+                            report.num_requests)
 
     # ----- swap: every group's live blocks, the entries behind a window staying NULL ------------------
 

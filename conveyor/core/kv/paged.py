@@ -268,15 +268,23 @@ class PagedKVCacheManager:
         """Token slots reserved vs holding real KV, and free slots no request could use; ``uncounted_slots``:
         tokens in held blocks that the manager has not been told of yet (a fast-forward's group of decodes)."""
         pool, block_size, shared = self.pool, self.block_size, self.num_shared_slots
+        reserved, used = self.reserved_and_used_slots(uncounted_slots)
         return MemoryReport(
             capacity_slots=self.capacity_tokens,
-            reserved_slots=(pool.num_blocks - pool.num_free) * block_size,
-            used_slots=self._used_slots + uncounted_slots - shared,  # a shared block's tokens are held once
+            reserved_slots=reserved,
+            used_slots=used,
             unusable_free_slots=pool.unusable_free_blocks() * block_size,
             num_requests=len(self.block_tables),
             shared_slots=shared,
             cached_free_slots=self.num_cached_free_blocks * block_size,
         )
+
+    def reserved_and_used_slots(self, uncounted_slots: int = 0) -> tuple[int, int]:
+        """The two figures of ``memory_report`` that every simulated step sums (its waste), alone."""
+        pool = self.pool
+        # A shared block's tokens are held once.
+        used = self._used_slots + uncounted_slots - self.num_shared_slots
+        return (pool.num_blocks - pool.num_free) * self.block_size, used
 
     # ----- swap ---------------------------------------------------------------
 

@@ -86,16 +86,19 @@ class RefCountedBlockPool:
 
     def take(self, n: int) -> list[int]:
         """``n`` blocks with a reference each: never-cached blocks first, then the least recently used cached."""
-        if n > self.num_free:
+        free, ref_counts, evictable = self._free, self.ref_counts, self._evictable
+        if n > len(free) + len(evictable):
             raise RuntimeError(f"asked for {n} KV blocks, {self.num_free} free")
-        free, ref_counts = self._free, self.ref_counts
         blocks = [free.popleft() for _ in range(min(n, len(free)))]
         num_evicted = n - len(blocks)
-        for _ in range(num_evicted):
-            block, _ = self._evictable.popitem(last=False)
-            self._forget(block)
-            blocks.append(block)
-        self.num_evictions += num_evicted
+        if num_evicted:
+            index, node_of = self._index, self._node_of
+            for _ in range(num_evicted):
+                block = evictable.popitem(last=False)[0]
+                node = node_of.pop(block)  # forgotten: its content is found no more
+                del index[(node.parent, node.token_ids)]
+                blocks.append(block)
+            self.num_evictions += num_evicted
         for block in blocks:
             ref_counts[block] = 1
         return blocks
@@ -157,10 +160,6 @@ class RefCountedBlockPool:
         if node is None:
             self._index[key] = self._node_of[block] = node = BlockKey(parent, token_ids, block)
         return node
-
-    def _forget(self, block: int) -> None:
-        node = self._node_of.pop(block)
-        del self._index[(node.parent, node.token_ids)]
 
 
 class PrefixCachingKVCacheManager(PagedKVCacheManager):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from conveyor.core.kv import MemoryReport, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus
@@ -37,6 +38,17 @@ from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler.policies import SchedulingPolicy
 
 GROUP_PAUSE_STEPS = 16  # after the group had to leave for pool pressure, steps before requests join it again
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStep:
+    """A step of the group alone: its decodes, the keys they attend to in all, and the KV slots reserved and
+    used after its blocks were taken (``MemoryReport``'s two figures of the same names)."""
+
+    num_decodes: int
+    context: int
+    reserved_slots: int
+    used_slots: int
 
 
 class _Member:
@@ -67,6 +79,10 @@ class _Member:
 
     def end(self, step: int) -> int:
         return self.context_base + step
+
+
+def _by_key(member: _Member) -> tuple:
+    return member.key
 
 
 class FastForwardScheduler(Scheduler):
@@ -122,7 +138,8 @@ class FastForwardScheduler(Scheduler):
         if not self._members:
             scheduled, budget = super()._schedule_running(budget)
         elif len(self.running) == len(self._members):  # decodes only: the group's allocations, in order
-            self._take_blocks(self._due(self._allocs, self.step_index + 1))
+            step = self.step_index + 1
+            self._take_blocks(self._due(self._allocs, step), step)
             scheduled, budget = [], budget - len(self._members)
         else:
             scheduled, budget = self._schedule_mixed(budget)
@@ -183,8 +200,7 @@ class FastForwardScheduler(Scheduler):
             self._update_items(output.scheduled, sampled_token_ids, updated)
         else:
             step, loop_items = output.step, output.scheduled[: self._num_loop_items]
-            events = sorted(self._due(self._commits, step) + self._due(self._finishes, step),
-                            key=lambda member: member.key)  # stable: a member's commit before its finish
+            events = self._step_events(step)
             for item in loop_items:  # few: prompt chunks or recomputes under way beside the group
                 request = self.requests.get(item.request_id)
                 if request is not None:  # (an aborted one is skipped by _update_items)
@@ -202,6 +218,39 @@ class FastForwardScheduler(Scheduler):
                 if request.status is RequestStatus.RUNNING and request.request_id not in self._members:
                     self._join(request, output.step)
         return updated
+
+    # ----- steps of the group alone: no output, no listing (the simulator's loop between events) -----------
+
+    def group_step_ready(self) -> bool:
+        """Whether the next step holds the group alone and can advance it: nothing waits or is swapped out,
+        every running request is a member, and the pool has the blocks the step takes."""
+        return (bool(self._members) and not self.waiting and not self.swapped
+                and len(self.running) == len(self._members) and self._group_can_advance(self.step_index + 1))
+
+    def advance_group(self) -> GroupStep:
+        """The scheduling half of such a step (``group_step_ready``): the step numbered, its blocks taken.
+        What ``schedule`` would decide, without building the output nobody reads."""
+        self._finished_since_last_step = []  # handed to the executor with this step, as schedule does
+        self._num_loop_items = 0
+        step = self.step_index = self.step_index + 1
+        self._take_blocks(self._due(self._allocs, step), step)
+        num_decodes = len(self._members)
+        self.num_grouped_decodes += num_decodes
+        context = self._context_base + num_decodes * step
+        return GroupStep(num_decodes, context, *self.kv_manager.reserved_and_used_slots(context - self._synced))
+
+    def finish_group_step(self) -> list[Request]:
+        """The update half: the members' events of the step in the running queue's order; the requests that
+        finished in it."""
+        step, finished = self.step_index, []
+        self.num_generation_tokens += len(self._members)
+        # Indexing a block and giving a finished request's blocks back commute (neither reads what the other
+        # changes), so each kind keeps its own order and the two need no merging.
+        for member in self._due(self._commits, step):
+            self._commit(member, step)
+        for member in self._due(self._finishes, step):
+            self._end(member, step, finished)
+        return finished
 
     def listed(self, output: SchedulerOutput) -> SchedulerOutput:
         """The step with its group expanded into the requests it stands for, as the plain scheduler lists them:
@@ -232,6 +281,9 @@ class FastForwardScheduler(Scheduler):
         table_slots = len(self.kv_manager.block_ids(request.request_id)) * self.kv_manager.block_size
         member = _Member(request, self._order(request), step, finish, table_slots, self.kv_manager.block_size,
                          self.kv_manager.caches_prefixes)
+        # The tokens it will have drawn by its finish, written now (cut back if it leaves the group before): the
+        # group owns the request meanwhile, and its commits read them.
+        request.output_token_ids.extend([self.decode_token] * (finish - step))
         self._members[request.request_id] = member
         self._context_base += member.context_base
         self._synced += member.synced
@@ -256,7 +308,17 @@ class FastForwardScheduler(Scheduler):
         members = events.pop(step, None)
         if not members:
             return []
-        return sorted((m for m in members if m.alive), key=lambda member: member.key)
+        if len(members) == 1:
+            return members if members[0].alive else []
+        return sorted((m for m in members if m.alive), key=_by_key)
+
+    def _step_events(self, step: int) -> list[_Member]:
+        """The members' update events of ``step`` in the running queue's order (a member filling a block in
+        the step it ends appears twice: its commit first, as sorting is stable)."""
+        commits, finishes = self._due(self._commits, step), self._due(self._finishes, step)
+        if not commits or not finishes:
+            return commits or finishes
+        return sorted(commits + finishes, key=_by_key)
 
     def _sync(self, member: _Member, step: int) -> None:
         """Bring the KV manager's count of the member's tokens up to ``end(step)`` (a block too when due)."""
@@ -270,12 +332,11 @@ class FastForwardScheduler(Scheduler):
         self._sync(member, step)
         self._next_block(member, step)
 
-    def _take_blocks(self, members: list[_Member]) -> None:
-        """The next block of each of these members, in their order: the step holds nobody else."""
+    def _take_blocks(self, members: list[_Member], step: int) -> None:
+        """The next block of each of these members in ``step``, in their order: the step holds nobody else."""
         if not members:
             return
         self.kv_manager.append_blocks([member.request.request_id for member in members])
-        step = self.step_index + 1
         for member in members:
             self._next_block(member, step)
 
@@ -284,25 +345,26 @@ class FastForwardScheduler(Scheduler):
         if member.next_alloc <= member.finish:
             self._allocs.setdefault(member.next_alloc, []).append(member)
 
-    def _catch_up(self, member: _Member, step: int, num_output: int) -> Request:
-        """Give the member's request the state it has in ``step``: its computed tokens, ``num_output`` outputs."""
-        request = member.request
-        request.num_computed_tokens = member.end(step)
-        missing = num_output - len(request.output_token_ids)
-        if missing > 0:
-            request.output_token_ids.extend([self.decode_token] * missing)
-        return request
-
     def _member_event(self, member: _Member, step: int, updated: list[Request]) -> None:
         """A member's event in this step's update: it filled a block (indexed), or it ends."""
         if member.next_commit == step:
-            request = self._catch_up(member, step, member.output_base + step - 1)  # this step's token not drawn yet
-            self.kv_manager.commit_computed(request)
-            member.next_commit = step + self.kv_manager.block_size
-            if member.next_commit <= member.finish:
-                self._commits.setdefault(member.next_commit, []).append(member)
-            return
-        request = self._catch_up(member, step, member.output_base + step)
+            self._commit(member, step)
+        else:
+            self._end(member, step, updated)
+
+    def _commit(self, member: _Member, step: int) -> None:
+        """The member filled a block in ``step``: prefix caching indexes it."""
+        request = member.request
+        request.num_computed_tokens = member.end(step)
+        self.kv_manager.commit_computed(request)
+        member.next_commit = step + self.kv_manager.block_size
+        if member.next_commit <= member.finish:
+            self._commits.setdefault(member.next_commit, []).append(member)
+
+    def _end(self, member: _Member, step: int, updated: list[Request]) -> None:
+        """The member draws its last token in ``step``."""
+        request = member.request
+        request.num_computed_tokens = member.end(step)
         self._sync(member, step)
         self._remove(member)
         reason, stop_reason = self._check_stop(request, self.decode_token)
@@ -320,8 +382,9 @@ class FastForwardScheduler(Scheduler):
 
     def _leave(self, member: _Member) -> None:
         """The member leaves the group between steps, its request brought up to date (after the last step)."""
-        step = self.step_index
-        self._catch_up(member, step, member.output_base + step)
+        step, request = self.step_index, member.request
+        request.num_computed_tokens = member.end(step)
+        del request.output_token_ids[member.output_base + step :]  # the tokens not drawn yet
         self._sync(member, step)
         self._remove(member)
 
