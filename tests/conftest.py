@@ -121,3 +121,16 @@ def width(request, kernels) -> int:
     if request.param not in kernels.kernel_widths():
         pytest.skip(f"CPU lacks {WIDTH_FEATURES[request.param]}: no {request.param}-bit kernels to check")
     return request.param
+
+
+@pytest.fixture
+def machine_cache(tmp_path, monkeypatch):
+    """The simulator's files (machine figures, profiles) in tmp_path; cpu-local measured as 2e10 B/s, 1e11 FLOP/s,
+    whether or not this machine was ever measured."""
+    import json
+
+    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
+    (tmp_path / "machine.json").write_text(json.dumps({
+        "memory_bandwidth": 2e10, "gemm_flops": 1e11, "dtype": "float32", "threads": 2, "cpu": "test",
+        "measured_at": "now"}))
+    return tmp_path

@@ -112,7 +112,7 @@ def test_an_unknown_kv_cache_dtype_is_refused_by_name():
         EngineConfig(kv_cache_dtype="fp8_e4m3")
 
 
-def test_the_cost_model_reads_a_quarter_of_the_kv_bytes_in_fp8():
+def test_the_cost_model_reads_a_quarter_of_the_kv_bytes_in_fp8(machine_cache):
     """The simulator and the roofline count K and V in the cache's dtype; a step profile (timed over a cache in
     the model's dtype) is not used for another one."""
     from conveyor.core.config import EngineConfig

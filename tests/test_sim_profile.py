@@ -148,16 +148,6 @@ def test_each_machine_isa_and_thread_count_has_its_own_profile_file():
     assert profile_path(avx2, MODEL, "float32") != profile_path(avx2, MODEL, "bfloat16")
 
 
-@pytest.fixture
-def machine_cache(tmp_path, monkeypatch):
-    """The simulator's files (machine figures, profiles) in tmp_path; cpu-local measured as 2e10 B/s, 1e11 FLOP/s."""
-    monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
-    (tmp_path / "machine.json").write_text(json.dumps({
-        "memory_bandwidth": 2e10, "gemm_flops": 1e11, "dtype": "float32", "threads": 2, "cpu": "test",
-        "measured_at": "now"}))
-    return tmp_path
-
-
 def test_cpu_local_prices_steps_by_this_machines_current_profile_else_the_roofline(machine_cache, monkeypatch):
     cpu = load_hardware("cpu-local")
     cost, said = step_cost_model(MODEL, cpu, "float32", threads=2)
