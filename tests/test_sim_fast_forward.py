@@ -20,7 +20,8 @@ from conveyor.sim.simulator import Simulation
 from conveyor.sim.workload import ConversationShape, WorkloadRequest
 
 SMALL = CostModel(load_model_config("SmolLM2-135M"), load_hardware("A100-80GB"), "float16")
-RUN_ONLY = ("fast_forward", "decodes_fast_forwarded", "simulation_wall_s")  # how it ran, not what it found
+# How it ran, not what it found.
+RUN_ONLY = ("fast_forward", "decodes_fast_forwarded", "steps_fast_forwarded", "simulation_wall_s")
 
 
 def _workload(rng: random.Random, num: int, max_prompt: int, max_output: int) -> list[WorkloadRequest]:

@@ -185,11 +185,14 @@ def _add(core: EngineCore, request: Request, refused: Counter[str]) -> None:
 
 def _fast_forward_figures(core: EngineCore) -> dict[str, Any]:
     """How much of the run the fast-forward advanced as a group: decodes (one request's step each) grouped, of
-    all the decodes the running loops served."""
-    grouped = getattr(core.scheduler, "num_grouped_decodes", 0)
-    listed = getattr(core.scheduler, "num_listed_decodes", 0)
-    return {"fast_forward": bool(getattr(core.scheduler, "fast_forward", False)),
-            "decodes_fast_forwarded": grouped / (grouped + listed) if grouped + listed else 0.0}
+    all the decodes the running loops served, and the steps that held the group alone (run without listing
+    anyone)."""
+    scheduler = core.scheduler
+    grouped = getattr(scheduler, "num_grouped_decodes", 0)
+    listed = getattr(scheduler, "num_listed_decodes", 0)
+    return {"fast_forward": bool(getattr(scheduler, "fast_forward", False)),
+            "decodes_fast_forwarded": grouped / (grouped + listed) if grouped + listed else 0.0,
+            "steps_fast_forwarded": getattr(scheduler, "num_group_steps", 0)}
 
 
 def _shedding_figures(finished: FinishedSums, refused: Counter[str], elapsed: float) -> dict[str, Any]:

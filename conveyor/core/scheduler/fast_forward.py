@@ -110,6 +110,7 @@ class FastForwardScheduler(Scheduler):
         self._paused_until = 0  # no joining before this step (the group just left for pool pressure)
         self.num_grouped_decodes = 0  # decodes advanced as a group, over the run
         self.num_listed_decodes = 0  # and those visited one by one
+        self.num_group_steps = 0  # steps of the group alone (advance_group), run without an output
 
     # ----- a step ----------------------------------------------------------------
 
@@ -236,6 +237,7 @@ class FastForwardScheduler(Scheduler):
         self._take_blocks(self._due(self._allocs, step), step)
         num_decodes = len(self._members)
         self.num_grouped_decodes += num_decodes
+        self.num_group_steps += 1
         context = self._context_base + num_decodes * step
         return GroupStep(num_decodes, context, *self.kv_manager.reserved_and_used_slots(context - self._synced))
 
