@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.core.kv import PagedKVCacheManager, PrefixCachingKVCacheManager
+from conveyor.core.kv import PagedKVCacheManager, PrefixCachingKVCacheManager, prefix_cache
 from conveyor.core.kv.prefix_cache import RefCountedBlockPool
 from conveyor.core.request import Request
 from conveyor.core.sampling import SamplingParams
@@ -188,6 +188,22 @@ def test_shared_prefixes_are_reused_safely_and_change_no_output(work: Sharing) -
     assert all(count == 0 for count in kv.pool.ref_counts), "a reference outlived its request"
     assert kv.num_free_blocks == kv.num_blocks, "every block ends free or cached"
     assert kv.pool.num_shared_refs == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(sharing_workloads())
+def test_contents_whose_digests_collide_are_still_told_apart(work: Sharing) -> None:
+    """The index is keyed by a digest of each block's content; with every digest the same (one chain of nodes),
+    the same requests find the same blocks cached and evictions take the same ones out."""
+    expected, scheduler, _ = run(work, caching=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefix_cache, "content_digest", lambda content: 7)
+        colliding, colliding_scheduler, _ = run(work, caching=True)
+    assert colliding == expected
+    kv, plain = colliding_scheduler.kv_manager, scheduler.kv_manager
+    assert (kv.num_hits, kv.pool.num_evictions, kv.pool.num_cached) == (
+        plain.num_hits, plain.pool.num_evictions, plain.pool.num_cached)
+    assert kv.pool.free_block_ids() == plain.pool.free_block_ids()
 
 
 def test_a_repeated_prefix_is_found_and_counted() -> None:

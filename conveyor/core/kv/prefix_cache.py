@@ -21,19 +21,31 @@ from conveyor.core.kv.paged import NO_PREFIX, CachedPrefix, PagedKVCacheManager,
 from conveyor.core.request import Request
 
 
+# The digest of a block's content (its parent node and token ids): Python's hash, which can collide; the index
+# chains the nodes that share one and compares contents whole. (Tests make every content collide.)
+content_digest = hash
+
+
 class BlockKey:
     """The identity of one full block's content: the node before it and its token ids; and the block holding it.
 
     Nodes are compared by identity; a child's key holds its parent node, so a
     parent stays alive (and its identity unique) as long as any child key does.
+    ``digest`` is the hash of ``(parent, token_ids)``, computed once: the index
+    is keyed by it (an int hashes for nothing, where a tuple of a block's token
+    ids is hashed anew at every dictionary operation), and nodes whose contents
+    share a digest are chained through ``next_same_digest``, so the content is
+    still compared whole.
     """
 
-    __slots__ = ("block", "parent", "token_ids")
+    __slots__ = ("block", "digest", "next_same_digest", "parent", "token_ids")
 
-    def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...], block: int = -1) -> None:
+    def __init__(self, parent: BlockKey | None, token_ids: tuple[int, ...], block: int = -1, digest: int = 0) -> None:
         self.parent = parent
         self.token_ids = token_ids
         self.block = block
+        self.digest = digest
+        self.next_same_digest: BlockKey | None = None
 
 
 class RefCountedBlockPool:
@@ -51,7 +63,7 @@ class RefCountedBlockPool:
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
-        self._index: dict[tuple[BlockKey | None, tuple[int, ...]], BlockKey] = {}  # content -> its node
+        self._index: dict[int, BlockKey] = {}  # digest of a content -> its node (the first of those with it)
         self._node_of: dict[int, BlockKey] = {}  # cached block -> the node of its content
         self.num_evictions = 0
         self.num_shared_refs = 0  # references beyond the first, over all blocks: the sharing prefix caching buys
@@ -71,7 +83,7 @@ class RefCountedBlockPool:
     @property
     def num_cached(self) -> int:
         """Blocks whose content is indexed, held or not."""
-        return len(self._index)
+        return len(self._node_of)
 
     def can_take(self, n: int) -> bool:
         return n <= self.num_free
@@ -96,7 +108,10 @@ class RefCountedBlockPool:
             for _ in range(num_evicted):
                 block = evictable.popitem(last=False)[0]
                 node = node_of.pop(block)  # forgotten: its content is found no more
-                del index[(node.parent, node.token_ids)]
+                if index[node.digest] is node and node.next_same_digest is None:
+                    del index[node.digest]  # alone with its digest, as nearly always
+                else:
+                    self._unchain(node)
                 blocks.append(block)
             self.num_evictions += num_evicted
         for block in blocks:
@@ -120,7 +135,9 @@ class RefCountedBlockPool:
 
     def lookup(self, parent: BlockKey | None, token_ids: tuple[int, ...]) -> tuple[int, BlockKey] | None:
         """The cached block holding ``token_ids`` after ``parent``, and its node; None on a miss."""
-        node = self._index.get((parent, token_ids))
+        node = self._index.get(content_digest((parent, token_ids)))
+        while node is not None and not (node.parent is parent and node.token_ids == token_ids):
+            node = node.next_same_digest
         return None if node is None else (node.block, node)
 
     def is_evictable(self, block: int) -> bool:
@@ -155,11 +172,29 @@ class RefCountedBlockPool:
         If another block already holds the same content, that one stays indexed and its node is returned:
         the content, not the block, is what later keys chain on.
         """
-        key = (parent, token_ids)
-        node = self._index.get(key)
+        digest = content_digest((parent, token_ids))
+        first = node = self._index.get(digest)
+        while node is not None and not (node.parent is parent and node.token_ids == token_ids):
+            node = node.next_same_digest
         if node is None:
-            self._index[key] = self._node_of[block] = node = BlockKey(parent, token_ids, block)
+            node = BlockKey(parent, token_ids, block, digest)
+            node.next_same_digest = first
+            self._index[digest] = self._node_of[block] = node
         return node
+
+    def _unchain(self, node: BlockKey) -> None:
+        """Take an evicted node out of the chain of nodes with its digest (and the digest out of the index with
+        the last of them)."""
+        first = self._index[node.digest]
+        if first is node:
+            if node.next_same_digest is None:
+                del self._index[node.digest]
+            else:
+                self._index[node.digest] = node.next_same_digest
+            return
+        while first.next_same_digest is not node:
+            first = first.next_same_digest
+        first.next_same_digest = node.next_same_digest
 
 
 class PrefixCachingKVCacheManager(PagedKVCacheManager):
