@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from conveyor.core.config import EngineConfig
 from conveyor.core.trace import step_as_dict
+from conveyor.sim.cluster import simulate_cluster
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import load_hardware, load_model_config
 from conveyor.sim.simulator import Simulation
@@ -102,3 +103,19 @@ def test_a_long_run_is_advanced_as_a_group_and_passes_every_kind_of_event():
     assert fast.finished.preemptions > 0  # the pool ran short
     scheduler = fast.core.scheduler
     assert scheduler.num_grouped_decodes > 2 * scheduler.num_listed_decodes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10**6), st.sampled_from(["round-robin", "least-loaded", "cache-aware"]), st.booleans())
+def test_a_cluster_of_fast_forwarding_replicas_gives_the_same_figures(seed, router, conversing):
+    """Each replica advances its own group; the router reads every replica's queues, pool and finished prompts."""
+    rng = random.Random(seed)
+    config = EngineConfig(block_size=4, max_num_seqs=6, max_num_batched_tokens=64, num_kv_blocks=60,
+                          max_model_len=200)
+    workload = _workload(rng, rng.randint(5, 40), 150, 120)
+    conversations = _conversations(rng, 3) if conversing else None
+    figures = [simulate_cluster(config, SMALL, workload, 3, router, conversations, seed, fast_forward=fast)
+               for fast in (False, True)]
+    plain, fast = ({k: "nan" if v != v else v for k, v in f.items() if k not in RUN_ONLY} for f in figures)
+    assert fast == plain
+    assert figures[1]["steps_fast_forwarded"] > 0 and figures[0]["steps_fast_forwarded"] == 0

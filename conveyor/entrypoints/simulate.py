@@ -155,7 +155,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             if policies:
                 policy = spec.rpartition("router=")[2]
                 result, trace = simulate_cluster(config, cost, workload, args.num_replicas, policy, conversations,
-                                                 args.workload_seed), None
+                                                 args.workload_seed, args.fast_forward), None
             else:
                 result, trace = simulate(config, cost, workload, bool(args.trace), conversations,
                                          args.fast_forward)

@@ -19,10 +19,18 @@ from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
 from conveyor.core.figures import request_figures
 from conveyor.core.request import Request, RequestStatus
+from conveyor.core.scheduler.fast_forward import FastForwardScheduler
 from conveyor.router import Router
 from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock
-from conveyor.sim.simulator import ConversationFeed, FinishedSums, mid_run_rates, workload_request
+from conveyor.sim.simulator import (
+    ConversationFeed,
+    FinishedSums,
+    fast_forward_group,
+    mid_run_rates,
+    run_step,
+    workload_request,
+)
 from conveyor.sim.workload import ConversationShape, WorkloadRequest
 
 FINISHED = RequestStatus.FINISHED
@@ -35,6 +43,7 @@ class SimulatedReplica:
     clock: VirtualClock
     executor: SimulatedExecutor
     core: EngineCore
+    group: FastForwardScheduler | None = None  # its fast-forward's group of decodes (simulator.run_step)
     num_routed: int = 0
 
     def busy(self) -> bool:
@@ -53,11 +62,14 @@ class ClusterSimulation:
         router_policy: str,
         conversations: list[ConversationShape] | None = None,
         seed: int = 0,
+        fast_forward: bool = True,
     ) -> None:
+        """``fast_forward``: each replica advances its determined decodes as a group (the same results)."""
         if num_replicas < 1:
             raise ValueError(f"--num-replicas must be >= 1, got {num_replicas}")
         self.config = config
         self.cost = cost
+        self.fast_forward = fast_forward
         self.plan = plan_kv_cache(config, cost.kv_bytes_per_token, cost.model.max_position_embeddings,
                                   cost.model.layer_windows)
         self.replicas = [self._replica() for _ in range(num_replicas)]
@@ -76,7 +88,9 @@ class ClusterSimulation:
     def _replica(self) -> SimulatedReplica:
         clock = VirtualClock()
         executor = SimulatedExecutor(self.cost, clock, self.config.block_size)
-        return SimulatedReplica(clock, executor, EngineCore(self.config, self.plan, executor, clock))
+        token = executor.token_id if self.fast_forward else None
+        core = EngineCore(self.config, self.plan, executor, clock, fast_forward_token=token)
+        return SimulatedReplica(clock, executor, core, fast_forward_group(core))
 
     def _push(self, request: Request) -> None:
         heapq.heappush(self._arrivals, (request.arrival_time, next(self._order), request))
@@ -117,7 +131,7 @@ class ClusterSimulation:
         self._replica_of[request.request_id] = index
 
     def _step(self, replica: SimulatedReplica, finished: FinishedSums) -> None:
-        for request in replica.core.step():
+        for request in run_step(replica.core, replica.executor, replica.group)[0]:
             if request.status is not FINISHED:
                 continue
             finished.add(request)
@@ -150,6 +164,7 @@ class ClusterSimulation:
             "busy_fraction": busy_time / (len(self.replicas) * (end - start)) if end > start else 0.0,
             "offered_rate": offered,
             "completion_rate": completed,
+            "steps_fast_forwarded": sum(r.group.num_group_steps for r in self.replicas if r.group is not None),
         }
 
 
@@ -161,6 +176,8 @@ def simulate_cluster(
     router_policy: str,
     conversations: list[ConversationShape] | None = None,
     seed: int = 0,
+    fast_forward: bool = True,
 ) -> dict[str, Any]:
     """Run ``workload`` (and ``conversations``) on the cluster to the end; its figures."""
-    return ClusterSimulation(config, cost, workload, num_replicas, router_policy, conversations, seed).run()
+    return ClusterSimulation(config, cost, workload, num_replicas, router_policy, conversations, seed,
+                             fast_forward).run()

@@ -130,11 +130,7 @@ class Simulation:
         clock, core, arrivals, conversations = self.clock, self.core, self.arrivals, self.conversations
         finished, sums, refused = self.finished, _StepSums(), Counter()
         next_index, idle_steps = 0, 0
-        # Steps that hold only the fast-forward's group run without an output (a trace lists every step's requests).
-        scheduler = core.scheduler
-        group = scheduler if isinstance(scheduler, FastForwardScheduler) and scheduler.fast_forward else None
-        if self.trace is not None:
-            group = None
+        group = fast_forward_group(core, traced=self.trace is not None)
         for request in conversations.first_turns():
             _add(core, request, refused)
         while next_index < len(arrivals) or core.has_unfinished_requests():
@@ -144,18 +140,10 @@ class Simulation:
             if not core.has_unfinished_requests():
                 clock.now = arrivals[next_index].arrival_time  # nothing to do until the next arrival
                 continue
-            if group is not None and group.group_step_ready():  # the fast-forward's group alone: no listing
-                step = group.advance_group()
-                self.executor.execute_group(step.num_decodes, step.context)
-                self._finished(group.finish_group_step(), refused)
-                sums.add(step.num_decodes, step.reserved_slots, step.used_slots)
-                idle_steps = 0
-                continue
-            self._finished(core.step(), refused)
-            output = core.last_output
-            memory = output.memory
-            sums.add(output.num_running, *((memory.reserved_slots, memory.used_slots) if memory else (0, 0)))
-            idle_steps = idle_steps + 1 if core.last_output.is_empty else 0
+            updated, num_running, reserved, used, empty = run_step(core, self.executor, group)
+            self._finished(updated, refused)
+            sums.add(num_running, reserved, used)
+            idle_steps = idle_steps + 1 if empty else 0
             if idle_steps > MAX_IDLE_STEPS:
                 raise RuntimeError(f"the scheduler scheduled nothing for {MAX_IDLE_STEPS} steps in a row")
         figures = _figures(self.config, self.cost, finished, sums, self.executor, clock.now, core)
@@ -173,6 +161,32 @@ class Simulation:
                 self.finished.add(request)
                 if conversations and (next_turn := conversations.next_turn(request, self.clock.now)) is not None:
                     _add(core, next_turn, refused)
+
+
+def fast_forward_group(core: EngineCore, traced: bool = False) -> FastForwardScheduler | None:
+    """The core's scheduler where it advances a group of decodes (see ``run_step``); None where it does not, or
+    where a trace is recorded (a trace lists every step's requests, so each step builds its output)."""
+    scheduler = core.scheduler
+    if traced or not isinstance(scheduler, FastForwardScheduler) or not scheduler.fast_forward:
+        return None
+    return scheduler
+
+
+def run_step(core: EngineCore, executor: SimulatedExecutor,
+             group: FastForwardScheduler | None) -> tuple[list[Request], int, int, int, bool]:
+    """One step of a simulated engine: a step of the fast-forward's group alone where there is one (priced from
+    the group's size and context, no output built), else the core's full step. Returns the requests that got a
+    token (those of the group only if they finished), the requests running in the step, the KV slots reserved
+    and used after its allocations, and whether it scheduled nothing."""
+    if group is not None and group.group_step_ready():
+        step = group.advance_group()
+        executor.execute_group(step.num_decodes, step.context)
+        return group.finish_group_step(), step.num_decodes, step.reserved_slots, step.used_slots, False
+    updated = core.step()
+    output = core.last_output
+    memory = output.memory
+    reserved, used = (memory.reserved_slots, memory.used_slots) if memory is not None else (0, 0)
+    return updated, output.num_running, reserved, used, output.is_empty
 
 
 def _add(core: EngineCore, request: Request, refused: Counter[str]) -> None:

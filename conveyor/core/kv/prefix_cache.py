@@ -20,7 +20,6 @@ from collections.abc import Iterable, Sequence
 from conveyor.core.kv.paged import NO_PREFIX, CachedPrefix, PagedKVCacheManager, blocks_for_tokens
 from conveyor.core.request import Request
 
-
 # The digest of a block's content (its parent node and token ids): Python's hash, which can collide; the index
 # chains the nodes that share one and compares contents whole. (Tests make every content collide.)
 content_digest = hash
