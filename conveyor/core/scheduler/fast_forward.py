@@ -12,11 +12,13 @@ A step then costs the other requests' work and the group's events, not a visit p
 
 Every decision a step makes is still the scheduler's own: admission reads the real pool, queues and
 ``max_num_seqs``; the group only replaces the loop over decodes whose outcome is known. Where it would not be
-known (the pool could run short this step and someone be preempted, the token budget would not reach
-every decode, a request is swapped out), the group leaves first: each member's state is brought up to
-date and the step runs exactly as the plain scheduler runs it. The results are therefore identical to
-stepping one request at a time: every request's tokens, times and blocks, every step's figures and
-trace (``listed`` expands a step's group into the requests it stands for). The tests hold it to that.
+known (the token budget would not reach every decode, a request is swapped out), the group leaves
+first: each member's state is brought up to date and the step runs exactly as the plain scheduler runs
+it. A pool that runs short is met in the running queue's order, as the plain loop meets it: the request
+short of a block preempts from the back, and a member among the victims leaves the group first. The
+results are therefore identical to stepping one request at a time: every request's tokens, times and
+blocks, every step's figures and trace (``listed`` expands a step's group into the requests it stands
+for). The tests hold it to that.
 
 Only the simulator uses this (``EngineCore(fast_forward_token=...)``): the real engine must run every
 request through the model. It applies where a decode's step has no side effect beyond the request
@@ -38,7 +40,7 @@ from conveyor.core.scheduler.continuous import Scheduler, SchedulerConfig, _num_
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler.policies import SchedulingPolicy
 
-GROUP_PAUSE_STEPS = 16  # after the group had to leave for pool pressure, steps before requests join it again
+GROUP_PAUSE_STEPS = 16  # after the group had to leave (a swap, a budget short of it), steps before joining again
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +122,8 @@ class FastForwardScheduler(Scheduler):
         if self._members and not self._group_can_advance(step):
             self._leave_all()
             self._paused_until = step + GROUP_PAUSE_STEPS
-        num_grouped = len(self._members)
         output = super().schedule()
+        num_grouped = len(self._members)  # less any the step preempted
         if num_grouped:
             output.num_grouped_decodes = num_grouped
             output.grouped_decode_context = self._context_base + num_grouped * step
@@ -138,60 +140,68 @@ class FastForwardScheduler(Scheduler):
         """The running loop: members take their one token (and, at their events, a block) without a visit."""
         if not self._members:
             scheduled, budget = super()._schedule_running(budget)
-        elif len(self.running) == len(self._members):  # decodes only: the group's allocations, in order
-            step = self.step_index + 1
+        elif len(self.running) == len(self._members) and self._pool_has_the_blocks(self.step_index + 1):
+            step = self.step_index + 1  # decodes only, and nobody is preempted: the group's blocks, in order
             self._take_blocks(self._due(self._allocs, step), step)
             scheduled, budget = [], budget - len(self._members)
         else:
-            scheduled, budget = self._schedule_mixed(budget)
+            scheduled, budget = self._schedule_in_order(budget)
         self._num_loop_items = len(scheduled)
         self.num_listed_decodes += sum(1 for item in scheduled if len(item.token_ids) == 1)
         return scheduled, budget
 
-    def _schedule_mixed(self, budget: int) -> tuple[list[ScheduledRequest], int]:
-        """The plain loop over the running queue, with members and other requests side by side (a prompt chunk
-        or a recompute under way); ``_group_can_advance`` checked that the pool and the budget reach all."""
+    def _schedule_in_order(self, budget: int) -> tuple[list[ScheduledRequest], int]:
+        """The plain loop over the running queue, members and other requests side by side (a prompt chunk or a
+        recompute under way, or a pool that may run short): members take their token and, when due, their
+        block; a request the pool is short for preempts from the back (members among the victims leave the
+        group first), as the plain loop does. ``_group_can_advance`` checked that the budget reaches every
+        member."""
         step = self.step_index + 1
         due = {member.request.request_id: member for member in self._due(self._allocs, step)}
         members, grow_table = self._members, self.kv_manager.grow_table
         scheduled: list[ScheduledRequest] = []
-        for request in self.running:
+        for request in self.running:  # victims leave from the back: the loop never meets one
             if budget <= 0:
                 break
             request_id = request.request_id
-            if request_id in members:
-                if request_id in due:
-                    self._take_block(due[request_id], step)
-                budget -= 1
-                continue
-            num_new = _num_new_tokens(request, budget)
-            scheduled.append(_scheduled_request(request, num_new,
-                                                grow_table(request_id, request.num_computed_tokens + num_new)))
+            member = members.get(request_id)
+            num_new = 1 if member is not None else _num_new_tokens(request, budget)
+            end = member.end(step) if member is not None else request.num_computed_tokens + num_new
+            block_ids = grow_table(request_id, end) if member is None or request_id in due else True
+            if block_ids is None:  # the pool is short
+                block_ids, refund = self._make_room(request, end, scheduled)
+                budget += refund
+                if block_ids is None:
+                    break  # the request preempted itself: it was the back of the queue
+            if member is not None:
+                if request_id in due:  # grow_table counted its tokens up to end
+                    self._synced += end - member.synced
+                    member.synced = end
+                    self._next_block(member, step)
+            else:
+                scheduled.append(_scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return scheduled, budget
 
     def _group_can_advance(self, step: int) -> bool:
         """Whether the step can run with the group as it is: nobody swapped out (resuming reads every running
-        request's length), the budget reaches every member in the running loop's order, and the pool has every
-        block that loop takes, so that nobody is preempted."""
+        request's length), and the budget reaches every member in the running loop's order. (A pool that runs
+        short is met in order, as the plain loop meets it: see ``_schedule_in_order``.)"""
         if self.swapped:
             return False
-        kv, members = self.kv_manager, self._members
-        blocks = sum(1 for m in self._allocs.get(step, ()) if m.alive)  # one block each: see _Member.next_alloc
-        budget = self.config.max_num_batched_tokens
+        members, budget = self._members, self.config.max_num_batched_tokens
         if len(self.running) == len(members):
-            return len(members) <= budget and blocks <= kv.num_free_blocks
+            return len(members) <= budget
         running = self.running
         for index, request in enumerate(running):  # the running loop's budget, played out without taking anything
             if budget <= 0:  # the loop stops here: fine unless a member is left unserved
-                return not any(r.request_id in members for r in running[index:]) and blocks <= kv.num_free_blocks
-            if request.request_id in members:
-                budget -= 1
-                continue
-            num_new = _num_new_tokens(request, budget)
-            blocks += kv.blocks_to_grow(request.request_id, request.num_computed_tokens + num_new)
-            budget -= num_new
-        return blocks <= kv.num_free_blocks
+                return not any(r.request_id in members for r in running[index:])
+            budget -= 1 if request.request_id in members else _num_new_tokens(request, budget)
+        return True
+
+    def _pool_has_the_blocks(self, step: int) -> bool:
+        """Whether the pool has the block of every member due one in ``step`` (one each: _Member.next_alloc)."""
+        return sum(1 for m in self._allocs.get(step, ()) if m.alive) <= self.kv_manager.num_free_blocks
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """The listed requests as the plain scheduler updates them, the members' events of this step merged in
@@ -225,8 +235,10 @@ class FastForwardScheduler(Scheduler):
     def group_step_ready(self) -> bool:
         """Whether the next step holds the group alone and can advance it: nothing waits or is swapped out,
         every running request is a member, and the pool has the blocks the step takes."""
+        step = self.step_index + 1
         return (bool(self._members) and not self.waiting and not self.swapped
-                and len(self.running) == len(self._members) and self._group_can_advance(self.step_index + 1))
+                and len(self.running) == len(self._members) and self._group_can_advance(step)
+                and self._pool_has_the_blocks(step))
 
     def advance_group(self) -> GroupStep:
         """The scheduling half of such a step (``group_step_ready``): the step numbered, its blocks taken.
@@ -329,11 +341,6 @@ class FastForwardScheduler(Scheduler):
         self.kv_manager.grow_table(member.request.request_id, end)
         self._synced += end - member.synced
         member.synced = end
-
-    def _take_block(self, member: _Member, step: int) -> None:
-        """The member's next block, beside other requests of the running loop (their order kept)."""
-        self._sync(member, step)
-        self._next_block(member, step)
 
     def _take_blocks(self, members: list[_Member], step: int) -> None:
         """The next block of each of these members in ``step``, in their order: the step holds nobody else."""
