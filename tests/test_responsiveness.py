@@ -102,5 +102,7 @@ def test_a_1_mib_prompt_does_not_hold_up_a_concurrent_stream(tiny_model_dir):
               f"{usual * 1000:.1f} ms before, longest {max(during) * 1000:.1f} ms while the prompt was handled, "
               f"p99 over the stream {sorted(gaps)[int(0.99 * len(gaps))] * 1000:.1f} ms")
         assert len(during) >= 2, "the stream kept going while the prompt was handled"
-        # Tokenizing it on the event loop stopped the stream for the whole tokenization (about a second).
-        assert max(during) < max(5 * usual, 0.1), (max(during), usual)
+        # Tokenizing it on the event loop stopped the stream for the whole tokenization (about a second, most of the
+        # time the prompt took to refuse). Off the loop, the stream may still lose a beat to the other processes of
+        # a loaded 2-core machine (a parallel test worker: 0.24 s of 2.1 s seen), never most of the handling.
+        assert max(during) < max(5 * usual, 0.1, 0.25 * (end - start)), (max(during), usual, end - start)
