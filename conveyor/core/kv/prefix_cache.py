@@ -333,8 +333,11 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
             return
         table = self.block_tables[request.request_id]
         done = len(chain)
-        tokens = request.token_ids(done * bs, full * bs)
         parent = chain[-1] if chain else self._root(request)
+        if full == done + 1:  # one block: every decode's block, and most chunks' (no second slice of the tokens)
+            chain.append(self.pool.register(table[done], parent, tuple(request.token_ids(done * bs, full * bs))))
+            return
+        tokens = request.token_ids(done * bs, full * bs)
         for index in range(done, full):
             offset = (index - done) * bs
             parent = self.pool.register(table[index], parent, tuple(tokens[offset : offset + bs]))
