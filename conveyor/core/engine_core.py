@@ -260,7 +260,7 @@ class EngineCore:
             updated = self.scheduler.update(output, sampled)
             self.scheduler.record_step(output, self.clock() - start)
         result = postprocess(updated) if postprocess is not None else updated
-        if trace is not None or live is not None:
+        if watched:
             end = self.clock()
             if trace is not None:
                 trace.record(listed, slots, [r.request_id for r in updated if r.is_finished], start, end)

@@ -202,11 +202,12 @@ def _fast_forward_figures(core: EngineCore) -> dict[str, Any]:
     all the decodes the running loops served, and the steps that held the group alone (run without listing
     anyone)."""
     scheduler = core.scheduler
-    grouped = getattr(scheduler, "num_grouped_decodes", 0)
-    listed = getattr(scheduler, "num_listed_decodes", 0)
-    return {"fast_forward": bool(getattr(scheduler, "fast_forward", False)),
+    if not isinstance(scheduler, FastForwardScheduler):
+        return {"fast_forward": False, "decodes_fast_forwarded": 0.0, "steps_fast_forwarded": 0}
+    grouped, listed = scheduler.num_grouped_decodes, scheduler.num_listed_decodes
+    return {"fast_forward": scheduler.fast_forward,
             "decodes_fast_forwarded": grouped / (grouped + listed) if grouped + listed else 0.0,
-            "steps_fast_forwarded": getattr(scheduler, "num_group_steps", 0)}
+            "steps_fast_forwarded": scheduler.num_group_steps}
 
 
 def _shedding_figures(finished: FinishedSums, refused: Counter[str], elapsed: float) -> dict[str, Any]:

@@ -109,7 +109,7 @@ class FastForwardScheduler(Scheduler):
         self._commits: dict[int, list[_Member]] = {}  # step -> members that fill a block in it (prefix caching)
         self._finishes: dict[int, list[_Member]] = {}  # step -> members that end in it
         self._num_loop_items = 0  # this step's requests scheduled by the running loop (those after were admitted)
-        self._paused_until = 0  # no joining before this step (the group just left for pool pressure)
+        self._paused_until = 0  # no joining before this step (the whole group just had to leave)
         self.num_grouped_decodes = 0  # decodes advanced as a group, over the run
         self.num_listed_decodes = 0  # and those visited one by one
         self.num_group_steps = 0  # steps of the group alone (advance_group), run without an output
@@ -126,15 +126,18 @@ class FastForwardScheduler(Scheduler):
         num_grouped = len(self._members)  # less any the step preempted
         if num_grouped:
             output.num_grouped_decodes = num_grouped
-            output.grouped_decode_context = self._context_base + num_grouped * step
+            output.grouped_decode_context = self._group_context(step)
             self.num_grouped_decodes += num_grouped
         return output
 
     def _memory_report(self) -> MemoryReport:
         """The manager counts each member's tokens as of its last event: the group adds the rest (``schedule``
         asks once it has numbered the step)."""
-        context = self._context_base + len(self._members) * self.step_index
-        return self.kv_manager.memory_report(uncounted_slots=context - self._synced)
+        return self.kv_manager.memory_report(uncounted_slots=self._group_context(self.step_index) - self._synced)
+
+    def _group_context(self, step: int) -> int:
+        """The keys the members attend to in ``step``, all told (the sum of their ``end(step)``)."""
+        return self._context_base + len(self._members) * step
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int]:
         """The running loop: members take their one token (and, at their events, a block) without a visit."""
@@ -250,7 +253,7 @@ class FastForwardScheduler(Scheduler):
         num_decodes = len(self._members)
         self.num_grouped_decodes += num_decodes
         self.num_group_steps += 1
-        context = self._context_base + num_decodes * step
+        context = self._group_context(step)
         return GroupStep(num_decodes, context, *self.kv_manager.reserved_and_used_slots(context - self._synced))
 
     def finish_group_step(self) -> list[Request]:
@@ -364,27 +367,18 @@ class FastForwardScheduler(Scheduler):
     def _member_event(self, member: _Member, step: int, updated: list[Request]) -> None:
         """A member's event in this step's update: it filled a block (indexed), or it ends."""
         if member.next_commit == step:
-            self._commit(member, step)
+            self._commit_all([member], step)
         else:
             self._end(member, step, updated)
 
-    def _commit(self, member: _Member, step: int) -> None:
-        """The member filled a block in ``step``: prefix caching indexes it."""
-        request = member.request
-        request.num_computed_tokens = member.end(step)
-        self.kv_manager.commit_computed(request)
-        member.next_commit = step + self.kv_manager.block_size
-        if member.next_commit <= member.finish:
-            self._commits.setdefault(member.next_commit, []).append(member)
-
     def _commit_all(self, members: list[_Member], step: int) -> None:
-        """``_commit`` for each of these members (in order), with the lookups hoisted: every decode fills a
-        block every block_size steps, so this runs for a sixteenth of the group in every step."""
+        """These members filled a block in ``step``: prefix caching indexes them, in order (the lookups hoisted:
+        every decode fills a block every block_size steps, so this runs for a sixteenth of the group)."""
         commit, later = self.kv_manager.commit_computed, step + self.kv_manager.block_size
         going_on = []
         for member in members:
             request = member.request
-            request.num_computed_tokens = member.context_base + step
+            request.num_computed_tokens = member.end(step)
             commit(request)
             member.next_commit = later
             if later <= member.finish:
