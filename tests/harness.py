@@ -90,6 +90,7 @@ class FakeExecutor:
         self.token_fn = token_fn
         self.prompts: dict[str, list[int]] = {}
         self.cached: dict[str, int] = {}
+        self.accepted_drafts: dict[str, int] = {}  # none here: it is handed no drafts (see test_speculative_*)
 
     def expected_tokens(self, request_id: str, start: int, end: int) -> list[int]:
         prompt = self.prompts[request_id]
@@ -400,7 +401,7 @@ class StepDriver:
             sampled = self.executor.execute(output)
             self.after_execute(output)
             self.abort_at(step, mid_step=True)
-            returned = self.scheduler.update(output, sampled)
+            returned = self.scheduler.update(output, sampled, self.executor.accepted_drafts)
             self.after_update(output, returned)
             step += 1
             assert step <= self.max_steps, f"not drained after {self.max_steps} steps: the scheduler livelocks"

@@ -130,25 +130,26 @@ def test_engine_config_round_trips_through_the_flags() -> None:
     argv = ["--model", "m.gguf", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--device", "cpu",
             "--max-num-seqs", "7",
             "--max-num-batched-tokens", "99", "--block-size", "8", "--kv-cache-memory", "1GiB",
-            "--num-kv-blocks", "12", "--max-model-len", "64", "--seed", "3", "--scheduler", "static",
+            "--num-kv-blocks", "12", "--max-model-len", "64", "--seed", "3", "--scheduler", "continuous",
             "--scheduling-policy", "priority", "--preemption-mode", "swap", "--tenant-weights", '{"a": 2}',
             "--tenant-header", "X-Tenant", "--tenant-cache-salt", "--max-num-queued-requests", "5",
             "--max-num-queued-tokens", "500", "--ttft-slo-ms", "800", "--tpot-slo-ms", "50", "--admission-control",
             "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2",
             "--long-prefill-token-threshold", "300", "--swap-space", "512MB",
             "--kv-layout", "contiguous", "--no-enable-prefix-caching", "--kernels", "torch", "--quantization", "int8",
-            "--num-threads", "3"]
+            "--num-threads", "3", "--speculative-config", '{"method": "suffix"}']
     assert len(argv) == 2 * len(engine_options()) - 3  # the three switches take no value
     assert engine_config(parse(argv)) == EngineConfig(
         model="m.gguf", dtype="bfloat16", kv_cache_dtype="fp8", device="cpu", max_num_seqs=7,
         max_num_batched_tokens=99, block_size=8,
-        kv_cache_memory=2**30, num_kv_blocks=12, max_model_len=64, seed=3, scheduler="static",
+        kv_cache_memory=2**30, num_kv_blocks=12, max_model_len=64, seed=3, scheduler="continuous",
         scheduling_policy="priority", preemption_mode="swap", tenant_weights='{"a": 2}', tenant_header="X-Tenant",
         tenant_cache_salt=True, max_num_queued_requests=5, max_num_queued_tokens=500, ttft_slo_ms=800, tpot_slo_ms=50,
         admission_control=True,
         max_num_partial_prefills=4, max_long_partial_prefills=2, long_prefill_token_threshold=300,
         swap_space=512 * 10**6, kv_layout="contiguous",
         enable_prefix_caching=False, kernels="torch", quantization="int8", num_threads=3,
+        speculative_config='{"method": "suffix"}',
     )
 
 
@@ -167,6 +168,10 @@ def test_prefix_caching_is_on_by_default_for_paged_blocks_only() -> None:
         EngineConfig(scheduler="static", scheduling_policy="fair")
     with pytest.raises(ValueError, match="slo orders continuous admission"):
         EngineConfig(scheduler="static", scheduling_policy="slo")
+    with pytest.raises(ValueError, match="drafts are verified in continuous steps"):
+        EngineConfig(scheduler="static", speculative_config='{"method": "ngram"}')
+    with pytest.raises(ValueError, match="speculative_config: unknown key"):
+        EngineConfig(speculative_config='{"num_speculative_tokens": 4, "draft_model": "x"}')
     with pytest.raises(ValueError, match=r"max_long_partial_prefills \(3\) must be <= max_num_partial_prefills \(2\)"):
         EngineConfig(max_num_partial_prefills=2, max_long_partial_prefills=3)
 

@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.core.spec.config import SpeculativeConfig
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
 
@@ -133,6 +135,12 @@ class EngineConfig:
     num_threads: int | None = _option(None, "CPU threads the model's kernels use (torch/OpenMP); with "
                                       "--data-parallel-size, per replica", minimum=1,
                                       unset="the cores this process may use (per replica: divided among them)")
+    speculative_config: str | None = _option(
+        None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}; method ngram (prompt lookup) or suffix (also from "
+        "recent requests' outputs); \"draft_length\": auto (the default: each step carries the drafts expected to "
+        "pay, from acceptance so far and measured step costs, none where the batch makes them dear) or fixed",
+        unset="off")
 
     def __post_init__(self) -> None:
         for option in engine_options():
@@ -147,6 +155,9 @@ class EngineConfig:
             raise ValueError("scheduling_policy: slo orders continuous admission by deadline; static batches form in "
                              "arrival order (use fcfs or priority with scheduler static)")
         self.tenant_weight_map()  # a ValueError now rather than at the first request
+        if self.speculative() is not None and self.scheduler == "static":
+            raise ValueError("speculative_config: drafts are verified in continuous steps; static batches do not "
+                             "take them (use scheduler continuous)")
         check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
         if self.enable_prefix_caching and self.kv_layout == "contiguous":
             raise ValueError("enable_prefix_caching: the contiguous layout cannot share blocks; "
@@ -159,6 +170,10 @@ class EngineConfig:
     def tenant_weight_map(self) -> dict[str, float]:
         """``tenant_weights`` read: from its JSON text, or from the file it names."""
         return parse_tenant_weights(self.tenant_weights)
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` read (None: off); ValueError naming the key that is wrong."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def slo_seconds(self) -> tuple[float | None, float | None]:
         """The default TTFT and TPOT targets in seconds (the scheduler's unit)."""

@@ -32,6 +32,7 @@ from conveyor.core.live import LiveRecorder
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import SCHEDULERS, Scheduler, SchedulerConfig, SchedulerOutput
 from conveyor.core.scheduler.fast_forward import FastForwardScheduler
+from conveyor.core.spec import Speculator
 from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
 
@@ -47,7 +48,9 @@ class EngineBroken(RuntimeError):
 class Executor(Protocol):
     """Carries out a SchedulerOutput (the real model, or a cost model on a virtual clock).
 
-    Returns the token drawn for each scheduled request whose chunk samples (``samples_token``).
+    Returns the token drawn for each scheduled request whose chunk samples (``samples_token``). An executor
+    handed drafts (speculative decoding: ``SchedulerOutput.num_draft_tokens``) also sets ``accepted_drafts``:
+    for each request that carried some, how many it accepted (the drawn token follows them).
     """
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
@@ -146,6 +149,9 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
         tpot_slo=tpot_slo,
         tenant_cache_salt=config.tenant_cache_salt,
     )
+    speculative = config.speculative()
+    if speculative is not None:  # drafts make a decode's tokens per step unknown: no fast-forward
+        return Scheduler(scheduler_config, kv, clock, speculator=Speculator(speculative, plan.max_model_len))
     if fast_forward_token is not None and config.scheduler == "continuous":
         return FastForwardScheduler(scheduler_config, kv, clock, fast_forward_token)
     return SCHEDULERS[config.scheduler](scheduler_config, kv, clock)
@@ -190,9 +196,11 @@ class EngineCore:
             self.live.on_abort(request_id)
         return found
 
-    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        """End a running request for a reason found outside the core (a stop string in its text)."""
-        self.scheduler.finish_request(request_id, reason, stop_reason)
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None,
+                       num_output_tokens: int | None = None) -> None:
+        """End a running request for a reason found outside the core (a stop string in its text), its output
+        cut to ``num_output_tokens`` where given (see Scheduler.finish_request)."""
+        self.scheduler.finish_request(request_id, reason, stop_reason, num_output_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -237,6 +245,7 @@ class EngineCore:
             "tpot_slo_ms": config.tpot_slo_ms,
             "num_kv_blocks": self.plan.num_blocks,
             "num_cpu_blocks": self.plan.num_cpu_blocks,
+            "speculative_config": config.speculative_config,
         }
 
     def step(self, postprocess: Callable[[list[Request]], T] | None = None) -> T | list[Request]:
@@ -251,21 +260,23 @@ class EngineCore:
         watched = trace is not None or live is not None
         slots = self.scheduler.slot_holders() if watched else []
         listed = self.scheduler.listed(output) if watched else output  # a fast-forward's group, expanded
+        accepted = None
         try:
             sampled = self.executor.execute(output)
         except Exception as error:  # whatever it was, it ends this step's requests, not the engine
             updated = self._step_failed(output, error)
         else:
             self._consecutive_failures = 0
-            updated = self.scheduler.update(output, sampled)
+            accepted = self.executor.accepted_drafts if output.num_draft_tokens else None
+            updated = self.scheduler.update(output, sampled, accepted)
             self.scheduler.record_step(output, self.clock() - start)
         result = postprocess(updated) if postprocess is not None else updated
         if watched:
             end = self.clock()
             if trace is not None:
-                trace.record(listed, slots, [r.request_id for r in updated if r.is_finished], start, end)
+                trace.record(listed, slots, [r.request_id for r in updated if r.is_finished], start, end, accepted)
             if live is not None:
-                live.after_step(listed, slots, updated, start, end)
+                live.after_step(listed, slots, updated, start, end, accepted)
         return result
 
 

@@ -16,7 +16,7 @@ Pure Python: the simulator could publish the same stream.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -69,10 +69,12 @@ class LiveRecorder:
         self._touched.add(request_id)
 
     def after_step(
-        self, output: SchedulerOutput, slots: list[str], updated: list[Request], start: float, end: float
+        self, output: SchedulerOutput, slots: list[str], updated: list[Request], start: float, end: float,
+        accepted: Mapping[str, int] | None = None,
     ) -> None:
+        """``accepted``: drafts accepted by request, in a step that carried drafts (speculative decoding)."""
         finished = [r.request_id for r in updated if r.is_finished]
-        step = self._steps.record(output, slots, finished, start, end)
+        step = self._steps.record(output, slots, finished, start, end, accepted)
         self._pending.append(step)
         self._history.append(step)
         touched = self._touched

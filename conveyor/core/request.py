@@ -95,6 +95,13 @@ class Request:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return prompt[start:] + self.output_token_ids[: end - num_prompt]
 
+    def cut_output(self, num_tokens: int) -> int:
+        """Keep the first ``num_tokens`` output tokens only (a stop string ended the text there, and a step that
+        accepted drafts had drawn more); how many were dropped."""
+        dropped = max(0, len(self.output_token_ids) - num_tokens)
+        del self.output_token_ids[num_tokens:]
+        return dropped
+
     def finish(self, reason: FinishReason, now: float, stop_reason: str | int | None = None) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason

@@ -31,6 +31,12 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of the sequences that got a first token, since start
     generation_tokens: int = 0  # tokens drawn, since start
     num_failed_steps: int = 0  # steps whose execution raised; their requests ended with an error
+    # Speculative decoding, since start (vLLM's names): request-steps that carried drafts, drafts, drafts
+    # accepted, and accepted drafts by position in the draft (0: the first); zeros and () without it.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: tuple[int, ...] = ()
     # The fair policy's accounts, tenant -> figures (virtual_tokens, weight, num_waiting, num_swapped,
     # prompt_tokens, output_tokens); empty under the other policies.
     tenants: dict[str, dict[str, float]] = field(default_factory=dict)

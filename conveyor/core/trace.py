@@ -8,6 +8,7 @@ simulator write the same format.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ class StepRecord:
     # A table that grew by one block is [old length, new block]; a released one (finished, preempted,
     # aborted) is [0]. Replaying these from the first step rebuilds every request's table at every step.
     kv_blocks: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: requests that carried drafts this step -> drafts, and -> how many were accepted.
+    drafts: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
 
 
 class BlockTableChanges:
@@ -101,8 +105,10 @@ class StepRecorder:
         self.tables = BlockTableChanges(tables, keep_released)
 
     def record(
-        self, output: SchedulerOutput, slots: list[str], finished: list[str], start: float, end: float
+        self, output: SchedulerOutput, slots: list[str], finished: list[str], start: float, end: float,
+        accepted: Mapping[str, int] | None = None,
     ) -> StepRecord:
+        """``accepted``: drafts accepted by request, in a step that carried drafts."""
         return StepRecord(
             step=output.step,
             start=start - self.origin,
@@ -120,12 +126,20 @@ class StepRecorder:
             cached=dict(output.cached_tokens),
             kv_blocks=self.tables.record(output, finished),
             **_memory_fields(output),
+            **_draft_fields(output, accepted),
         )
 
 
 def step_as_dict(step: StepRecord) -> dict[str, Any]:
     """A record as the JSON line writes it (a shallow copy: its dicts and lists are shared, never changed)."""
     return {name: getattr(step, name) for name in _STEP_FIELDS}
+
+
+def _draft_fields(output: SchedulerOutput, accepted: Mapping[str, int] | None) -> dict[str, dict[str, int]]:
+    if not output.num_draft_tokens:
+        return {}
+    drafts = {s.request_id: s.num_draft_tokens for s in output.scheduled if s.num_draft_tokens}
+    return {"drafts": drafts, "accepted": {r: accepted[r] for r in drafts if r in accepted} if accepted else {}}
 
 
 def _memory_fields(output: SchedulerOutput) -> dict[str, int]:
@@ -149,11 +163,12 @@ class Trace:
     recorder: StepRecorder | None = field(default=None, repr=False, compare=False)
 
     def record(
-        self, output: SchedulerOutput, slots: list[str], finished: list[str], start: float, end: float
+        self, output: SchedulerOutput, slots: list[str], finished: list[str], start: float, end: float,
+        accepted: Mapping[str, int] | None = None,
     ) -> StepRecord:
         if self.recorder is None:
             self.recorder = StepRecorder(self.origin)
-        step = self.recorder.record(output, slots, finished, start, end)
+        step = self.recorder.record(output, slots, finished, start, end, accepted)
         self.steps.append(step)
         return step
 

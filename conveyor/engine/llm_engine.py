@@ -411,9 +411,12 @@ class Engine:
         finish_reason = request.finish_reason.value if request.finish_reason else None
         stop_reason = request.stop_reason
         if state.add_tokens(request.output_token_ids):
-            # A stop string ends the request; when the same token also reached a length limit, it wins.
+            # A stop string ends the request, and the output after the token that completed it (drafts accepted
+            # past it) is dropped; when the same token also reached a length limit, or the core had ended the
+            # request at a later token of the same step, the stop string wins.
             if not request.is_finished:
-                self.core.finish_request(request.request_id, FinishReason.STOP, state.stop_string)
+                self.core.finish_request(request.request_id, FinishReason.STOP, state.stop_string, state.num_tokens)
+            del request.output_token_ids[state.num_tokens:]
             finish_reason, stop_reason = FinishReason.STOP.value, state.stop_string
         finished = request.is_finished
         logprobs = self._logprobs.get(request.request_id)

@@ -96,6 +96,12 @@ class TextState:
                 return True
         return False
 
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens turned into text: once a stop string ended it, the output's length up to that token
+        (a step that accepted drafts may have drawn more)."""
+        return self._num_tokens
+
     def _cut_at_stop_string(self, before: int) -> bool:
         search_from = max(before - self._held_back, 0)
         hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) >= 0]

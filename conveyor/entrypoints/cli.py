@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     _add_bench_throughput(bench)
     _add_bench_decode(bench)
+    _add_bench_speculative(bench)
     _add_bench_perplexity(bench)
     _add_bench_compare(bench)
     _add_bench_serve(bench)
@@ -102,6 +103,16 @@ def _add_bench_decode(bench: Commands) -> None:
     dec.add_argument("--prompt-len", type=int, default=64)
     dec.add_argument("--steps", type=int, default=16, help="timed decode steps per batch size")
     add_engine_args(dec)
+
+
+def _add_bench_speculative(bench: Commands) -> None:
+    spec = bench.add_parser("speculative", help="tokens/s with and without speculative decoding, on a workload "
+                            "that repeats its input (one at a time, at once) and on W2")
+    spec.add_argument("--batch", type=int, default=64, help="requests of the at-once case")
+    spec.add_argument("--repeats", type=int, default=3, help="runs of each case per engine, in turns")
+    spec.add_argument("--no-w2", action="store_true", help="leave out W2")
+    spec.add_argument("-o", "--output", help="write the figures as JSON here")
+    add_engine_args(spec)
 
 
 def _add_bench_compare(bench: Commands) -> None:
@@ -284,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_throughput(args, config)
         if args.bench == "perplexity":
             return _bench_perplexity(args, config)
+        if args.bench == "speculative":
+            return _bench_speculative(args, config)
         return _bench_decode(args, config)
     except (ValueError, FileNotFoundError, CacheDirError) as error:
         print(f"conveyor: error: {error}", file=sys.stderr)
@@ -406,6 +419,23 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
     engine = Engine(config)
     print(f"kernels: {_kernels_in_use(engine)}")
     print_decode(run_decode(engine, batch_sizes, args.prompt_len, args.steps, args.seed))
+    return 0
+
+
+def _bench_speculative(args: argparse.Namespace, config: EngineConfig) -> int:
+    """Two engines of ``config``, without drafts and with ``--speculative-config`` (default: ngram, auto)."""
+    from conveyor.bench.speculative import print_speculative, run_speculative_bench
+    from conveyor.engine import Engine
+
+    config.max_num_seqs = max(config.max_num_seqs, args.batch)
+    spec = config.speculative_config or '{"method": "ngram", "num_speculative_tokens": 4}'
+    plain = Engine(dataclasses.replace(config, speculative_config=None))
+    drafted = Engine(dataclasses.replace(config, speculative_config=spec))
+    print(f"kernels: {_kernels_in_use(plain)}; speculative_config: {spec}")
+    results = run_speculative_bench(plain, drafted, args.batch, args.repeats, not args.no_w2)
+    print_speculative(results)
+    if args.output:
+        Path(args.output).write_text(json.dumps({"speculative_config": spec, "cases": results}, indent=1))
     return 0
 
 

@@ -86,6 +86,12 @@ class EngineMetrics:
         self.success = counter("request_success", "Requests finished, by reason", ("finished_reason",))
         self.failed_steps = counter("num_failed_steps", "Steps whose execution raised (their requests got an error)")
         self.ledger = RequestLedgerMetrics(r, model_name)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Request-steps that carried speculative drafts")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft (0: the first)",
+                                             ("position",))
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token")
         self.tpot = histogram("time_per_output_token_seconds", "Mean time between output tokens of a request")
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish")
@@ -116,6 +122,8 @@ class EngineMetrics:
         self._count(self.prompt_tokens, "prompt_tokens", stats.prompt_tokens)
         self._count(self.generation_tokens, "generation_tokens", stats.generation_tokens)
         self._count(self.failed_steps, "num_failed_steps", stats.num_failed_steps)
+        if stats.spec_decode_accepted_per_position:
+            self._on_spec_decode(stats)
         for tenant, figures in stats.tenants.items():
             self._on_tenant(tenant, figures)
         if len(self._tenants) > len(stats.tenants):  # the policy forgot some: their gauges go too
@@ -129,6 +137,13 @@ class EngineMetrics:
         for output in outputs:
             if output.finished and output.error is None:
                 self._on_finish(output)
+
+    def _on_spec_decode(self, stats: EngineStats) -> None:
+        self._count(self.spec_drafts, "spec_decode_num_drafts", stats.spec_decode_num_drafts)
+        self._count(self.spec_draft_tokens, "spec_decode_num_draft_tokens", stats.spec_decode_num_draft_tokens)
+        self._count(self.spec_accepted, "spec_decode_num_accepted_tokens", stats.spec_decode_num_accepted_tokens)
+        for position, total in enumerate(stats.spec_decode_accepted_per_position):
+            self._count(self.spec_accepted_per_pos, f"spec_decode_per_pos:{position}", total, str(position))
 
     def on_requests(self, counts: RequestCounts) -> None:
         """The server's request ledger (see AsyncEngine.request_counts), read when the metrics are scraped."""

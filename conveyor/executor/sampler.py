@@ -100,3 +100,41 @@ class Sampler:
             noise = torch.empty_like(probs).exponential_(generator=generator)
             greedy[row] = int((probs / noise).argmax())
         return greedy
+
+    def verify(self, logits: torch.Tensor, item: ScheduledRequest, argmax: list[int] | None = None) -> tuple[int, int]:
+        """Speculative decoding's check of one request's drafts: ``logits`` [1 + drafts, vocab] are its rows,
+        the first after its last token, each next one after a draft. Returns how many drafts are accepted and
+        the token drawn after them.
+
+        Greedy: a draft is accepted while it is the argmax of the row before it, and the token is the argmax
+        of the first row whose draft was not: the tokens are exactly those of decoding one at a time.
+        Sampled: the rule of speculative sampling (Leviathan et al., Chen et al.) for a draft proposed with
+        certainty: accept draft ``x`` with probability ``p(x)``; on a rejection draw from ``p`` without ``x``
+        (renormalized), and after every draft was accepted, from the last row's ``p``. Each token drawn follows
+        ``p`` exactly, so the output's distribution is that of decoding without drafts. A seeded request
+        draws row ``i``'s numbers from a generator seeded by (seed, index of that token), as ``sample`` does.
+        """
+        drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
+        params = item.sampling_params
+        if params.greedy:
+            best = list(argmax) if argmax is not None else argmax_rows(logits)
+            accepted = 0
+            while accepted < len(drafts) and best[accepted] == drafts[accepted]:
+                accepted += 1
+            return accepted, best[accepted]
+        cpu_logits = logits.cpu()
+        for row in range(len(drafts) + 1):
+            row_logits = _truncate(cpu_logits[row] / params.temperature, params.min_p, params.top_k, params.top_p)
+            probs = row_logits.softmax(-1)
+            generator = self._unseeded
+            if params.seed is not None:
+                index = item.num_output_tokens + row
+                generator = self._seeded.manual_seed(hash((params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+            if row < len(drafts):
+                draft = drafts[row]
+                if float(torch.rand((), generator=generator)) < float(probs[draft]):
+                    continue
+                probs[draft] = 0.0  # the rest of p: a zero weight never wins the race below
+            noise = torch.empty_like(probs).exponential_(generator=generator)
+            return row, int((probs / noise).argmax())
+        raise AssertionError("unreachable: the last row always draws")

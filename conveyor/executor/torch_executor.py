@@ -71,13 +71,14 @@ class TorchExecutor:
         # token's, and request id -> (position of the first, prompt tokens' logprobs) for prompt_logprobs.
         self.last_logprobs: dict[str, TokenLogprob] = {}
         self.last_prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
+        self.accepted_drafts: dict[str, int] = {}  # the latest step's: drafts accepted, by request (see Executor)
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the token sampled for each request whose chunk ended at its last token. (No
         grad mode set around it all: the loaded model's weights need no gradient, and entering and leaving
         inference_mode took 40 us of a batch-1 step, its code cold after the weights streamed through.)"""
         self._swap(output)
-        self.last_logprobs, self.last_prompt_logprobs = {}, {}
+        self.last_logprobs, self.last_prompt_logprobs, self.accepted_drafts = {}, {}, {}
         if self._forget is not None and output.finished_request_ids:
             self._forget(output.finished_request_ids)
         if output.is_empty:
@@ -93,9 +94,40 @@ class TorchExecutor:
         sampled = [item for item in batch if item.samples_token]
         if not sampled:
             return {}
+        if output.num_draft_tokens:
+            return self._sample_and_verify(logits, argmax, sampled)
         tokens, logprobs = self.sampler.sample_batch(logits, sampled, self._constrain, argmax)
         self.last_logprobs = {sampled[row].request_id: found for row, found in logprobs.items()}
         return {s.request_id: t for s, t in zip(sampled, tokens)}
+
+    def _sample_and_verify(self, logits: torch.Tensor, argmax: list[int] | None,
+                           sampled: list[ScheduledRequest]) -> dict[str, int]:
+        """A step with drafts: requests without any sample their one row as usual; each that carried drafts
+        has a row per draft and one before them, verified (Sampler.verify), its accepted count kept in
+        ``accepted_drafts``."""
+        plain, plain_rows, drafted = [], [], []
+        row = 0
+        for item in sampled:
+            if item.num_draft_tokens:
+                drafted.append((item, row))
+                row += 1 + item.num_draft_tokens
+            else:
+                plain.append(item)
+                plain_rows.append(row)
+                row += 1
+        tokens: dict[str, int] = {}
+        if plain:
+            rows = logits[torch.tensor(plain_rows, dtype=torch.long, device=logits.device)]
+            found, logprobs = self.sampler.sample_batch(rows, plain, self._constrain,
+                                                        None if argmax is None else [argmax[r] for r in plain_rows])
+            self.last_logprobs = {plain[r].request_id: lp for r, lp in logprobs.items()}
+            tokens = {item.request_id: token for item, token in zip(plain, found)}
+        for item, first in drafted:
+            last = first + 1 + item.num_draft_tokens
+            accepted, tokens[item.request_id] = self.sampler.verify(
+                logits[first:last], item, None if argmax is None else argmax[first:last])
+            self.accepted_drafts[item.request_id] = accepted
+        return tokens
 
     def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor) -> None:
         """For chunks of requests with prompt_logprobs: row j of a chunk at ``start`` predicts the prompt token
@@ -132,8 +164,9 @@ class TorchExecutor:
             table = item.block_ids
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             inputs.row_seq.extend([seq] * (end - start))
-            if item.samples_token:
-                inputs.logit_rows.append(len(inputs.token_ids) - 1)
+            if item.samples_token:  # its last row; with drafts, also the row before each draft
+                num_rows = len(inputs.token_ids)
+                inputs.logit_rows.extend(range(num_rows - 1 - item.num_draft_tokens, num_rows))
         return inputs
 
     @torch.no_grad()  # not inference_mode: the sampler changes these logits in place after it has ended

@@ -97,3 +97,8 @@ class ContiguousKVCacheManager(PagedKVCacheManager):
 
     def _extra_blocks(self, request_id: str, num_tokens: int) -> int:
         return 0 if self.block_tables.get(request_id) else self.slab_blocks
+
+    def trim_table(self, request_id: str, num_tokens: int) -> None:
+        """Count only ``num_tokens`` slots as used; the slab itself is the request's until it ends."""
+        self._used_slots += num_tokens - self._num_tokens[request_id]
+        self._num_tokens[request_id] = num_tokens

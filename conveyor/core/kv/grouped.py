@@ -90,6 +90,12 @@ class GroupedKVCacheManager(PagedKVCacheManager):
         self._num_tokens[request_id] = num_tokens
         return tables[0]
 
+    def trim_table(self, request_id: str, num_tokens: int) -> None:
+        """Count only ``num_tokens`` slots as used; the blocks past them stay with the request (every group's
+        table keeps one length, which windows rely on), to be filled by its next tokens."""
+        self._used_slots += num_tokens - self._num_tokens[request_id]
+        self._num_tokens[request_id] = num_tokens
+
     def release_behind_window(self, request: Request) -> None:
         """Give back each windowed group's blocks that the request's next query (at ``num_computed_tokens``)
         and every later one no longer read."""

@@ -236,6 +236,18 @@ class PagedKVCacheManager:
         self._num_tokens[request_id] = num_tokens
         return table
 
+    def trim_table(self, request_id: str, num_tokens: int) -> None:
+        """Hold only the blocks the request's first ``num_tokens`` tokens fill; the slots past them are free
+        again, and blocks holding none of those tokens go back to the pool (speculative decoding's rejected
+        drafts: their slots were taken for the step that verified them)."""
+        table = self.block_tables[request_id]
+        self._used_slots += num_tokens - self._num_tokens[request_id]
+        self._num_tokens[request_id] = num_tokens
+        keep = blocks_for_tokens(num_tokens, self.block_size)
+        if len(table) > keep:
+            self.block_tables[request_id] = table[:keep]  # a new list: the step's output holds the old one
+            self._give_back(table[keep:])
+
     def append_blocks(self, request_ids: list[str]) -> None:
         """One more block for each of these requests, taken in this order, their counts of tokens left as they
         are (``grow_table`` brings them up): a fast-forward's decodes that reach a new block in the same step.

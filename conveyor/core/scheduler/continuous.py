@@ -32,95 +32,25 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
-from conveyor.core.config import check_option, check_partial_prefills, engine_option
+from conveyor.core.config import engine_option
 from conveyor.core.errors import RequestRefused
 from conveyor.core.kv import CachedPrefix, MemoryReport, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus, check_prompt_length
 from conveyor.core.scheduler.admission import AdmissionControl, AdmissionView, margins
+from conveyor.core.scheduler.config import SchedulerConfig
+from conveyor.core.scheduler.items import num_new_tokens, scheduled_request, unschedule, with_drafts
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler.policies import SchedulingPolicy, make_policy
 from conveyor.core.scheduler.preemption import PreemptionMode, make_preemption
 from conveyor.core.scheduler.prefill import PartialPrefills
 from conveyor.core.scheduler.step_times import StepTimes
+from conveyor.core.spec import Speculator
 from conveyor.core.stats import EngineStats
 
 POLICIES = engine_option("scheduling_policy").choices
 PREEMPTION_MODES = engine_option("preemption_mode").choices
 logger = logging.getLogger("conveyor.core.scheduler")
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    policy: str = "fcfs"  # a name in policies.POLICY_CLASSES: the policy built when none is handed over
-    preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to CPU and back
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)  # the fair policy's; unnamed tenants weigh 1
-    max_num_partial_prefills: int = 1  # prompts computed in chunks side by side (see prefill.py)
-    max_long_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0  # 0: 4% of max_model_len
-    # Load shedding and deadlines (admission.py): caps on the waiting queue, refusing a request its TTFT target
-    # cannot be met for, the targets a request without its own gets (seconds), and a cache salt per tenant.
-    max_num_queued_requests: int | None = None
-    max_num_queued_tokens: int | None = None
-    admission_control: bool = False
-    ttft_slo: float | None = None
-    tpot_slo: float | None = None
-    tenant_cache_salt: bool = False
-
-    def __post_init__(self) -> None:
-        """The rules of EngineConfig's fields of the same names (``policy`` is its ``scheduling_policy``)."""
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "preemption_mode",
-                     "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold"):
-            check_option(name, getattr(self, name))
-        check_option("scheduling_policy", self.policy)
-        check_partial_prefills(self.max_num_partial_prefills, self.max_long_partial_prefills)
-        for name in ("max_num_queued_requests", "max_num_queued_tokens"):
-            check_option(name, getattr(self, name))
-        for name in ("ttft_slo", "tpot_slo"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-
-
-def _num_new_tokens(request: Request, budget: int) -> int:
-    """The tokens the request lacks (prompt, chunk, recompute or one decode), within ``budget``."""
-    lacking = len(request.prompt_token_ids) + len(request.output_token_ids) - request.num_computed_tokens
-    return lacking if lacking < budget else budget
-
-
-def _scheduled_request(request: Request, num_new: int, block_ids: list[int]) -> ScheduledRequest:
-    """The plain-data record of the request's share of this step.
-
-    Built for every running request in every step, so it reads each list length once and gives a
-    decode its one token without slicing through prompt + output. ``block_ids`` is the request's
-    block table itself, not a copy: tables are replaced, never changed in place.
-    """
-    start = request.num_computed_tokens
-    output_ids = request.output_token_ids
-    num_output = len(output_ids)
-    in_output = start - len(request.prompt_token_ids)  # where the chunk starts in the output; < 0: in the prompt
-    if num_new == 1 and in_output >= 0:
-        token_ids = [output_ids[in_output]]
-    else:
-        token_ids = request.token_ids(start, start + num_new)
-    samples_token = in_output + num_new == num_output  # the chunk reaches the last known token
-    # Positional arguments, in field order.
-    return ScheduledRequest(
-        request.request_id, start, token_ids, block_ids, request.sampling_params, samples_token, num_output,
-        request.prompt_token_ids, output_ids, request.eos_token_id,
-    )
-
-
-def _unschedule(request: Request, scheduled: list[ScheduledRequest]) -> int:
-    """Take the request's share of this step out of ``scheduled`` (it is being preempted); its tokens, or 0."""
-    for i, item in enumerate(scheduled):
-        if item.request_id == request.request_id:
-            return scheduled.pop(i).num_scheduled_tokens
-    return 0
 
 
 class Scheduler:
@@ -134,9 +64,11 @@ class Scheduler:
         policy: SchedulingPolicy | None = None,
         preemption: PreemptionMode | None = None,
         step_times: StepTimes | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """``policy`` and ``preemption`` default to the ones ``config`` names; ``step_times`` (what steps
-        measured to cost: the slo policy and admission control read it) to a fresh one."""
+        measured to cost: the slo policy and admission control read it) to a fresh one. ``speculator``:
+        speculative decoding's drafts (conveyor.core.spec); None: none."""
         if config.max_model_len > kv_manager.capacity_tokens:
             # Otherwise a request alone in the engine could need more blocks than exist, and never finish.
             raise ValueError(
@@ -156,6 +88,7 @@ class Scheduler:
             config.ttft_slo, config.tpot_slo, config.tenant_cache_salt, config.max_num_batched_tokens)
         # Steps are timed only where something reads the times (they cost a sum over the step's requests).
         self.times_steps = config.admission_control or self.policy.uses_step_times
+        self.speculator = speculator
         # The base policy preempts for memory from the back of the running queue, which the loop over it has
         # not reached yet; a policy that picks elsewhere makes the loop run over a copy and skip its victims.
         self._victims_from_back = type(self.policy).memory_victim is SchedulingPolicy.memory_victim
@@ -273,11 +206,16 @@ class Scheduler:
                 failed.append(self.abort_request(request_id, FinishReason.ERROR))
         return failed
 
-    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
-        """End a running request for a reason found outside the scheduler (a stop string in its text)."""
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None,
+                       num_output_tokens: int | None = None) -> None:
+        """End a running request for a reason found outside the scheduler (a stop string in its text);
+        ``num_output_tokens``: the output ends there (a step that accepted drafts may have added tokens past
+        the one that completed the stop string)."""
         request = self.requests.get(request_id)
         if request is None or request.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {request_id!r} is not running")
+        if num_output_tokens is not None:
+            self.num_generation_tokens -= request.cut_output(num_output_tokens)
         self.running.remove(request)
         self._finish(request, reason, stop_reason)
 
@@ -311,6 +249,7 @@ class Scheduler:
             generation_tokens=self.num_generation_tokens,
             num_failed_steps=self.num_failed_steps,
             tenants=self.policy.tenant_report(),
+            **(self.speculator.stats.engine_stats_fields() if self.speculator is not None else {}),
         )
 
     # ----- one step ---------------------------------------------------------
@@ -322,7 +261,9 @@ class Scheduler:
         swap_in: list[tuple[int, int]] = []
         if self.prefills is not None:
             self._chunk_cap = self.prefills.share(self.running, len(self.waiting) + len(self.swapped))
-        scheduled, budget = self._schedule_running(self.config.max_num_batched_tokens)
+        budget = self.config.max_num_batched_tokens
+        drafts = self.speculator.drafts(self.running, budget) if self.speculator is not None and self.running else None
+        scheduled, budget = self._schedule_running(budget, drafts)
 
         # vLLM's rule: admit nobody in a step that had to preempt for memory, or
         # the newcomer would take the blocks just freed and cause the next preemption.
@@ -351,6 +292,7 @@ class Scheduler:
             kv_usage=self.kv_manager.usage,
             memory=self._memory_report(),
             cached_tokens=self._cached_this_step,
+            num_draft_tokens=sum(s.num_draft_tokens for s in scheduled) if drafts else 0,
         )
         self._finished_since_last_step = []
         self._cached_this_step = {}
@@ -372,7 +314,8 @@ class Scheduler:
         for item in scheduled:
             item.group_block_ids = group_block_ids(item.request_id)
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int]:
+    def _schedule_running(self, budget: int, drafts: dict[str, list[int]] | None = None,
+                          ) -> tuple[list[ScheduledRequest], int]:
         """Serve the running requests, oldest first, each with the tokens it lacks; the budget left.
 
         The one loop over every running request in every step, so a visit costs little: most are
@@ -380,8 +323,12 @@ class Scheduler:
         Where victims come from the back of the running queue and no prefill share caps a request's
         tokens (the defaults), the loop never meets a preempted request and never caps: it runs without
         either check (the simulator's long runs spend a third of their time here).
+
+        ``drafts``: speculative decoding's, by request: a decode carries its drafts where the budget and the
+        pool allow them (they never preempt anyone: a request the pool cannot give their blocks decodes
+        without them).
         """
-        if self._victims_from_back and self._chunk_cap >= self.config.max_num_batched_tokens:
+        if not drafts and self._victims_from_back and self._chunk_cap >= self.config.max_num_batched_tokens:
             return self._schedule_running_plain(budget)
         scheduled: list[ScheduledRequest] = []
         grow_table = self.kv_manager.grow_table
@@ -393,7 +340,12 @@ class Scheduler:
                 break
             if request.status is not running:
                 continue  # preempted earlier in this loop
-            num_new = _num_new_tokens(request, budget if budget < cap else cap)
+            allowed = budget if budget < cap else cap
+            num_new = num_new_tokens(request, allowed)
+            if drafts and num_new == 1 and (item := with_drafts(request, drafts, allowed, grow_table)) is not None:
+                scheduled.append(item)
+                budget -= item.num_scheduled_tokens
+                continue
             end = request.num_computed_tokens + num_new
             block_ids = grow_table(request.request_id, end)
             if block_ids is None:  # the pool is short
@@ -401,7 +353,7 @@ class Scheduler:
                 budget += refund
                 if block_ids is None:
                     continue  # the request preempted itself
-            scheduled.append(_scheduled_request(request, num_new, block_ids))
+            scheduled.append(scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return scheduled, budget
 
@@ -412,7 +364,7 @@ class Scheduler:
         for request in self.running:
             if budget <= 0:
                 break
-            num_new = _num_new_tokens(request, budget)
+            num_new = num_new_tokens(request, budget)
             end = request.num_computed_tokens + num_new
             block_ids = grow_table(request.request_id, end)
             if block_ids is None:  # the pool is short
@@ -420,7 +372,7 @@ class Scheduler:
                 budget += refund
                 if block_ids is None:
                     break  # the request preempted itself: it was the back of the queue
-            scheduled.append(_scheduled_request(request, num_new, block_ids))
+            scheduled.append(scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return scheduled, budget
 
@@ -432,7 +384,7 @@ class Scheduler:
         refund = 0
         while (block_ids := self.kv_manager.grow_table(request.request_id, num_tokens)) is None:
             victim = self.policy.memory_victim(self.running, request)
-            refund += _unschedule(victim, scheduled)
+            refund += unschedule(victim, scheduled)
             self._preempt(victim)
             if victim is request:
                 return None, refund
@@ -467,7 +419,7 @@ class Scheduler:
         if len(self.running) >= self.config.max_num_seqs:
             return None
         lacking = request.num_tokens - request.num_computed_tokens
-        num_new = _num_new_tokens(request, budget if budget < self._chunk_cap else self._chunk_cap)
+        num_new = num_new_tokens(request, budget if budget < self._chunk_cap else self._chunk_cap)
         if self.prefills is not None and not self.prefills.has_place(request, lacking, num_new):
             return None
         end = request.num_computed_tokens + num_new
@@ -485,7 +437,7 @@ class Scheduler:
             self.prefills.started(request, lacking, num_new)
         request.status = RequestStatus.RUNNING
         bisect.insort(self.running, request, key=self._order)
-        scheduled.append(_scheduled_request(request, num_new, block_ids))
+        scheduled.append(scheduled_request(request, num_new, block_ids))
         return num_new
 
     def _blocks_to_go_on(self) -> int:
@@ -523,7 +475,7 @@ class Scheduler:
         block_ids = self._admit(request, end, prefix)
         if self.prefills is not None:
             self.prefills.started(request, lacking, num_new)
-        scheduled.append(_scheduled_request(request, num_new, block_ids))
+        scheduled.append(scheduled_request(request, num_new, block_ids))
         return num_new - refund
 
     def _wait_for_a_prefill_place(self, request: Request) -> int | None:
@@ -574,7 +526,7 @@ class Scheduler:
         """Preempt ``victims`` for ``request``; the tokens they had been given this step (back to the budget)."""
         refund = 0
         for victim in victims:
-            refund += _unschedule(victim, scheduled)
+            refund += unschedule(victim, scheduled)
             self._preempt(victim)
             victim.last_preempted_by = (request.request_id, self.step_index)
         return refund
@@ -600,13 +552,20 @@ class Scheduler:
 
     # ----- after the executor ran the step ----------------------------------
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+               accepted_drafts: Mapping[str, int] | None = None) -> list[Request]:
         """Record computed tokens and the token drawn for each sampling request; end the requests that are done.
+        ``accepted_drafts``: for each request that carried drafts, how many the executor accepted (they come
+        before its drawn token).
 
         Returns the requests that received a token this step, finished or not.
         """
         updated: list[Request] = []
-        self._update_items(output.scheduled, sampled_token_ids, updated)
+        drafts = output.num_draft_tokens
+        self._update_items([s for s in output.scheduled if not s.num_draft_tokens] if drafts else output.scheduled,
+                           sampled_token_ids, updated)
+        if drafts:  # after the others: the requests that carried drafts
+            self._update_drafted(output.scheduled, sampled_token_ids, accepted_drafts or {}, updated)
         self.policy.on_tokens(updated)
         return updated
 
@@ -644,9 +603,44 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, reason, stop_reason)
 
+    def _update_drafted(self, items: list[ScheduledRequest], sampled_token_ids: dict[str, int],
+                        accepted_drafts: Mapping[str, int], updated: list[Request]) -> None:
+        """``update`` for the requests that carried drafts: the accepted ones and the drawn token join the
+        output one by one, each checked for a stop (the first ends the request; the rest are dropped). The KV
+        of the rejected drafts is not counted as computed, and the blocks that held only rejected drafts
+        go back to the pool; the prefix cache indexes computed blocks only, so never a rejected draft's."""
+        now = self.clock()
+        kv = self.kv_manager
+        for item in items:
+            num_drafts = item.num_draft_tokens
+            request = self.requests.get(item.request_id)
+            if not num_drafts or request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            num_accepted = accepted_drafts.get(item.request_id, 0)
+            start = request.num_computed_tokens
+            request.num_computed_tokens = end = start + 1 + num_accepted
+            kv.trim_table(request.request_id, end)
+            if kv.caches_prefixes and end // kv.block_size != start // kv.block_size:
+                kv.commit_computed(request)
+            self.speculator.verified(request.request_id, num_drafts, num_accepted)
+            if request.first_token_time is None:
+                request.first_token_time = now
+                self.num_prompt_tokens += len(request.prompt_token_ids)
+            updated.append(request)
+            for token in [*item.token_ids[1:1 + num_accepted], sampled_token_ids[item.request_id]]:
+                self.num_generation_tokens += 1
+                request.output_token_ids.append(token)
+                reason, stop_reason = self._check_stop(request, token)
+                if reason is not None:
+                    self.running.remove(request)
+                    self._finish(request, reason, stop_reason)
+                    break
+
     def record_step(self, output: SchedulerOutput, seconds: float) -> None:
         """The step ``output`` took ``seconds``, schedule to update: the measured step times learn from it
-        (only where a policy or admission control reads them)."""
+        (only where a policy or admission control reads them), and speculative decoding's step costs."""
+        if self.speculator is not None:
+            self.speculator.record_step(output.num_batched_tokens, seconds)
         if self.times_steps:
             self.step_times.record(output.num_batched_tokens, seconds, self._admitted_tokens,
                                    self.policy.has_backlog(self.waiting), self._admitted_requests)
@@ -667,6 +661,8 @@ class Scheduler:
         if self.prefills is not None:
             self.prefills.forget(request.request_id)
         self.policy.on_finished(request)
+        if self.speculator is not None:
+            self.speculator.finished(request)
         request.finish(reason, self.clock(), stop_reason)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)

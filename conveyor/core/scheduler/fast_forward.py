@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from conveyor.core.kv import MemoryReport, PagedKVCacheManager
 from conveyor.core.request import FinishReason, Request, RequestStatus
-from conveyor.core.scheduler.continuous import Scheduler, SchedulerConfig, _num_new_tokens, _scheduled_request
+from conveyor.core.scheduler.config import SchedulerConfig
+from conveyor.core.scheduler.continuous import Scheduler
+from conveyor.core.scheduler.items import num_new_tokens, scheduled_request
 from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.core.scheduler.policies import SchedulingPolicy
 
@@ -139,8 +141,10 @@ class FastForwardScheduler(Scheduler):
         """The keys the members attend to in ``step``, all told (the sum of their ``end(step)``)."""
         return self._context_base + len(self._members) * step
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRequest], int]:
-        """The running loop: members take their one token (and, at their events, a block) without a visit."""
+    def _schedule_running(self, budget: int, drafts: dict[str, list[int]] | None = None,
+                          ) -> tuple[list[ScheduledRequest], int]:
+        """The running loop: members take their one token (and, at their events, a block) without a visit. (No
+        drafts here: speculative decoding runs the plain scheduler, see build_scheduler.)"""
         if not self._members:
             scheduled, budget = super()._schedule_running(budget)
         elif len(self.running) == len(self._members) and self._pool_has_the_blocks(self.step_index + 1):
@@ -168,7 +172,7 @@ class FastForwardScheduler(Scheduler):
                 break
             request_id = request.request_id
             member = members.get(request_id)
-            num_new = 1 if member is not None else _num_new_tokens(request, budget)
+            num_new = 1 if member is not None else num_new_tokens(request, budget)
             end = member.end(step) if member is not None else request.num_computed_tokens + num_new
             block_ids = grow_table(request_id, end) if member is None or request_id in due else True
             if block_ids is None:  # the pool is short
@@ -182,7 +186,7 @@ class FastForwardScheduler(Scheduler):
                     member.synced = end
                     self._next_block(member, step)
             else:
-                scheduled.append(_scheduled_request(request, num_new, block_ids))
+                scheduled.append(scheduled_request(request, num_new, block_ids))
             budget -= num_new
         return scheduled, budget
 
@@ -199,16 +203,18 @@ class FastForwardScheduler(Scheduler):
         for index, request in enumerate(running):  # the running loop's budget, played out without taking anything
             if budget <= 0:  # the loop stops here: fine unless a member is left unserved
                 return not any(r.request_id in members for r in running[index:])
-            budget -= 1 if request.request_id in members else _num_new_tokens(request, budget)
+            budget -= 1 if request.request_id in members else num_new_tokens(request, budget)
         return True
 
     def _pool_has_the_blocks(self, step: int) -> bool:
         """Whether the pool has the block of every member due one in ``step`` (one each: _Member.next_alloc)."""
         return sum(1 for m in self._allocs.get(step, ()) if m.alive) <= self.kv_manager.num_free_blocks
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+               accepted_drafts: Mapping[str, int] | None = None) -> list[Request]:
         """The listed requests as the plain scheduler updates them, the members' events of this step merged in
-        the running queue's order; then every request that now only decodes joins the group."""
+        the running queue's order; then every request that now only decodes joins the group. (``accepted_drafts``
+        is always empty: no drafts here, see _schedule_running.)"""
         updated: list[Request] = []
         if not output.num_grouped_decodes:
             self._update_items(output.scheduled, sampled_token_ids, updated)
@@ -427,10 +433,11 @@ class FastForwardScheduler(Scheduler):
             self._leave(member)
         return super().abort_request(request_id, reason)
 
-    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+    def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None,
+                       num_output_tokens: int | None = None) -> None:
         if (member := self._members.get(request_id)) is not None:
             self._leave(member)
-        super().finish_request(request_id, reason, stop_reason)
+        super().finish_request(request_id, reason, stop_reason, num_output_tokens)
 
     def _preempt(self, request: Request) -> None:
         if (member := self._members.get(request.request_id)) is not None:

@@ -30,6 +30,10 @@ class ScheduledRequest:
     # With KV groups (conveyor.core.kv.groups): the request's table in each group, ``block_ids`` being group
     # 0's; empty with one group.
     group_block_ids: tuple[list[int], ...] = ()
+    # Speculative decoding: the last this many of ``token_ids`` are drafts (guesses of the tokens after the
+    # request's last one), verified in this step: the executor draws a token at each of them and at the row
+    # before, and reports how many drafts matched (see conveyor.core.spec).
+    num_draft_tokens: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -65,6 +69,7 @@ class SchedulerOutput:
     # ``grouped_decode_context`` keys. Always 0 on the real engine.
     num_grouped_decodes: int = 0
     grouped_decode_context: int = 0
+    num_draft_tokens: int = 0  # drafts over all scheduled requests (speculative decoding; 0 without)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -11,6 +11,8 @@ scheduler, so a difference in the figures comes from the policy alone.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from conveyor.core.kv import blocks_for_tokens
 from conveyor.core.request import FinishReason, Request, RequestStatus
 from conveyor.core.scheduler.continuous import Scheduler
@@ -57,9 +59,10 @@ class StaticScheduler(Scheduler):
             free -= need
             self._members.add(request.request_id)
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+               accepted_drafts: Mapping[str, int] | None = None) -> list[Request]:
         delivered: list[Request] = []
-        for request in super().update(output, sampled_token_ids):
+        for request in super().update(output, sampled_token_ids, accepted_drafts):
             if request.is_finished:
                 self._held.append(request)  # held back until the batch completes
             else:
