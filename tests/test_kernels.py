@@ -142,6 +142,49 @@ def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, width, ro
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("lens", [[950], [16], [13, 40], [31, 600]], ids=["long", "one-block", "short", "mixed"])
+@pytest.mark.parametrize("run", [2, 5, 8, 11])
+def test_paged_attention_of_a_decode_and_its_drafts_matches_reference(kernels, width, lens, run):
+    """Speculative decoding's verify rows: a decode and its drafts, ``run`` rows of one sequence at consecutive
+    positions, read each block once for all of them (attend_rows), in one part per thread when the runs are
+    few: parts that end inside the run (some rows see the part to its end, others stop short), parts past a
+    short run's end, runs longer than the kernel takes at once (8), with 1 to 5 threads."""
+    torch.manual_seed(run + lens[0])
+    block_size, heads, kv_heads, head_dim, num_blocks = 16, 9, 3, 64, 200
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    tables = torch.stack([torch.randperm(num_blocks)[:70] for _ in lens])
+    row_seq = torch.tensor([seq for seq in range(len(lens)) for _ in range(run)])
+    row_lens = torch.tensor([start + r for start in lens for r in range(run)])
+    query = torch.randn(len(row_seq), heads, head_dim)
+    want = paged_attention_reference(query, cache[0], cache[1], tables, row_seq, row_lens, 0.125)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            for units in (len(lens), -1):  # split as the decodes alone would be, and as this many rows would
+                got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, row_lens, 0.125, width,
+                                              units)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, n=count, u=units: f"{n} threads, units {u}: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_lone_prompt_tile_beside_few_rows_keeps_its_attention(kernels, width):
+    """A step of one long prompt chunk (a tile) and one decode: two sequences, fewer than two per thread, so the
+    decode's context is split in parts and merged; the tile's rows must not be merged over."""
+    torch.manual_seed(5)
+    block_size, heads, kv_heads, head_dim = 16, 9, 3, 64
+    cache = torch.randn(2, 100, block_size, kv_heads, head_dim)
+    tables = torch.stack([torch.randperm(100)[:30] for _ in range(2)])
+    row_seq = torch.tensor([0] * 37 + [1])
+    lens = torch.cat([torch.arange(264, 301), torch.tensor([120])])
+    query = torch.randn(len(row_seq), heads, head_dim)
+    got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, lens, 0.125, width)
+    want = paged_attention_reference(query, cache[0], cache[1], tables, row_seq, lens, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_paged_attention_of_prompt_rows_is_causal(kernels, width):
     """Two prompt chunks and a decode row in one call: each prompt row sees its sequence up to itself."""
     torch.manual_seed(11)

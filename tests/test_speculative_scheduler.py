@@ -23,7 +23,7 @@ from conveyor.core.request import FinishReason, Request
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from conveyor.core.spec import NgramProposer, SpeculativeConfig, Speculator, SuffixProposer
-from conveyor.core.spec.step_cost import StepCost, bucket_of
+from conveyor.core.spec.step_cost import STALE_STEPS, StepCost, bucket_of
 from tests.harness import FakeClock, RequestSpec, StepDriver, Workload, check_pool, reference_output, workloads
 
 MAX_STEPS = 20_000
@@ -126,6 +126,16 @@ def test_step_cost_interpolates_between_measured_sizes_and_is_flat_above():
     assert 0.010 < cost.seconds(32) < 0.050
     assert cost.seconds(500) == 0.050
     assert [bucket_of(n) for n in (16, 17, 18, 100, 1000)] == [16, 16, 18, 96, 960]
+
+
+def test_step_cost_shrugs_off_a_slow_step_and_forgets_sizes_not_seen_for_a_while():
+    cost = StepCost()
+    for seconds in (0.010, 0.011, 0.500, 0.010):  # one step slowed by something else on the machine
+        cost.record(5, seconds)
+    assert cost.seconds(5) < 0.012
+    for _ in range(STALE_STEPS):
+        cost.record(1, 0.004)
+    assert cost.seconds(5) == 0.004  # 5 tokens not seen for STALE_STEPS steps: priced flat again, to be tried
 
 
 def _drafting_requests(count: int) -> list[Request]:

@@ -14,6 +14,7 @@ the acceptance rate and the mean tokens a drafted step yields are reported.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import statistics
 import time
@@ -22,10 +23,19 @@ from dataclasses import dataclass
 from conveyor.bench.report import format_table
 from conveyor.bench.throughput import run_all_at_once, run_together
 from conveyor.bench.workload import W2_NUM_REQUESTS, W2_SEED, long_tail_workload
+from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
+from conveyor.core.spec import SpecDecodeStats
 from conveyor.engine import Engine
+from conveyor.sim.cost import CostModel
+from conveyor.sim.hardware import load_hardware
+from conveyor.sim.profile import step_cost_model
+from conveyor.sim.simulator import simulate
+from conveyor.sim.speculative import AcceptanceProfile
+from conveyor.sim.workload import WorkloadRequest
 
 REWRITE_MAX_TOKENS = 320
+DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
 
 
 def _sources() -> list[tuple[str, str, str | None]]:
@@ -62,56 +72,67 @@ class Run:
     seconds: float
     output_tokens: int
     outputs: list[list[int]]
+    shapes: list[tuple[int, int]]  # each request's prompt and output tokens
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
 
+def _run(start: float, prompts: list[list[int]], outputs: list[list[int]]) -> Run:
+    return Run(time.perf_counter() - start, sum(map(len, outputs)), outputs,
+               [(len(p), len(o)) for p, o in zip(prompts, outputs)])
+
+
 def _one_at_a_time(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Run:
     start = time.perf_counter()
     outputs = [run_together(engine, [prompt], [params])[0][0].token_ids for prompt in prompts]
-    return Run(time.perf_counter() - start, sum(map(len, outputs)), outputs)
+    return _run(start, prompts, outputs)
 
 
 def _at_once(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> Run:
     start = time.perf_counter()
     outputs = [o.token_ids for o in run_together(engine, prompts, [params] * len(prompts))[0]]
-    return Run(time.perf_counter() - start, sum(map(len, outputs)), outputs)
+    return _run(start, prompts, outputs)
 
 
 def _w2(engine: Engine) -> Run:
     requests = long_tail_workload(W2_NUM_REQUESTS, W2_SEED, engine.model_config.vocab_size)
     start = time.perf_counter()
     outputs = [o.token_ids for o in run_all_at_once(engine, requests)[0]]
-    return Run(time.perf_counter() - start, sum(map(len, outputs)), outputs)
+    return _run(start, [r.prompt_token_ids for r in requests], outputs)
 
 
-def _spec_counts(engine: Engine) -> tuple[int, int, int]:
-    stats = engine.stats()
-    return stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+def _spec_stats(engine: Engine) -> SpecDecodeStats:
+    return SpecDecodeStats.from_engine_stats(engine.stats())
 
 
 def compare_case(plain: Engine, drafted: Engine, run, repeats: int) -> dict:
     """``run(engine)`` on both engines in turns, ``repeats`` times each: the medians, their ratio, whether the
     outputs agree, and the drafts of the drafted engine's runs."""
-    before = _spec_counts(drafted)
+    before = _spec_stats(drafted)
     plain_runs, drafted_runs = [], []
     for _ in range(repeats):
         plain_runs.append(run(plain))
         drafted_runs.append(run(drafted))
-    drafts, draft_tokens, accepted = (b - a for a, b in zip(before, _spec_counts(drafted)))
+    counted = _spec_stats(drafted).since(before)
+    drafts, draft_tokens, accepted = counted.num_drafts, counted.num_draft_tokens, counted.num_accepted_tokens
     plain_rate = statistics.median(r.tokens_per_s for r in plain_runs)
     drafted_rate = statistics.median(r.tokens_per_s for r in drafted_runs)
     return {
         "plain_tokens_per_s": round(plain_rate, 1),
         "speculative_tokens_per_s": round(drafted_rate, 1),
         "speedup": round(drafted_rate / plain_rate, 3),
-        "identical_outputs": all(r.outputs == plain_runs[0].outputs for r in plain_runs + drafted_runs),
+        # Run by run: the n-th runs of both engines met the same prefix cache (a cached prompt's last block is
+        # computed alone, which may move a near tie either way in both).
+        "identical_outputs": all(p.outputs == d.outputs for p, d in zip(plain_runs, drafted_runs)),
         "output_tokens": plain_runs[0].output_tokens,
         "acceptance_rate": round(accepted / draft_tokens, 3) if draft_tokens else None,
         "tokens_per_drafted_step": round(1 + accepted / drafts, 2) if drafts else None,
         "drafted_request_steps": drafts,
+        "acceptance_profile": AcceptanceProfile.from_stats(counted).to_json() if sum(counted.proposal_lengths)
+        else None,
+        "requests": plain_runs[0].shapes,  # [prompt tokens, output tokens]: the simulator's workload
     }
 
 
@@ -132,8 +153,39 @@ def run_speculative_bench(plain: Engine, drafted: Engine, batch: int, repeats: i
 
 
 def print_speculative(results: dict[str, dict]) -> None:
-    headers = ["case", "plain tok/s", "speculative tok/s", "speed-up", "identical", "acceptance", "tokens/step"]
+    headers = ["case", "plain tok/s", "speculative tok/s", "speed-up", "identical", "acceptance", "tokens/step",
+               "simulated speed-up"]
     rows = [[name, r["plain_tokens_per_s"], r["speculative_tokens_per_s"], f'{r["speedup"]:.2f}x',
-             "yes" if r["identical_outputs"] else "NO", r["acceptance_rate"], r["tokens_per_drafted_step"]]
+             "yes" if r["identical_outputs"] else "NO", r["acceptance_rate"], r["tokens_per_drafted_step"],
+             f'{r["predicted_speedup"]:.2f}x' if "predicted_speedup" in r else "-"]
             for name, r in results.items()]
     print(format_table(headers, rows))
+
+
+def predicted_speedups(engine: Engine, config: EngineConfig, results: dict[str, dict],
+                       step_profile: str = "auto") -> str:
+    """The simulator's speed-up for each rewrite case, on the case's own requests (lengths measured above) and
+    drafts (its acceptance profile), steps priced by this machine's step profile (``conveyor simulate
+    calibrate``) where it is current: one at a time as a sum of lone runs, at once as one run. Adds
+    ``predicted_speedup`` to each case; returns what priced the steps."""
+    cost, priced_by = step_cost_model(engine.model_config, load_hardware("cpu-local"), config.dtype,
+                                      step_profile=step_profile, threads=engine.num_threads)
+    plain_config = dataclasses.replace(config, speculative_config=None)
+    drafted_config = dataclasses.replace(config, speculative_config=config.speculative_config or DEFAULT_SPEC)
+    for name, result in results.items():
+        if result["acceptance_profile"] is None or not name.startswith("rewrite@"):
+            continue
+        profile = AcceptanceProfile(tuple(result["acceptance_profile"]["proposal_lengths"]),
+                                    tuple(result["acceptance_profile"]["acceptance"]))
+        requests = [WorkloadRequest(0.0, prompt, output) for prompt, output in result["requests"]]
+        batches = [[r] for r in requests] if name == "rewrite@1" else [requests]
+        plain_seconds = _simulated_seconds(plain_config, cost, batches, None)
+        drafted_seconds = _simulated_seconds(drafted_config, cost, batches, profile)
+        result["predicted_speedup"] = round(plain_seconds / drafted_seconds, 3)
+    return priced_by
+
+
+def _simulated_seconds(config: EngineConfig, cost: CostModel, batches: list[list[WorkloadRequest]],
+                       acceptance: AcceptanceProfile | None) -> float:
+    """Simulated seconds to run the batches one after another, each all at once."""
+    return sum(simulate(config, cost, batch, acceptance=acceptance)[0]["elapsed_s"] for batch in batches)

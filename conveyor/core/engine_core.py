@@ -32,7 +32,7 @@ from conveyor.core.live import LiveRecorder
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import SCHEDULERS, Scheduler, SchedulerConfig, SchedulerOutput
 from conveyor.core.scheduler.fast_forward import FastForwardScheduler
-from conveyor.core.spec import Speculator
+from conveyor.core.spec import Proposer, Speculator
 from conveyor.core.stats import EngineStats
 from conveyor.core.trace import Trace
 
@@ -116,11 +116,12 @@ def _max_model_len(wanted: int | None, model_limit: int, capacity: int) -> int:
 
 
 def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[], float],
-                    fast_forward_token: int | None = None) -> Scheduler:
+                    fast_forward_token: int | None = None, proposer: Proposer | None = None) -> Scheduler:
     """The KV manager the config's layout names, and the scheduler over it (``scheduler.kv_manager``).
 
     ``fast_forward_token``: every decode draws this token (a simulation), so the continuous scheduler may
-    advance determined decodes as a group (:mod:`conveyor.core.scheduler.fast_forward`)."""
+    advance determined decodes as a group (:mod:`conveyor.core.scheduler.fast_forward`). ``proposer``: where
+    speculative decoding's drafts come from, when not the config's method (the simulator's profiled one)."""
     if config.kv_layout == "contiguous":
         kv: PagedKVCacheManager = ContiguousKVCacheManager(
             plan.num_blocks, config.block_size, plan.max_model_len, plan.num_cpu_blocks
@@ -151,7 +152,8 @@ def build_scheduler(config: EngineConfig, plan: KVCachePlan, clock: Callable[[],
     )
     speculative = config.speculative()
     if speculative is not None:  # drafts make a decode's tokens per step unknown: no fast-forward
-        return Scheduler(scheduler_config, kv, clock, speculator=Speculator(speculative, plan.max_model_len))
+        return Scheduler(scheduler_config, kv, clock,
+                         speculator=Speculator(speculative, plan.max_model_len, proposer))
     if fast_forward_token is not None and config.scheduler == "continuous":
         return FastForwardScheduler(scheduler_config, kv, clock, fast_forward_token)
     return SCHEDULERS[config.scheduler](scheduler_config, kv, clock)
@@ -167,13 +169,14 @@ class EngineCore:
         executor: Executor,
         clock: Callable[[], float] = time.monotonic,
         fast_forward_token: int | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         """``fast_forward_token``: the executor draws this token for every request (a simulation's), which lets
         the scheduler advance determined decodes as a group, with the same results (see ``build_scheduler``)."""
         self.config = config
         self.plan = plan
         self.clock = clock
-        self.scheduler = build_scheduler(config, plan, clock, fast_forward_token)
+        self.scheduler = build_scheduler(config, plan, clock, fast_forward_token, proposer)
         self.executor = executor
         self.trace: Trace | None = None
         self.live: LiveRecorder | None = None  # set while a dashboard watches

@@ -37,6 +37,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: tuple[int, ...] = ()
+    spec_decode_carried_per_position: tuple[int, ...] = ()  # drafts carried, by position
+    spec_decode_proposal_lengths: tuple[int, ...] = ()  # decoding request-steps offered 0, 1, ... drafts
     # The fair policy's accounts, tenant -> figures (virtual_tokens, weight, num_waiting, num_swapped,
     # prompt_tokens, output_tokens); empty under the other policies.
     tenants: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -108,70 +108,105 @@ struct Span {
   int64_t begin, end;
 };
 
-// One query row over the positions `span` of the paged cache, for every head. Blocks are the outer loop,
-// heads the inner one: a position's K (and V) for all KV heads is one contiguous run in the cache, so each
-// block is read from memory once, in order, and then serves every head from L1. q and out point at the
-// row's head 0; scores holds heads * (span.end - span.begin) floats. With stats == nullptr, out is the
-// attention (the span is the whole context); otherwise it is one part of it: out the sum of V weighted by
-// exp(score - max) and stats[2h], stats[2h + 1] head h's max and sum of those weights, which merge_parts
-// combines. A head is NV vectors V; the cache holds C (float, or bf16 bits).
+// Query rows of one sequence (a decode alone, or a decode and its drafts) over the paged cache, for every head:
+// row r over the positions spans[r]. Blocks are the outer loop, heads and then rows the inner ones: a
+// position's K (and V) for all KV heads is one contiguous run in the cache, so each block is read from memory
+// once, in order, and then serves every head of every row that sees it from L1. Each row's arithmetic is
+// that of the row alone over its span, in the same order. q and out point at row 0's head 0, q_stride and
+// out_stride apart; scores holds rows * heads * (the longest span) floats. With stats == nullptr, out is the
+// attention (each span is its row's whole context); otherwise it is one part of it: out the sum of V weighted
+// by exp(score - max) and stats[2h], stats[2h + 1] head h's max and sum of those weights (row r's at
+// stats + r * out_stride), which merge_parts combines. A head is NV vectors V; the cache holds C (float, or
+// bf16 bits).
 template <typename V, int NV, typename C>
-void attend_row(const float* q, const C* k_cache, const C* v_cache, const int64_t* table, Span span,
-                const CacheShape& shape, int64_t group, float scale, float* scores, float* out, float* stats) {
+void attend_rows(const float* q, int64_t q_stride, int64_t rows, const C* k_cache, const C* v_cache,
+                 const int64_t* table, const Span* spans, const CacheShape& shape, int64_t group, float scale,
+                 float* scores, float* out, int64_t out_stride, float* stats) {
   constexpr int lanes = kLanesOf<V>;
   constexpr int64_t dim = lanes * NV;
-  const int64_t stride = shape.token_stride(), heads = shape.kv_heads * group, len = span.end - span.begin;
+  const int64_t stride = shape.token_stride(), heads = shape.kv_heads * group;
+  int64_t begin = spans[0].begin, end = spans[0].end, width = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    begin = std::min(begin, spans[r].begin);
+    end = std::max(end, spans[r].end);
+    width = std::max(width, spans[r].end - spans[r].begin);
+  }
+  begin -= begin % shape.block_size;  // spans start at whole blocks; an empty one may not
+  const auto scores_of = [&](int64_t r, int64_t h) { return scores + (r * heads + h) * width; };
+  // A row's positions within the block at `first`: [from, to), none when to <= from.
+  const auto within = [&](int64_t r, int64_t first) {
+    return std::pair{std::max(first, spans[r].begin), std::min(first + shape.block_size, spans[r].end)};
+  };
   const int64_t block_bytes = shape.block_stride() * static_cast<int64_t>(sizeof(C));
   const auto block_at = [&](const C* cache, int64_t block) { return cache + table[block] * shape.block_stride(); };
-  for (int64_t first = span.begin; first < span.end; first += shape.block_size) {
-    const int64_t block = first / shape.block_size, n = std::min(shape.block_size, span.end - first);
+  for (int64_t first = begin; first < end; first += shape.block_size) {
+    const int64_t block = first / shape.block_size;
     const C* keys = block_at(k_cache, block);
-    const C* next = first + n < span.end ? block_at(k_cache, block + 1)
-                                         : block_at(v_cache, span.begin / shape.block_size);  // V follows K
+    const C* next = first + shape.block_size < end ? block_at(k_cache, block + 1)
+                                                   : block_at(v_cache, begin / shape.block_size);  // V comes next
     for (int64_t h = 0; h < heads; ++h) {
       prefetch_slice(next, block_bytes, h, heads);
-      const float* qh = q + h * dim;
       const C* kh = keys + h / group * dim;
-      float* s = scores + h * len + (first - span.begin);
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8) storev(s + i, dot8<V, NV, C>(qh, kh + i * stride, stride) * scale);
-      for (; i < n; ++i) s[i] = dot<V, NV, C>(qh, kh + i * stride) * scale;
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto [from, to] = within(r, first);
+        if (to <= from) continue;
+        const float* qh = q + r * q_stride + h * dim;
+        float* s = scores_of(r, h) + (from - spans[r].begin);
+        const C* k0 = kh + (from - first) * stride;
+        const int64_t n = to - from;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) storev(s + i, dot8<V, NV, C>(qh, k0 + i * stride, stride) * scale);
+        for (; i < n; ++i) s[i] = dot<V, NV, C>(qh, k0 + i * stride) * scale;
+      }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores + h * len;
-    if (stats == nullptr) {
-      softmax<V>(s, len);
-      continue;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = spans[r].end - spans[r].begin;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores_of(r, h);
+      if (len <= 0) {  // a part with no position of the row's (merge_parts skips a sum of 0)
+        stats[r * out_stride + 2 * h] = stats[r * out_stride + 2 * h + 1] = 0.f;
+        continue;
+      }
+      if (stats == nullptr) {
+        softmax<V>(s, len);
+        continue;
+      }
+      float* row_stats = stats + r * out_stride;
+      row_stats[2 * h] = *std::max_element(s, s + len);
+      row_stats[2 * h + 1] = softmax_numerators<V>(s, len, row_stats[2 * h]);
     }
-    stats[2 * h] = *std::max_element(s, s + len);
-    stats[2 * h + 1] = softmax_numerators<V>(s, len, stats[2 * h]);
   }
   // Accumulators of up to 8 vectors stay in registers; wider heads go in two halves.
   constexpr int kChunk = NV <= 8 ? NV : NV / 2;
-  for (int64_t first = span.begin; first < span.end; first += shape.block_size) {
-    const int64_t block = first / shape.block_size, n = std::min(shape.block_size, span.end - first);
+  for (int64_t first = begin; first < end; first += shape.block_size) {
+    const int64_t block = first / shape.block_size;
     const C* values = block_at(v_cache, block);
-    const C* next = first + n < span.end ? block_at(v_cache, block + 1) : nullptr;
+    const C* next = first + shape.block_size < end ? block_at(v_cache, block + 1) : nullptr;
     for (int64_t h = 0; h < heads; ++h) {
       if (next != nullptr) prefetch_slice(next, block_bytes, h, heads);
       const C* vh = values + h / group * dim;
-      const float* p = scores + h * len + (first - span.begin);
-      float* o = out + h * dim;
-      for (int j0 = 0; j0 < NV; j0 += kChunk) {
-        V acc[kChunk];
-        for (int c = 0; c < kChunk; ++c) acc[c] = first == span.begin ? V{} : loadv<V>(o + lanes * (j0 + c));
-        for (int64_t i = 0; i < n; ++i) {
-          const V weight = splatv<V>(p[i]);
-          for (int c = 0; c < kChunk; ++c) acc[c] += loadc<V>(vh + i * stride + lanes * (j0 + c)) * weight;
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto [from, to] = within(r, first);
+        if (to <= from) continue;
+        const float* p = scores_of(r, h) + (from - spans[r].begin);
+        const C* v0 = vh + (from - first) * stride;
+        float* o = out + r * out_stride + h * dim;
+        for (int j0 = 0; j0 < NV; j0 += kChunk) {
+          V acc[kChunk];
+          for (int c = 0; c < kChunk; ++c) acc[c] = from == spans[r].begin ? V{} : loadv<V>(o + lanes * (j0 + c));
+          for (int64_t i = 0; i < to - from; ++i) {
+            const V weight = splatv<V>(p[i]);
+            for (int c = 0; c < kChunk; ++c) acc[c] += loadc<V>(v0 + i * stride + lanes * (j0 + c)) * weight;
+          }
+          for (int c = 0; c < kChunk; ++c) storev(o + lanes * (j0 + c), acc[c]);
         }
-        for (int c = 0; c < kChunk; ++c) storev(o + lanes * (j0 + c), acc[c]);
       }
     }
   }
 }
 
-// A row's attention from its `parts` parts (attend_row with stats; a part with sum 0 saw no position):
+// A row's attention from its `parts` parts (attend_rows with stats; a part with sum 0 saw no position):
 // each part's weights were relative to its own max, so they are rescaled to the largest before adding.
 inline void merge_parts(const float* part_out, const float* part_stats, int64_t parts, int64_t heads, int64_t dim,
                         float* out) {
@@ -196,8 +231,8 @@ inline void merge_parts(const float* part_out, const float* part_stats, int64_t 
 }
 
 template <typename C>
-using AttendFn = void (*)(const float*, const C*, const C*, const int64_t*, Span, const CacheShape&, int64_t, float,
-                          float*, float*, float*);
+using AttendFn = void (*)(const float*, int64_t, int64_t, const C*, const C*, const int64_t*, const Span*,
+                          const CacheShape&, int64_t, float, float*, float*, int64_t, float*);
 
 // Head sizes with their own unrolled kernel (the accumulators stay in registers) in vectors V over a cache of
 // C; others are refused. A head of 8 is narrower than 16 lanes: the 512-bit path runs it on 8.
@@ -205,12 +240,12 @@ template <typename V, typename C = float>
 AttendFn<C> attend_fn(int64_t dim) {
   constexpr int lanes = kLanesOf<V>;
   switch (dim) {
-    case 8: return attend_row<v8, 1, C>;
-    case 16: return attend_row<V, 16 / lanes, C>;
-    case 32: return attend_row<V, 32 / lanes, C>;
-    case 64: return attend_row<V, 64 / lanes, C>;
-    case 96: return attend_row<V, 96 / lanes, C>;
-    case 128: return attend_row<V, 128 / lanes, C>;
+    case 8: return attend_rows<v8, 1, C>;
+    case 16: return attend_rows<V, 16 / lanes, C>;
+    case 32: return attend_rows<V, 32 / lanes, C>;
+    case 64: return attend_rows<V, 64 / lanes, C>;
+    case 96: return attend_rows<V, 96 / lanes, C>;
+    case 128: return attend_rows<V, 128 / lanes, C>;
     default: return nullptr;
   }
 }
@@ -316,7 +351,7 @@ inline void online_softmax(TileScratch& scratch, int64_t block_rows, int64_t row
 // positions [0, first + r]) as small GEMMs on the GEMM path's micro-kernel, flash-attention style: for each
 // chunk of P::kTile positions and each KV head, the chunk's keys and values are packed as GEMM tiles once and
 // serve every row of the block for all the head's query heads, in register tiles of P::kMaxRows rows: S = Q
-// K^T (rows x chunk), an online softmax that rescales what came before, and O += P V. Per row, attend_row
+// K^T (rows x chunk), an online softmax that rescales what came before, and O += P V. Per row, attend_rows
 // computes each score as its own dot product summed across lanes; here a score is one lane of a register
 // tile, and a key is read once per block of rows rather than once per query head and row. q and out point at
 // the first row's head 0, row_stride and out_stride apart.
@@ -367,39 +402,35 @@ void attend_prompt_tile(const float* q, int64_t row_stride, int64_t rows, int64_
   }
 }
 
-// A work item of attention_rows: `rows` rows from `row` (more than one: a prompt tile), or part `part` of one
-// row's context.
+// A work item of attention_rows: `rows` consecutive rows of one sequence from `row` (consecutive positions), in
+// a prompt tile (`tile`: attend_prompt_tile) or row by row (attend_rows) over the whole context or over part
+// `part` of it.
 struct RowRun {
   int64_t row, rows, part;
+  bool tile;
 };
 
-// Every row in `parts` parts, row-major (item row * parts + part).
-inline std::vector<RowRun> single_rows(int64_t rows, int64_t parts) {
-  std::vector<RowRun> items;
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t part = 0; part < parts; ++part) items.push_back({row, 1, part});
-  }
-  return items;
-}
-
-// A block of prompt rows goes through attend_prompt_tile where its last row sees this many positions; below,
+// A run of prompt rows goes through attend_prompt_tile where its last row sees this many positions; below,
 // its rows go one at a time. Prefill of prompts submitted at once, tiles against rows (Zen 4, 2 threads):
 // 0.98x at 128 tokens, 1.02x at 256, 1.03-1.05x at 512, 1.10x at 1024, 1.13x at 1536.
 constexpr int64_t kTileMinContext = 192;
 
-// A run of fewer rows than this goes one row at a time whatever its context: a tile packs its whole context
-// for the run, which pays only when enough rows share the packing. Short runs at the end of a long context
-// are what speculative decoding verifies (the last token and its drafts). One sequence, n rows at the end of
-// ctx positions, tiles against rows (Zen 5, 2 threads, ms): n=4 6.95 vs 4.24 at ctx 200, 23.8 vs 8.0 at ctx
-// 1000; n=16 14.2 vs 12.3 and 35.3 vs 26.1; n=32 21.6 vs 20.3 and 58.4 vs 44.7.
+// A run of fewer rows than this goes row by row whatever its context: a tile packs its whole context for the
+// run, which pays only when enough rows share the packing. Short runs at the end of a long context are what
+// speculative decoding verifies (the last token and its drafts). One sequence, n rows at the end of ctx
+// positions, tiles against rows (Zen 5, 2 threads, ms): n=4 6.95 vs 4.24 at ctx 200, 23.8 vs 8.0 at ctx 1000;
+// n=16 14.2 vs 12.3 and 35.3 vs 26.1; n=32 21.6 vs 20.3 and 58.4 vs 44.7.
 constexpr int64_t kTileMinRows = 32;
 
-// The rows in blocks: consecutive rows of one sequence at consecutive positions (a prompt chunk) go up to
-// max_rows at a time, where the block has kTileMinRows rows or more and its last row sees kTileMinContext
-// positions or more (attend_prompt_tile); other rows (a decode, a short prompt's, a run of drafts) are items
-// of their own.
-inline std::vector<RowRun> prompt_tiles(int64_t rows, const int64_t* row_seq, const int64_t* context_lens,
-                                        int64_t max_rows) {
+// Rows attend_rows takes together: each block of K and V read once serves them all (a row alone reads the
+// whole context; five rows of one sequence read it five times over, where its KV no longer fits in cache).
+constexpr int64_t kMaxRunRows = 8;
+
+// The rows in runs: consecutive rows of one sequence at consecutive positions, up to max_rows. A run of
+// kTileMinRows or more whose last row sees kTileMinContext positions is a prompt tile; the others go row by row
+// in runs of up to kMaxRunRows (a decode alone, a decode and its drafts, a short prompt's rows).
+inline std::vector<RowRun> row_runs(int64_t rows, const int64_t* row_seq, const int64_t* context_lens,
+                                    int64_t max_rows) {
   std::vector<RowRun> items;
   for (int64_t row = 0; row < rows;) {
     int64_t n = 1;
@@ -408,35 +439,49 @@ inline std::vector<RowRun> prompt_tiles(int64_t rows, const int64_t* row_seq, co
       ++n;
     }
     if (n >= kTileMinRows && context_lens[row + n - 1] >= kTileMinContext) {
-      items.push_back({row, n, 0});
+      items.push_back({row, n, 0, true});
     } else {
-      for (int64_t i = 0; i < n; ++i) items.push_back({row + i, 1, 0});
+      for (int64_t i = 0; i < n; i += kMaxRunRows) items.push_back({row + i, std::min(kMaxRunRows, n - i), 0, false});
     }
     row += n;
   }
   return items;
 }
 
+// Each run that goes row by row split into `parts` parts of its context, one item each (a tile stays whole).
+inline std::vector<RowRun> in_parts(const std::vector<RowRun>& runs, int64_t parts) {
+  std::vector<RowRun> items;
+  for (const RowRun& run : runs) {
+    for (int64_t part = 0; part < (run.tile ? 1 : parts); ++part) items.push_back({run.row, run.rows, part, run.tile});
+  }
+  return items;
+}
+
 // Attention of every query row over the paged cache: row r belongs to the sequence whose block table is
 // tables[row_seq[r]] and sees positions [0, context_lens[r]). A decode row is one query at the end of its
-// context; the rows of a prompt chunk each see the prompt up to themselves, which makes the mask causal.
-// query rows are row_stride apart, heads contiguous within a row; out is [rows, heads * dim]. Rows one at a
-// time run on vectors V, prompt chunks in tiles on the float32 GEMM path P (attend_prompt_tile).
+// context; the rows of a prompt chunk (or of a decode and its drafts) each see the context up to themselves,
+// which makes the mask causal. Query rows are row_stride apart, heads contiguous within a row; out is
+// [rows, heads * dim]. Runs row by row go on vectors V (attend_rows), prompt tiles on the float32 GEMM path P
+// (attend_prompt_tile). `units`: what the rows amount to in work to share between threads, as a step without
+// drafts would count it (native_llama.h: a decode and its drafts count as the decode alone), so that drafts
+// never change how a row's context is split, nor therefore its sums; the rows themselves where none are drafts.
 template <typename V, typename P, typename C>
 void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const C* k_cache,
                     const C* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
-                    const int64_t* row_seq, const int64_t* context_lens, float scale, float* out) {
+                    const int64_t* row_seq, const int64_t* context_lens, float scale, float* out, int64_t units) {
   const AttendFn<C> attend = attend_fn<V, C>(shape.dim);
   TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96 or 128)");
   const int64_t group = heads / shape.kv_heads, threads = at::get_num_threads(), out_size = heads * shape.dim;
-  // A whole row per work item when there are rows enough to share out; otherwise each row's context in one
-  // run of whole blocks per thread, merged after (one row, 2 threads: each reads half the K and V, in order;
+  const std::vector<RowRun> runs = row_runs(rows, row_seq, context_lens, kRowsPerBlock);
+  // A whole run per work item when there are units enough to share out; otherwise each run's context in one
+  // span of whole blocks per thread, merged after (one row, 2 threads: each reads half the K and V, in order;
   // split by KV head instead, 3 of them took 1.5x as long, each thread reading every block's slices).
-  const int64_t parts = rows >= 2 * threads ? 1 : threads, part_size = out_size + 2 * heads;
-  const std::vector<RowRun> items =
-      parts > 1 ? single_rows(rows, parts) : prompt_tiles(rows, row_seq, context_lens, kRowsPerBlock);
+  const int64_t parts = units >= 2 * threads ? 1 : threads;
+  const int64_t part_size = out_size + 2 * heads;
+  const std::vector<RowRun> items = parts > 1 ? in_parts(runs, parts) : runs;
   const int64_t count = static_cast<int64_t>(items.size());
-  std::vector<float> partials(parts > 1 ? count * part_size : 0);
+  // With parts: row r's parts side by side (its part p at (r * parts + p) * part_size), as merge_parts reads them.
+  std::vector<float> partials(parts > 1 ? rows * parts * part_size : 0);
   // Items are dealt out in turn rather than in halves: a prompt's later rows see longer contexts, and
   // halves would leave one thread all the long ones.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, count));
@@ -448,29 +493,34 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
         const RowRun run = items[item];
         const int64_t row = run.row, ctx = context_lens[row];
         const int64_t* table = tables + row_seq[row] * table_width;
-        if (run.rows > 1) {
+        if (run.tile) {
           attend_prompt_tile<P>(query + row * row_stride, row_stride, run.rows, ctx - 1,
                                        k_cache, v_cache, table, shape, group, scale, out + row * out_size, out_size,
                                        scratch);
           continue;
         }
-        const int64_t blocks = (ctx + shape.block_size - 1) / shape.block_size;
-        const Span span{run.part * blocks / parts * shape.block_size,
-                        std::min(ctx, (run.part + 1) * blocks / parts * shape.block_size)};
-        float* stats = parts > 1 ? partials.data() + item * part_size + out_size : nullptr;
-        if (span.begin >= span.end) {  // fewer blocks than parts: this one saw nothing
-          for (int64_t h = 0; h < heads; ++h) stats[2 * h] = stats[2 * h + 1] = 0.f;
-          continue;
+        // Each row's context in `parts` spans of whole blocks, as it would be split alone; this item takes one.
+        Span spans[kMaxRunRows];
+        int64_t width = 0;
+        for (int64_t r = 0; r < run.rows; ++r) {
+          const int64_t row_ctx = ctx + r, blocks = (row_ctx + shape.block_size - 1) / shape.block_size;
+          spans[r] = {run.part * blocks / parts * shape.block_size,
+                      std::min(row_ctx, (run.part + 1) * blocks / parts * shape.block_size)};
+          width = std::max(width, spans[r].end - spans[r].begin);
         }
-        scores.resize(heads * (span.end - span.begin));
-        attend(query + row * row_stride, k_cache, v_cache, table, span, shape, group, scale, scores.data(),
-               parts > 1 ? partials.data() + item * part_size : out + row * out_size, stats);
+        float* part_out = parts > 1 ? partials.data() + (row * parts + run.part) * part_size : out + row * out_size;
+        const int64_t stride = parts > 1 ? parts * part_size : out_size;
+        scores.resize(run.rows * heads * width);
+        attend(query + row * row_stride, row_stride, run.rows, k_cache, v_cache, table, spans, shape, group, scale,
+               scores.data(), part_out, stride, parts > 1 ? part_out + out_size : nullptr);
       }
     }
   });
-  for (int64_t row = 0; parts > 1 && row < rows; ++row) {
-    const float* first = partials.data() + row * parts * part_size;
-    merge_parts(first, first + out_size, parts, heads, shape.dim, out + row * out_size);
+  for (const RowRun& run : runs) {  // a tile wrote its rows' attention itself
+    for (int64_t row = run.row; parts > 1 && !run.tile && row < run.row + run.rows; ++row) {
+      const float* first = partials.data() + row * parts * part_size;
+      merge_parts(first, first + out_size, parts, heads, shape.dim, out + row * out_size);
+    }
   }
 }
 

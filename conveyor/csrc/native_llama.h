@@ -214,7 +214,8 @@ class NativeLlama {
     auto x = embed(token_ids);
     auto cos = rows_of(cos_, positions), sin = rows_of(sin_, positions);
     const Step step{tokens, x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), &kv_cache, shape,
-                    slots.data(), tables.ids.data(), tables.width, row_seq.data(), context_lens.data()};
+                    slots.data(), tables.ids.data(), tables.width, row_seq.data(), context_lens.data(),
+                    attention_units(tokens, row_seq, logit_rows)};
     auto out = torch::empty({tokens, hidden_}, x.options());
     torch::Tensor logits;
     std::vector<int64_t> greedy;
@@ -238,7 +239,20 @@ class NativeLlama {
     const int64_t *slots, *tables;
     int64_t table_width;
     const int64_t *row_seq, *context_lens;
+    int64_t attention_units;  // see attention_units()
   };
+
+  // The step's rows as work for attention to share between threads (attention_rows' `units`), counted as if no
+  // row were a draft: the rows without logits, and one per sequence with logits. A decode and its drafts
+  // (speculative decoding: a logit row each) count as the decode alone; a prompt chunk's rows count one each.
+  static int64_t attention_units(int64_t tokens, const std::vector<int64_t>& row_seq,
+                                 const std::vector<int64_t>& logit_rows) {
+    std::vector<int64_t> sequences;
+    for (const int64_t row : logit_rows) sequences.push_back(row_seq[row]);
+    std::sort(sequences.begin(), sequences.end());
+    const auto distinct = std::unique(sequences.begin(), sequences.end()) - sequences.begin();
+    return tokens - static_cast<int64_t>(logit_rows.size()) + distinct;
+  }
 
   // A step's block tables, padded with block 0 to the longest, each block checked to lie in the cache.
   struct StepTables {
@@ -334,7 +348,7 @@ class NativeLlama {
       // Rows one at a time on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
       attention_rows<v8, typename FloatPath<P>::type>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape,
                                                       step.tables, step.table_width, step.row_seq, step.context_lens,
-                                                      scale, ap);
+                                                      scale, ap, step.attention_units);
       project<P>(w, kO, ap, tokens, q_width, dp);
       rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       if (fused_swiglu) {

@@ -111,7 +111,10 @@ def _add_bench_speculative(bench: Commands) -> None:
     spec.add_argument("--batch", type=int, default=64, help="requests of the at-once case")
     spec.add_argument("--repeats", type=int, default=3, help="runs of each case per engine, in turns")
     spec.add_argument("--no-w2", action="store_true", help="leave out W2")
-    spec.add_argument("-o", "--output", help="write the figures as JSON here")
+    spec.add_argument("--no-simulate", action="store_true", help="leave out the simulator's predicted speed-ups")
+    spec.add_argument("-o", "--output", help="write the figures (and each case's acceptance profile) as JSON here")
+    spec.add_argument("--profile-out", help="write the one-at-a-time case's acceptance profile here, for "
+                      "`conveyor simulate --acceptance-profile`")
     add_engine_args(spec)
 
 
@@ -424,18 +427,23 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def _bench_speculative(args: argparse.Namespace, config: EngineConfig) -> int:
     """Two engines of ``config``, without drafts and with ``--speculative-config`` (default: ngram, auto)."""
-    from conveyor.bench.speculative import print_speculative, run_speculative_bench
+    from conveyor.bench.speculative import DEFAULT_SPEC, predicted_speedups, print_speculative, run_speculative_bench
     from conveyor.engine import Engine
 
     config.max_num_seqs = max(config.max_num_seqs, args.batch)
-    spec = config.speculative_config or '{"method": "ngram", "num_speculative_tokens": 4}'
+    config = dataclasses.replace(config, speculative_config=config.speculative_config or DEFAULT_SPEC)
     plain = Engine(dataclasses.replace(config, speculative_config=None))
-    drafted = Engine(dataclasses.replace(config, speculative_config=spec))
-    print(f"kernels: {_kernels_in_use(plain)}; speculative_config: {spec}")
+    drafted = Engine(config)
+    print(f"kernels: {_kernels_in_use(plain)}; speculative_config: {config.speculative_config}")
     results = run_speculative_bench(plain, drafted, args.batch, args.repeats, not args.no_w2)
+    if not args.no_simulate:
+        print(f"simulated speed-ups: steps priced by the {predicted_speedups(plain, config, results)}")
     print_speculative(results)
     if args.output:
-        Path(args.output).write_text(json.dumps({"speculative_config": spec, "cases": results}, indent=1))
+        Path(args.output).write_text(json.dumps({"speculative_config": config.speculative_config, "cases": results},
+                                                indent=1))
+    if args.profile_out and results["rewrite@1"]["acceptance_profile"] is not None:
+        Path(args.profile_out).write_text(json.dumps(results["rewrite@1"]["acceptance_profile"], indent=1))
     return 0
 
 

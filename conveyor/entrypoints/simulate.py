@@ -26,6 +26,7 @@ from conveyor.sim.cluster import simulate_cluster
 from conveyor.sim.hardware import DTYPE_BYTES, hardware_names, load_hardware, load_model_config, model_names
 from conveyor.sim.profile import step_cost_model
 from conveyor.sim.simulator import device_kv_cache_memory, simulate
+from conveyor.sim.speculative import AcceptanceProfile
 from conveyor.sim.sweep import DEFAULT_LATENCY_BOUND, is_sustainable, max_sustainable_rate
 from conveyor.sim.validation import CASE_NAMES
 from conveyor.sim.workload import (
@@ -94,6 +95,8 @@ def add_simulate_parser(commands: argparse._SubParsersAction) -> None:
     g.add_argument("--step-profile", default="auto", help="how steps are priced: auto (cpu-local: this machine's "
                    "measured profile when current, else the roofline; other hardware: the roofline), none (the "
                    "roofline), or a profile file measured by `conveyor simulate calibrate` on your hardware")
+    sim.add_argument("--acceptance-profile", help="with --speculative-config: what the workload's drafts look like "
+                     "(a file written by `conveyor bench speculative --profile-out`)")
     add_engine_args(sim)
     sim.set_defaults(dtype=None, kv_cache_memory=None)  # the hardware's dtype; the KV its memory leaves
 
@@ -137,6 +140,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     rates, workloads = _workloads(args)
     conversations = _conversations(args)
     policies = _router_policies(args)
+    acceptance = AcceptanceProfile.read(args.acceptance_profile) if args.acceptance_profile else None
     if policies:
         specs, configs = _with_policies(specs, configs, policies)
     results: dict[str, list[dict[str, Any]]] = {}
@@ -158,7 +162,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                                                  args.workload_seed, args.fast_forward), None
             else:
                 result, trace = simulate(config, cost, workload, bool(args.trace), conversations,
-                                         args.fast_forward)
+                                         args.fast_forward, acceptance)
             result = {"configuration": spec, "request_rate": rate, "steps_priced_by": priced_by, **result}
             results[spec].append(result)
             if trace is not None:

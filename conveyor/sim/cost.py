@@ -52,7 +52,7 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
     """What the step computes, and the requests it samples a token for, in one pass over the scheduled ones
     (most of a simulated step's cost). The simulator prices this; calibration times it on the real engine."""
     sampled: list[str] = []
-    num_tokens = attention_pairs = kv_tokens_read = decode_context = decode_rows = 0
+    num_tokens = attention_pairs = kv_tokens_read = decode_context = decode_rows = num_drafted_rows = 0
     for item in output.scheduled:
         start, chunk = item.start_position, len(item.token_ids)
         context = start + chunk
@@ -62,13 +62,19 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
             attention_pairs += context
             decode_context += context
             decode_rows += 1
+        elif item.num_draft_tokens:  # a decode and its drafts: rows one at a time, each with its LM head row
+            keys = chunk_attention_pairs(start, chunk)
+            attention_pairs += keys
+            decode_context += keys
+            decode_rows += chunk
+            num_drafted_rows += chunk - 1
         else:
             attention_pairs += chunk_attention_pairs(start, chunk)
         if item.samples_token:
             sampled.append(item.request_id)
     swap_blocks = len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out)
     grouped, context = output.num_grouped_decodes, output.grouped_decode_context  # decodes counted, not listed
-    work = StepWork(len(output.scheduled) + grouped, num_tokens + grouped, len(sampled) + grouped,
+    work = StepWork(len(output.scheduled) + grouped, num_tokens + grouped, len(sampled) + grouped + num_drafted_rows,
                     attention_pairs + context, kv_tokens_read + context, swap_blocks, decode_context + context,
                     decode_rows + grouped)
     return work, sampled

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from conveyor.core.scheduler.output import SchedulerOutput
 from conveyor.sim.cost import CostModel, StepWork, step_work
+from conveyor.sim.speculative import DraftAcceptance
 
 
 class VirtualClock:
@@ -26,8 +27,13 @@ class VirtualClock:
 
 
 class SimulatedExecutor:
-    def __init__(self, cost: CostModel, clock: VirtualClock, block_size: int, token_id: int = 0) -> None:
+    def __init__(self, cost: CostModel, clock: VirtualClock, block_size: int, token_id: int = 0,
+                 acceptance: DraftAcceptance | None = None) -> None:
+        """``acceptance``: how many drafts the simulated model accepts (speculative decoding; see
+        conveyor.sim.speculative)."""
         self.cost = cost
+        self.acceptance = acceptance
+        self.accepted_drafts: dict[str, int] = {}  # the latest step's, by request (see Executor)
         self.clock = clock
         self.block_size = block_size
         self.token_id = token_id
@@ -39,6 +45,10 @@ class SimulatedExecutor:
         """Price the step and move the clock."""
         work, sampled = step_work(output)
         self._run(work)
+        if output.num_draft_tokens:
+            accepted = self.acceptance.accepted
+            self.accepted_drafts = {s.request_id: accepted(s.num_draft_tokens)
+                                    for s in output.scheduled if s.num_draft_tokens}
         token = self.token_id
         return dict.fromkeys(sampled, token)
 

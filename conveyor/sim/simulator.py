@@ -27,6 +27,7 @@ from conveyor.core.scheduler.fast_forward import FastForwardScheduler
 from conveyor.core.trace import Trace
 from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock
+from conveyor.sim.speculative import AcceptanceProfile, speculative_parts
 from conveyor.sim.workload import ConversationShape, WorkloadRequest
 
 FINISHED = RequestStatus.FINISHED
@@ -108,17 +109,21 @@ class Simulation:
         record_trace: bool = False,
         conversations: list[ConversationShape] | None = None,
         fast_forward: bool = True,
+        acceptance: AcceptanceProfile | None = None,
     ) -> None:
         """``fast_forward``: advance determined decodes as a group (:mod:`conveyor.core.scheduler.fast_forward`),
-        with the same results as one request at a time, faster."""
+        with the same results as one request at a time, faster. ``acceptance``: what drafts look like, with
+        ``config.speculative_config`` (see :mod:`conveyor.sim.speculative`)."""
         self.config = config
         self.cost = cost
         self.clock = VirtualClock()
         self.plan = plan_kv_cache(config, cost.kv_bytes_per_token, cost.model.max_position_embeddings,
                                   cost.model.layer_windows)
-        self.executor = SimulatedExecutor(cost, self.clock, config.block_size)
+        drafts = speculative_parts(config, acceptance)
+        self.executor = SimulatedExecutor(cost, self.clock, config.block_size, acceptance=drafts[1])
         token = self.executor.token_id if fast_forward else None
-        self.core = EngineCore(config, self.plan, self.executor, self.clock, fast_forward_token=token)
+        self.core = EngineCore(config, self.plan, self.executor, self.clock, fast_forward_token=token,
+                               proposer=drafts[0])
         self.trace = self.core.start_trace() if record_trace else None
         self.arrivals = sorted(workload, key=lambda r: r.arrival_time)
         self.conversations = ConversationFeed(conversations or [], self.plan.max_model_len)
@@ -149,6 +154,7 @@ class Simulation:
         figures = _figures(self.config, self.cost, finished, sums, self.executor, clock.now, core)
         figures.update(_shedding_figures(finished, refused, figures["elapsed_s"]))
         figures.update(_fast_forward_figures(core))
+        figures.update(_draft_figures(core))
         figures["simulation_wall_s"] = time.perf_counter() - wall_start
         return figures
 
@@ -210,6 +216,17 @@ def _fast_forward_figures(core: EngineCore) -> dict[str, Any]:
             "steps_fast_forwarded": scheduler.num_group_steps}
 
 
+def _draft_figures(core: EngineCore) -> dict[str, Any]:
+    """Speculative decoding's, where drafts were simulated: drafts carried, the share accepted, and the tokens a
+    drafted request gained per step."""
+    speculator = core.scheduler.speculator
+    if speculator is None:
+        return {}
+    stats = speculator.stats
+    return {"spec_decode_num_draft_tokens": stats.num_draft_tokens, "spec_decode_acceptance_rate":
+            stats.acceptance_rate, "spec_decode_tokens_per_drafted_step": stats.mean_acceptance_length}
+
+
 def _shedding_figures(finished: FinishedSums, refused: Counter[str], elapsed: float) -> dict[str, Any]:
     """Goodput (finished requests that met their targets, per second) and the requests admission refused."""
     return {
@@ -228,9 +245,10 @@ def simulate(
     record_trace: bool = False,
     conversations: list[ConversationShape] | None = None,
     fast_forward: bool = True,
+    acceptance: AcceptanceProfile | None = None,
 ) -> tuple[dict[str, Any], Trace | None]:
     """Run ``workload`` (and ``conversations``) to the end; its figures, and its trace if asked for."""
-    simulation = Simulation(config, cost, workload, record_trace, conversations, fast_forward)
+    simulation = Simulation(config, cost, workload, record_trace, conversations, fast_forward, acceptance)
     return simulation.run(), simulation.trace
 
 

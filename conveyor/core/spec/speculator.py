@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 from conveyor.core.request import Request
 from conveyor.core.spec.config import SpeculativeConfig
-from conveyor.core.spec.proposers import make_proposer
+from conveyor.core.spec.proposers import Proposer, make_proposer
 from conveyor.core.spec.step_cost import StepCost
+from conveyor.core.stats import EngineStats
 
 PRIOR_DRAFTS = 4.0  # a request's own acceptance counts as much as the global rate after this many drafts
 GLOBAL_WEIGHT = 0.02  # a draft's weight in the global acceptance rate's running mean
@@ -32,12 +33,16 @@ FIRST_GUESS = 0.5  # the global acceptance rate before any draft was verified
 @dataclass(slots=True)
 class SpecDecodeStats:
     """vLLM's spec-decode counters: steps-requests that carried drafts, drafts, accepted drafts, and accepted
-    drafts by their position in the draft (0: the first)."""
+    drafts by their position in the draft (0: the first); and what the simulator's acceptance profile is made
+    of (conveyor.sim.speculative): drafts carried by position, and how many drafts the proposer offered a
+    decoding request in each step (index: that many, 0 to num_speculative_tokens)."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    carried_per_position: list[int] = field(default_factory=list)
+    proposal_lengths: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -52,20 +57,45 @@ class SpecDecodeStats:
         """These counters as EngineStats' fields (its ``spec_decode_*``)."""
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_accepted_per_position": tuple(self.accepted_per_position)}
+                "spec_decode_accepted_per_position": tuple(self.accepted_per_position),
+                "spec_decode_carried_per_position": tuple(self.carried_per_position),
+                "spec_decode_proposal_lengths": tuple(self.proposal_lengths)}
+
+    @classmethod
+    def from_engine_stats(cls, stats: EngineStats) -> SpecDecodeStats:
+        """The counters as an EngineStats snapshot holds them."""
+        return cls(stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+                   stats.spec_decode_num_accepted_tokens, list(stats.spec_decode_accepted_per_position),
+                   list(stats.spec_decode_carried_per_position), list(stats.spec_decode_proposal_lengths))
+
+    def since(self, earlier: SpecDecodeStats) -> SpecDecodeStats:
+        """What was counted after ``earlier`` (a copy taken before)."""
+        def minus(now: list[int], before: list[int]) -> list[int]:
+            return [a - b for a, b in zip(now, before)]
+
+        return SpecDecodeStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                               self.num_accepted_tokens - earlier.num_accepted_tokens,
+                               minus(self.accepted_per_position, earlier.accepted_per_position),
+                               minus(self.carried_per_position, earlier.carried_per_position),
+                               minus(self.proposal_lengths, earlier.proposal_lengths))
 
     def copy(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.accepted_per_position))
+                               list(self.accepted_per_position), list(self.carried_per_position),
+                               list(self.proposal_lengths))
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
+        """``proposer``: the config's method's when None (the simulator hands in one that follows a measured
+        profile)."""
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = make_proposer(config)
+        self.proposer = proposer or make_proposer(config)
         self.cost = StepCost()
-        self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        k = config.num_speculative_tokens
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * k, carried_per_position=[0] * k,
+                                     proposal_lengths=[0] * (k + 1))
         self._rate = FIRST_GUESS  # acceptance of all requests' drafts, a running mean
         self._own: dict[str, tuple[int, int]] = {}  # request id -> (drafts verified, accepted)
 
@@ -82,6 +112,7 @@ class Speculator:
             room = self._room(request)
             if room > 0:
                 draft = self.proposer.propose(request, room)
+                self.stats.proposal_lengths[len(draft)] += 1
                 if draft:
                     proposed[request.request_id] = draft
         spare = budget - base_tokens
@@ -112,13 +143,13 @@ class Speculator:
                 worth *= rate
                 gains.append((worth, request_id, position))
         gains.sort(key=lambda gain: -gain[0])
-        base_seconds = self.cost.seconds(base_tokens)
-        if base_seconds is None:
+        curve = self.cost.curve()
+        if curve is None:
             return proposed  # nothing measured yet: carry them and measure
-        best_count, best_rate, expected = 0, num_requests / base_seconds, float(num_requests)
+        best_count, best_rate, expected = 0, num_requests / curve.seconds(base_tokens), float(num_requests)
         for count, (worth, _, _) in enumerate(gains[:spare], start=1):
             expected += worth
-            rate = expected / self.cost.seconds(base_tokens + count)
+            rate = expected / curve.seconds(base_tokens + count)
             if rate > best_rate:
                 best_count, best_rate = count, rate
         carried: dict[str, list[int]] = {}
@@ -139,6 +170,8 @@ class Speculator:
         stats.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
+        for position in range(num_drafts):
+            stats.carried_per_position[position] += 1
         verified, accepted = self._own.get(request_id, (0, 0))
         self._own[request_id] = (verified + num_drafts, accepted + num_accepted)
         self._rate += GLOBAL_WEIGHT * num_drafts * (num_accepted / num_drafts - self._rate)

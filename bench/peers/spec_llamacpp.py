@@ -1,0 +1,118 @@
+"""llama.cpp's n-gram speculative decoding beside Conveyor's, on the same workload, model file and threads.
+
+``conveyor bench speculative``'s rewrite prompts (functions of Conveyor's own source to rewrite with one name
+changed, docstrings to repeat word for word), one at a time, greedy, up to 320 tokens each, sent as token ids:
+llama-server (one slot, the default model's own Q4_1 file) without speculation and with ``--spec-type
+<kind>`` (draft-free n-gram drafts, ``--draft-max`` as Conveyor's ``num_speculative_tokens``), then Conveyor
+without and with ``--speculative-config``. Each engine's speed-up is over its own baseline, the runs taken in
+turns (``--repeats``), medians reported. Run with the project's .venv after bench/peers/setup_llamacpp.sh:
+
+    .venv/bin/python bench/peers/spec_llamacpp.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import run_llamacpp
+
+from conveyor.bench.speculative import DEFAULT_SPEC, REWRITE_MAX_TOKENS, rewrite_prompts
+from conveyor.bench.throughput import run_together
+from conveyor.core.config import EngineConfig, usable_cores
+from conveyor.core.sampling import SamplingParams
+from conveyor.engine import Engine
+
+LOG = run_llamacpp.DIR / "spec-server.log"
+
+
+def llama_server(spec: list[str], threads: int) -> tuple[subprocess.Popen, str]:
+    """llama-server on the default model's Q4_1 file, one slot, with ``spec`` flags; (process, completion url)."""
+    port = run_llamacpp.free_port()
+    with LOG.open("a") as out:
+        server = subprocess.Popen([str(run_llamacpp.SERVER), "-m", run_llamacpp.gguf_file("q4_1"), "--host",
+                                   "127.0.0.1", "--port", str(port), "-t", str(threads), "-np", "1", "-c", "4096",
+                                   "--no-ui", *spec], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {server.returncode}; see {LOG}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return server, f"http://127.0.0.1:{port}/completion"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.terminate()
+    raise RuntimeError(f"llama-server did not become healthy; see {LOG}")
+
+
+def llama_run(url: str, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
+    """Tokens per second over the prompts one at a time (greedy, EOS ends a request), and the outputs."""
+    outputs = []
+    start = time.perf_counter()
+    with httpx.Client(timeout=None) as client:
+        for prompt in prompts:
+            body = {"prompt": prompt, "n_predict": REWRITE_MAX_TOKENS, "temperature": 0.0, "cache_prompt": False,
+                    "return_tokens": True, "stream": False}
+            response = client.post(url, json=body)
+            response.raise_for_status()
+            outputs.append(response.json()["tokens"])
+    return sum(map(len, outputs)) / (time.perf_counter() - start), outputs
+
+
+def conveyor_run(engine: Engine, prompts: list[list[int]]) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=REWRITE_MAX_TOKENS)
+    start = time.perf_counter()
+    tokens = sum(len(run_together(engine, [p], [params])[0][0].token_ids) for p in prompts)
+    return tokens / (time.perf_counter() - start)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--spec-type", default="ngram-simple", help="llama-server's --spec-type")
+    parser.add_argument("--draft-max", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=usable_cores())
+    parser.add_argument("-o", "--output", help="write the figures as JSON here")
+    args = parser.parse_args()
+    plain_engine = Engine(EngineConfig(num_threads=args.threads, enable_prefix_caching=False))
+    drafted_engine = Engine(EngineConfig(num_threads=args.threads, enable_prefix_caching=False,
+                                         speculative_config=DEFAULT_SPEC))
+    prompts = rewrite_prompts(plain_engine)
+    spec_flags = ["--spec-type", args.spec_type, "--draft-max", str(args.draft_max)]
+    rates: dict[str, list[float]] = {name: [] for name in ("llama.cpp", "llama.cpp spec", "Conveyor", "Conveyor spec")}
+    servers = {"llama.cpp": llama_server([], args.threads), "llama.cpp spec": llama_server(spec_flags, args.threads)}
+    try:
+        for _, url in servers.values():  # warm each
+            llama_run(url, prompts[:1])
+        conveyor_run(plain_engine, prompts[:1])
+        conveyor_run(drafted_engine, prompts[:1])
+        for _ in range(args.repeats):
+            for name, (_, url) in servers.items():
+                rates[name].append(llama_run(url, prompts)[0])
+            rates["Conveyor"].append(conveyor_run(plain_engine, prompts))
+            rates["Conveyor spec"].append(conveyor_run(drafted_engine, prompts))
+    finally:
+        for server, _ in servers.values():
+            server.terminate()
+            server.wait(timeout=30)
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    figures = {"llama.cpp": run_llamacpp.server_version(), "spec_flags": spec_flags, "tokens_per_s": medians,
+               "llama.cpp speed-up": medians["llama.cpp spec"] / medians["llama.cpp"],
+               "Conveyor speed-up": medians["Conveyor spec"] / medians["Conveyor"]}
+    figures["Conveyor speed-up / llama.cpp speed-up"] = figures["Conveyor speed-up"] / figures["llama.cpp speed-up"]
+    print(json.dumps(figures, indent=1))
+    if args.output:
+        Path(args.output).write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
