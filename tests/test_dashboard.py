@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,6 +155,28 @@ def replay_server(trace: Path) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_a_replayed_trace_shows_each_requests_drafts(browser, tmp_path) -> None:
+    """A simulated run with speculative decoding: the requests table's drafts column counts, for each request,
+    the drafts accepted of those carried up to the step shown."""
+    profile, trace = tmp_path / "profile.json", tmp_path / "spec.jsonl"
+    profile.write_text(json.dumps({"proposal_lengths": [0.5, 0, 0, 0, 0.5], "acceptance": [0.8, 0.6, 0.4, 0.2]}))
+    subprocess.run([sys.executable, "-m", "conveyor.entrypoints.cli", "simulate", "--hardware", "A100-80GB",
+                    "--model-config", "Llama-2-7B", "--num-requests", "40", "--request-rates", "5", "--trace",
+                    str(trace), "--speculative-config", '{"method": "ngram"}', "--acceptance-profile", str(profile)],
+                   check=True, capture_output=True)
+    num_steps = len(trace.read_text().splitlines()) - 1
+    with replay_server(trace) as base:
+        page = browser.new_page()
+        page.goto(f"{base}/dashboard")
+        dash = "window.conveyorDashboard"
+        wait_for(lambda: page.evaluate(f"{dash}.loadMs()") is not None, 60, "the trace to load")
+        page.evaluate(f"{dash}.seek({num_steps // 2})")
+        column = "Array.from(document.querySelectorAll('#requests tbody td:nth-child(10)'), td => td.textContent)"
+        wait_for(lambda: any(re.fullmatch(r"\d+/\d+", cell) for cell in page.evaluate(column)), 10, "drafts")
+        assert page.evaluate(f"{dash}.error()") is None
+        page.close()
 
 
 def test_a_replayed_trace_shows_every_step_of_the_file(browser, tmp_path) -> None:

@@ -197,3 +197,33 @@ def test_a_delta_is_json_ready() -> None:
     core.step()
     encoded = json.loads(json.dumps(delta_as_json_ready(live.flush())))
     assert encoded["steps"][0]["scheduled"] == {"r": 4} and encoded["requests"]["r"]["prompt"] == 4
+
+
+class DraftAcceptingExecutor(TokenExecutor):
+    """Accepts the first of every request's drafts (speculative decoding's executor reports how many)."""
+
+    def __init__(self) -> None:
+        self.accepted_drafts: dict[str, int] = {}
+
+    def execute(self, output):
+        self.accepted_drafts = {s.request_id: 1 for s in output.scheduled if s.num_draft_tokens}
+        return super().execute(output)
+
+
+def test_steps_and_rows_show_the_drafts_a_request_carried_and_how_many_were_accepted() -> None:
+    """With speculative decoding, a step's record names the drafts each request carried and how many were
+    accepted (the timeline darkens those cells), and a request's row counts them (the table's drafts column)."""
+    config = EngineConfig(num_kv_blocks=24, block_size=4,
+                          speculative_config='{"method": "ngram", "prompt_lookup_min": 1, "draft_length": "fixed"}')
+    plan = KVCachePlan(24, 0, block_bytes=1, max_model_len=96)
+    core = EngineCore(config, plan, DraftAcceptingExecutor(), clock=FakeClock())
+    live = core.start_live()
+    add(core, "r", 6, 12, prompt=[7, 7, 7, 7, 7, 7])  # the executor's token repeats the prompt: drafts at once
+    steps = []
+    for _ in range(4):
+        core.step()
+        steps += live.flush()["steps"]
+    drafted = [step for step in steps if step.drafts]
+    assert drafted and all(step.accepted == dict.fromkeys(step.drafts, 1) for step in drafted)
+    row = live.keyframe()["requests"]["r"]
+    assert (row["drafted"], row["accepted"]) == (sum(s.drafts["r"] for s in drafted), len(drafted))

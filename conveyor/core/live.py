@@ -45,6 +45,7 @@ class LiveRecorder:
     ) -> None:
         self._scheduler = scheduler
         self._kv = scheduler.kv_manager
+        self._speculator = scheduler.speculator  # speculative decoding's, for each request's drafts; None without
         self._clock = clock
         self.origin = clock()
         self.config = config
@@ -147,6 +148,8 @@ class LiveRecorder:
             "cached": request.num_cached_tokens, "arrival": request.arrival_time - self.origin,
             "ttft": None if request.first_token_time is None else request.first_token_time - request.arrival_time,
         }
+        if self._speculator is not None:
+            row["drafted"], row["accepted"] = self._speculator.request_counts(request.request_id)
         if self.show_text and request.prompt_text is not None:
             row["text"] = request.prompt_text[:TEXT_CHARS]
         return row

@@ -162,6 +162,10 @@ class Speculator:
         verified, accepted = self._own.get(request_id, (0, 0))
         return (accepted + PRIOR_DRAFTS * self._rate) / (verified + PRIOR_DRAFTS)
 
+    def request_counts(self, request_id: str) -> tuple[int, int]:
+        """The request's drafts verified so far, and of them accepted (the dashboard's row shows them)."""
+        return self._own.get(request_id, (0, 0))
+
     def verified(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """A step verified ``num_drafts`` drafts of the request and accepted the first ``num_accepted``."""
         stats = self.stats

@@ -3,7 +3,8 @@
 // arrays, from which any window of the slot timeline is drawn at once; the block map and the request rows
 // at the current step are kept by applying each step's changes in order (the same code for live and replay).
 
-const EV_FINISH = 1, EV_PREEMPT = 2, EV_CACHED = 3, EV_KV = 4;
+const EV_FINISH = 1, EV_PREEMPT = 2, EV_CACHED = 3, EV_KV = 4, EV_DRAFTS = 5;
+const MARK_PREEMPT = 0, MARK_DRAFTS = 1;  // what a timeline mark shows: a preemption, or a step that carried drafts
 const NO_SLOT = 0xffff;
 
 class Grow {
@@ -26,7 +27,8 @@ class StepStore {
     this.start = new Grow(Float64Array); this.end = new Grow(Float64Array); this.kv = new Grow(Float32Array);
     this.holdReq = new Grow(Int32Array); this.holdPos = new Grow(Uint16Array); this.holdTok = new Grow(Uint16Array);
     this.ev = new Grow(Int32Array);
-    this.markStep = new Grow(Int32Array); this.markPos = new Grow(Uint16Array);  // preemptions, for the timeline
+    // Marks on the timeline: preemptions, and requests' steps that carried speculative drafts.
+    this.markStep = new Grow(Int32Array); this.markPos = new Grow(Uint16Array); this.markKind = new Grow(Uint8Array);
     this.holdOff.push(0); this.evOff.push(0);
     this.slotOf = new Map(); this.slotFree = new Uint8Array(numSlots).fill(1);
     this.dropped = 0;  // steps removed from the front (a long live session keeps the latest only)
@@ -49,13 +51,19 @@ class StepStore {
     this.tokens.push(tokens);
     for (const id of rec.preempted || []) {
       const slot = this.slotOf.get(this.intern(id));
-      if (slot !== undefined) { this.markStep.push(k); this.markPos.push(slot); }
+      if (slot !== undefined) this.mark(k, slot, MARK_PREEMPT);
     }
     this.assignSlots(rec);
+    for (const id in rec.drafts || {}) {
+      const slot = this.slotOf.get(this.intern(id));
+      if (slot !== undefined && slot !== NO_SLOT) this.mark(k, slot, MARK_DRAFTS);
+    }
     this.holdOff.push(this.holdReq.n);
     this.pushEvents(rec);
     this.evOff.push(this.ev.n);
   }
+
+  mark(k, slot, kind) { this.markStep.push(k); this.markPos.push(slot); this.markKind.push(kind); }
 
   assignSlots(rec) {
     // As the seed's picture (Trace.slot_fill): a request keeps its slot while it holds one; newcomers take
@@ -81,6 +89,10 @@ class StepStore {
     const ev = this.ev;
     for (const id of rec.preempted || []) { ev.push(EV_PREEMPT); ev.push(this.intern(id)); }
     for (const id in rec.cached || {}) { ev.push(EV_CACHED); ev.push(this.intern(id)); ev.push(rec.cached[id]); }
+    const accepted = rec.accepted || {};
+    for (const id in rec.drafts || {}) {
+      ev.push(EV_DRAFTS); ev.push(this.intern(id)); ev.push(rec.drafts[id]); ev.push(accepted[id] || 0);
+    }
     const changes = rec.kv_blocks || {};
     for (const id in changes) {
       const change = changes[id];
@@ -101,7 +113,7 @@ class StepStore {
     this.ev.dropFront(ev0);
     let keep = 0;
     while (keep < this.markStep.n && this.markStep.a[keep] < k) keep++;
-    this.markStep.dropFront(keep); this.markPos.dropFront(keep);
+    this.markStep.dropFront(keep); this.markPos.dropFront(keep); this.markKind.dropFront(keep);
     for (let i = 0; i < this.markStep.n; i++) this.markStep.a[i] -= k;
     this.dropped += k;
   }
@@ -164,7 +176,8 @@ class BatchState {
     let row = this.rows.get(id);
     if (!row) {
       row = { status: "running", prompt: null, output: null, computed: 0, remaining: null, priority: null,
-              preemptions: 0, cached: 0, ttft: null, firstStep: this.store.step.a[i], order: req };
+              preemptions: 0, cached: 0, drafted: 0, accepted: 0, ttft: null, firstStep: this.store.step.a[i],
+              order: req };
       this.rows.set(id, row);
     }
     return row;
@@ -182,17 +195,19 @@ class BatchState {
         e += 4 + count;
         continue;
       }
-      if (this.replay) this.replayEvent(type, req, type === EV_CACHED ? ev[e + 2] : 0, i);
-      e += type === EV_CACHED ? 3 : 2;
+      const values = type === EV_CACHED ? 1 : type === EV_DRAFTS ? 2 : 0;
+      if (this.replay) this.replayEvent(type, req, values ? ev[e + 2] : 0, i, values > 1 ? ev[e + 3] : 0);
+      e += 2 + values;
     }
   }
 
-  replayEvent(type, req, value, i) {
+  replayEvent(type, req, value, i, value2) {
     const id = this.store.ids[req];
     if (type === EV_FINISH) { this.rows.delete(id); return; }
     const row = this.replayRow(req, i);
     if (type === EV_PREEMPT) { row.preemptions++; row.status = "preempted"; }
     if (type === EV_CACHED) row.cached = value;
+    if (type === EV_DRAFTS) { row.drafted += value; row.accepted += value2; }
   }
 
   blocksOf(id) {

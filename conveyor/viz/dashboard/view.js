@@ -11,7 +11,7 @@ const LIVE_FPS = Math.min(10, Math.max(0.1, Number(new URLSearchParams(location.
 const LIVE_FRAME_MS = 1000 / LIVE_FPS, LIVE_TABLE_MS = Math.max(LIVE_FRAME_MS, 1000);
 const PALETTE = Array.from({ length: 256 }, (_, i) => hslToRgb((i * 137.508) % 360, 0.62, 0.5));
 const FREE = [255, 255, 255], EVICTABLE = [203, 213, 224], GAP = [232, 235, 240], SHARED_UNKNOWN = [74, 85, 104];
-const SELECTED = [246, 224, 94], PREEMPT = [229, 62, 62];
+const SELECTED = [246, 224, 94], PREEMPT = [229, 62, 62], DRAFTS_SHADE = 0.55;
 
 function hslToRgb(h, s, l) {
   const k = (n) => (n + h / 30) % 12, a = s * Math.min(l, 1 - l);
@@ -62,6 +62,10 @@ function drawTimeline(store, endIndex) {
     const k = store.markStep.a[m];
     if (k < start || k >= endIndex) continue;
     const o = (store.markPos.a[m] * cols + (k - start)) * 4;
+    if (store.markKind.a[m] === MARK_DRAFTS) {  // the request's own colour, darker: it carried drafts
+      px[o] *= DRAFTS_SHADE; px[o + 1] *= DRAFTS_SHADE; px[o + 2] *= DRAFTS_SHADE;
+      continue;
+    }
     px[o] = PREEMPT[0]; px[o + 1] = PREEMPT[1]; px[o + 2] = PREEMPT[2];
   }
   blit(canvas, image);
@@ -227,6 +231,11 @@ function sortedRows(state) {
   return rows;
 }
 
+function drafts(row) {
+  // Speculative decoding: drafts accepted of those carried, so far.
+  return row.drafted ? `${row.accepted}/${row.drafted}` : "";
+}
+
 function renderTable(v) {
   const rows = sortedRows(v.state), shown = rows.slice(0, 300), store = v.store;
   const cell = (x, digits) => (x === null || x === undefined ? "" : digits ? x.toFixed(digits) : x);
@@ -236,7 +245,8 @@ function renderTable(v) {
     return `<tr data-id="${escapeHtml(r.id)}"${cls}><td><span class="dot" style="background:${dot}"></span>` +
       `${escapeHtml(r.id)}</td><td>${r.status}</td><td>${cell(r.prompt)}</td><td>${cell(r.output)}</td>` +
       `<td>${cell(r.computed)}</td><td>${cell(r.remaining)}</td><td>${cell(r.priority)}</td>` +
-      `<td>${cell(r.preemptions)}</td><td>${cell(r.cached)}</td><td>${r.blocks}</td><td>${cell(r.ttft, 2)}</td></tr>`;
+      `<td>${cell(r.preemptions)}</td><td>${cell(r.cached)}</td><td>${drafts(r)}</td><td>${r.blocks}</td>` +
+      `<td>${cell(r.ttft, 2)}</td></tr>`;
   }).join("");
   document.querySelector("#requests tbody").innerHTML = html;
   $("requests-caption").textContent = rows.length > shown.length
