@@ -169,3 +169,19 @@ def test_the_chi_square_check_sees_a_one_point_shift():
     shifted[low] += 0.01
     counts = torch.bincount(torch.multinomial(shifted, 40_000, replacement=True), minlength=8).float()
     assert _chi_square(counts, p) > CHI2_7_DOF_999
+
+
+def test_a_server_with_drafts_streams_the_plain_answer_and_counts_its_drafts(default_model_dir, plain):
+    """``conveyor serve --speculative-config`` as a real process, the official client streaming: the text is the
+    offline engine's without drafts, and /metrics counts the drafts (vLLM's names)."""
+    from tests.serving import metric, openai_client, running_server
+
+    with running_server(default_model_dir, "--speculative-config", SPEC) as server:
+        client = openai_client(server.base)
+        stream = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=MAX_TOKENS,
+                                                temperature=0, stream=True,
+                                                messages=[{"role": "user", "content": CHATS[0]}])
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text == plain[0].text
+        assert metric(server, "conveyor:spec_decode_num_accepted_tokens_total") > 10
+        assert metric(server, "conveyor:spec_decode_num_accepted_tokens_per_pos_total{position=\"0\"}") > 0
