@@ -39,7 +39,8 @@ TINY_CONFIG = dict(
 # short soak, Ray), run first: `make test` hands whole files to two workers in this order, and a long file
 # taken last would leave one worker computing alone at the end.
 LONGEST_FIRST = (
-    "test_gemma3.py", "test_quantized.py", "test_correctness.py", "test_gguf.py", "test_api_fuzz.py",
+    "test_gemma3.py", "test_quantized.py", "test_correctness.py", "test_speculative.py", "test_gguf.py",
+    "test_api_fuzz.py",
     "test_soak.py", "test_replica_exposure.py", "test_replicas.py", "test_server.py", "test_grammar_bombs.py",
     "test_structured_output.py", "test_dashboard.py", "test_fair_property.py", "test_responsiveness.py",
 )

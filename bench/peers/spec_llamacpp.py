@@ -2,10 +2,11 @@
 
 ``conveyor bench speculative``'s rewrite prompts (functions of Conveyor's own source to rewrite with one name
 changed, docstrings to repeat word for word), one at a time, greedy, up to 320 tokens each, sent as token ids:
-llama-server (one slot, the default model's own Q4_1 file) without speculation and with ``--spec-type
-<kind>`` (draft-free n-gram drafts, ``--draft-max`` as Conveyor's ``num_speculative_tokens``), then Conveyor
-without and with ``--speculative-config``. Each engine's speed-up is over its own baseline, the runs taken in
-turns (``--repeats``), medians reported. Run with the project's .venv after bench/peers/setup_llamacpp.sh:
+llama-server (one slot, the default model's own Q4_1 file) without speculation and with each ``--llama-spec``
+(its draft-free n-gram kinds: by default ``--spec-type ngram-simple`` as it comes, and the same matching
+Conveyor's lookup, 2-4 tokens, 4 drafts), then Conveyor without and with ``--speculative-config``. Each
+engine's speed-up is over its own baseline, the runs taken in turns (``--repeats``), medians reported. Run with
+the project's .venv after bench/peers/setup_llamacpp.sh:
 
     .venv/bin/python bench/peers/spec_llamacpp.py --repeats 3
 """
@@ -30,6 +31,8 @@ from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 
 LOG = run_llamacpp.DIR / "spec-server.log"
+DEFAULT_LLAMA_SPECS = ["--spec-type ngram-simple",
+                       "--spec-type ngram-simple --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 4"]
 
 
 def llama_server(spec: list[str], threads: int) -> tuple[subprocess.Popen, str]:
@@ -77,8 +80,8 @@ def conveyor_run(engine: Engine, prompts: list[list[int]]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--spec-type", default="ngram-simple", help="llama-server's --spec-type")
-    parser.add_argument("--draft-max", type=int, default=4)
+    parser.add_argument("--llama-spec", action="append", help="llama-server's speculation flags, one configuration "
+                        "per use (default: the two of the module's doc)")
     parser.add_argument("--threads", type=int, default=usable_cores())
     parser.add_argument("-o", "--output", help="write the figures as JSON here")
     args = parser.parse_args()
@@ -86,9 +89,10 @@ def main() -> int:
     drafted_engine = Engine(EngineConfig(num_threads=args.threads, enable_prefix_caching=False,
                                          speculative_config=DEFAULT_SPEC))
     prompts = rewrite_prompts(plain_engine)
-    spec_flags = ["--spec-type", args.spec_type, "--draft-max", str(args.draft_max)]
-    rates: dict[str, list[float]] = {name: [] for name in ("llama.cpp", "llama.cpp spec", "Conveyor", "Conveyor spec")}
-    servers = {"llama.cpp": llama_server([], args.threads), "llama.cpp spec": llama_server(spec_flags, args.threads)}
+    specs = args.llama_spec or DEFAULT_LLAMA_SPECS
+    servers = {"llama.cpp": llama_server([], args.threads)}
+    servers |= {f"llama.cpp {flags}": llama_server(flags.split(), args.threads) for flags in specs}
+    rates: dict[str, list[float]] = {name: [] for name in (*servers, "Conveyor", "Conveyor spec")}
     try:
         for _, url in servers.values():  # warm each
             llama_run(url, prompts[:1])
@@ -104,10 +108,12 @@ def main() -> int:
             server.terminate()
             server.wait(timeout=30)
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    figures = {"llama.cpp": run_llamacpp.server_version(), "spec_flags": spec_flags, "tokens_per_s": medians,
-               "llama.cpp speed-up": medians["llama.cpp spec"] / medians["llama.cpp"],
-               "Conveyor speed-up": medians["Conveyor spec"] / medians["Conveyor"]}
-    figures["Conveyor speed-up / llama.cpp speed-up"] = figures["Conveyor speed-up"] / figures["llama.cpp speed-up"]
+    speedups = {name: medians[name] / medians["llama.cpp"] for name in servers if name != "llama.cpp"}
+    speedups["Conveyor spec"] = medians["Conveyor spec"] / medians["Conveyor"]
+    figures = {"llama.cpp": run_llamacpp.server_version(), "conveyor_spec": DEFAULT_SPEC, "tokens_per_s": medians,
+               "speed-ups": speedups,
+               "Conveyor's speed-up / llama.cpp's best": speedups["Conveyor spec"] / max(
+                   v for name, v in speedups.items() if name != "Conveyor spec")}
     print(json.dumps(figures, indent=1))
     if args.output:
         Path(args.output).write_text(json.dumps(figures, indent=1))

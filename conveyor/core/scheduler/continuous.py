@@ -23,6 +23,12 @@ a policy object (``policies/``), and what becomes of a victim's KV is a
 preemption mode object (``preemption.py``), both chosen once at construction.
 Whether a new request may join the queue at all (queue caps, deadlines) is
 admission control's (``admission.py``), judged as it arrives.
+
+With speculative decoding (``conveyor.core.spec``), a running request that
+decodes may carry drafts: its last token and the drafts take the step's
+budget and slots together, never at anyone's expense (no draft preempts), and
+``update`` keeps the accepted drafts and the drawn token, one by one with the
+stop rules, and gives back the slots of the rejected ones.
 """
 
 from __future__ import annotations
