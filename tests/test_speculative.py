@@ -39,11 +39,22 @@ def prompts(default_model_dir) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain(default_model_dir, prompts):
+def plain_llm(default_model_dir) -> LLM:
+    """The default model without drafts."""
+    return LLM(str(default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def spec_llm(default_model_dir) -> LLM:
+    """The default model with drafts (SPEC), the engine options otherwise the defaults."""
+    return _spec_llm(default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(plain_llm, prompts):
     """Greedy outputs without drafts, each prompt alone: what every speculative run must give."""
-    llm = LLM(str(default_model_dir))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    return [plain_llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
 
 
 def _spec_llm(default_model_dir, **options) -> LLM:
@@ -82,19 +93,20 @@ def test_greedy_output_is_the_same_with_drafts_alone_and_batched(default_model_d
         assert llm.engine.stats().num_preemptions > 0
 
 
-def test_n_sequences_and_max_tokens_inside_a_draft(default_model_dir, prompts, plain):
-    llm = _spec_llm(default_model_dir)
+def test_n_sequences_and_max_tokens_inside_a_draft(spec_llm, prompts, plain):
+    llm = spec_llm
+    before = _accepted(llm)  # the engine is the module's: count this test's drafts only
     outputs = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, n=2), use_tqdm=False)
     assert [o.token_ids for o in outputs] == [plain[0].token_ids] * 2
     for max_tokens in (1, 2, 6, 11):  # cut where a step of 1 + 4 tokens would run past it
         short = llm.generate([prompts[0]], SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)[0]
         assert short.token_ids == plain[0].token_ids[:max_tokens] and short.finish_reason == "length"
-    assert _accepted(llm) > 0
+    assert _accepted(llm) > before
 
 
-def test_a_stop_string_inside_an_accepted_draft_ends_the_output_there(default_model_dir, prompts, plain):
-    llm = _spec_llm(default_model_dir)
-    reference = LLM(str(default_model_dir))
+def test_a_stop_string_inside_an_accepted_draft_ends_the_output_there(spec_llm, plain_llm, prompts, plain):
+    llm, reference = spec_llm, plain_llm
+    before = _accepted(llm)
     text = plain[0].text
     for at in (12, 30, 55, 80):  # stop strings that begin at several places of the repeated code
         stop = text[at:at + 6]
@@ -103,13 +115,13 @@ def test_a_stop_string_inside_an_accepted_draft_ends_the_output_there(default_mo
         got = llm.generate([prompts[0]], params, use_tqdm=False)[0]
         assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
             expected.text, expected.token_ids, "stop", stop)
-    assert _accepted(llm) > 10
+    assert _accepted(llm) - before > 10
 
 
 def test_seeded_sampling_with_drafts_is_reproducible(default_model_dir, prompts):
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_TOKENS)
     first = _spec_llm(default_model_dir).generate([prompts[1]], params, use_tqdm=False)[0]
-    llm = _spec_llm(default_model_dir)
+    llm = _spec_llm(default_model_dir)  # another engine: nothing carried over from the first
     again = llm.generate([prompts[1], prompts[0]], params, use_tqdm=False)[0]
     assert first.token_ids == again.token_ids
     assert _accepted(llm) > 0
