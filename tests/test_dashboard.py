@@ -23,6 +23,8 @@ import pytest
 
 from tests.serving import free_port, running_server
 
+DASH = "window.conveyorDashboard"  # what the page exposes to tests
+
 KEY = "dashboard-key"
 INSTALL_HINT = ("Chromium is needed for the dashboard's browser tests: run `make install` (it installs Debian's "
                 "`chromium`), or `apt-get install -y chromium`, or set CONVEYOR_CHROMIUM to a Chromium executable")
@@ -88,38 +90,37 @@ def test_live_page_follows_the_engine(browser, live_server) -> None:
     page = browser.new_page()
     page.goto(f"{live_server}/dashboard?api_key={KEY}&fps=10")  # redrawn ten times a second: the tiny model is quick
     traffic = send_traffic(live_server, num_requests=10, max_tokens=400)
-    dash = "window.conveyorDashboard"
-    wait_for(lambda: page.evaluate(f"{dash}.timelineRequestIds().length") > 0, what="a request in the timeline")
+    wait_for(lambda: page.evaluate(f"{DASH}.timelineRequestIds().length") > 0, what="a request in the timeline")
 
     # The running count on the page is /metrics' gauge, give or take one update of the page: two redraws after
     # `before`, what it shows came from the server after it.
     for _ in range(3):
         before = metric(live_server, "num_requests_running")
-        seen = page.evaluate(f"{dash}.draws()")
-        wait_for(lambda seen=seen: page.evaluate(f"{dash}.draws()") >= seen + 2, 10, "two more redraws")
+        seen = page.evaluate(f"{DASH}.draws()")
+        wait_for(lambda seen=seen: page.evaluate(f"{DASH}.draws()") >= seen + 2, 10, "two more redraws")
         shown = int(page.inner_text("#count-running"))
         after = metric(live_server, "num_requests_running")
         assert min(before, after) <= shown <= max(before, after), (before, shown, after)
 
     # A request seen in the timeline holds blocks, then finishes and leaves: its row goes, its blocks free up.
     def holding():  # a request in the timeline's latest step that holds blocks (not one that just finished)
-        for request_id in page.evaluate(f"{dash}.timelineRequestIds()"):
-            if held := page.evaluate(f"{dash}.blocksOf({json.dumps(request_id)})"):
+        for request_id in page.evaluate(f"{DASH}.timelineRequestIds()"):
+            if held := page.evaluate(f"{DASH}.blocksOf({json.dumps(request_id)})"):
                 return request_id, held
         return None
 
     watched, blocks = wait_for(holding, 10, "a request in the timeline that holds blocks")
     wait_for(lambda: page.locator(f'#requests tr[data-id="{watched}"]').count() == 1, 10, "its row")
-    wait_for(lambda: watched not in page.evaluate(f"{dash}.timelineRequestIds()"), 120, "it to leave the batch")
+    wait_for(lambda: watched not in page.evaluate(f"{DASH}.timelineRequestIds()"), 120, "it to leave the batch")
     wait_for(lambda: page.locator(f'#requests tr[data-id="{watched}"]').count() == 0, 10, "its row to go")
     traffic.join(timeout=300)
-    wait_for(lambda: page.evaluate(f"{dash}.heldBlocks()") == 0, 20, "every block to return")
-    states = {page.evaluate(f"{dash}.blockState({b})") for b in blocks}
+    wait_for(lambda: page.evaluate(f"{DASH}.heldBlocks()") == 0, 20, "every block to return")
+    states = {page.evaluate(f"{DASH}.blockState({b})") for b in blocks}
     assert states <= {"free", "evictable"}, states
     # The header is drawn at the page's next redraw after the last update (at most 1/fps later).
     wait_for(lambda: page.inner_text("#count-running") == "0", 5, "the header to show none running")
     assert metric(live_server, "num_requests_running") == 0
-    assert page.evaluate(f"{dash}.error()") is None
+    assert page.evaluate(f"{DASH}.error()") is None
     page.close()
 
 
@@ -157,46 +158,50 @@ def replay_server(trace: Path) -> Iterator[str]:
         process.wait(timeout=10)
 
 
+def simulated_trace(trace: Path, *flags: str) -> int:
+    """A simulated Llama-2-7B on an A100 (``flags``: the workload) writes ``trace``; the steps it holds."""
+    subprocess.run([sys.executable, "-m", "conveyor.entrypoints.cli", "simulate", "--hardware", "A100-80GB",
+                    "--model-config", "Llama-2-7B", *flags, "--trace", str(trace)], check=True, capture_output=True)
+    return len(trace.read_text().splitlines()) - 1
+
+
+@contextlib.contextmanager
+def replayed_page(browser, trace: Path) -> Iterator:
+    """The dashboard replaying ``trace``, loaded, in a new page (closed after)."""
+    with replay_server(trace) as base:
+        page = browser.new_page()
+        page.goto(f"{base}/dashboard")
+        wait_for(lambda: page.evaluate(f"{DASH}.loadMs()") is not None, 60, "the trace to load")
+        try:
+            yield page
+        finally:
+            page.close()
+
+
 def test_a_replayed_trace_shows_each_requests_drafts(browser, tmp_path) -> None:
     """A simulated run with speculative decoding: the requests table's drafts column counts, for each request,
     the drafts accepted of those carried up to the step shown."""
     profile, trace = tmp_path / "profile.json", tmp_path / "spec.jsonl"
     profile.write_text(json.dumps({"proposal_lengths": [0.5, 0, 0, 0, 0.5], "acceptance": [0.8, 0.6, 0.4, 0.2]}))
-    subprocess.run([sys.executable, "-m", "conveyor.entrypoints.cli", "simulate", "--hardware", "A100-80GB",
-                    "--model-config", "Llama-2-7B", "--num-requests", "40", "--request-rates", "5", "--trace",
-                    str(trace), "--speculative-config", '{"method": "ngram"}', "--acceptance-profile", str(profile)],
-                   check=True, capture_output=True)
-    num_steps = len(trace.read_text().splitlines()) - 1
-    with replay_server(trace) as base:
-        page = browser.new_page()
-        page.goto(f"{base}/dashboard")
-        dash = "window.conveyorDashboard"
-        wait_for(lambda: page.evaluate(f"{dash}.loadMs()") is not None, 60, "the trace to load")
-        page.evaluate(f"{dash}.seek({num_steps // 2})")
+    num_steps = simulated_trace(trace, "--num-requests", "40", "--request-rates", "5", "--speculative-config",
+                                '{"method": "ngram"}', "--acceptance-profile", str(profile))
+    with replayed_page(browser, trace) as page:
+        page.evaluate(f"{DASH}.seek({num_steps // 2})")
         column = "Array.from(document.querySelectorAll('#requests tbody td:nth-child(10)'), td => td.textContent)"
         wait_for(lambda: any(re.fullmatch(r"\d+/\d+", cell) for cell in page.evaluate(column)), 10, "drafts")
-        assert page.evaluate(f"{dash}.error()") is None
-        page.close()
+        assert page.evaluate(f"{DASH}.error()") is None
 
 
 def test_a_replayed_trace_shows_every_step_of_the_file(browser, tmp_path) -> None:
     trace = tmp_path / "sim.jsonl"
-    subprocess.run([sys.executable, "-m", "conveyor.entrypoints.cli", "simulate", "--hardware", "A100-80GB",
-                    "--model-config", "Llama-2-7B", "--num-requests", "300", "--request-rates", "20",
-                    "--trace", str(trace)], check=True, capture_output=True)
-    num_steps = len(trace.read_text().splitlines()) - 1
-    with replay_server(trace) as base:
-        page = browser.new_page()
-        page.goto(f"{base}/dashboard")
-        dash = "window.conveyorDashboard"
-        wait_for(lambda: page.evaluate(f"{dash}.loadMs()") is not None, 60, "the trace to load")
-        assert page.evaluate(f"{dash}.stepCount()") == num_steps
-        page.evaluate(f"{dash}.seek({num_steps})")
+    num_steps = simulated_trace(trace, "--num-requests", "300", "--request-rates", "20")
+    with replayed_page(browser, trace) as page:
+        assert page.evaluate(f"{DASH}.stepCount()") == num_steps
+        page.evaluate(f"{DASH}.seek({num_steps})")
         wait_for(lambda: page.inner_text("#replay-position") == f"step {num_steps} of {num_steps}", 10, "the end")
-        assert page.evaluate(f"{dash}.heldBlocks()") == 0  # every request finished: every block returned
+        assert page.evaluate(f"{DASH}.heldBlocks()") == 0  # every request finished: every block returned
         # The same file, opened from the page's file picker.
         page.set_input_files("#trace-input", str(trace))
         wait_for(lambda: "loaded" in page.inner_text("#status"), 60, "the picked file to load")
-        assert page.evaluate(f"{dash}.stepCount()") == num_steps
-        assert page.evaluate(f"{dash}.error()") is None
-        page.close()
+        assert page.evaluate(f"{DASH}.stepCount()") == num_steps
+        assert page.evaluate(f"{DASH}.error()") is None

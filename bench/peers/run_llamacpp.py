@@ -69,11 +69,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, log: Path, threads: int) -> subprocess.Popen:
-    """Start llama-server and wait until /health answers 200 (model loaded)."""
+def start_server(model: str, port: int, log: Path, threads: int,
+                 server_args: tuple[str, ...] = SERVER_ARGS) -> subprocess.Popen:
+    """Start llama-server (with ``server_args``: slots, context, batching) and wait until /health answers 200
+    (model loaded)."""
     with log.open("w") as out:
         server = subprocess.Popen([str(SERVER), "-m", model, "--host", "127.0.0.1", "--port", str(port),
-                                   "-t", str(threads), *SERVER_ARGS], stdout=out, stderr=subprocess.STDOUT)
+                                   "-t", str(threads), *server_args], stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if server.poll() is not None:

@@ -30,30 +30,17 @@ from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 
-LOG = run_llamacpp.DIR / "spec-server.log"
+LOG_DIR = run_llamacpp.DIR  # spec-server-N.log: each server's output
 DEFAULT_LLAMA_SPECS = ["--spec-type ngram-simple",
                        "--spec-type ngram-simple --spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 4"]
 
 
-def llama_server(spec: list[str], threads: int) -> tuple[subprocess.Popen, str]:
+def llama_server(spec: list[str], threads: int, log: Path) -> tuple[subprocess.Popen, str]:
     """llama-server on the default model's Q4_1 file, one slot, with ``spec`` flags; (process, completion url)."""
     port = run_llamacpp.free_port()
-    with LOG.open("a") as out:
-        server = subprocess.Popen([str(run_llamacpp.SERVER), "-m", run_llamacpp.gguf_file("q4_1"), "--host",
-                                   "127.0.0.1", "--port", str(port), "-t", str(threads), "-np", "1", "-c", "4096",
-                                   "--no-ui", *spec], stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {server.returncode}; see {LOG}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return server, f"http://127.0.0.1:{port}/completion"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    server.terminate()
-    raise RuntimeError(f"llama-server did not become healthy; see {LOG}")
+    server = run_llamacpp.start_server(run_llamacpp.gguf_file("q4_1"), port, log, threads,
+                                       ("-np", "1", "-c", "4096", "--no-ui", *spec))
+    return server, f"http://127.0.0.1:{port}/completion"
 
 
 def llama_run(url: str, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
@@ -90,8 +77,9 @@ def main() -> int:
                                          speculative_config=DEFAULT_SPEC))
     prompts = rewrite_prompts(plain_engine)
     specs = args.llama_spec or DEFAULT_LLAMA_SPECS
-    servers = {"llama.cpp": llama_server([], args.threads)}
-    servers |= {f"llama.cpp {flags}": llama_server(flags.split(), args.threads) for flags in specs}
+    servers = {"llama.cpp": llama_server([], args.threads, LOG_DIR / "spec-server-0.log")}
+    servers |= {f"llama.cpp {flags}": llama_server(flags.split(), args.threads, LOG_DIR / f"spec-server-{i}.log")
+                for i, flags in enumerate(specs, start=1)}
     rates: dict[str, list[float]] = {name: [] for name in (*servers, "Conveyor", "Conveyor spec")}
     try:
         for _, url in servers.values():  # warm each

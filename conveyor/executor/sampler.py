@@ -43,6 +43,17 @@ def _truncate(logits: torch.Tensor, min_p: float, top_k: int, top_p: float) -> t
     return logits
 
 
+def _probabilities(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from: its logits after temperature, min-p, top-k and top-p."""
+    return _truncate(row_logits / params.temperature, params.min_p, params.top_k, params.top_p).softmax(-1)
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token drawn from ``probs`` by the exponential race: the argmax of p / E, E ~ Exp(1)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
+
+
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """The index of each row's largest logit (the first of equals; a NaN counts as largest, as in torch). On
     CPU through NumPy: torch's CPU argmax over a 49k-token vocabulary took 43 us a row where NumPy's took 4
@@ -92,14 +103,15 @@ class Sampler:
         for row, p in enumerate(params):
             if p.greedy:
                 continue
-            row_logits = _truncate(cpu_logits[row] / p.temperature, p.min_p, p.top_k, p.top_p)
-            probs = row_logits.softmax(-1)
-            generator = self._unseeded
-            if p.seed is not None:
-                generator = self._seeded.manual_seed(hash((p.seed, token_indices[row])) & 0x7FFF_FFFF_FFFF_FFFF)
-            noise = torch.empty_like(probs).exponential_(generator=generator)
-            greedy[row] = int((probs / noise).argmax())
+            greedy[row] = _race(_probabilities(cpu_logits[row], p), self._generator(p, token_indices[row]))
         return greedy
+
+    def _generator(self, params: SamplingParams, token_index: int) -> torch.Generator:
+        """Where a sampled token's random numbers come from: the sampler's own stream, or for a seeded request
+        a generator seeded by (seed, index of the token), so its draws depend on nothing else."""
+        if params.seed is None:
+            return self._unseeded
+        return self._seeded.manual_seed(hash((params.seed, token_index)) & 0x7FFF_FFFF_FFFF_FFFF)
 
     def verify(self, logits: torch.Tensor, item: ScheduledRequest, argmax: list[int] | None = None) -> tuple[int, int]:
         """Speculative decoding's check of one request's drafts: ``logits`` [1 + drafts, vocab] are its rows,
@@ -124,17 +136,12 @@ class Sampler:
             return accepted, best[accepted]
         cpu_logits = logits.cpu()
         for row in range(len(drafts) + 1):
-            row_logits = _truncate(cpu_logits[row] / params.temperature, params.min_p, params.top_k, params.top_p)
-            probs = row_logits.softmax(-1)
-            generator = self._unseeded
-            if params.seed is not None:
-                index = item.num_output_tokens + row
-                generator = self._seeded.manual_seed(hash((params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+            probs = _probabilities(cpu_logits[row], params)
+            generator = self._generator(params, item.num_output_tokens + row)
             if row < len(drafts):
                 draft = drafts[row]
                 if float(torch.rand((), generator=generator)) < float(probs[draft]):
                     continue
                 probs[draft] = 0.0  # the rest of p: a zero weight never wins the race below
-            noise = torch.empty_like(probs).exponential_(generator=generator)
-            return row, int((probs / noise).argmax())
+            return row, _race(probs, generator)
         raise AssertionError("unreachable: the last row always draws")

@@ -40,11 +40,10 @@ def scheduled_request(request: Request, num_new: int, block_ids: list[int]) -> S
 
 
 def drafted_request(request: Request, draft: list[int], block_ids: list[int]) -> ScheduledRequest:
-    """The record of a decode that carries drafts: its last token, then the drafts, all verified this step."""
-    start = request.num_computed_tokens
+    """The record of a decode that carries drafts: its last token (the decode's own record, which samples), then
+    the drafts, all verified this step."""
     item = scheduled_request(request, 1, block_ids)
-    item.token_ids = request.token_ids(start, start + 1) + draft
-    item.samples_token = True
+    item.token_ids = item.token_ids + draft
     item.num_draft_tokens = len(draft)
     return item
 

@@ -79,11 +79,6 @@ class SpecDecodeStats:
                                minus(self.carried_per_position, earlier.carried_per_position),
                                minus(self.proposal_lengths, earlier.proposal_lengths))
 
-    def copy(self) -> SpecDecodeStats:
-        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                               list(self.accepted_per_position), list(self.carried_per_position),
-                               list(self.proposal_lengths))
-
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None) -> None:
@@ -135,6 +130,9 @@ class Speculator:
     def _worth_carrying(self, proposed: dict[str, list[int]], base_tokens: int, num_requests: int,
                         spare: int) -> dict[str, list[int]]:
         """The drafts that make the step's expected tokens per second largest (see the module's doc)."""
+        curve = self.cost.curve()
+        if curve is None:
+            return proposed  # nothing measured yet: carry them and measure
         gains = []  # (worth, request id, position): a request's worths fall with position, so any top set
         for request_id, draft in proposed.items():  # takes a prefix of each draft
             rate = self.acceptance(request_id)
@@ -143,9 +141,6 @@ class Speculator:
                 worth *= rate
                 gains.append((worth, request_id, position))
         gains.sort(key=lambda gain: -gain[0])
-        curve = self.cost.curve()
-        if curve is None:
-            return proposed  # nothing measured yet: carry them and measure
         best_count, best_rate, expected = 0, num_requests / curve.seconds(base_tokens), float(num_requests)
         for count, (worth, _, _) in enumerate(gains[:spare], start=1):
             expected += worth
