@@ -21,19 +21,21 @@ def ragged_rows(num_blocks: int, block_size: int) -> tuple[torch.Tensor, torch.T
     return tables, row_seq, lens
 
 
-def paged_attention_reference(query, k_cache, v_cache, tables, row_seq, lens, scale) -> torch.Tensor:
+def paged_attention_reference(query, k_cache, v_cache, tables, row_seq, lens, scale, window=0) -> torch.Tensor:
     """Gather each row's context in order from its sequence's block table and run PyTorch's attention on it.
 
     ``query`` [rows, heads, d]; ``k_cache``/``v_cache`` [blocks, block_size, kv_heads, d]; ``tables``
     [sequences, max_blocks]; ``row_seq`` each row's sequence; ``lens`` each row's context length (a prompt
-    row sees its context up to and including itself, which is what makes the chunk causal).
+    row sees its context up to and including itself, which is what makes the chunk causal); ``window`` > 0:
+    a row sees only the last ``window`` positions of its context.
     """
     out = []
     for row in range(query.shape[0]):
         ctx = int(lens[row])
+        start = max(0, ctx - window) if window else 0
         blocks = tables[int(row_seq[row]), : -(-ctx // k_cache.shape[1])]
-        k = k_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)  # [kv_heads, ctx, d]
-        v = v_cache[blocks].flatten(0, 1)[:ctx].transpose(0, 1)
+        k = k_cache[blocks].flatten(0, 1)[start:ctx].transpose(0, 1)  # [kv_heads, seen, d]
+        v = v_cache[blocks].flatten(0, 1)[start:ctx].transpose(0, 1)
         q = query[row].unsqueeze(1)  # [heads, 1, d]
         out.append(F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True).squeeze(1))
     return torch.stack(out)

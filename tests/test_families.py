@@ -6,7 +6,7 @@ drawn at random too (a fresh model's are ones and zeros, which would hide a (1 +
 left out). Windows are short (16, 24 positions) and prompts run past them, so a layer that attended to its
 whole context would answer otherwise. The paged cache runs with prefix caching on (the default), prompts
 chunked by a small token budget, preemption by recompute and by swap from a tiny pool, and both kernel
-paths: the native stack where it has the family's layers, the PyTorch ops everywhere.
+paths: the native stack and the PyTorch ops.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ FAMILIES = {
         num_hidden_layers=3, sliding_window=16, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
-NATIVE = {"mistral": False, "qwen2": True, "qwen3": False, "gemma3": False}  # what the native stack runs
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 LENGTHS = [1, 5, 15, 16, 17, 30, 64, 100]
 
@@ -97,7 +96,7 @@ OPTIONS = {
 def test_family_matches_transformers_batched(family, options, kernels):
     name, folder, reference = family
     llm = LLM(str(folder), kernels=kernels, **{"num_kv_blocks": 1024, **OPTIONS[options]})
-    assert (llm.engine.kernel_width is not None) == (kernels == "auto" and NATIVE[name])
+    assert (llm.engine.kernel_width is not None) == (kernels == "auto")
     prompts = _prompts(seed=1)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
@@ -120,12 +119,35 @@ def test_family_matches_transformers_alone_and_from_the_prefix_cache(family):
     assert output.token_ids == reference(longer)
 
 
-def test_a_family_the_native_stack_lacks_says_so_once(family, caplog):
-    name, folder, _ = family
+def test_every_family_runs_on_the_native_stack_without_a_warning(family, caplog):
+    _, folder, _ = family
     with caplog.at_level(logging.WARNING, logger="conveyor.engine"):
-        LLM(str(folder), num_kv_blocks=64)
-    warnings = [r.getMessage() for r in caplog.records if "not the native kernels" in r.getMessage()]
-    assert len(warnings) == (0 if NATIVE[name] else 1), warnings
+        llm = LLM(str(folder), num_kv_blocks=64)
+    assert llm.engine.kernel_width is not None
+    assert not [r for r in caplog.records if "not the native kernels" in r.getMessage()]
+
+
+def test_a_head_size_the_native_stack_lacks_runs_on_torch_ops_and_says_so_once(tmp_path, default_model_dir, caplog):
+    """Heads of 24 (attention is unrolled for 8 to 256 in steps the kernels have): PyTorch ops, one warning
+    naming the head size, and transformers' tokens."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**SHAPE, "hidden_size": 48, "num_attention_heads": 2,
+                                         "num_key_value_heads": 1, "head_dim": 24, "num_hidden_layers": 1})
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    with caplog.at_level(logging.WARNING, logger="conveyor.engine"):
+        llm = LLM(str(tmp_path), num_kv_blocks=64)
+    assert llm.engine.kernel_width is None
+    [warning] = [r.getMessage() for r in caplog.records if "not the native kernels" in r.getMessage()]
+    assert "heads of 24" in warning
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = _prompts(seed=4)[3]
+    [output] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert output.token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens)
 
 
 def test_a_window_no_sequence_reaches_runs_on_the_native_stack(tmp_path, default_model_dir):

@@ -4,9 +4,9 @@ The file is built here from a tiny transformers model: llama.cpp's tensor names 
 llama.cpp keeps HF's order for Qwen), its metadata keys, Q8_0 projections and the default model's tokenizer
 (tokens, merges, chat template) as metadata. Conveyor then runs the file itself on PyTorch ops (the file's
 weights dequantized), and transformers runs the float32 folder Conveyor's export writes of it: the greedy
-tokens must agree, and the export must hold the tiny model's float tensors as Q8_0 rounds them. Qwen2 also
-runs on the native kernels, its weights kept quantized. An architecture no family reads is refused in one
-line.
+tokens must agree, and the export must hold the tiny model's float tensors as Q8_0 rounds them. Both also run
+on the native kernels, their weights kept quantized (Qwen3 with its QK-norm), and agree with the exact run on
+the first tokens. An architecture no family reads is refused in one line.
 """
 
 from __future__ import annotations
@@ -117,16 +117,19 @@ def test_a_qwen_gguf_file_runs_as_transformers_runs_its_export(qwen_file):
     assert llm.chat([[{"role": "user", "content": "Hi"}]], params, use_tqdm=False)[0].prompt_token_ids
 
 
-def test_qwen2_runs_on_the_native_kernels_kept_quantized(qwen_file):
+def test_a_qwen_gguf_file_runs_on_the_native_kernels_kept_quantized(qwen_file):
     """Kept quantized, activations are quantized too (docs/quantized-weights.md), so the tokens are not
-    compared bit for bit here; that the family runs natively, on the file's Q8_0 codes, is."""
+    compared bit for bit with the exact run: the family runs natively on the file's Q8_0 codes, and the first
+    tokens of each prompt are the dequantized run's."""
     arch, path, _ = qwen_file
     llm = LLM(str(path), num_kv_blocks=256)
-    assert (llm.engine.kernel_width is not None) == (arch == "qwen2")
-    assert (llm.engine.kernel_dtype == "Q8_0") == (arch == "qwen2")
-    [output] = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-                            use_tqdm=False)
-    assert len(output.token_ids) == 6
+    assert llm.engine.kernel_width is not None and llm.engine.kernel_dtype == "Q8_0", arch
+    exact = LLM(str(path), num_kv_blocks=256, kernels="torch")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [[int(t) for t in np.random.default_rng(n).integers(1000, 40000, n)] for n in (3, 20, 70)]
+    for ours, want in zip(llm.generate(prompts, params, use_tqdm=False), exact.generate(prompts, params,
+                                                                                         use_tqdm=False)):
+        assert ours.token_ids[:2] == want.token_ids[:2], (arch, len(ours.prompt_token_ids))
 
 
 def test_an_unknown_gguf_architecture_is_one_line(tmp_path, capsys):

@@ -104,7 +104,8 @@ def test_packed_linear_rejects_a_wrong_width(kernels):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8), (3, 1, 96)]
+    ("heads", "kv_heads", "head_dim"),
+    [(4, 2, 16), (9, 3, 64), (8, 8, 32), (2, 1, 128), (6, 2, 8), (3, 1, 96), (4, 1, 256)],
 )
 def test_paged_attention_of_decode_rows_matches_reference(kernels, width, block_size, heads, kv_heads, head_dim):
     torch.manual_seed(block_size + heads)
@@ -166,6 +167,40 @@ def test_paged_attention_of_a_decode_and_its_drafts_matches_reference(kernels, w
                                               units)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
                                            msg=lambda m, n=count, u=units: f"{n} threads, units {u}: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+@pytest.mark.parametrize(("block_size", "head_dim"), [(4, 64), (16, 256)])
+def test_paged_attention_over_a_window_matches_reference(kernels, width, window, block_size, head_dim):
+    """Sliding-window layers: each row sees the last ``window`` positions of its context. Decode rows of contexts
+    shorter and longer than the window, a decode with drafts, and a 300-row prompt chunk after a cached prefix
+    (the tiled kernel: chunks behind every row's window skipped, a window's first chunk cut inside), with 1 to 3
+    threads (a lone decode's window split in parts). Entries of the tables behind every row's window point
+    at a block the kernel must never read (its values NaN)."""
+    torch.manual_seed(window + block_size)
+    num_blocks, heads, kv_heads = 400, 4, 1
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    cache[:, 0] = float("nan")  # the block a windowed group's given-back entries point at
+    seqs = [[3], [window + 7], [700], [450, 451, 452, 453], list(range(310, 610))]  # rows' context lengths
+    tables = torch.stack([torch.randperm(num_blocks - 1)[: 700 // block_size + 1] + 1 for _ in seqs])
+    for seq, lens in enumerate(seqs):  # behind every row's window: the NaN block
+        behind = max(0, min(lens) - window) // block_size
+        tables[seq, :behind] = 0
+    row_seq = torch.tensor([seq for seq, lens in enumerate(seqs) for _ in lens])
+    row_lens = torch.tensor([n for lens in seqs for n in lens])
+    query = torch.randn(len(row_seq), heads, head_dim)
+    want = paged_attention_reference(query, cache[0], cache[1], tables, row_seq, row_lens, 0.06, window)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            for rows in (slice(0, 1), slice(2, 3), slice(0, None)):  # a lone short decode, a lone long one, all
+                got = kernels.paged_attention(query[rows], cache[0], cache[1], tables, row_seq[rows], row_lens[rows],
+                                              0.06, width, window=window)
+                torch.testing.assert_close(got, want[rows], rtol=1e-5, atol=1e-5,
+                                           msg=lambda m, n=count: f"{n} threads: {m}")
     finally:
         torch.set_num_threads(threads)
 

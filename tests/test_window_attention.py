@@ -4,8 +4,9 @@ The tiny random-weight Gemma 3 (windowed, full, windowed: three KV groups of one
 layer windowed: one group) of test_families run with prefix caching off, so their windowed layers give back
 the blocks behind the window (conveyor/core/kv/grouped.py). Prompts run past the windows (16 and 24
 positions) and decoding goes on far past them, alone, batched, in small chunks, and preempted by recompute
-and by swap from a small pool (Gemma's full group fills it); every step, a spy on the manager checks that
-blocks were given back and that no windowed group holds more than its bound.
+and by swap from a small pool (Gemma's full group fills it), on the native stack and once on the PyTorch ops;
+every step, a spy on the manager checks that blocks were given back and that no windowed group holds more than
+its bound.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ OPTIONS = {
     "chunked": dict(max_num_batched_tokens=19),
     "recompute": dict(num_kv_blocks=40, max_num_batched_tokens=64),
     "swap": dict(num_kv_blocks=40, max_num_batched_tokens=64, preemption_mode="swap", swap_space="1MiB"),
+    "torch-ops": dict(kernels="torch"),
 }
 
 
@@ -69,7 +71,7 @@ def test_windowed_groups_match_transformers_far_past_the_window(family, options)
     llm = LLM(str(folder), enable_prefix_caching=False, block_size=4, **{"num_kv_blocks": 1024, **OPTIONS[options]})
     layout = llm.engine.kv_layout
     assert layout is not None and layout.num_groups == GROUPS[name]
-    assert llm.engine.kernel_width is None, "a grouped layout runs on the PyTorch ops"
+    assert (llm.engine.kernel_width is None) == (options == "torch-ops"), "the native stack runs KV groups"
     seen = _spy_on_releases(llm, {g: w for g, w in enumerate(layout.windows) if w is not None})
     outputs = llm.generate(_prompts(), LONG, use_tqdm=False)
     for prompt, output, want in zip(_prompts(), outputs, expected):

@@ -177,8 +177,8 @@ void attend_rows(const float* q, int64_t q_stride, int64_t rows, const C* k_cach
       row_stats[2 * h + 1] = softmax_numerators<V>(s, len, row_stats[2 * h]);
     }
   }
-  // Accumulators of up to 8 vectors stay in registers; wider heads go in two halves.
-  constexpr int kChunk = NV <= 8 ? NV : NV / 2;
+  // Accumulators of up to 8 vectors stay in registers; wider heads go in pieces of 8 (or halves, for 12).
+  constexpr int kChunk = NV <= 8 ? NV : (NV % 8 == 0 ? 8 : NV / 2);
   for (int64_t first = begin; first < end; first += shape.block_size) {
     const int64_t block = first / shape.block_size;
     const C* values = block_at(v_cache, block);
@@ -246,6 +246,7 @@ AttendFn<C> attend_fn(int64_t dim) {
     case 64: return attend_rows<V, 64 / lanes, C>;
     case 96: return attend_rows<V, 96 / lanes, C>;
     case 128: return attend_rows<V, 128 / lanes, C>;
+    case 256: return attend_rows<V, 256 / lanes, C>;
     default: return nullptr;
   }
 }
@@ -280,14 +281,15 @@ struct TileScratch {
 
 // One chunk of n positions from `start` of KV head kv, packed as GEMM tiles (zeros past n): keys as one
 // [dim, chunk] tile (position i in column i), values as dim / chunk tiles of [chunk, chunk] (position i in
-// row i). The blocks of the paged cache lie anywhere: each position is looked up in the table.
+// row i). The blocks of the paged cache lie anywhere: each position is looked up in the table. Positions before
+// `seen_from` (behind every row's window: their blocks may have been given back) stay zeros, never read.
 template <typename C>
 void pack_chunk(const C* k_cache, const C* v_cache, const int64_t* table, const CacheShape& shape, int64_t kv,
-                int64_t start, int64_t n, int64_t chunk, TileScratch& scratch) {
+                int64_t start, int64_t n, int64_t chunk, int64_t seen_from, TileScratch& scratch) {
   const int64_t dim = shape.dim;
   std::fill(scratch.keys.begin(), scratch.keys.end(), 0.f);
   std::fill(scratch.values.begin(), scratch.values.end(), 0.f);
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = std::max<int64_t>(0, seen_from - start); i < n; ++i) {
     const int64_t pos = start + i;
     const int64_t slot = table[pos / shape.block_size] * shape.block_size + pos % shape.block_size;
     const C* key = k_cache + slot * shape.token_stride() + kv * dim;
@@ -305,28 +307,31 @@ void pack_chunk(const C* k_cache, const C* v_cache, const int64_t* table, const 
 // a row has seen position 0 its max is finite). The running max and sum are block_rows apart per head.
 template <typename V>
 inline void online_softmax(TileScratch& scratch, int64_t block_rows, int64_t row0, int rows, int64_t first,
-                           int64_t start, int64_t chunk, float scale, int64_t h, int64_t padded) {
+                           int64_t start, int64_t chunk, float scale, int64_t h, int64_t padded, int64_t window) {
   constexpr int64_t lanes = kLanesOf<V>;
   for (int r = 0; r < rows; ++r) {
     const int64_t row = row0 + r;
     float* s = scratch.scores.data() + r * chunk;
-    const int64_t seen = std::clamp<int64_t>(first + row + 1 - start, 0, chunk);  // this chunk's positions it sees
-    if (seen == 0) {
+    // This chunk's positions the row sees: [lo, seen), after its window's start and up to itself.
+    const int64_t seen = std::clamp<int64_t>(first + row + 1 - start, 0, chunk);
+    const int64_t lo = window > 0 ? std::clamp<int64_t>(first + row + 1 - window - start, 0, chunk) : 0;
+    if (seen <= lo) {
       std::fill(s, s + chunk, 0.f);
       continue;
     }
     float& top = scratch.max[h * block_rows + row];
     float& total = scratch.sum[h * block_rows + row];
     float chunk_top = -std::numeric_limits<float>::infinity();
-    if (seen == chunk) {
+    if (seen == chunk && lo == 0) {
       V lane_top = loadv<V>(s);
       for (int64_t i = lanes; i < chunk; i += lanes) {
         const V next = loadv<V>(s + i);
         lane_top = next > lane_top ? next : lane_top;
       }
       for (int64_t lane = 0; lane < lanes; ++lane) chunk_top = std::max(chunk_top, lane_top[lane]);
-    } else {  // the last chunk a row sees: the positions past it weigh exp(-inf), nothing
-      for (int64_t i = 0; i < seen; ++i) chunk_top = std::max(chunk_top, s[i]);
+    } else {  // the last chunk a row sees, or its window's first: the positions outside weigh exp(-inf), nothing
+      for (int64_t i = lo; i < seen; ++i) chunk_top = std::max(chunk_top, s[i]);
+      std::fill(s, s + lo, -std::numeric_limits<float>::infinity());
       std::fill(s + seen, s + chunk, -std::numeric_limits<float>::infinity());
     }
     const float new_top = std::max(top, chunk_top * scale);  // scale > 0: the max of the scaled scores
@@ -337,7 +342,9 @@ inline void online_softmax(TileScratch& scratch, int64_t block_rows, int64_t row
       storev(s + i, e);
       added += e;
     }
-    std::fill(s + seen, s + chunk, 0.f);  // expv floors at e^-87 (1e-38), which these add to the sum at most
+    // expv floors at e^-87 (1e-38), which these add to the sum at most
+    std::fill(s, s + lo, 0.f);
+    std::fill(s + seen, s + chunk, 0.f);
     total = total * rescale + sumv(added);
     top = new_top;
     if (rescale != 1.f) {
@@ -354,11 +361,12 @@ inline void online_softmax(TileScratch& scratch, int64_t block_rows, int64_t row
 // K^T (rows x chunk), an online softmax that rescales what came before, and O += P V. Per row, attend_rows
 // computes each score as its own dot product summed across lanes; here a score is one lane of a register
 // tile, and a key is read once per block of rows rather than once per query head and row. q and out point at
-// the first row's head 0, row_stride and out_stride apart.
+// the first row's head 0, row_stride and out_stride apart. With a window (> 0), row r sees only the last
+// `window` of those positions, and chunks wholly behind every row's window are never packed.
 template <typename P, typename C>
 void attend_prompt_tile(const float* q, int64_t row_stride, int64_t rows, int64_t first, const C* k_cache,
                         const C* v_cache, const int64_t* table, const CacheShape& shape, int64_t group, float scale,
-                        float* out, int64_t out_stride, TileScratch& scratch) {
+                        int64_t window, float* out, int64_t out_stride, TileScratch& scratch) {
   constexpr int64_t chunk = P::kTile;
   const int64_t dim = shape.dim, dim_tiles = (dim + chunk - 1) / chunk, padded = dim_tiles * chunk;
   scratch.keys.resize(dim * chunk);
@@ -372,16 +380,21 @@ void attend_prompt_tile(const float* q, int64_t row_stride, int64_t rows, int64_
     std::fill(scratch.out.begin(), scratch.out.end(), 0.f);
     std::fill(scratch.max.begin(), scratch.max.end(), -std::numeric_limits<float>::infinity());
     std::fill(scratch.sum.begin(), scratch.sum.end(), 0.f);
-    for (int64_t start = 0; start < first + rows; start += chunk) {
-      pack_chunk(k_cache, v_cache, table, shape, kv, start, std::min(chunk, first + rows - start), chunk, scratch);
-      // Register tiles of rows from the first that sees this chunk (position start: row start - first).
-      for (int64_t row0 = std::max<int64_t>(0, (start - first) / P::kMaxRows * P::kMaxRows); row0 < rows;
+    const int64_t seen_from = window > 0 ? std::max<int64_t>(0, first + 1 - window) : 0;  // by the first row
+    for (int64_t start = seen_from / chunk * chunk; start < first + rows; start += chunk) {
+      pack_chunk(k_cache, v_cache, table, shape, kv, start, std::min(chunk, first + rows - start), chunk, seen_from,
+                 scratch);
+      // Register tiles of rows from the first that sees this chunk (position start: row start - first) to the
+      // last whose window still reaches it.
+      const int64_t row_end = window > 0 ? std::min(rows, start + chunk - 1 + window - first) : rows;
+      for (int64_t row0 = std::max<int64_t>(0, (start - first) / P::kMaxRows * P::kMaxRows); row0 < row_end;
            row0 += P::kMaxRows) {
         const int tile_rows = static_cast<int>(std::min<int64_t>(P::kMaxRows, rows - row0));
         for (int64_t h = 0; h < group; ++h) {
           const float* qh = q + row0 * row_stride + (kv * group + h) * dim;
           tile_fn<P>(tile_rows)(qh, row_stride, scratch.keys.data(), dim, scratch.scores.data(), chunk, chunk);
-          online_softmax<typename P::Vec>(scratch, rows, row0, tile_rows, first, start, chunk, scale, h, padded);
+          online_softmax<typename P::Vec>(scratch, rows, row0, tile_rows, first, start, chunk, scale, h, padded,
+                                          window);
           for (int64_t j = 0; j < dim_tiles; ++j) {
             tile_fn<P>(tile_rows)(scratch.scores.data(), chunk, scratch.values.data() + j * chunk * chunk, chunk,
                                   scratch.products.data() + j * chunk, padded, chunk);
@@ -465,12 +478,15 @@ inline std::vector<RowRun> in_parts(const std::vector<RowRun>& runs, int64_t par
 // (attend_prompt_tile). `units`: what the rows amount to in work to share between threads, as a step without
 // drafts would count it (native_llama.h: a decode and its drafts count as the decode alone), so that drafts
 // never change how a row's context is split, nor therefore its sums; the rows themselves where none are drafts.
+// `window` > 0: each row sees only the last `window` positions of its context (itself included), and reads
+// no block wholly behind them (a windowed KV group may have given those back).
 template <typename V, typename P, typename C>
 void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const C* k_cache,
                     const C* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
-                    const int64_t* row_seq, const int64_t* context_lens, float scale, float* out, int64_t units) {
+                    const int64_t* row_seq, const int64_t* context_lens, float scale, int64_t window, float* out,
+                    int64_t units) {
   const AttendFn<C> attend = attend_fn<V, C>(shape.dim);
-  TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96 or 128)");
+  TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96, 128 or 256)");
   const int64_t group = heads / shape.kv_heads, threads = at::get_num_threads(), out_size = heads * shape.dim;
   const std::vector<RowRun> runs = row_runs(rows, row_seq, context_lens, kRowsPerBlock);
   // A whole run per work item when there are units enough to share out; otherwise each run's context in one
@@ -494,18 +510,19 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
         const int64_t row = run.row, ctx = context_lens[row];
         const int64_t* table = tables + row_seq[row] * table_width;
         if (run.tile) {
-          attend_prompt_tile<P>(query + row * row_stride, row_stride, run.rows, ctx - 1,
-                                       k_cache, v_cache, table, shape, group, scale, out + row * out_size, out_size,
-                                       scratch);
+          attend_prompt_tile<P>(query + row * row_stride, row_stride, run.rows, ctx - 1, k_cache, v_cache, table,
+                                shape, group, scale, window, out + row * out_size, out_size, scratch);
           continue;
         }
-        // Each row's context in `parts` spans of whole blocks, as it would be split alone; this item takes one.
+        // Each row's context (its window's part of it) in `parts` spans of whole blocks, as it would be split
+        // alone; this item takes one.
         Span spans[kMaxRunRows];
         int64_t width = 0;
         for (int64_t r = 0; r < run.rows; ++r) {
-          const int64_t row_ctx = ctx + r, blocks = (row_ctx + shape.block_size - 1) / shape.block_size;
-          spans[r] = {run.part * blocks / parts * shape.block_size,
-                      std::min(row_ctx, (run.part + 1) * blocks / parts * shape.block_size)};
+          const int64_t row_ctx = ctx + r, lo = window > 0 ? std::max<int64_t>(0, row_ctx - window) : 0;
+          const int64_t bs = shape.block_size, first_block = lo / bs, blocks = (row_ctx + bs - 1) / bs - first_block;
+          spans[r] = {std::max(lo, (first_block + run.part * blocks / parts) * bs),
+                      std::min(row_ctx, (first_block + (run.part + 1) * blocks / parts) * bs)};
           width = std::max(width, spans[r].end - spans[r].begin);
         }
         float* part_out = parts > 1 ? partials.data() + (row * parts + run.part) * part_size : out + row * out_size;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "family_rows.h"
 #include "gemm.h"
 #include "quant_gemm.h"
 #include "rows.h"
@@ -51,8 +52,10 @@ inline void torch_linear(const float* x, int64_t m, int64_t k, const torch::Tens
 // A projection's weight as the stack takes it: packed by pack_linear_weight, or quantized (QuantizedWeight).
 using ProjectionWeight = std::variant<torch::Tensor, QuantWeight>;
 
-// A Llama-family decoder's layers on packed weights (float32, bf16, or quantized codes, projection by
-// projection). One forward runs every layer for a flat batch of prompt and decode rows: in eager PyTorch the
+// A decoder's layers on packed weights (float32, bf16, or quantized codes, projection by projection): Llama's,
+// and what other families change in them (set_family, set_layer_traits: QK-norm, norms after attention and
+// MLP, GeGLU, an embedding scale, an attention scale, a second rope for windowed layers, sliding windows, and
+// layers that keep their K/V in KV groups of their own). One forward runs every layer for a flat batch of prompt and decode rows: in eager PyTorch the
 // same step is about twelve dispatches per layer, each costing Python and allocator time that at batch 1 adds
 // up to a third of the step. With bfloat16, its weights are
 // packed bf16; norms, biases and everything computed stay float32. The KV cache it is handed may hold float32,
@@ -85,6 +88,7 @@ class NativeLlama {
                  projection(o, torch::empty({0}), o_plain, heads_ * dim_, hidden_),
                  projection(gate_up, gate_up_bias, gate_up_plain, hidden_, 2 * intermediate_),
                  projection(down, down_bias, down_plain, intermediate_, hidden_)}};
+    layer.cache_index = static_cast<int64_t>(layers_.size());
     for (const auto* t : {&layer.input_norm, &layer.post_norm}) {
       TORCH_CHECK(t->scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
     }
@@ -121,6 +125,57 @@ class NativeLlama {
       TORCH_CHECK(lo >= 1 && lo <= hi, "rows ", lo, "..", hi, " is no range of row counts");
       fused_rows_.push_back({lo, hi});
     }
+  }
+
+  // What the family changes model-wide: the embedding's scale (1: none; Gemma's sqrt(hidden)), attention's score
+  // scale (1/sqrt(head_dim) for Llama; Gemma's query_pre_attn_scalar^-1/2), the MLP's gate activation ("silu":
+  // SwiGLU, "gelu_pytorch_tanh": GeGLU), and the windowed layers' own rotary tables (empty: one rope for all).
+  void set_family(double embedding_scale, double attention_scale, const std::string& activation,
+                  torch::Tensor local_cos, torch::Tensor local_sin) {
+    TORCH_CHECK(activation == "silu" || activation == "gelu_pytorch_tanh", "no activation ", activation,
+                " (silu, gelu_pytorch_tanh)");
+    TORCH_CHECK(attention_scale > 0.0, "the attention scale must be positive");
+    embedding_scale_ = static_cast<float>(embedding_scale);
+    attention_scale_ = static_cast<float>(attention_scale);
+    gelu_ = activation == "gelu_pytorch_tanh";
+    if (local_cos.numel() != 0) {
+      check_float_rows(local_cos, "local_cos");
+      check_float_rows(local_sin, "local_sin");
+      TORCH_CHECK(local_cos.dim() == 2 && local_cos.size(1) == dim_ && local_sin.sizes() == local_cos.sizes() &&
+                      (!cos_.defined() || local_cos.size(0) == cos_.size(0)),
+                  "local cos and sin must be [positions, ", dim_, "], as many positions as set_io's tables");
+    }
+    local_cos_ = local_cos;
+    local_sin_ = local_sin;
+  }
+
+  // What the family changes in layer `layer` (added already): QK-norm weights over a head [head_dim] (empty:
+  // none), norms over attention's and the MLP's outputs before each joins the residual stream [hidden] (empty:
+  // none; then the layer's post_norm is the norm before the MLP, as Llama's), the window it attends to (0: the
+  // whole context), whether it rotates by the local rope (set_family), and where its K/V lives: its KV group
+  // (whose slots and tables a step hands over) and its index in the cache tensor's first dimension.
+  void set_layer_traits(int64_t layer, torch::Tensor q_norm, torch::Tensor k_norm, torch::Tensor attn_out_norm,
+                        torch::Tensor mlp_out_norm, int64_t window, bool local_rope, int64_t kv_group,
+                        int64_t cache_index) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "no layer ", layer);
+    TORCH_CHECK((q_norm.numel() == 0) == (k_norm.numel() == 0), "QK-norm needs both q_norm and k_norm");
+    TORCH_CHECK((attn_out_norm.numel() == 0) == (mlp_out_norm.numel() == 0),
+                "norms after attention and the MLP come together");
+    for (const auto& [t, size] : {std::pair{&q_norm, dim_}, {&k_norm, dim_}, {&attn_out_norm, hidden_},
+                                  {&mlp_out_norm, hidden_}}) {
+      TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == torch::kFloat32 && t->numel() == size),
+                  "a norm weight of ", size, " floats expected");
+    }
+    TORCH_CHECK(window >= 0 && kv_group >= 0 && cache_index >= 0, "window, kv_group and cache_index are >= 0");
+    Layer& w = layers_[layer];
+    w.q_norm = q_norm.contiguous();
+    w.k_norm = k_norm.contiguous();
+    w.attn_out_norm = attn_out_norm.contiguous();
+    w.mlp_out_norm = mlp_out_norm.contiguous();
+    w.window = window;
+    w.local_rope = local_rope;
+    w.kv_group = kv_group;
+    w.cache_index = cache_index;
   }
 
   // From now on, quantized projections run on the dot-product kind `name` (quant_dots(): portable, avx2,
@@ -178,30 +233,48 @@ class NativeLlama {
   // each row's token and position, the KV slot it writes, which sequence it belongs to (row_seq, an index
   // into block_tables, one table per sequence), and logit_rows, the rows the LM head runs on. A row sees
   // positions [0, position] of its sequence: a decode row its whole context, a prompt row the prompt up to
-  // itself. kv_cache is [layers, 2, blocks, block_size, KVH, D]. Returns the final-normed hidden states
-  // [T, hidden] and the logits [logit rows, vocab], both float32, and each logit row's argmax (the greedy
-  // token, taken while the logits are still in cache).
-  std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>> step(const std::vector<int64_t>& token_ids,
-                                                const std::vector<int64_t>& positions, torch::Tensor& kv_cache,
-                                                const std::vector<int64_t>& slots,
-                                                const std::vector<std::vector<int64_t>>& block_tables,
-                                                const std::vector<int64_t>& row_seq,
-                                                const std::vector<int64_t>& logit_rows) {
+  // itself. kv_cache is [layers, 2, blocks, block_size, KVH, D]. With KV groups (set_layer_traits), slots and
+  // block_tables are group 0's, and group_slots / group_tables those of groups 1, 2, ... in turn; a table's
+  // NULL entries (-1: blocks a windowed group gave back) are never read. Returns the final-normed hidden
+  // states [T, hidden] and the logits [logit rows, vocab], both float32, and each logit row's argmax (the
+  // greedy token, taken while the logits are still in cache).
+  std::tuple<torch::Tensor, torch::Tensor, std::vector<int64_t>> step(
+      const std::vector<int64_t>& token_ids, const std::vector<int64_t>& positions, torch::Tensor& kv_cache,
+      const std::vector<int64_t>& slots, const std::vector<std::vector<int64_t>>& block_tables,
+      const std::vector<int64_t>& row_seq, const std::vector<int64_t>& logit_rows,
+      const std::vector<std::vector<int64_t>>& group_slots,
+      const std::vector<std::vector<std::vector<int64_t>>>& group_tables) {
     TORCH_CHECK(embedding_.defined() || embedding_quant_, "set_io must run before the first step");
     check_cache(kv_cache, "kv_cache");
-    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == static_cast<int64_t>(layers_.size()) &&
-                    kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(4) == kv_heads_ && kv_cache.size(5) == dim_,
                 "kv_cache must be [layers, 2, blocks, block_size, kv_heads, head_dim]");
+    TORCH_CHECK(group_slots.size() == group_tables.size(), "group_slots and group_tables must have one entry per "
+                "KV group after the first");
+    for (const Layer& layer : layers_) {
+      TORCH_CHECK(layer.cache_index < kv_cache.size(0), "a layer's K/V at index ", layer.cache_index,
+                  " of a cache of ", kv_cache.size(0));
+      TORCH_CHECK(layer.kv_group <= static_cast<int64_t>(group_slots.size()), "a layer of KV group ",
+                  layer.kv_group, ", but the step has ", group_slots.size() + 1);
+    }
     const int64_t tokens = static_cast<int64_t>(token_ids.size());
     TORCH_CHECK(positions.size() == token_ids.size() && slots.size() == token_ids.size() &&
                     row_seq.size() == token_ids.size(),
                 "token_ids, positions, slots and row_seq must have one entry per row");
     const CacheShape shape{kv_cache.size(3), kv_heads_, dim_};
-    const StepTables tables = step_tables(block_tables, kv_cache.size(2));
+    std::vector<GroupInputs> groups{{slots.data(), step_tables(block_tables, kv_cache.size(2))}};
+    for (size_t g = 0; g < group_slots.size(); ++g) {
+      TORCH_CHECK(group_slots[g].size() == token_ids.size() && group_tables[g].size() == block_tables.size(),
+                  "each KV group's slots and tables must match the first group's");
+      check_slots(group_slots[g], kv_cache.size(2) * shape.block_size);
+      groups.push_back({group_slots[g].data(), step_tables(group_tables[g], kv_cache.size(2))});
+      for (size_t seq = 0; seq < block_tables.size(); ++seq) {
+        TORCH_CHECK(group_tables[g][seq].size() == block_tables[seq].size(), "a sequence's table must be as long in "
+                    "every KV group");
+      }
+    }
+    check_slots(slots, kv_cache.size(2) * shape.block_size);
     std::vector<int64_t> context_lens(tokens);
     for (int64_t t = 0; t < tokens; ++t) {
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < kv_cache.size(2) * shape.block_size, "slot ", slots[t],
-                  " outside the cache");
       TORCH_CHECK(positions[t] >= 0 && positions[t] < cos_.size(0), "position ", positions[t], " outside the ",
                   cos_.size(0), " the rotary tables cover");
       TORCH_CHECK(row_seq[t] >= 0 && row_seq[t] < static_cast<int64_t>(block_tables.size()), "row ", t,
@@ -212,9 +285,21 @@ class NativeLlama {
     }
     for (const int64_t row : logit_rows) TORCH_CHECK(row >= 0 && row < tokens, "logit row ", row, " of ", tokens);
     auto x = embed(token_ids);
+    if (embedding_scale_ != 1.f) {
+      with_gemm_path(width_, bf16_, [&](auto path) {
+        scale_in_place<typename decltype(path)::Vec>(x.data_ptr<float>(), x.numel(), embedding_scale_);
+      });
+    }
     auto cos = rows_of(cos_, positions), sin = rows_of(sin_, positions);
-    const Step step{tokens, x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), &kv_cache, shape,
-                    slots.data(), tables.ids.data(), tables.width, row_seq.data(), context_lens.data(),
+    torch::Tensor local_cos, local_sin;
+    if (local_cos_.numel() != 0) {
+      local_cos = rows_of(local_cos_, positions);
+      local_sin = rows_of(local_sin_, positions);
+    }
+    const Step step{tokens, x.data_ptr<float>(), {cos.data_ptr<float>(), sin.data_ptr<float>()},
+                    {local_cos.defined() ? local_cos.data_ptr<float>() : nullptr,
+                     local_sin.defined() ? local_sin.data_ptr<float>() : nullptr},
+                    &kv_cache, shape, std::move(groups), row_seq.data(), context_lens.data(),
                     attention_units(tokens, row_seq, logit_rows)};
     auto out = torch::empty({tokens, hidden_}, x.options());
     torch::Tensor logits;
@@ -229,18 +314,38 @@ class NativeLlama {
   }
 
  private:
+  // A step's block tables, padded with block 0 to the longest, each block checked to lie in the cache.
+  struct StepTables {
+    std::vector<int64_t> ids;
+    int64_t width;
+  };
+
+  // One KV group's part of a step: the slot each row writes, and the sequences' tables.
+  struct GroupInputs {
+    const int64_t* slots;
+    StepTables tables;
+  };
+
+  // The step's rows of one rotary table: cos and sin [T, head_dim].
+  struct Rope {
+    const float *cos, *sin;
+  };
+
   // One forward's inputs, checked.
   struct Step {
     int64_t tokens;
     float *x;
-    const float *cos, *sin;
+    Rope rope, local_rope;  // local_rope: the windowed layers' own tables (set_family), else null
     torch::Tensor* kv_cache;
     CacheShape shape;
-    const int64_t *slots, *tables;
-    int64_t table_width;
+    std::vector<GroupInputs> groups;
     const int64_t *row_seq, *context_lens;
     int64_t attention_units;  // see attention_units()
   };
+
+  static void check_slots(const std::vector<int64_t>& slots, int64_t num_slots) {
+    for (const int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the cache");
+  }
 
   // The step's rows as work for attention to share between threads (attention_rows' `units`), counted as if no
   // row were a draft: the rows without logits, and one per sequence with logits. A decode and its drafts
@@ -254,12 +359,6 @@ class NativeLlama {
     return tokens - static_cast<int64_t>(logit_rows.size()) + distinct;
   }
 
-  // A step's block tables, padded with block 0 to the longest, each block checked to lie in the cache.
-  struct StepTables {
-    std::vector<int64_t> ids;
-    int64_t width;
-  };
-
   static StepTables step_tables(const std::vector<std::vector<int64_t>>& tables, int64_t num_blocks) {
     int64_t width = 1;
     for (const auto& table : tables) width = std::max<int64_t>(width, static_cast<int64_t>(table.size()));
@@ -267,8 +366,8 @@ class NativeLlama {
     for (size_t seq = 0; seq < tables.size(); ++seq) {
       for (size_t i = 0; i < tables[seq].size(); ++i) {
         const int64_t block = tables[seq][i];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " outside the cache of ", num_blocks);
-        ids[seq * width + i] = block;
+        TORCH_CHECK(block >= -1 && block < num_blocks, "block ", block, " outside the cache of ", num_blocks);
+        ids[seq * width + i] = std::max<int64_t>(block, 0);  // a NULL entry (-1) is never read: block 0 stands in
       }
     }
     return {std::move(ids), width};
@@ -326,30 +425,39 @@ class NativeLlama {
     auto attn = torch::empty({tokens, q_width}, opts), delta = torch::empty({tokens, hidden_}, opts);
     // A tile must not straddle gate and up; a gate/up on torch's GEMM, or quantized, goes through memory.
     const bool fused_swiglu = in_ranges(fused_rows_, tokens) && intermediate_ % P::kTile == 0 &&
-                              !on_torch(kGateUp, tokens) && !quantized_gate_up_;
+                              !on_torch(kGateUp, tokens) && !quantized_gate_up_ && !gelu_;
     auto gate_up = torch::empty({fused_swiglu ? 0 : tokens, 2 * intermediate_}, opts);
     auto act = torch::empty({tokens, intermediate_}, opts);
     float* xp = step.x;
     float *np = normed.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *ap = attn.data_ptr<float>();
     float *dp = delta.data_ptr<float>(), *gp = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>();
-    const float scale = 1.f / std::sqrt(static_cast<float>(dim_));
+    const float scale = attention_scale_ > 0.f ? attention_scale_ : 1.f / std::sqrt(static_cast<float>(dim_));
     const torch::Tensor& kv_cache = *step.kv_cache;
     const int64_t layer_stride = kv_cache.stride(0), kv_stride = kv_cache.stride(1);
     for (size_t l = 0; l < layers_.size(); ++l) {
       const Layer& w = layers_[l];
-      C* k_cache = static_cast<C*>(kv_cache.data_ptr()) + l * layer_stride;
+      C* k_cache = static_cast<C*>(kv_cache.data_ptr()) + w.cache_index * layer_stride;
       C* v_cache = k_cache + kv_stride;
+      const GroupInputs& group = step.groups[w.kv_group];
+      const Rope& rope = w.local_rope && step.local_rope.cos != nullptr ? step.local_rope : step.rope;
       // The previous layer's MLP output joins the residual stream on the way into this layer's norm.
       rms_norm_rows<V>(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       project<P>(w, kQkv, np, tokens, hidden_, qkvp);
-      rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, step.cos, step.sin);
-      write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, step.slots, step.shape,
+      if (w.q_norm.numel() != 0) {
+        head_norm_rows<V>(qkvp, tokens, qkv_width, heads_, dim_, w.q_norm.data_ptr<float>(), eps_);
+        head_norm_rows<V>(qkvp + q_width, tokens, qkv_width, kv_heads_, dim_, w.k_norm.data_ptr<float>(), eps_);
+      }
+      rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, rope.cos, rope.sin);
+      write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, group.slots, step.shape,
                     k_cache, v_cache);
       // Rows one at a time on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
       attention_rows<v8, typename FloatPath<P>::type>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape,
-                                                      step.tables, step.table_width, step.row_seq, step.context_lens,
-                                                      scale, ap, step.attention_units);
+                                                      group.tables.ids.data(), group.tables.width, step.row_seq,
+                                                      step.context_lens, scale, w.window, ap, step.attention_units);
       project<P>(w, kO, ap, tokens, q_width, dp);
+      if (w.attn_out_norm.numel() != 0) {  // a norm over attention's output before it joins the stream
+        rms_norm_rows<V>(dp, nullptr, w.attn_out_norm.data_ptr<float>(), tokens, hidden_, eps_, dp);
+      }
       rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       if (fused_swiglu) {
         const Projection& gate_up = w.projections[kGateUp];
@@ -357,9 +465,16 @@ class NativeLlama {
                        optional_data(gate_up.bias), actp);
       } else {
         project<P>(w, kGateUp, np, tokens, hidden_, gp);
-        silu_and_mul_rows<V>(gp, tokens, intermediate_, actp);
+        if (gelu_) {
+          gelu_tanh_and_mul_rows<V>(gp, tokens, intermediate_, actp);
+        } else {
+          silu_and_mul_rows<V>(gp, tokens, intermediate_, actp);
+        }
       }
       project<P>(w, kDown, actp, tokens, intermediate_, dp);
+      if (w.mlp_out_norm.numel() != 0) {
+        rms_norm_rows<V>(dp, nullptr, w.mlp_out_norm.data_ptr<float>(), tokens, hidden_, eps_, dp);
+      }
     }
     rms_norm_rows<V>(xp, layers_.empty() ? nullptr : dp, final_norm_.data_ptr<float>(), tokens, hidden_, eps_, out);
   }
@@ -376,6 +491,12 @@ class NativeLlama {
   struct Layer {
     torch::Tensor input_norm, post_norm;
     std::array<Projection, kProjections> projections;
+    // set_layer_traits': empty norms are absent; window 0 is the whole context.
+    torch::Tensor q_norm = torch::empty({0}), k_norm = torch::empty({0});
+    torch::Tensor attn_out_norm = torch::empty({0}), mlp_out_norm = torch::empty({0});
+    int64_t window = 0;
+    bool local_rope = false;
+    int64_t kv_group = 0, cache_index = 0;
   };
   struct RowRange {
     int64_t lo, hi;
@@ -448,6 +569,10 @@ class NativeLlama {
   std::vector<Layer> layers_;
   std::array<std::vector<RowRange>, kProjections> torch_rows_;
   torch::Tensor embedding_, cos_, sin_;  // set_io's
+  // set_family's: 1 and 0 (1/sqrt(head_dim)) are Llama's; local tables empty: every layer rotates by cos_, sin_.
+  float embedding_scale_ = 1.f, attention_scale_ = 0.f;
+  bool gelu_ = false;
+  torch::Tensor local_cos_ = torch::empty({0}), local_sin_ = torch::empty({0});
   std::optional<QuantWeight> embedding_quant_;  // set_io's, when the embedding is quantized
   bool quantized_gate_up_ = false;  // some layer's gate/up is quantized: SwiGLU is never fused
   QuantDot quant_dot_;

@@ -129,26 +129,26 @@ class Engine:
 
     def _native_kernels(self, dtype, device):
         """The native kernels where they may run this model: on CPU, float32 or bfloat16, not refused (``--kernels
-        torch``), a head size they are unrolled for, a family whose layers the stack has, and built. None:
-        PyTorch ops."""
+        torch``), nothing of the model the stack lacks (a head size its attention is not unrolled for), and
+        built. None: PyTorch ops."""
         import torch
 
-        from conveyor.model.kernels import NATIVE_HEAD_SIZES, native_kernels
+        from conveyor.model.kernels import native_kernels
 
         if self.config.kernels == "torch" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
             return None
-        if self.model_config.head_dim not in NATIVE_HEAD_SIZES or self._native_refusal:
+        if self._native_refusal:
             return None
         return native_kernels()
 
     def _native_gaps(self, dtype, device) -> bool:
-        """Whether the native stack lacks what this model's family needs, said once in a warning where the
-        native kernels would otherwise run it: the model then runs on PyTorch ops, never half on each."""
+        """Whether the native stack lacks what this model needs, said once in a warning where the native kernels
+        would otherwise run it: the model then runs on PyTorch ops, never half on each."""
         import torch
 
         from conveyor.model.families import native_gaps
 
-        gaps = native_gaps(self.model_config, self.max_model_len)
+        gaps = native_gaps(self.model_config)
         wanted = self.config.kernels != "torch" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         if gaps and wanted:
             logger.warning("%s runs on PyTorch ops, not the native kernels: the native stack lacks %s",

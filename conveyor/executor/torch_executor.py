@@ -49,9 +49,7 @@ class TorchExecutor:
         self._has_null_blocks = kv_layout is not None and kv_layout.windowed  # NULL_BLOCK entries in tables
         cache_layers = config.num_layers
         if kv_layout is not None:
-            if model.native is not None:
-                raise ValueError("native kernels: the native stack reads one block table for every layer")
-            model.kv_slots = kv_layout.layer_slots()
+            model.use_kv_layout(kv_layout.layer_slots())
             cache_layers = kv_layout.layers_per_group
         # Zeroed, not empty: padded decode rows (and entries behind a window) read unused slots, which must
         # hold finite numbers.
@@ -167,6 +165,12 @@ class TorchExecutor:
             if item.samples_token:  # its last row; with drafts, also the row before each draft
                 num_rows = len(inputs.token_ids)
                 inputs.logit_rows.extend(range(num_rows - 1 - item.num_draft_tokens, num_rows))
+        if self.num_groups > 1 and self.model.native is not None:  # the PyTorch path builds its own per group
+            for group in range(1, self.num_groups):
+                tables = [item.group_block_ids[group] for item in batch]
+                inputs.group_tables.append(tables)
+                inputs.group_slots.append([table[p // bs] * bs + p % bs for item, table in zip(batch, tables)
+                                           for p in range(item.start_position, item.context_len)])
         return inputs
 
     @torch.no_grad()  # not inference_mode: the sampler changes these logits in place after it has ended

@@ -36,7 +36,7 @@ from types import ModuleType
 from conveyor.core.cache_dir import cache_dir, make_cache_folder
 
 logger = logging.getLogger("conveyor")
-NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128)  # attention is unrolled for these (csrc/attention.h, attend_fn)
+NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128, 256)  # attention is unrolled for these (csrc/attention.h, attend_fn)
 SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"  # the one translation unit
 TARGET_ENV = "CONVEYOR_KERNEL_TARGET"  # -march value to build for instead of this CPU (e.g. x86-64-v3: AVX2 only)
 LOCK_NAME = "lock"  # torch.utils.cpp_extension's build lock, in the build folder

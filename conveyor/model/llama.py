@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -30,8 +30,9 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")  # the GEMM shapes of a
 class StepInputs:
     """One step's inputs as plain lists: row ``r`` holds token ``token_ids[r]`` at ``positions[r]``, writes
     its K/V to cache slot ``slots[r]`` and belongs to sequence ``row_seq[r]``, whose blocks are
-    ``block_tables[row_seq[r]]``; the LM head runs on ``logit_rows``. The native stack takes them as they are
-    (run_native); the PyTorch path makes tensors of them."""
+    ``block_tables[row_seq[r]]``; the LM head runs on ``logit_rows``. With KV groups (conveyor.core.kv.groups),
+    ``slots`` and ``block_tables`` are group 0's and ``group_slots`` / ``group_tables`` those of groups 1, 2, ...
+    The native stack takes them as they are (run_native); the PyTorch path makes tensors of them."""
 
     token_ids: list[int]
     positions: list[int]
@@ -39,6 +40,8 @@ class StepInputs:
     block_tables: list[list[int]]
     row_seq: list[int]
     logit_rows: list[int]
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 class LlamaModel(nn.Module):
@@ -109,7 +112,7 @@ class LlamaModel(nn.Module):
         inputs go in as the lists the executor built: at batch 1 each tensor built, indexed or cast around the
         call cost a cold cache's worth of time after the weights streamed through."""
         return self.native.step(step.token_ids, step.positions, kv_cache, step.slots, step.block_tables,
-                                step.row_seq, step.logit_rows)
+                                step.row_seq, step.logit_rows, step.group_slots, step.group_tables)
 
     def use_native_kernels(
         self, kernels: ModuleType, width: int = 256, bfloat16: bool = False,
@@ -125,7 +128,7 @@ class LlamaModel(nn.Module):
         (prompt logprobs). ``fused_swiglu_rows`` replaces
         the stack's own rule for when SwiGLU is fused into the packed gate/up GEMM. Norm weights, biases and
         the rotary tables go to the stack in float32."""
-        gaps = native_gaps(self.config, self.rotary.cos.shape[0])
+        gaps = native_gaps(self.config)
         if gaps:
             raise ValueError(f"native kernels: the native stack lacks {', '.join(gaps)} ({self.family.name})")
         routes = {name: tuple(ranges) for name, ranges in (torch_rows or {}).items() if ranges}
@@ -140,18 +143,20 @@ class LlamaModel(nn.Module):
         c = self.config
         self.native = kernels.NativeLlama(
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
-            _f32(self.norm.weight), width, bfloat16,
+            _norm_weight(self.norm), width, bfloat16,
         )
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
+            mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
             self.native.add_layer(
-                _f32(layer.input_layernorm.weight), _stack_weight(attn.qkv_proj), _bias(attn.qkv_proj),
-                _stack_weight(attn.o_proj), _f32(layer.post_attention_layernorm.weight),
+                _norm_weight(layer.input_layernorm), _stack_weight(attn.qkv_proj), _bias(attn.qkv_proj),
+                _stack_weight(attn.o_proj), _norm_weight(mlp_norm),
                 _stack_weight(mlp.gate_up_proj), _bias(mlp.gate_up_proj), _stack_weight(mlp.down_proj),
                 _bias(mlp.down_proj),
                 *(_plain(module, bfloat16) for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                           mlp.down_proj)),
             )
+        self._hand_family_to_native()
         # Only a routed LM head hands over its plain weight (a tied one keeps the embedding's, not needed else).
         head_plain = _plain(self.lm_head, bfloat16) if "lm_head" in routes else _no_weight(bfloat16)
         embedding = getattr(self.embed_tokens, "quantized", None) or self.embed_tokens.weight.detach()
@@ -164,6 +169,30 @@ class LlamaModel(nn.Module):
         for projection, ranges in (quant_dots or {}).items():  # quantized projections: the kind per row class
             for dot, lo, hi in ranges:
                 self.native.use_quant_dot(dot, projection, lo, hi)
+
+    def use_kv_layout(self, kv_slots: list[tuple[int, int]]) -> None:
+        """Keep each layer's K/V where a grouped layout puts it: (its KV group, its index in the cache tensor)
+        per layer (conveyor.core.kv.groups, KVLayout.layer_slots); the native stack is told too."""
+        self.kv_slots = list(kv_slots)
+        if self.native is not None:
+            self._hand_family_to_native()
+
+    def _hand_family_to_native(self) -> None:
+        """What the family changes in Llama's layers, told to the native stack: the embedding and attention
+        scales, the activation and the windowed layers' rope model-wide; per layer its QK-norm, the norms after
+        attention and the MLP, its window and where its K/V lives."""
+        c, none = self.config, torch.empty(0)
+        local = self.rotary_local
+        self.native.set_family(c.hidden_size**0.5 if self.family.embedding_scale else 1.0,
+                               self.layers[0].self_attn.scale if self.layers else 1.0, c.hidden_act,
+                               none if local is None else local.cos, none if local is None else local.sin)
+        for i, (layer, (group, slot)) in enumerate(zip(self.layers, self.kv_slots, strict=True)):
+            attn = layer.self_attn
+            q_norm, k_norm = ((_norm_weight(attn.q_norm), _norm_weight(attn.k_norm)) if hasattr(attn, "q_norm")
+                              else (none, none))
+            outputs = ((_norm_weight(layer.post_attention_layernorm), _norm_weight(layer.post_feedforward_layernorm))
+                       if layer.sandwich else (none, none))
+            self.native.set_layer_traits(i, q_norm, k_norm, *outputs, attn.window or 0, layer.local, group, slot)
 
     def _pack_projections(self, kernels: ModuleType, width: int, bfloat16: bool, keep: set[str]) -> None:
         """Pack every projection into one buffer on huge pages, in the order a step reads them: a decode step
@@ -250,6 +279,13 @@ def _bits_per_weight(modules: list[nn.Module]) -> float:
             tensor = module.packed if module.packed is not None else module.weight
             stored += tensor.numel() * tensor.element_size()
     return 8.0 * stored / weights
+
+
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """A norm's weight as the native stack scales by it, in float32: w, or 1 + w for a (1 + w) norm (Gemma's:
+    added in float32, as its reference computes it)."""
+    weight = _f32(norm.weight)
+    return (1.0 + weight).contiguous() if norm.one_plus else weight
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:

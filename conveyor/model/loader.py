@@ -298,7 +298,9 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
 
 
 def quantized_kinds(model: LlamaModel) -> set[str]:
-    """The GGUF types a model's quantized projections came from."""
+    """The GGUF types a model's quantized projections came from (a fused projection's parts may differ: Gemma's
+    Q5_0 queries beside Q8_0 keys and values come as "Q5_0+Q8_0")."""
     from conveyor.model.quantized import QuantizedLinear
 
-    return {module.source for module in model.modules() if isinstance(module, QuantizedLinear)}
+    return {kind for module in model.modules() if isinstance(module, QuantizedLinear)
+            for kind in module.source.split("+")}

@@ -1,7 +1,7 @@
 """The model families Conveyor runs, by the names a config.json or a GGUF file gives them.
 
 ``family_for`` is where a model is refused before anything loads: an unknown architecture, an activation
-or a rope scaling the shared layers lack. ``native_gaps`` says what of a family the native stack
+or a rope scaling the shared layers lack. ``native_gaps`` says what of a model the native stack
 (csrc/native_llama.h) lacks, so the engine runs such a model on the PyTorch ops instead, saying why.
 """
 
@@ -47,18 +47,14 @@ def gguf_family(architecture: str | None) -> Family:
     return family
 
 
-def native_gaps(config: ModelConfig, max_model_len: int) -> list[str]:
-    """What the native stack lacks to run ``config`` (empty: it runs it): it has Llama's layers, QKV and MLP
-    biases, one rope and full attention. A window as long as the longest sequence never binds."""
-    family = family_for(config)
-    gaps = [what for what, needed in (
-        ("QK-norm", family.qk_norm), ("(1 + w) RMSNorm", family.norm != "rms"),
-        ("norms after attention and MLP", family.sandwich_norms), ("an embedding scale", family.embedding_scale),
-        (f"the {config.hidden_act} activation", config.hidden_act != "silu"),
-        ("a rope per layer kind", config.local_rope_theta is not None),
-        ("an attention scale other than 1/sqrt(head_dim)", config.query_pre_attn_scalar not in (None, config.head_dim)),
-    ) if needed]
-    windows = sorted({w for w in config.layer_windows if w is not None and w < max_model_len})
-    if windows:
-        gaps.append(f"sliding-window attention (window {', '.join(map(str, windows))})")
-    return gaps
+def native_gaps(config: ModelConfig) -> list[str]:
+    """What the native stack (csrc/native_llama.h) lacks to run ``config`` (empty: it runs it). It has every
+    family's layers here (set_family, set_layer_traits: QK-norm, (1 + w) and sandwich norms, GeGLU, the
+    embedding and attention scales, a rope per layer kind, windows and KV groups); its attention is unrolled
+    for some head sizes only."""
+    from conveyor.model.kernels import NATIVE_HEAD_SIZES
+
+    family_for(config)
+    if config.head_dim not in NATIVE_HEAD_SIZES:
+        return [f"attention over heads of {config.head_dim} (it has {', '.join(map(str, NATIVE_HEAD_SIZES))})"]
+    return []
