@@ -10,7 +10,7 @@ every layer keeps every block. Two configurations over the same pool:
   through a mask): what the pool holds without window-aware freeing. The prompts share no block, so the
   prefix cache changes nothing else.
 
-Each runs on the real engine (PyTorch ops: the native stack lacks Gemma's layers) and on the simulator,
+Each runs on the real engine (the native stack, the file kept quantized) and on the simulator,
 which runs the same scheduler and KV manager on a cost model; every request arrives at once, so the
 simulator's clock plays no part in who is admitted. Printed for each: the peak of running requests, the
 peak of requests decoding at once (prompt done), and the KV bytes a running request held at that peak.

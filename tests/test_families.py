@@ -27,6 +27,7 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_hidden_layers=2, sliding_window=24)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=2)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_hidden_layers=2, sliding_window=24, pad_token_id=0)),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=3, sliding_window=16, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),

@@ -1,7 +1,8 @@
-"""GGUF files of the Qwen families: a tiny random model written as llama.cpp lays a file out, read back.
+"""GGUF files of the Qwen and Phi-3 families: a tiny random model written as llama.cpp lays a file out, read back.
 
 The file is built here from a tiny transformers model: llama.cpp's tensor names (no rotary row reordering:
-llama.cpp keeps HF's order for Qwen), its metadata keys, Q8_0 projections and the default model's tokenizer
+llama.cpp keeps HF's order for Qwen and Phi-3; Phi-3's projections fused as its checkpoints hold them, its
+window of every layer as metadata), its metadata keys, Q8_0 projections and the default model's tokenizer
 (tokens, merges, chat template) as metadata. Conveyor then runs the file itself on PyTorch ops (the file's
 weights dequantized), and transformers runs the float32 folder Conveyor's export writes of it: the greedy
 tokens must agree, and the export must hold the tiny model's float tensors as Q8_0 rounds them. Both also run
@@ -28,7 +29,8 @@ GGUF_LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", 
                     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
                     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-                    "post_attention_layernorm": "ffn_norm"}
+                    "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+                    "mlp.gate_up_proj": "ffn_up"}
 
 
 def _gguf_name(hf: str) -> str:
@@ -68,6 +70,8 @@ def _write_gguf(path, arch: str, model) -> None:
     writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
     _copy_tokenizer(writer)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -84,25 +88,27 @@ def _write_gguf(path, arch: str, model) -> None:
     writer.close()
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
-def qwen_file(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "phi3"])
+def gguf_file(request, tmp_path_factory):
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config_class = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[request.param]
-    model = transformers.AutoModelForCausalLM.from_config(config_class(**SHAPE, num_hidden_layers=2)).eval()
+    config_class, extra = {"qwen2": (transformers.Qwen2Config, {}), "qwen3": (transformers.Qwen3Config, {}),
+                           "phi3": (transformers.Phi3Config, {"sliding_window": 24, "pad_token_id": 0})}[request.param]
+    config = config_class(**SHAPE, num_hidden_layers=2, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _randomise_norms_and_biases(model)
     path = tmp_path_factory.mktemp(request.param) / f"tiny-{request.param}.gguf"
     _write_gguf(path, request.param, model)
     return request.param, path, model
 
 
-def test_a_qwen_gguf_file_runs_as_transformers_runs_its_export(qwen_file):
+def test_the_file_runs_as_transformers_runs_its_export(gguf_file):
     import torch
     from transformers import AutoModelForCausalLM
 
-    arch, path, original = qwen_file
+    arch, path, original = gguf_file
     folder = float32_folder(path)
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == arch and config["head_dim"] == SHAPE["head_dim"]
@@ -117,19 +123,22 @@ def test_a_qwen_gguf_file_runs_as_transformers_runs_its_export(qwen_file):
     assert llm.chat([[{"role": "user", "content": "Hi"}]], params, use_tqdm=False)[0].prompt_token_ids
 
 
-def test_a_qwen_gguf_file_runs_on_the_native_kernels_kept_quantized(qwen_file):
+def test_the_file_runs_on_the_native_kernels_kept_quantized(gguf_file):
     """Kept quantized, activations are quantized too (docs/quantized-weights.md), so the tokens are not
-    compared bit for bit with the exact run: the family runs natively on the file's Q8_0 codes, and the first
-    tokens of each prompt are the dequantized run's."""
-    arch, path, _ = qwen_file
+    compared bit for bit with the exact run: the family runs natively on the file's Q8_0 codes, each prompt's
+    first token is the dequantized run's, and the second is the exact run's or within 0.05 of its logprob
+    (random tiny weights leave near-ties: measured 0.001 apart where Phi-3's parted)."""
+    arch, path, _ = gguf_file
     llm = LLM(str(path), num_kv_blocks=256)
     assert llm.engine.kernel_width is not None and llm.engine.kernel_dtype == "Q8_0", arch
     exact = LLM(str(path), num_kv_blocks=256, kernels="torch")
-    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=5)
     prompts = [[int(t) for t in np.random.default_rng(n).integers(1000, 40000, n)] for n in (3, 20, 70)]
-    for ours, want in zip(llm.generate(prompts, params, use_tqdm=False), exact.generate(prompts, params,
-                                                                                         use_tqdm=False)):
-        assert ours.token_ids[:2] == want.token_ids[:2], (arch, len(ours.prompt_token_ids))
+    for ours, want in zip(llm.generate(prompts, params, use_tqdm=False),
+                          exact.generate(prompts, params, use_tqdm=False), strict=True):
+        assert ours.token_ids[0] == want.token_ids[0], (arch, len(ours.prompt_token_ids))
+        second = dict(want.logprobs[1].top)
+        assert ours.token_ids[1] in second and second[ours.token_ids[1]] >= want.logprobs[1].logprob - 0.05
 
 
 def test_an_unknown_gguf_architecture_is_one_line(tmp_path, capsys):
@@ -138,4 +147,4 @@ def test_an_unknown_gguf_architecture_is_one_line(tmp_path, capsys):
     assert cli.main(["generate", "--model", str(path), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("conveyor: error:") and len(err.strip().splitlines()) == 1, err
-    assert "GGUF architecture 'gpt2' is not supported (supported: gemma3, llama, qwen2, qwen3)" in err
+    assert "GGUF architecture 'gpt2' is not supported (supported: gemma3, llama, phi3, qwen2, qwen3)" in err

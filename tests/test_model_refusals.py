@@ -37,6 +37,11 @@ CASES = {
     "activation": (dict(hidden_act="gelu"), ["hidden_act 'gelu' is not supported for llama", "silu"]),
     "gemma-activation": (dict(model_type="gemma3_text", hidden_activation="silu", head_dim=16),
                          ["hidden_act 'silu' is not supported for gemma3", "gelu_pytorch_tanh"]),
+    "phi3-longrope": (dict(model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
+                                                             "long_factor": [1.0] * 8}),
+                      ["rope_scaling type 'longrope' is not supported", "llama3"]),
+    "partial-rotary": (dict(model_type="phi3", partial_rotary_factor=0.75),
+                       ["partial_rotary_factor 0.75 is not supported", "1.0"]),
 }
 
 

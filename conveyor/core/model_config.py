@@ -46,6 +46,7 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] = field(default_factory=dict)
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    partial_rotary_factor: float = 1.0  # the share of each head that rope rotates (Phi-4-mini: 0.75)
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -94,6 +95,8 @@ class ModelConfig:
             local_rope_theta=None if local_theta is None else float(local_theta),
             local_rope_scaling=_scaling(local_rope or {}),
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+            partial_rotary_factor=float(raw.get("partial_rotary_factor")
+                                        or (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)),
         )
 
     @classmethod
@@ -139,6 +142,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "sliding_window_pattern": 6, "head_dim": 256, "rms_norm_eps": 1e-6},
 }
 _FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
+_FAMILY_DEFAULTS["phi3"] = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
 
 
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -168,7 +172,7 @@ def _scaling(rope: dict[str, Any]) -> dict[str, Any]:
 
 def _layer_windows(raw: dict[str, Any], model_type: str) -> tuple[int | None, ...]:
     """Each layer's window: from ``layer_types`` where the config lists them, else the way each family's
-    config class derives them (Mistral: every layer when ``sliding_window`` is set; Qwen: layers from
+    config class derives them (Mistral, Phi-3: every layer when ``sliding_window`` is set; Qwen: layers from
     ``max_window_layers`` on when ``use_sliding_window``; Gemma 3: five local layers in every six)."""
     layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
     kinds = raw.get("layer_types")
@@ -180,7 +184,7 @@ def _layer_windows(raw: dict[str, Any], model_type: str) -> tuple[int | None, ..
 
 
 def _default_layer_kind(raw: dict[str, Any], model_type: str, layer: int) -> str:
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):
         return "sliding_attention"
     if model_type.startswith("qwen"):
         windowed = raw.get("use_sliding_window", False) and layer >= raw.get("max_window_layers", 0)

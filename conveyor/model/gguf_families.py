@@ -27,6 +27,8 @@ LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Phi-3's fused projections: llama.cpp's ffn_up holds gate and up together, as HF Phi-3's gate_up_proj.
+_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Gemma's four norms: llama.cpp's ffn_norm is the MLP's input norm, which HF Gemma names otherwise.
 _SANDWICH_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
@@ -58,7 +60,8 @@ GEMMA_CHAT_TEMPLATE = (
 
 def layer_names(family: Family) -> dict[str, str]:
     """The per-layer GGUF -> HF name table of ``family``."""
-    return {**LAYER_NAMES, **(_SANDWICH_NAMES if family.sandwich_norms else {})}
+    return {**LAYER_NAMES, **(_SANDWICH_NAMES if family.sandwich_norms else {}),
+            **(_FUSED_NAMES if family.fused_projections else {})}
 
 
 def is_norm(hf_name: str) -> bool:
@@ -72,6 +75,8 @@ def family_config(family: Family, meta: Callable[[str, Any], Any], hparams: dict
     default)``, key without the architecture's prefix) and the defaults llama.cpp assumes."""
     config: dict[str, Any] = {"architectures": [family.hf_architecture],
                               "model_type": family.model_types[0]}
+    if family.name == "phi3":  # llama.cpp writes Phi-3-mini-4k's window (2047) of every layer
+        return config | {"sliding_window": meta("attention.sliding_window", None)}
     if family.name != "gemma3":
         return config
     layers = hparams["num_hidden_layers"]

@@ -22,7 +22,7 @@ import numpy as np
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.families import Family, family_for
 from conveyor.model.gguf import ROPE_FREQS, hf_name, hf_norm, rope_heads, rope_row_order
-from conveyor.model.layers import LAYER_PROJECTIONS
+from conveyor.model.layers import checkpoint_projections
 from conveyor.model.quant_formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
@@ -154,7 +154,7 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
 
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        for fused, parts in LAYER_PROJECTIONS.items():
+        for fused, parts in checkpoint_projections(family).items():
             read = [restored(f"{p}{part}.weight") for part in parts]
             ours[f"{p}{fused}.weight"] = convert(join_rows(read) if len(read) > 1 else read[0])
             del read  # the next projection's parts are decoded only once these are packed

@@ -30,6 +30,14 @@ LAYER_PROJECTIONS = {
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
+def checkpoint_projections(family: Family) -> dict[str, tuple[str, ...]]:
+    """Our projections and the checkpoint tensors each is read from: LAYER_PROJECTIONS, or for a family whose
+    checkpoints store them fused already (Phi-3), each from its own name."""
+    if family.fused_projections:
+        return {ours: (ours,) for ours in LAYER_PROJECTIONS}
+    return LAYER_PROJECTIONS
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that can move its weight to the native kernel's packed layout.
 

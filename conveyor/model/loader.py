@@ -28,6 +28,7 @@ from safetensors import safe_open
 from conveyor.core.cache_dir import cache_dir, make_cache_folder, write_cache_file
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.families import family_for
+from conveyor.model.layers import checkpoint_projections
 from conveyor.model.llama import LAYER_PROJECTIONS, Linear, LlamaModel
 
 logger = logging.getLogger("conveyor")
@@ -153,13 +154,15 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _our_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each."""
+    """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each (unless the family's checkpoints
+    store them fused)."""
     hf = {name.removeprefix("model."): t for name, t in hf.items()}
+    projections = checkpoint_projections(family_for(config))
     state = {"embed_tokens.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
     state["lm_head.weight"] = hf["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        for ours, parts in LAYER_PROJECTIONS.items():
+        for ours, parts in projections.items():
             state[f"{p}{ours}.weight"] = torch.cat([hf[f"{p}{part}.weight"] for part in parts])
             if f"{p}{parts[0]}.bias" in hf:
                 state[f"{p}{ours}.bias"] = torch.cat([hf[f"{p}{part}.bias"] for part in parts])

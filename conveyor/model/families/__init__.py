@@ -11,11 +11,12 @@ from conveyor.core.model_config import ModelConfig
 from conveyor.model.families.base import Family
 from conveyor.model.families.gemma import GEMMA3
 from conveyor.model.families.llama import LLAMA, MISTRAL
+from conveyor.model.families.phi import PHI3
 from conveyor.model.families.qwen import QWEN2, QWEN3
 
 __all__ = ["FAMILIES", "ROPE_SCALINGS", "Family", "family_for", "gguf_family", "native_gaps"]
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3)
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 _BY_GGUF = {family.gguf_architecture: family for family in FAMILIES if family.gguf_architecture}
 ROPE_SCALINGS = ("default", "linear", "llama3")  # what RotaryEmbedding computes
@@ -30,6 +31,9 @@ def family_for(config: ModelConfig) -> Family:
     if config.hidden_act not in family.activations:
         raise ValueError(f"model: hidden_act {config.hidden_act!r} is not supported for {family.name} "
                          f"(supported: {', '.join(family.activations)})")
+    if config.partial_rotary_factor != 1.0:
+        raise ValueError(f"model: partial_rotary_factor {config.partial_rotary_factor} is not supported (supported: "
+                         "1.0, rope over the whole head)")
     for scaling in (config.rope_scaling, config.local_rope_scaling):
         kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
         if kind not in ROPE_SCALINGS:

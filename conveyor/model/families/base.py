@@ -37,6 +37,9 @@ class Family:
     # llama.cpp reorders Q and K rows for its rope only for some architectures (Llama's); others keep HF's.
     gguf_permuted_qk: bool = False
     gguf_norm_offset: float = 0.0  # llama.cpp stores Gemma's norm weights as 1 + w: what reading subtracts
+    # Its checkpoints (and llama.cpp's files of it) store Q, K and V as one projection and gate and up as one, as
+    # Conveyor's layers hold them (Phi-3's qkv_proj and gate_up_proj), instead of one tensor each.
+    fused_projections: bool = False
 
     @property
     def layer_norms(self) -> tuple[str, ...]:
