@@ -71,6 +71,12 @@ class Tokenizer:
         """The transformers tokenizer underneath (xgrammar builds its token table from it)."""
         return self._tok
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (None: the tokenizer has none)."""
+        template = self._tok.chat_template
+        return template if isinstance(template, str) or template is None else str(template)
+
     def encode(self, text: str) -> list[int]:
         """The text's token ids; a ValueError naming ``prompt`` for whatever the tokenizer raises on, so a text
         it cannot take is the client's 400, not the server's 500."""

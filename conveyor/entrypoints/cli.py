@@ -16,6 +16,7 @@ from conveyor.core.cache_dir import CacheDirError
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
+from conveyor.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from conveyor.router import POLICY_NAMES
 
 EXAMPLE_CHATS = [
@@ -199,7 +200,19 @@ def _add_serve(commands: Commands) -> None:
                        help="seconds in-flight requests get to finish on SIGTERM/SIGINT")
     serve.add_argument("--dashboard-show-text", action="store_true",
                        help="show prompt text on /dashboard (default: request ids and lengths only)")
+    _add_tool_args(serve)
     add_engine_args(serve)
+
+
+def _add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """tool_choice auto (vLLM's flags): the model's replies read for the calls it chose to make."""
+    g = parser.add_argument_group("tools")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="read replies to chat requests with tools (tool_choice auto, the default with tools) for "
+                   "calls in the model's own format; without it such requests are a 400")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                   help="the model's tool-call format (default: the one its chat template shows: hermes for "
+                   "<tool_call>, llama3_json for <|python_tag|>)")
 
 
 def _add_request_limit_args(parser: argparse.ArgumentParser) -> None:

@@ -31,11 +31,15 @@ FATAL_EXIT_GRACE_S = 10.0  # time the error events get to reach their clients be
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     name = args.served_model_name or (Path(config.model).stem if config.model else DEFAULT_MODEL_NAME)
     # Checked before the model loads: an empty key is refused at once, with a clear error.
+    if args.tool_call_parser and not args.enable_auto_tool_choice:
+        raise ValueError("--tool-call-parser: reads tool_choice auto's replies, which --enable-auto-tool-choice "
+                         "turns on; give both")
     settings = ServerSettings(
         name, args.api_key, args.max_request_bytes, args.default_max_tokens, args.metrics_without_auth,
         max_sequences_per_request=args.max_sequences_per_request, body_read_timeout=args.body_read_timeout,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers, allowed_hosts=args.allowed_hosts, tenant_header=config.tenant_header)
+        allowed_headers=args.allowed_headers, allowed_hosts=args.allowed_hosts, tenant_header=config.tenant_header,
+        tool_call_parser=(args.tool_call_parser or "template") if args.enable_auto_tool_choice else None)
     _check_replica_args(args)
     engine: EngineClient
     metrics: ServerMetrics

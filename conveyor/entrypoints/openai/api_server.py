@@ -66,6 +66,8 @@ from conveyor.entrypoints.openai.responses_api import (
     error_frame,
     sse_events,
 )
+from conveyor.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
+from conveyor.entrypoints.openai.tool_parsers import parser_for_template
 
 logger = logging.getLogger("conveyor.server")
 T = TypeVar("T")
@@ -111,6 +113,9 @@ class ServerSettings:
     allowed_headers: list[str] = dataclasses.field(default_factory=lambda: ["*"])
     allowed_hosts: list[str] = dataclasses.field(default_factory=lambda: ["*"])  # the Host names answered
     tenant_header: str | None = None  # the header naming a request's tenant; None: the body's ``user``
+    # tool_choice auto (--enable-auto-tool-choice): the parser of the model's tool-call format, or "template"
+    # for the one its chat template shows (tool_parsers.parser_for_template); None: auto is refused.
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -208,6 +213,18 @@ def _engine_error(error: EngineDead | RequestFailed) -> APIError:
     return APIError(500, str(error), "internal_server_error", code="engine_error")
 
 
+def _tool_parser(asked: str | None, template: str | None) -> str | None:
+    """The parser tool_choice auto reads replies with: the one asked for, or with "template" the one the chat
+    template's own format needs; a template that shows none is refused at start, naming the flag."""
+    if asked != "template":
+        return asked
+    found = parser_for_template(template)
+    if found is None:
+        raise ValueError("--enable-auto-tool-choice: this model's chat template shows no tool-call format Conveyor "
+                         f"reads; name one with --tool-call-parser ({', '.join(TOOL_PARSERS)})")
+    return found
+
+
 class _Serving:
     """What the routes share: the engine's public face, the settings, and turning a body into a request.
 
@@ -223,6 +240,7 @@ class _Serving:
         self.max_tokens = MaxTokensRule(settings.default_max_tokens, fit_context=True)
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.tool_parser = _tool_parser(settings.tool_call_parser, self.tokenizer.chat_template)
         self._pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="conveyor-tokenize")
         # Grammar compiles wait here, not in the tokenizer's pool: a schema that takes seconds to compile must not
         # hold up a plain request's tokenizing. The threads only wait (the compile runs in a compiler process);
@@ -425,10 +443,15 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         serving.check_sequences(1, body.n)
+        try:
+            auto_tools = body.auto_tool_parser(serving.tool_parser)
+        except FieldError as error:
+            raise _refusal(body, error) from None
         await serving.compile_grammar(body)
         request = await serving.off_loop(serving.make_chat_request, body)
         fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
-                        body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None)
+                        body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None,
+                        auto_tools=auto_tools)
         return await serving.respond(body, [request], fmt, raw)
 
 
@@ -448,6 +471,9 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
             history = stored[1]
         try:
             chat = ChatCompletionRequest.model_validate(body.chat_body(history))
+            if chat.auto_tool_parser(serving.tool_parser) is not None:
+                raise FieldError("tool_choice", "tool_choice: auto is read for calls on /v1/chat/completions; "
+                                 "here send required or a named function (held to the tools' schemas), or none")
             await serving.compile_grammar(chat)
             request = await serving.off_loop(serving.make_chat_request, chat)
         except (ValueError, APIError) as error:

@@ -349,10 +349,6 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
         tools = {tool.function.name: tool.function.parameters or {"type": "object"} for tool in self.tools or ()}
         if len(tools) < len(self.tools or ()):
             raise FieldError("tools", "tools: two tools have the same name")
-        if self.tools and choice in (None, "auto"):
-            raise FieldError("tool_choice", "tool_choice: auto (the default with tools) needs a parser of this "
-                             "model's own tool-call format, which this server has not; send tool_choice required or a "
-                             "named function (the calls are then held to the tools' schemas), or none")
         if choice in (None, "auto", "none"):
             return None
         named = None if choice == "required" else choice.function.name
@@ -363,6 +359,22 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
         if self.echo:
             raise FieldError("echo", "echo: a reply of tool calls repeats no message")
         return ForcedToolCalls(tools, named, parallel=self.parallel_tool_calls is not False)
+
+    def auto_tool_parser(self, parser: str | None) -> str | None:
+        """The parser the reply is read with for calls the model chooses to make (tools given, tool_choice auto
+        or left out), or None where none are read; without a parser such a request is refused (the server
+        was started without --enable-auto-tool-choice)."""
+        if not self.tools or self.tool_choice not in (None, "auto"):
+            return None
+        if parser is None:
+            raise FieldError("tool_choice", "tool_choice: auto (the default with tools) needs a parser of this "
+                             "model's own tool-call format: start the server with --enable-auto-tool-choice (and "
+                             "--tool-call-parser where the chat template shows no format it knows); or send "
+                             "tool_choice required or a named function (the calls are then held to the tools' "
+                             "schemas), or none")
+        if self.echo:
+            raise FieldError("echo", "echo: a reply read for tool calls repeats no message")
+        return parser
 
     def max_tokens_given(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -8,8 +8,9 @@ from typing import Any
 
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
-from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, ToolCallStream
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, ToolCallStream, call_delta
 from conveyor.entrypoints.openai.tool_calls import finish_reason as tool_finish_reason
+from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, parse
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
@@ -98,14 +99,18 @@ class ChatShape(ResponseShape):
     object_chunk = "chat.completion.chunk"
 
     def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echoed: str | None = None,
-                 tools: ForcedToolCalls | None = None, prompt_logprobs: bool = False) -> None:
+                 tools: ForcedToolCalls | None = None, prompt_logprobs: bool = False,
+                 auto_tools: str | None = None) -> None:
         """``echoed``: the text every choice starts with (vLLM's echo: the assistant's final message), if any;
-        ``tools``: the calls tool_choice forces, which the choices' text is read back as. prompt_logprobs go
-        at the top, as vLLM puts them (the choices share the prompt)."""
+        ``tools``: the calls tool_choice forces, which the choices' text is read back as; ``auto_tools``: the
+        parser (tool_parsers.py) that reads the calls the model chose to make out of its text. prompt_logprobs
+        go at the top, as vLLM puts them (the choices share the prompt)."""
         super().__init__(request_id, model, logprobs, echo=echoed is not None, prompt_logprobs=prompt_logprobs)
         self._echoed_text = echoed or ""
         self.tools = tools
+        self.auto_tools = auto_tools
         self._tool_streams: dict[int, ToolCallStream] = {}  # per streamed choice, with tools
+        self._auto_streams: dict[int, AutoToolStream] = {}  # per streamed choice, with auto_tools
 
     def echo_of(self, output: RequestOutput) -> str:
         return self._echoed_text
@@ -118,6 +123,12 @@ class ChatShape(ResponseShape):
 
     def _message(self, output: RequestOutput) -> dict[str, Any]:
         """A whole choice's message and finish_reason: its text, or the tool calls it made."""
+        if self.auto_tools is not None:
+            content, parsed = parse(self.auto_tools, output.text)
+            calls = [{key: value for key, value in call_delta(i, c.name, c.arguments).items() if key != "index"}
+                     for i, c in enumerate(parsed)]
+            message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+            return {"message": message, "finish_reason": tool_finish_reason(bool(calls), output.finish_reason)}
         if self.tools is None:
             return {"message": {"role": "assistant", "content": self.echoed_text(output, output.text)},
                     "finish_reason": output.finish_reason}
@@ -127,7 +138,9 @@ class ChatShape(ResponseShape):
 
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
         finish_reason = output.finish_reason
-        if self.tools is None:
+        if self.auto_tools is not None:
+            delta, finish_reason = self._auto_delta(output, is_first)
+        elif self.tools is None:
             content = self.echoed_text(output, output.delta_text)
             delta = {"role": "assistant", "content": content} if is_first else {"content": content}
         else:
@@ -140,3 +153,19 @@ class ChatShape(ResponseShape):
         choice = {"index": output.index, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": self.logprobs.chat_delta(output)}
         return self._envelope(self.object_chunk, [choice]) | self.prompt_part(output, streamed=True)
+
+    def _auto_delta(self, output: RequestOutput, is_first: bool) -> tuple[dict[str, Any], str | None]:
+        """A streamed chunk's delta where the model may call tools: the content read so far that cannot begin a
+        call, and each call once complete; what was held back goes in the last chunk."""
+        stream = self._auto_streams.setdefault(output.index, AutoToolStream(self.auto_tools))
+        content, parsed = stream.feed(output.delta_text)
+        if output.finish_reason is not None:
+            more, last = stream.finish()
+            content, parsed = content + more, parsed + last
+        first_call = stream.num_calls - len(parsed)
+        delta: dict[str, Any] = {"role": "assistant"} if is_first else {}
+        if content or is_first:
+            delta["content"] = content
+        if parsed:
+            delta["tool_calls"] = [call_delta(first_call + i, c.name, c.arguments) for i, c in enumerate(parsed)]
+        return delta, tool_finish_reason(stream.num_calls > 0, output.finish_reason)

@@ -5,7 +5,7 @@ its chat template; the tools also go to the template, for the models whose templ
 function the model writes the arguments object itself, for ``required`` a JSON list of ``{"name",
 "parameters"}`` objects, one per call. The text is read back as OpenAI's ``tool_calls``: whole, or, when
 streaming, each call as soon as its JSON is complete (a named call's arguments as they come). ``auto`` would
-need a parser of the model's own tool-call format, which differs from model to model: it is refused.
+reads the model's own tool-call format instead, with the parser the server was started with (tool_parsers.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(index: int, name: str, arguments: str) -> dict[str, Any]:
+def call_delta(index: int, name: str, arguments: str) -> dict[str, Any]:
     """One call of a streamed delta (with its index) or of a whole message (index dropped by the caller)."""
     return {"index": index, "id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
@@ -83,14 +83,14 @@ class ToolCallStream:
             return self._named_delta(delta)
         found = []
         while (call := self._next_listed()) is not None:
-            found.append(_call(self.num_calls, call["name"], _arguments(call)))
+            found.append(call_delta(self.num_calls, call["name"], _arguments(call)))
             self.num_calls += 1
         return found
 
     def _named_delta(self, delta: str) -> list[dict[str, Any]]:
         if self.num_calls == 0:
             self.num_calls = 1
-            return [_call(0, self._named, delta)]
+            return [call_delta(0, self._named, delta)]
         return [{"index": 0, "function": {"arguments": delta}}] if delta else []
 
     def _next_listed(self) -> dict[str, Any] | None:
