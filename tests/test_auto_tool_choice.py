@@ -141,11 +141,47 @@ def test_a_reply_without_a_call_is_content(auto_client):
     assert _streamed(auto_client, **kwargs) == ("It is sunny in Paris.", [], "stop")
 
 
-def test_the_responses_api_still_asks_for_a_forced_choice(auto_client):
-    with pytest.raises(openai.BadRequestError) as refused:
-        auto_client.responses.create(model="tiny", input="Weather in Paris?", tools=[
-            {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}])
-    assert "tool_choice" in str(refused.value) and "/v1/chat/completions" in str(refused.value)
+@pytest.fixture(scope="module")
+def json_client(qwen_style_model):
+    """The same model read with --tool-call-parser llama3_json: a reply that is one JSON object is a call,
+    which a JSON schema of constants makes the tiny model write (through chat's and the Responses API's own
+    structured output)."""
+    with running_server(qwen_style_model, "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                        "--num-kv-blocks", "256", "--served-model-name", "tiny") as server:
+        yield openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
+
+
+CALL_SCHEMA = {"type": "object", "properties": {"name": {"const": "get_weather"}, "parameters": {
+    "type": "object", "properties": {"city": {"const": "Paris"}}, "required": ["city"], "additionalProperties": False}},
+    "required": ["name", "parameters"], "additionalProperties": False}
+
+
+def test_llama3_json_calls_on_chat(json_client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "call", "schema": CALL_SCHEMA}}
+    reply = json_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER], max_tokens=60,
+                                                temperature=0, response_format=fmt).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content is None
+    [call] = reply.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+
+
+def test_the_responses_api_reads_calls_streamed_or_not(json_client):
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    kwargs = dict(model="tiny", input="Weather in Paris?", tools=[tool], max_output_tokens=60, temperature=0,
+                  text={"format": {"type": "json_schema", "name": "call", "schema": CALL_SCHEMA}})
+    response = json_client.responses.create(**kwargs)
+    [item] = response.output
+    assert item.type == "function_call" and item.name == "get_weather" and item.status == "completed"
+    assert json.loads(item.arguments) == {"city": "Paris"}
+    events = list(json_client.responses.create(stream=True, **kwargs))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds and "response.output_text.delta" not in kinds
+    [streamed] = events[-1].response.output
+    assert (streamed.name, json.loads(streamed.arguments)) == ("get_weather", {"city": "Paris"})
+    plain = json_client.responses.create(model="tiny", input="Hello", tools=[tool], max_output_tokens=5,
+                                         temperature=0)
+    assert [item.type for item in plain.output] == ["message"] and plain.output[0].content[0].text
 
 
 def test_start_is_refused_without_a_format_to_read(tiny_model_dir):

@@ -471,15 +471,13 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
             history = stored[1]
         try:
             chat = ChatCompletionRequest.model_validate(body.chat_body(history))
-            if chat.auto_tool_parser(serving.tool_parser) is not None:
-                raise FieldError("tool_choice", "tool_choice: auto is read for calls on /v1/chat/completions; "
-                                 "here send required or a named function (held to the tools' schemas), or none")
+            auto_tools = chat.auto_tool_parser(serving.tool_parser)
             await serving.compile_grammar(chat)
             request = await serving.off_loop(serving.make_chat_request, chat)
         except (ValueError, APIError) as error:
             raise _in_responses_terms(error) from None
         shape = ResponsesShape(body, serving.settings.model_name, chat.forced_tool_calls(),
-                               LogprobFormatter(serving.tokenizer))
+                               LogprobFormatter(serving.tokenizer), auto_tools)
         conversation = [*history, *body.input_messages()]
 
         def keep(response: dict[str, Any]) -> None:

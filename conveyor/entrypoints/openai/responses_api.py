@@ -25,7 +25,8 @@ from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
 from conveyor.entrypoints.openai.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
-from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, call_delta
+from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, ParsedCall, parse
 
 MAX_STORED_RESPONSES = 1024
 
@@ -169,8 +170,14 @@ class ResponsesShape:
     """One response as the Responses API shows it: whole, or as its stream of events."""
 
     def __init__(self, body: ResponsesRequest, model: str, forced: ForcedToolCalls | None,
-                 logprobs: LogprobFormatter) -> None:
+                 logprobs: LogprobFormatter, auto_tools: str | None = None) -> None:
+        """``forced``: the calls tool_choice forces; ``auto_tools``: the parser that reads the calls the model
+        chose to make (tool_choice auto with --enable-auto-tool-choice), else None."""
         self.body, self.model, self.forced, self.logprobs = body, model, forced, logprobs
+        self.auto_tools = auto_tools
+        self._auto = AutoToolStream(auto_tools) if auto_tools is not None else None
+        self._auto_items: list[dict[str, Any]] = []  # streamed with auto_tools: the message and calls, in order
+        self._auto_text = ""  # the message's text streamed so far
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._sequence = 0
@@ -213,6 +220,11 @@ class ResponsesShape:
         status = self.status(final)
         if self.forced is not None:
             return [_function_call_item(call, self._call_status(status)) for call in self.forced.calls(final.text)]
+        if self.auto_tools is not None:
+            content, calls = parse(self.auto_tools, final.text)
+            message = [self._message(content, status, self._logprobs(final))] if content else []
+            return message + [_function_call_item(call_delta(i, c.name, c.arguments), "completed")
+                              for i, c in enumerate(calls)]
         return [self._message(final.text, status, self._logprobs(final))]
 
     def _logprobs(self, output: RequestOutput, streamed: bool = False) -> list[dict[str, Any]]:
@@ -255,6 +267,8 @@ class ResponsesShape:
 
     def deltas(self, output: RequestOutput) -> list[dict[str, Any]]:
         """The events one step's output makes: text deltas, or function calls as they are read."""
+        if self._auto is not None:
+            return self._auto_events(*self._auto.feed(output.delta_text))
         if self._tool_stream is not None:
             return [e for call in self._tool_stream.feed(output.delta_text) for e in self._call_events(call)]
         events = []
@@ -269,6 +283,52 @@ class ResponsesShape:
             events.append(self.event("response.output_text.delta", item_id=self._message_id, output_index=0,
                                      content_index=0, delta=output.delta_text, logprobs=logprobs))
         return events
+
+    def _auto_events(self, content: str, calls: list[ParsedCall]) -> list[dict[str, Any]]:
+        """With auto_tools: the message's text as it is read (its item opened at its first text), and each call
+        read, whole, as an item of its own after what came before it."""
+        events = []
+        if content:
+            if not any(item["type"] == "message" for item in self._auto_items):
+                self._auto_items.append(self._message("", "in_progress"))
+                index = len(self._auto_items) - 1
+                events += [self.event("response.output_item.added", output_index=index,
+                                      item=self._message("", "in_progress")),
+                           self.event("response.content_part.added", item_id=self._message_id, output_index=index,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+            self._auto_text += content
+            events.append(self.event("response.output_text.delta", item_id=self._message_id,
+                                     output_index=self._auto_message_index(), content_index=0, delta=content,
+                                     logprobs=[]))
+        for call in calls:
+            item = _function_call_item(call_delta(len(self._auto_items), call.name, call.arguments), "completed")
+            index = len(self._auto_items)
+            self._auto_items.append(item)
+            opened = item | {"arguments": "", "status": "in_progress"}
+            events += [self.event("response.output_item.added", output_index=index, item=opened),
+                       self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                  delta=item["arguments"]),
+                       self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  arguments=item["arguments"]),
+                       self.event("response.output_item.done", output_index=index, item=dict(item))]
+        return events
+
+    def _auto_message_index(self) -> int:
+        return next(i for i, item in enumerate(self._auto_items) if item["type"] == "message")
+
+    def _auto_closing(self, final: RequestOutput, status: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """With auto_tools: the last piece, what was held back, and the message's closing events; the output."""
+        events = self.deltas(final) + self._auto_events(*self._auto.finish())
+        if any(item["type"] == "message" for item in self._auto_items):
+            index = self._auto_message_index()
+            item = self._auto_items[index] = self._message(self._auto_text, status, self._logprobs(final))
+            part = item["content"][0]
+            events += [self.event("response.output_text.done", item_id=self._message_id, output_index=index,
+                                  content_index=0, text=self._auto_text, logprobs=part["logprobs"]),
+                       self.event("response.content_part.done", item_id=self._message_id, output_index=index,
+                                  content_index=0, part=part),
+                       self.event("response.output_item.done", output_index=index, item=item)]
+        return events, [dict(item) for item in self._auto_items]
 
     def _call_events(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         index = call["index"]
@@ -298,6 +358,11 @@ class ResponsesShape:
     def closing(self, final: RequestOutput) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The events that end the stream, and the response they end with (what a store keeps)."""
         status = self.status(final)
+        if self._auto is not None:
+            events, output = self._auto_closing(final, status)
+            response = self.envelope(status, output, final)
+            kind = "response.incomplete" if status == "incomplete" else "response.completed"
+            return [*events, self.event(kind, response=response)], response
         events = self.deltas(final)  # the last step's piece, and the item's start if nothing came before
         if self.forced is not None:
             events += [e for index in sorted(self._calls) for e in self._call_done(index, self._call_status(status))]
