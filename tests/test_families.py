@@ -163,3 +163,26 @@ def test_a_window_no_sequence_reaches_runs_on_the_native_stack(tmp_path, default
     prompts = _prompts(seed=3)
     for prompt, output in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert output.token_ids == hf_greedy(reference_model, prompt, GREEDY.max_tokens), len(prompt)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_qwen_windows_from_use_sliding_window_match_transformers(tmp_path, default_model_dir, kernels):
+    """Qwen2's config windows the layers from ``max_window_layers`` on when ``use_sliding_window`` is set: here
+    layer 1 of 2 attends to the last 16 positions, and prompts run past it."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**SHAPE, num_hidden_layers=2, use_sliding_window=True, sliding_window=16,
+                                      max_window_layers=1)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    _randomise_norms_and_biases(model)
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, tmp_path / name)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    llm = LLM(str(tmp_path), num_kv_blocks=512, kernels=kernels)
+    assert llm.engine.model_config.layer_windows == (None, 16)
+    prompts = [prompt for prompt in _prompts(seed=5) if len(prompt) >= 15]
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert output.token_ids == hf_greedy(reference, prompt, GREEDY.max_tokens), len(prompt)
