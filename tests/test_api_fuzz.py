@@ -22,10 +22,12 @@ from conveyor.entrypoints.openai.api_server import ServerSettings, build_app
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_model_len=256))
+    # A short context and a small default max_tokens: the fuzzer's valid requests finish in a few steps (what
+    # they ask is checked all the same; a long generation tests nothing more here).
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_model_len=128))
     metrics = EngineMetrics("tiny")
     async_engine = AsyncEngine(engine, max_waiting_requests=64, on_step=metrics.on_step)
-    app = build_app(async_engine, ServerSettings("tiny", max_request_bytes=1 << 16), metrics)
+    app = build_app(async_engine, ServerSettings("tiny", max_request_bytes=1 << 16, default_max_tokens=8), metrics)
     async_engine.start()
     yield app, async_engine
     async_engine.stop()

@@ -60,12 +60,15 @@ def quantized_llm(gemma_file):
 
 @pytest.fixture(scope="module")
 def references(gemma_folder):
-    """transformers' greedy tokens of each prompt's token ids."""
+    """transformers' greedy tokens of each prompt's token ids (each prompt computed once)."""
+    import functools
+
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(gemma_folder, dtype=torch.float32).eval()
-    return lambda prompt_ids: hf_greedy(model, prompt_ids, GREEDY.max_tokens)
+    greedy = functools.lru_cache(lambda prompt_ids: hf_greedy(model, list(prompt_ids), GREEDY.max_tokens))
+    return lambda prompt_ids: greedy(tuple(prompt_ids))
 
 
 @pytest.mark.slow  # transformers dequantizes the whole file again (minutes): `make test-slow`
