@@ -5,12 +5,12 @@ transformers is given the weights as the dequantized float32 folder Conveyor's e
 against transformers' own GGUF reader on the same file (marked slow), an independent reading of its names,
 its norms stored as 1 + w and its metadata, so the greedy comparison cannot agree on a shared mistake.
 
-Conveyor's native stack runs that float32 export (alone and batched), its PyTorch ops run the file dequantized:
-both token for token as transformers. The native stack runs the file kept quantized too, where activations
-are quantized to int8 as llama.cpp does (so tokens part from the float32 run's where two candidates are
-close): its first tokens and its perplexity are held to the float32 run's. Then ``conveyor serve`` answers
-the official client. Prompts run past nothing here: Gemma's window is 512 positions, and the sliding-window
-path is compared on long prompts by the tiny models of test_families and test_window_attention.
+Conveyor's native stack runs that float32 export (alone and batched) token for token as transformers (the
+PyTorch ops run Gemma's layers against transformers in test_families). It runs the file kept quantized too,
+where activations are quantized to int8 as llama.cpp does (so tokens part from the float32 run's where two
+candidates are close): its first tokens and its perplexity are held to the float32 run's. Then ``conveyor
+serve`` answers the official client. Prompts run past nothing here: Gemma's window is 512 positions, and the
+sliding-window path is compared on long prompts by the tiny models of test_families and test_window_attention.
 """
 
 from __future__ import annotations
@@ -102,13 +102,6 @@ def test_native_greedy_tokens_equal_transformers_alone_and_batched(float32_llm, 
     for prompt, together in zip(PROMPTS[:2], batched):
         [alone] = llm.generate([prompt], GREEDY, use_tqdm=False)
         assert alone.token_ids == together.token_ids, prompt
-
-
-def test_pytorch_ops_on_the_file_equal_transformers(gemma_file, references):
-    llm = LLM(str(gemma_file), num_kv_blocks=64, max_model_len=256, kernels="torch")
-    assert llm.engine.kernel_width is None
-    for output in llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False):
-        assert output.token_ids == references(output.prompt_token_ids), output.prompt
 
 
 def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, float32_llm):
