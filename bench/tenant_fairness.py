@@ -1,0 +1,150 @@
+"""Two tenants on the real engine: a heavy one that keeps a backlog well past the batch cap, a light one that
+sends a short request every few seconds; first come, first served against ``fair`` (VTC), same sitting.
+
+Part 1, the light tenant's wait: for each policy a fresh `conveyor serve` (the engine flags after ``--``, then
+``--scheduling-policy``), warmed by a few requests; the heavy tenant (``user`` "heavy") keeps ``--heavy-inflight``
+requests in flight for ``--seconds`` (each of ``--heavy-prompt`` random tokens, ``--heavy-output`` tokens
+decoded), and the light tenant (``user`` "light") sends one request of ``--light-prompt`` tokens every
+``--light-every`` seconds, streamed, its time to first token measured by the client. Printed: the light
+tenant's TTFT p50 / p99 / max under each policy, and the ratio of the p99s (the aim: fair's at most a fifth of
+fcfs's).
+
+Part 2, weighted shares: ``fair`` with ``--tenant-weights {"a": 2, "b": 1}``, both tenants backlogged (each
+``--heavy-inflight`` in flight) for ``--seconds``; the tokens each was served over the run, counted as VTC
+counts them (a prompt token 1, an output token 2; from the server's per-tenant counters), and their split
+against the weights' 2:1 (the aim: within 10%).
+
+    .venv/bin/python bench/tenant_fairness.py [--seconds 60] -- --max-num-seqs 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+import httpx
+
+from conveyor.bench.local_server import local_server
+
+
+def _prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(length)]
+
+
+async def _request(client: httpx.AsyncClient, base: str, user: str, prompt: list[int], max_tokens: int) -> float:
+    """One streamed completion; its time to first token (seconds)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            "user": user}
+    start = time.perf_counter()
+    first = None
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data:") and '"text"' in line:
+                first = time.perf_counter() - start
+    return first if first is not None else time.perf_counter() - start
+
+
+async def _backlog(client: httpx.AsyncClient, base: str, user: str, args: argparse.Namespace, until: float,
+                   seed: int) -> None:
+    """``--heavy-inflight`` closed-loop senders for ``user`` until ``until``."""
+    async def sender(index: int) -> None:
+        rng = random.Random(seed * 1000 + index)
+        while time.perf_counter() < until:
+            await _request(client, base, user, _prompt(rng, args.heavy_prompt), args.heavy_output)
+
+    await asyncio.gather(*(sender(i) for i in range(args.heavy_inflight)))
+
+
+async def light_tenant_wait(base: str, args: argparse.Namespace) -> list[float]:
+    """Part 1 on one server: the light tenant's TTFTs while the heavy tenant keeps its backlog."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        warm = random.Random(99)
+        await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(8)))
+        until = time.perf_counter() + args.seconds
+        heavy = asyncio.create_task(_backlog(client, base, "heavy", args, until, seed=1))
+        await asyncio.sleep(args.light_every)  # the backlog builds first
+        rng, waits = random.Random(7), []
+        light = []
+        while time.perf_counter() < until:
+            light.append(asyncio.create_task(_request(client, base, "light", _prompt(rng, args.light_prompt), 8)))
+            await asyncio.sleep(args.light_every)
+        waits = list(await asyncio.gather(*light))
+        await heavy
+    return waits
+
+
+def _tenant_counters(base: str) -> dict[str, float]:
+    """VTC-weighted tokens served per tenant so far (a prompt token 1, an output token 2), from /metrics."""
+    served: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        for name, weight in (("conveyor:tenant_prompt_tokens_total", 1), ("conveyor:tenant_generation_tokens_total",
+                                                                           2)):
+            if line.startswith(name + "{"):
+                labels, value = line[len(name) + 1:].rsplit("} ", 1)
+                tenant = dict(part.split("=", 1) for part in labels.split(","))["tenant"].strip('"')
+                served[tenant] = served.get(tenant, 0.0) + weight * float(value)
+    return served
+
+
+async def weighted_shares(base: str, args: argparse.Namespace) -> dict[str, float]:
+    """Part 2 on one server: both tenants backlogged; the tokens each was served during the run."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        warm = random.Random(99)
+        await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(8)))
+        before = _tenant_counters(base)
+        until = time.perf_counter() + args.seconds
+        await asyncio.gather(_backlog(client, base, "a", args, until, seed=2),
+                             _backlog(client, base, "b", args, until, seed=3))
+        after = _tenant_counters(base)
+    return {tenant: after.get(tenant, 0.0) - before.get(tenant, 0.0) for tenant in ("a", "b")}
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--heavy-inflight", type=int, default=64)
+    parser.add_argument("--heavy-prompt", type=int, default=128)
+    parser.add_argument("--heavy-output", type=int, default=64)
+    parser.add_argument("--light-every", type=float, default=2.0)
+    parser.add_argument("--light-prompt", type=int, default=32)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("engine_flags", nargs="*", help="flags for every server, after --")
+    args = parser.parse_args()
+    results: dict[str, object] = {}
+    for policy in ("fcfs", "fair"):
+        with local_server([*args.engine_flags, "--scheduling-policy", policy]) as base:
+            waits = asyncio.run(light_tenant_wait(base, args))
+        results[policy] = {"light_ttft_p50_s": statistics.median(waits), "light_ttft_p99_s": _quantile(waits, 0.99),
+                           "light_ttft_max_s": max(waits), "light_requests": len(waits)}
+        print(f"{policy}: light tenant TTFT p50 {results[policy]['light_ttft_p50_s']:.3f} s, p99 "
+              f"{results[policy]['light_ttft_p99_s']:.3f} s over {len(waits)} requests", flush=True)
+    ratio = results["fair"]["light_ttft_p99_s"] / results["fcfs"]["light_ttft_p99_s"]
+    print(f"light tenant's TTFT p99, fair / fcfs: {ratio:.3f} (the aim: <= 0.2)")
+    weights = '{"a": 2, "b": 1}'
+    with local_server([*args.engine_flags, "--scheduling-policy", "fair", "--tenant-weights", weights]) as base:
+        served = asyncio.run(weighted_shares(base, args))
+    share = served["a"] / (served["a"] + served["b"])
+    results["weighted"] = {"weights": json.loads(weights), "served": served, "share_a": share}
+    print(f"weights 2:1, both backlogged: served a {served['a']:.0f}, b {served['b']:.0f} (VTC tokens); a's share "
+          f"{share:.3f} against 0.667 ({(share / (2 / 3) - 1) * 100:+.1f}%)")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
