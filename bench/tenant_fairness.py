@@ -30,6 +30,8 @@ import time
 import httpx
 
 from conveyor.bench.local_server import local_server
+from conveyor.bench.serve import stream_request
+from conveyor.bench.workload import SyntheticRequest
 
 
 def _prompt(rng: random.Random, length: int) -> list[int]:
@@ -37,17 +39,12 @@ def _prompt(rng: random.Random, length: int) -> list[int]:
 
 
 async def _request(client: httpx.AsyncClient, base: str, user: str, prompt: list[int], max_tokens: int) -> float:
-    """One streamed completion; its time to first token (seconds)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "user": user}
-    start = time.perf_counter()
-    first = None
-    async with client.stream("POST", f"{base}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if first is None and line.startswith("data:") and '"text"' in line:
-                first = time.perf_counter() - start
-    return first if first is not None else time.perf_counter() - start
+    """One streamed completion for ``user``; its time to first token (seconds)."""
+    timing = await stream_request(client, f"{base}/v1/completions", None, SyntheticRequest(prompt, max_tokens), {},
+                                  {"user": user})
+    if timing.error is not None:
+        raise RuntimeError(timing.error)
+    return timing.ttft
 
 
 async def _backlog(client: httpx.AsyncClient, base: str, user: str, args: argparse.Namespace, until: float,

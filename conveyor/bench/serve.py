@@ -75,8 +75,10 @@ def parse_extra_body(text: str | None, fraction: float) -> ExtraBody | None:
     return ExtraBody(fields, fraction)
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str | None, item: SyntheticRequest,
-               headers: dict[str, str], extra: dict[str, Any] | None = None) -> RequestTiming:
+async def stream_request(client: httpx.AsyncClient, url: str, model: str | None, item: SyntheticRequest,
+                         headers: dict[str, str], extra: dict[str, Any] | None = None) -> RequestTiming:
+    """One streamed completion of ``item`` (greedy, ``ignore_eos``; ``extra``: more fields of the body), timed
+    token by token as the client sees them; an HTTP error or an error event is recorded, not raised."""
     timing = RequestTiming(len(item.prompt_token_ids))
     body: dict[str, Any] = {"prompt": item.prompt_token_ids, "max_tokens": item.output_len, "temperature": 0,
                             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -127,7 +129,7 @@ async def run_serve_benchmark(base_url: str, model: str | None, workload: list[S
         start = time.perf_counter()
         for index, item in enumerate(workload):
             fields = {**(every_body or {}), **(extra.fields if extra is not None and extra.applies_to(index) else {})}
-            tasks.append(asyncio.create_task(_one(client, url, model, item, headers, fields)))
+            tasks.append(asyncio.create_task(stream_request(client, url, model, item, headers, fields)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         timings = await asyncio.gather(*tasks)
@@ -144,7 +146,7 @@ async def _conversation(client: httpx.AsyncClient, base_url: str, model: str | N
     timings = []
     for turn in range(len(conversation.questions)):
         item = SyntheticRequest(conversation.prompt(turn, answers), conversation.output_len)
-        timing = await _one(client, url, model, item, headers)
+        timing = await stream_request(client, url, model, item, headers)
         timings.append(timing)
         if timing.error is not None:
             break
