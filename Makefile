@@ -57,12 +57,13 @@ docs-check: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Two workers, each taking whole files (--dist loadfile), so a file's module-scoped server starts once; the
-# longest files first (tests/conftest.py). Each worker's torch and the servers it starts have OpenMP threads
+# longest files first (tests/conftest.py; --no-loadscope-reorder keeps that order, where pytest-xdist would sort
+# files by their number of tests). Each worker's torch and the servers it starts have OpenMP threads
 # of their own: waiting passively, they sleep instead of spinning on the core the other worker computes on.
 # Measured on a 2-core Zen 4 EPYC, 2026-12-01: pytest 489 s spinning, 413 s passive, 396 s with the longest
 # files first (three workers: no faster; the suite is CPU-bound).
 test: lint docs-check
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Tests marked slow (minutes each); pytest's exit 5 means none is marked, which is not a failure.
 test-slow: install

@@ -35,14 +35,17 @@ TINY_CONFIG = dict(
     bos_token_id=1,
 )
 
-# The files that take longest (tens of seconds each on 2 cores: real weights against transformers, fuzzing, the
-# short soak, Ray), run first: `make test` hands whole files to two workers in this order, and a long file
-# taken last would leave one worker computing alone at the end.
+# The files that take longest (tens of seconds each on 2 cores: real weights against transformers, servers started
+# and stopped, fuzzing, the short soak, Ray), run first: `make test` hands whole files to two workers in this
+# order (--no-loadscope-reorder: pytest-xdist would otherwise order files by how many tests they hold, which put
+# the one-test soak last), and a long file taken last would leave one worker computing alone at the end.
 LONGEST_FIRST = (
-    "test_gemma3.py", "test_quantized.py", "test_correctness.py", "test_speculative.py", "test_gguf.py",
-    "test_api_fuzz.py",
-    "test_soak.py", "test_replica_exposure.py", "test_replicas.py", "test_server.py", "test_grammar_bombs.py",
-    "test_structured_output.py", "test_dashboard.py", "test_fair_property.py", "test_responsiveness.py",
+    "test_gemma3.py", "test_quantized.py", "test_speculative.py", "test_server.py", "test_gguf.py",
+    "test_correctness.py", "test_hostile_input.py", "test_grammar_bombs.py", "test_soak.py", "test_replicas.py",
+    "test_policy_properties.py", "test_families.py", "test_auto_tool_choice.py", "test_structured_output.py",
+    "test_dashboard.py", "test_faults.py", "test_gguf_families.py", "test_load_shedding_server.py",
+    "test_replica_exposure.py", "test_responsiveness.py", "test_sim_calibrate.py", "test_server_sampling.py",
+    "test_api_fuzz.py", "test_fair_property.py",
 )
 
 
