@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "rows.h"
 #include "vec.h"
 
 namespace conveyor {
@@ -30,41 +31,29 @@ void head_norm_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads,
         double squares = 0.0;
         for (; i < dim; ++i) squares += static_cast<double>(head[i]) * head[i];
         for (int64_t lane = 0; lane < lanes; ++lane) squares += lane_squares[lane];
-        const float inv = 1.f / std::sqrt(static_cast<float>(squares / dim) + eps);
-        for (i = 0; i + lanes <= dim; i += lanes) storev(head + i, loadv<V>(weight + i) * (loadv<V>(head + i) * inv));
-        for (; i < dim; ++i) head[i] = weight[i] * (head[i] * inv);
+        scale_by_rms<V>(head, weight, squares, dim, eps, head);
       }
     }
   });
 }
 
-// gelu_tanh(g) * u lane by lane: GeGLU's gate. 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715 g^3) is
+// gelu_tanh(g) * u: GeGLU's gate. On vectors, 0.5 g (1 + tanh(y)) with y = sqrt(2 / pi) (g + 0.044715 g^3) is
 // g * sigmoid(2 y), which the same exponential as SwiGLU's computes (no tanh of its own, and no cancellation
-// near 0).
-template <typename V>
-inline V gelu_tanh_mul(V g, V u) {
-  const V two_y = (g + g * g * g * 0.044715f) * 1.5957691216057308f;  // 2 * sqrt(2 / pi)
-  return g / (1.f + expv(-two_y)) * u;
-}
+// near 0); lane by lane, the formula itself.
+struct GeluTanhMul {
+  template <typename V>
+  V operator()(V g, V u) const {
+    const V two_y = (g + g * g * g * 0.044715f) * 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+    return g / (1.f + expv(-two_y)) * u;
+  }
+  float operator()(float g, float u) const {
+    return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+  }
+};
 
-inline float gelu_tanh(float g) {
-  return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-}
-
-// out [rows, size] = gelu_tanh(gate) * up, from [rows, 2 * size] (gate then up).
 template <typename V>
 void gelu_tanh_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* out) {
-  constexpr int64_t lanes = kLanesOf<V>;
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const float* gate = gate_up + row * 2 * size;
-      const float* up = gate + size;
-      float* o = out + row * size;
-      int64_t i = 0;
-      for (; i + lanes <= size; i += lanes) storev(o + i, gelu_tanh_mul(loadv<V>(gate + i), loadv<V>(up + i)));
-      for (; i < size; ++i) o[i] = gelu_tanh(gate[i]) * up[i];
-    }
-  });
+  gated_rows<V>(gate_up, rows, size, out, GeluTanhMul{});
 }
 
 // x *= factor over n floats.

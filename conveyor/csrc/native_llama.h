@@ -55,8 +55,8 @@ using ProjectionWeight = std::variant<torch::Tensor, QuantWeight>;
 // A decoder's layers on packed weights (float32, bf16, or quantized codes, projection by projection): Llama's,
 // and what other families change in them (set_family, set_layer_traits: QK-norm, norms after attention and
 // MLP, GeGLU, an embedding scale, an attention scale, a second rope for windowed layers, sliding windows, and
-// layers that keep their K/V in KV groups of their own). One forward runs every layer for a flat batch of prompt and decode rows: in eager PyTorch the
-// same step is about twelve dispatches per layer, each costing Python and allocator time that at batch 1 adds
+// layers that keep their K/V in KV groups of their own). One forward runs every layer for a flat batch of
+// prompt and decode rows: in eager PyTorch the same step is about twelve dispatches per layer, each costing Python and allocator time that at batch 1 adds
 // up to a third of the step. With bfloat16, its weights are
 // packed bf16; norms, biases and everything computed stay float32. The KV cache it is handed may hold float32,
 // bf16 or fp8 e5m2 (--kv-cache-dtype), whatever the weights are.

@@ -15,6 +15,16 @@
 
 namespace conveyor {
 
+// out = in / rms(in) * weight over one vector of `size`, its sum of squares given (out may be in).
+template <typename V>
+inline void scale_by_rms(const float* in, const float* weight, double squares, int64_t size, float eps, float* out) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  const float inv = 1.f / std::sqrt(static_cast<float>(squares / size) + eps);
+  int64_t i = 0;
+  for (; i + lanes <= size; i += lanes) storev(out + i, loadv<V>(weight + i) * (loadv<V>(in + i) * inv));
+  for (; i < size; ++i) out[i] = weight[i] * (in[i] * inv);
+}
+
 // out = x / rms(x) * weight, row by row. With `residual`, first x += residual (in place): the residual add
 // and the next norm read x once. Squares add up per lane in float and across lanes in double.
 template <typename V>
@@ -37,10 +47,7 @@ void rms_norm_rows(float* x, const float* residual, const float* weight, int64_t
         squares += static_cast<double>(in[i]) * in[i];
       }
       for (int64_t lane = 0; lane < lanes; ++lane) squares += lane_squares[lane];
-      const float inv = 1.f / std::sqrt(static_cast<float>(squares / size) + eps);
-      float* o = out + row * size;
-      for (i = 0; i + lanes <= size; i += lanes) storev(o + i, loadv<V>(weight + i) * (loadv<V>(in + i) * inv));
-      for (; i < size; ++i) o[i] = weight[i] * (in[i] * inv);
+      scale_by_rms<V>(in, weight, squares, size, eps, out + row * size);
     }
   });
 }
@@ -73,9 +80,10 @@ void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, in
   });
 }
 
-// out [rows, size] = silu(gate) * up, from [rows, 2 * size] (gate then up).
-template <typename V>
-void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* out) {
+// out [rows, size] = act(gate) * up, from [rows, 2 * size] (gate then up): a gated MLP's activation. Act's
+// call takes (gate, up) as vectors V, and as floats for what is left past the last whole vector.
+template <typename V, typename Act>
+void gated_rows(const float* gate_up, int64_t rows, int64_t size, float* out, Act act) {
   constexpr int64_t lanes = sizeof(V) / sizeof(float);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -83,10 +91,24 @@ void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* 
       const float* up = gate + size;
       float* o = out + row * size;
       int64_t i = 0;
-      for (; i + lanes <= size; i += lanes) storev(o + i, silu_mul(loadv<V>(gate + i), loadv<V>(up + i)));
-      for (; i < size; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      for (; i + lanes <= size; i += lanes) storev(o + i, act(loadv<V>(gate + i), loadv<V>(up + i)));
+      for (; i < size; ++i) o[i] = act(gate[i], up[i]);
     }
   });
+}
+
+// silu(g) * u: SwiGLU's gate.
+struct SiluMul {
+  template <typename V>
+  V operator()(V g, V u) const {
+    return silu_mul(g, u);
+  }
+  float operator()(float g, float u) const { return g / (1.f + std::exp(-g)) * u; }
+};
+
+template <typename V>
+void silu_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* out) {
+  gated_rows<V>(gate_up, rows, size, out, SiluMul{});
 }
 
 // The index of the largest of x[0, n): the first of equals, and the first NaN if there is one (a NaN counts as

@@ -165,33 +165,24 @@ class TorchExecutor:
             if item.samples_token:  # its last row; with drafts, also the row before each draft
                 num_rows = len(inputs.token_ids)
                 inputs.logit_rows.extend(range(num_rows - 1 - item.num_draft_tokens, num_rows))
-        if self.num_groups > 1 and self.model.native is not None:  # the PyTorch path builds its own per group
-            for group in range(1, self.num_groups):
-                tables = [item.group_block_ids[group] for item in batch]
-                inputs.group_tables.append(tables)
-                inputs.group_slots.append([table[p // bs] * bs + p % bs for item, table in zip(batch, tables)
-                                           for p in range(item.start_position, item.context_len)])
+        for group in range(1, self.num_groups):  # with KV groups, each later group's own tables and slots
+            tables = [item.group_block_ids[group] for item in batch]
+            inputs.group_tables.append(tables)
+            inputs.group_slots.append([table[p // bs] * bs + p % bs for item, table in zip(batch, tables)
+                                       for p in range(item.start_position, item.context_len)])
         return inputs
 
     @torch.no_grad()  # not inference_mode: the sampler changes these logits in place after it has ended
     def _run_torch(self, batch: list[ScheduledRequest], inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The model in PyTorch ops: the final hidden states, and the logits of the rows that sample."""
-        meta = self._torch_metadata(batch, [item.block_ids for item in batch], self._tensor(inputs.slots))
-        metas = [meta] + [self._group_metadata(batch, g) for g in range(1, self.num_groups)]
+        tables, slots = [inputs.block_tables, *inputs.group_tables], [inputs.slots, *inputs.group_slots]
+        metas = [self._torch_metadata(batch, table, self._tensor(slot)) for table, slot in zip(tables, slots)]
         hidden = self.model(self._tensor(inputs.token_ids), self._tensor(inputs.positions), self.kv_cache, metas)
         rows = inputs.logit_rows
         if not rows:
             return hidden, hidden[:0]
         sampled = hidden if len(rows) == hidden.shape[0] else hidden[self._tensor(rows)]  # all rows: no gather
         return hidden, self.model.compute_logits(sampled)
-
-    def _group_metadata(self, batch: list[ScheduledRequest], group: int) -> AttentionMetadata:
-        """The attention metadata of KV group ``group``: the same rows and masks, its own tables and slots."""
-        bs = self.block_size
-        tables = [item.group_block_ids[group] for item in batch]
-        slots = [table[p // bs] * bs + p % bs for item, table in zip(batch, tables)
-                 for p in range(item.start_position, item.context_len)]
-        return self._torch_metadata(batch, tables, self._tensor(slots))
 
     def _torch_metadata(self, batch: list[ScheduledRequest], tables: list[list[int]],
                         slots: torch.Tensor) -> AttentionMetadata:

@@ -156,11 +156,11 @@ class LlamaModel(nn.Module):
                 *(_plain(module, bfloat16) for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                           mlp.down_proj)),
             )
-        self._hand_family_to_native()
         # Only a routed LM head hands over its plain weight (a tied one keeps the embedding's, not needed else).
         head_plain = _plain(self.lm_head, bfloat16) if "lm_head" in routes else _no_weight(bfloat16)
         embedding = getattr(self.embed_tokens, "quantized", None) or self.embed_tokens.weight.detach()
         self.native.set_io(embedding, self.rotary.cos, self.rotary.sin, _stack_weight(self.lm_head), head_plain)
+        self._hand_family_to_native()  # after set_io: the windowed layers' rope is checked against its tables
         for name, ranges in routes.items():
             for lo, hi in ranges:
                 self.native.route_to_torch(name, lo, hi)
