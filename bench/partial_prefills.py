@@ -26,6 +26,7 @@ import httpx
 from conveyor.bench.local_server import local_server
 from conveyor.bench.serve import RequestTiming, stream_request
 from conveyor.bench.workload import SyntheticRequest
+from conveyor.core.figures import percentile
 
 CONFIGURATIONS = {
     "one prompt at a time": ["--max-num-partial-prefills", "1"],
@@ -56,18 +57,13 @@ async def run(base: str, args: argparse.Namespace) -> tuple[list[RequestTiming],
         return timings, time.perf_counter() - start
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def summary(timings: list[RequestTiming], elapsed: float, long_prompt: int) -> dict[str, float]:
     failed = [t.error for t in timings if t.error is not None]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]}")
     short = [t.ttft for t in timings if t.prompt_tokens < long_prompt]
     long = [t.ttft for t in timings if t.prompt_tokens >= long_prompt]
-    return {"short_ttft_p50_s": statistics.median(short), "short_ttft_p99_s": _quantile(short, 0.99),
+    return {"short_ttft_p50_s": statistics.median(short), "short_ttft_p99_s": percentile(short, 99),
             "long_ttft_mean_s": statistics.fmean(long), "output_tokens_per_s": sum(t.output_tokens for t in timings)
             / elapsed, "elapsed_s": elapsed}
 

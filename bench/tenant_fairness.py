@@ -32,6 +32,7 @@ import httpx
 from conveyor.bench.local_server import local_server
 from conveyor.bench.serve import stream_request
 from conveyor.bench.workload import SyntheticRequest
+from conveyor.core.figures import percentile
 
 
 def _prompt(rng: random.Random, length: int) -> list[int]:
@@ -67,8 +68,7 @@ async def light_tenant_wait(base: str, args: argparse.Namespace) -> list[float]:
         until = time.perf_counter() + args.seconds
         heavy = asyncio.create_task(_backlog(client, base, "heavy", args, until, seed=1))
         await asyncio.sleep(args.light_every)  # the backlog builds first
-        rng, waits = random.Random(7), []
-        light = []
+        rng, light = random.Random(7), []
         while time.perf_counter() < until:
             light.append(asyncio.create_task(_request(client, base, "light", _prompt(rng, args.light_prompt), 8)))
             await asyncio.sleep(args.light_every)
@@ -104,11 +104,6 @@ async def weighted_shares(base: str, args: argparse.Namespace) -> dict[str, floa
     return {tenant: after.get(tenant, 0.0) - before.get(tenant, 0.0) for tenant in ("a", "b")}
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
@@ -124,7 +119,7 @@ def main() -> int:
     for policy in ("fcfs", "fair"):
         with local_server([*args.engine_flags, "--scheduling-policy", policy]) as base:
             waits = asyncio.run(light_tenant_wait(base, args))
-        results[policy] = {"light_ttft_p50_s": statistics.median(waits), "light_ttft_p99_s": _quantile(waits, 0.99),
+        results[policy] = {"light_ttft_p50_s": statistics.median(waits), "light_ttft_p99_s": percentile(waits, 99),
                            "light_ttft_max_s": max(waits), "light_requests": len(waits)}
         print(f"{policy}: light tenant TTFT p50 {results[policy]['light_ttft_p50_s']:.3f} s, p99 "
               f"{results[policy]['light_ttft_p99_s']:.3f} s over {len(waits)} requests", flush=True)
