@@ -8,7 +8,7 @@ from typing import Any
 
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
-from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, ToolCallStream, call_delta
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, ToolCallStream, call_delta, whole_call
 from conveyor.entrypoints.openai.tool_calls import finish_reason as tool_finish_reason
 from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, parse
 
@@ -125,8 +125,7 @@ class ChatShape(ResponseShape):
         """A whole choice's message and finish_reason: its text, or the tool calls it made."""
         if self.auto_tools is not None:
             content, parsed = parse(self.auto_tools, output.text)
-            calls = [{key: value for key, value in call_delta(i, c.name, c.arguments).items() if key != "index"}
-                     for i, c in enumerate(parsed)]
+            calls = [whole_call(call.name, call.arguments) for call in parsed]
             message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
             return {"message": message, "finish_reason": tool_finish_reason(bool(calls), output.finish_reason)}
         if self.tools is None:

@@ -25,7 +25,7 @@ from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
 from conveyor.entrypoints.openai.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
-from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, call_delta
+from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, whole_call
 from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, ParsedCall, parse
 
 MAX_STORED_RESPONSES = 1024
@@ -223,8 +223,7 @@ class ResponsesShape:
         if self.auto_tools is not None:
             content, calls = parse(self.auto_tools, final.text)
             message = [self._message(content, status, self._logprobs(final))] if content else []
-            return message + [_function_call_item(call_delta(i, c.name, c.arguments), "completed")
-                              for i, c in enumerate(calls)]
+            return message + [_function_call_item(whole_call(c.name, c.arguments), "completed") for c in calls]
         return [self._message(final.text, status, self._logprobs(final))]
 
     def _logprobs(self, output: RequestOutput, streamed: bool = False) -> list[dict[str, Any]]:
@@ -301,7 +300,7 @@ class ResponsesShape:
                                      output_index=self._auto_message_index(), content_index=0, delta=content,
                                      logprobs=[]))
         for call in calls:
-            item = _function_call_item(call_delta(len(self._auto_items), call.name, call.arguments), "completed")
+            item = _function_call_item(whole_call(call.name, call.arguments), "completed")
             index = len(self._auto_items)
             self._auto_items.append(item)
             opened = item | {"arguments": "", "status": "in_progress"}

@@ -24,9 +24,14 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def whole_call(name: str, arguments: str) -> dict[str, Any]:
+    """One call of a whole message's tool_calls, with an id of its own."""
+    return {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def call_delta(index: int, name: str, arguments: str) -> dict[str, Any]:
-    """One call of a streamed delta (with its index) or of a whole message (index dropped by the caller)."""
-    return {"index": index, "id": _call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+    """One call of a streamed delta: a whole call, with its index among the choice's calls."""
+    return {"index": index} | whole_call(name, arguments)
 
 
 @dataclass(frozen=True, slots=True)
