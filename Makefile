@@ -62,7 +62,7 @@ docs-check: install
 # of their own: waiting passively, they sleep instead of spinning on the core the other worker computes on.
 # Measured on a 2-core Zen 4 EPYC, 2026-12-01: pytest 489 s spinning, 413 s passive, 396 s with the longest
 # files first (three workers: no faster; the suite is CPU-bound). On a 2-core Zen 5, 2026-12-02, 1,632 tests:
-# pytest 355-400 s with xdist's own order, 316 s with the longest files first (a fresh clone: 318 s).
+# pytest 355-400 s with xdist's own order, 316-378 s with the longest files first (a fresh clone: 318 s).
 test: lint docs-check
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
