@@ -9,6 +9,11 @@ decoded), and the light tenant (``user`` "light") sends one request of ``--light
 tenant's TTFT p50 / p99 / max under each policy, and the ratio of the p99s (the aim: fair's at most a fifth of
 fcfs's).
 
+The simulator's prediction of part 1: the same tenants (the heavy one as closed-loop senders, the light one's
+requests at the same times) through the same scheduler on this machine's step profile (``conveyor simulate
+calibrate``; without a current one the roofline prices the steps, which the line printed says), and its error
+against each policy's measured p99 (the aim: within 15%).
+
 Part 2, weighted shares: ``fair`` with ``--tenant-weights {"a": 2, "b": 1}``, both tenants backlogged (each
 ``--heavy-inflight`` in flight) for ``--seconds``; the tokens each was served over the run, counted as VTC
 counts them (a prompt token 1, an output token 2; from the server's per-tenant counters), and their split
@@ -77,6 +82,34 @@ async def light_tenant_wait(base: str, args: argparse.Namespace) -> list[float]:
     return waits
 
 
+def light_arrivals(args: argparse.Namespace) -> list[float]:
+    """When the light tenant sends, seconds from the heavy tenant's start: every ``--light-every`` from the
+    first until ``--seconds`` (what ``light_tenant_wait`` does on the wall clock)."""
+    return [args.light_every * k for k in range(1, int(args.seconds / args.light_every) + 1)
+            if args.light_every * k < args.seconds]
+
+
+def simulated_light_wait(args: argparse.Namespace, policy: str) -> tuple[dict[str, float], str]:
+    """Part 1 in the simulator, with the engine configuration `conveyor serve` builds from the same flags: the light
+    tenant's TTFT figures under ``policy``, and what priced the steps."""
+    from conveyor.entrypoints.args import engine_config
+    from conveyor.entrypoints.cli import build_parser
+    from conveyor.model.loader import resolve_model
+    from conveyor.sim.hardware import load_hardware, load_model_config
+    from conveyor.sim.profile import step_cost_model
+    from conveyor.sim.simulator import simulate
+    from conveyor.sim.workload import SenderShape, WorkloadRequest
+
+    config = engine_config(build_parser().parse_args(["serve", *args.engine_flags, "--scheduling-policy",
+                                                      policy]))
+    model = load_model_config(str(resolve_model(config.model)))
+    cost, priced_by = step_cost_model(model, load_hardware("cpu-local"), config.dtype, threads=config.num_threads)
+    light = [WorkloadRequest(at, args.light_prompt, 8, tenant="light") for at in light_arrivals(args)]
+    heavy = SenderShape("heavy", args.heavy_inflight, args.heavy_prompt, args.heavy_output, until=args.seconds)
+    figures, _ = simulate(config, cost, light, senders=[heavy])
+    return figures["tenants"]["light"], priced_by
+
+
 def _tenant_counters(base: str) -> dict[str, float]:
     """VTC-weighted tokens served per tenant so far (a prompt token 1, an output token 2), from /metrics."""
     served: dict[str, float] = {}
@@ -125,6 +158,13 @@ def main() -> int:
               f"{results[policy]['light_ttft_p99_s']:.3f} s over {len(waits)} requests", flush=True)
     ratio = results["fair"]["light_ttft_p99_s"] / results["fcfs"]["light_ttft_p99_s"]
     print(f"light tenant's TTFT p99, fair / fcfs: {ratio:.3f} (the aim: <= 0.2)")
+    for policy in ("fcfs", "fair"):
+        predicted, priced_by = simulated_light_wait(args, policy)
+        off = predicted["ttft_p99_s"] / results[policy]["light_ttft_p99_s"] - 1
+        results[policy]["simulated"] = predicted | {"priced_by": priced_by}
+        print(f"simulated {policy} ({priced_by}): light tenant TTFT p50 {predicted['ttft_p50_s']:.3f} s, p99 "
+              f"{predicted['ttft_p99_s']:.3f} s ({off * 100:+.1f}% of the measured p99; the aim: within 15%)",
+              flush=True)
     weights = '{"a": 2, "b": 1}'
     with local_server([*args.engine_flags, "--scheduling-policy", "fair", "--tenant-weights", weights]) as base:
         served = asyncio.run(weighted_shares(base, args))

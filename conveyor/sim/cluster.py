@@ -81,7 +81,7 @@ class ClusterSimulation:
         self._order = itertools.count()
         for index, item in enumerate(sorted(workload, key=lambda r: r.arrival_time)):
             self._push(workload_request(item, index, self.plan.max_model_len))
-        for request in self.conversations.first_turns():
+        for request in self.conversations.first_requests():
             self._push(request)
         self._replica_of: dict[str, int] = {}
 
@@ -139,7 +139,7 @@ class ClusterSimulation:
             self.router.finished(index)
             self.router_clock.now = max(self.router_clock.now, replica.clock.now)
             self.router.remember(index, request.prompt_token_ids + request.output_token_ids[:-1])
-            if self.conversations and (turn := self.conversations.next_turn(request, replica.clock.now)) is not None:
+            if self.conversations and (turn := self.conversations.follow_up(request, replica.clock.now)) is not None:
                 self._push(turn)
 
     def _figures(self, finished: FinishedSums, steps: int, end: float) -> dict[str, Any]:

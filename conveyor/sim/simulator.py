@@ -20,7 +20,7 @@ from typing import Any
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
 from conveyor.core.errors import RequestRefused
-from conveyor.core.figures import config_figures, met_targets, request_figures
+from conveyor.core.figures import config_figures, met_targets, percentile, request_figures
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.scheduler.fast_forward import FastForwardScheduler
@@ -28,11 +28,12 @@ from conveyor.core.trace import Trace
 from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock
 from conveyor.sim.speculative import AcceptanceProfile, speculative_parts
-from conveyor.sim.workload import ConversationShape, WorkloadRequest
+from conveyor.sim.workload import ConversationShape, SenderShape, WorkloadRequest
 
 FINISHED = RequestStatus.FINISHED
 SHARED_PREFIX_TOKEN = 1 << 40  # stand-in ids of shared prefixes, far from any request's own
 SYSTEM_PROMPT_TOKEN = 1 << 41  # stand-in ids of multi-turn conversations' shared system prompts
+SENDER_TOKEN = 1 << 42  # stand-in ids of closed-loop senders' prompts, one id per request
 MAX_IDLE_STEPS = 1000  # steps in a row that schedule nothing: the scheduler is stuck
 
 
@@ -63,6 +64,7 @@ class FinishedSums:
     preemptions: int = 0
     cached_tokens: int = 0
     num_good: int = 0  # met their latency targets (goodput counts them)
+    tenant_ttft: dict[str, array] = field(default_factory=dict)  # of the requests that named their tenant
 
     def add(self, request: Request) -> None:
         self.prompt_lens.append(request.num_prompt_tokens)
@@ -76,6 +78,11 @@ class FinishedSums:
         ttft, n = self.ttft[-1], request.num_output_tokens
         tpot = (self.latency[-1] - ttft) / (n - 1) if n > 1 else None
         self.num_good += met_targets(ttft, tpot, request.ttft_slo, request.tpot_slo)
+        if request.tenant:
+            waits = self.tenant_ttft.get(request.tenant)
+            if waits is None:
+                waits = self.tenant_ttft[request.tenant] = array("d")
+            waits.append(ttft)
 
 
 @dataclass(slots=True)
@@ -110,10 +117,12 @@ class Simulation:
         conversations: list[ConversationShape] | None = None,
         fast_forward: bool = True,
         acceptance: AcceptanceProfile | None = None,
+        senders: list[SenderShape] | None = None,
     ) -> None:
         """``fast_forward``: advance determined decodes as a group (:mod:`conveyor.core.scheduler.fast_forward`),
         with the same results as one request at a time, faster. ``acceptance``: what drafts look like, with
-        ``config.speculative_config`` (see :mod:`conveyor.sim.speculative`)."""
+        ``config.speculative_config`` (see :mod:`conveyor.sim.speculative`). ``conversations`` and ``senders``
+        are closed loops: their requests arrive as earlier ones finish."""
         self.config = config
         self.cost = cost
         self.clock = VirtualClock()
@@ -126,18 +135,21 @@ class Simulation:
                                proposer=drafts[0])
         self.trace = self.core.start_trace() if record_trace else None
         self.arrivals = sorted(workload, key=lambda r: r.arrival_time)
-        self.conversations = ConversationFeed(conversations or [], self.plan.max_model_len)
+        feeds = (ConversationFeed(conversations or [], self.plan.max_model_len),
+                 SenderFeed(senders or [], self.plan.max_model_len))
+        self.feeds = [feed for feed in feeds if feed]
         self.finished = FinishedSums()  # every finished request's figures, in the order they finished
 
     def run(self) -> dict[str, Any]:
         """Run to the last finish; the figures of ``conveyor bench throughput`` and a few more."""
         wall_start = time.perf_counter()
-        clock, core, arrivals, conversations = self.clock, self.core, self.arrivals, self.conversations
+        clock, core, arrivals = self.clock, self.core, self.arrivals
         finished, sums, refused = self.finished, _StepSums(), Counter()
         next_index, idle_steps = 0, 0
         group = fast_forward_group(core, traced=self.trace is not None)
-        for request in conversations.first_turns():
-            _add(core, request, refused)
+        for feed in self.feeds:
+            for request in feed.first_requests():
+                _add(core, request, refused)
         while next_index < len(arrivals) or core.has_unfinished_requests():
             while next_index < len(arrivals) and arrivals[next_index].arrival_time <= clock.now:
                 _add(core, workload_request(arrivals[next_index], next_index, self.plan.max_model_len), refused)
@@ -155,18 +167,21 @@ class Simulation:
         figures.update(_shedding_figures(finished, refused, figures["elapsed_s"]))
         figures.update(_fast_forward_figures(core))
         figures.update(_draft_figures(core))
+        figures.update(_tenant_figures(finished))
         figures["simulation_wall_s"] = time.perf_counter() - wall_start
         return figures
 
 
     def _finished(self, updated: list[Request], refused: Counter[str]) -> None:
-        """Count the step's finished requests; a conversation's next turn arrives as its answer completes."""
-        conversations, core = self.conversations, self.core
+        """Count the step's finished requests; a closed loop's next request (a conversation's next turn, a
+        sender's next request) arrives as its last one completes."""
+        feeds, core = self.feeds, self.core
         for request in updated:
             if request.status is FINISHED:  # is_finished, without a property call per request and step
                 self.finished.add(request)
-                if conversations and (next_turn := conversations.next_turn(request, self.clock.now)) is not None:
-                    _add(core, next_turn, refused)
+                for feed in feeds:
+                    if (follow_up := feed.follow_up(request, self.clock.now)) is not None:
+                        _add(core, follow_up, refused)
 
 
 def fast_forward_group(core: EngineCore, traced: bool = False) -> FastForwardScheduler | None:
@@ -227,6 +242,15 @@ def _draft_figures(core: EngineCore) -> dict[str, Any]:
             stats.acceptance_rate, "spec_decode_tokens_per_drafted_step": stats.mean_acceptance_length}
 
 
+def _tenant_figures(finished: FinishedSums) -> dict[str, Any]:
+    """Each named tenant's requests and time to first token (mean, p50, p99), where requests named one."""
+    if not finished.tenant_ttft:
+        return {}
+    return {"tenants": {tenant: {"requests": len(waits), "ttft_mean_s": sum(waits) / len(waits),
+                                 "ttft_p50_s": percentile(waits, 50), "ttft_p99_s": percentile(waits, 99)}
+                        for tenant, waits in sorted(finished.tenant_ttft.items())}}
+
+
 def _shedding_figures(finished: FinishedSums, refused: Counter[str], elapsed: float) -> dict[str, Any]:
     """Goodput (finished requests that met their targets, per second) and the requests admission refused."""
     return {
@@ -246,9 +270,10 @@ def simulate(
     conversations: list[ConversationShape] | None = None,
     fast_forward: bool = True,
     acceptance: AcceptanceProfile | None = None,
+    senders: list[SenderShape] | None = None,
 ) -> tuple[dict[str, Any], Trace | None]:
-    """Run ``workload`` (and ``conversations``) to the end; its figures, and its trace if asked for."""
-    simulation = Simulation(config, cost, workload, record_trace, conversations, fast_forward, acceptance)
+    """Run ``workload`` (and ``conversations``, ``senders``) to the end; its figures, and its trace if asked for."""
+    simulation = Simulation(config, cost, workload, record_trace, conversations, fast_forward, acceptance, senders)
     return simulation.run(), simulation.trace
 
 
@@ -271,10 +296,10 @@ class ConversationFeed:
     def __bool__(self) -> bool:
         return bool(self.shapes)
 
-    def first_turns(self) -> list[Request]:
+    def first_requests(self) -> list[Request]:
         return [self._turn(index, shape.arrival_time) for index, shape in enumerate(self.shapes)]
 
-    def next_turn(self, finished: Request, now: float) -> Request | None:
+    def follow_up(self, finished: Request, now: float) -> Request | None:
         """The next turn of the conversation ``finished`` belongs to, arriving ``now``; None when it is over."""
         index = self._conversation_of.pop(finished.request_id, None)
         if index is None:
@@ -302,6 +327,46 @@ class ConversationFeed:
             sampling_params=SamplingParams(max_tokens=shape.output_len, ignore_eos=True),
             arrival_time=now,
         )
+
+
+class SenderFeed:
+    """Closed-loop senders (:class:`~conveyor.sim.workload.SenderShape`): each sender's requests one after
+    another, the next arriving the moment the last finishes, until its shape's end. Each request's prompt is a
+    stand-in id of its own, so none finds another's in the prefix cache (the benchmark sends random tokens)."""
+
+    def __init__(self, shapes: list[SenderShape], max_model_len: int) -> None:
+        for shape in shapes:
+            if shape.senders < 1 or shape.prompt_len < 1 or shape.output_len < 1:
+                raise ValueError(f"senders of {shape.tenant!r}: senders, prompt_len and output_len must be >= 1, "
+                                 f"got {shape.senders}, {shape.prompt_len}, {shape.output_len}")
+        self.shapes = shapes
+        self.max_model_len = max_model_len
+        self.num_sent = 0
+        self._shape_of: dict[str, int] = {}  # request id -> the index of its sender's shape
+
+    def __bool__(self) -> bool:
+        return bool(self.shapes)
+
+    def first_requests(self) -> list[Request]:
+        """Every sender's first request, at time 0."""
+        return [self._request(index, 0.0) for index, shape in enumerate(self.shapes) for _ in range(shape.senders)]
+
+    def follow_up(self, finished: Request, now: float) -> Request | None:
+        """The next request of the sender whose request ``finished``, arriving ``now``; None past its end (or when
+        ``finished`` is no sender's)."""
+        index = self._shape_of.pop(finished.request_id, None)
+        if index is None or now >= self.shapes[index].until:
+            return None
+        return self._request(index, now)
+
+    def _request(self, index: int, now: float) -> Request:
+        shape = self.shapes[index]
+        request_id = f"sender-{self.num_sent}"
+        self._shape_of[request_id] = index
+        prompt = [SENDER_TOKEN + self.num_sent] * min(shape.prompt_len, self.max_model_len - 1)
+        self.num_sent += 1
+        return Request(request_id=request_id, prompt_token_ids=prompt,
+                       sampling_params=_sampling_params(shape.output_len), arrival_time=now, tenant=shape.tenant)
 
 
 @functools.lru_cache(maxsize=4096)

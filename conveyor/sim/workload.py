@@ -35,6 +35,21 @@ class WorkloadRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class SenderShape:
+    """Closed-loop clients of one tenant: ``senders`` of them from time 0, each sending its next request the
+    moment its last one finishes, until ``until`` seconds (none is sent after it). A tenant that keeps N requests
+    in flight whatever the server does, as ``bench/tenant_fairness.py``'s heavy tenant: its load follows the
+    engine's pace, which no list of arrival times can. Every request has ``prompt_len`` tokens of its own and
+    decodes ``output_len``."""
+
+    tenant: str
+    senders: int
+    prompt_len: int
+    output_len: int
+    until: float = math.inf
+
+
+@dataclass(frozen=True, slots=True)
 class LengthDistribution:
     """How long prompts or outputs are; every synthetic workload (simulator and benchmarks) draws from one.
 

@@ -1,0 +1,74 @@
+"""Closed-loop senders in the simulator (a tenant that keeps N requests in flight) and per-tenant waits: the
+workload of ``bench/tenant_fairness.py``, which the simulator predicts for each policy."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conveyor.core.config import EngineConfig
+from conveyor.sim.cost import CostModel
+from conveyor.sim.hardware import load_hardware, load_model_config
+from conveyor.sim.simulator import Simulation, simulate
+from conveyor.sim.workload import SenderShape, WorkloadRequest
+
+SMALL = CostModel(load_model_config("SmolLM2-135M"), load_hardware("A100-80GB"), "float16")
+CONFIG = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, block_size=8, num_kv_blocks=512, max_model_len=512)
+
+
+def light_requests(every: float, until: float) -> list[WorkloadRequest]:
+    count = int(until / every)
+    return [WorkloadRequest(every * (i + 1), 16, 4, tenant="light") for i in range(count - 1)]
+
+
+def test_each_sender_sends_its_next_request_as_the_last_one_finishes_until_its_end():
+    until = 0.5
+    simulation = Simulation(CONFIG, SMALL, [], senders=[SenderShape("heavy", 3, 40, 12, until=until)])
+    figures = simulation.run()
+    finished = simulation.finished
+    arrivals, finishes = list(finished.arrivals), list(finished.finishes)
+    assert arrivals.count(0.0) == 3, "every sender's first request at time 0"
+    later = [at for at in arrivals if at > 0]
+    assert later and all(at < until for at in later), "none sent past the end"
+    assert set(later) <= set(finishes), "each later request arrives as one finishes"
+    # Every request but the last of each sender had a successor: three chains, each ending past ``until``.
+    assert len(arrivals) - len(later) == 3 and sum(finish >= until for finish in finishes) == 3
+    assert figures["tenants"]["heavy"]["requests"] == figures["num_requests"] == len(arrivals)
+    assert figures["num_requests"] > 3 * 4, "many rounds in the run"
+
+
+def test_at_most_the_senders_requests_are_in_flight_at_once():
+    simulation = Simulation(CONFIG, SMALL, [], senders=[SenderShape("heavy", 5, 24, 6, until=0.3)])
+    simulation.run()
+    finished = simulation.finished
+    events = sorted([(at, 1) for at in finished.arrivals] + [(at, -1) for at in finished.finishes],
+                    key=lambda event: (event[0], event[1]))  # a finish before the arrival it lets in
+    in_flight = peak = 0
+    for _, change in events:
+        in_flight += change
+        peak = max(peak, in_flight)
+    assert peak == 5
+
+
+def test_fair_admits_the_light_tenant_ahead_of_a_heavy_backlog_and_fcfs_does_not():
+    """The simulated form of the benchmark's first part: the heavy tenant keeps four times the batch cap in
+    flight; under fcfs each light request waits behind its backlog, under fair it takes the next free slot."""
+    waits = {}
+    for policy in ("fcfs", "fair"):
+        config = dataclasses.replace(CONFIG, scheduling_policy=policy)
+        figures, _ = simulate(config, SMALL, light_requests(0.05, 1.0),
+                              senders=[SenderShape("heavy", 16, 64, 32, until=1.0)])
+        waits[policy] = figures["tenants"]["light"]
+        assert figures["tenants"]["light"]["requests"] == 19
+    assert waits["fair"]["ttft_p99_s"] * 3 < waits["fcfs"]["ttft_p99_s"]
+
+
+def test_a_sender_shape_with_nothing_to_send_is_refused():
+    with pytest.raises(ValueError, match="senders of 'heavy'"):
+        Simulation(CONFIG, SMALL, [], senders=[SenderShape("heavy", 0, 10, 10)])
+
+
+def test_requests_without_a_tenant_give_no_tenant_figures():
+    figures, _ = simulate(CONFIG, SMALL, [WorkloadRequest(0.0, 10, 4)])
+    assert "tenants" not in figures
