@@ -3,8 +3,8 @@
 The workloads are the scheduler tests' own (``tests/harness.py``), with long and short prompts mixed and
 partial-prefill limits drawn; ``StepDriver`` runs them, and the driver here checks around every step:
 
-* no request takes more than its share of the step's budget: ``max_num_batched_tokens`` over the prompts
-  that compete for it (under way or queued before the step, at most ``max_num_partial_prefills``);
+* no request takes more than its share of the step's budget, ``max_num_batched_tokens`` over
+  ``max_num_partial_prefills``, even alone (so a step holding a long prompt stays short);
 * at most ``max_num_partial_prefills`` prompts are under way (computed in part) after a step, and at most
   ``max_long_partial_prefills`` of them long (more than the threshold still to compute when they started);
 * aging: no waiting request is overtaken (a later arrival admitted while it waits) in more than
@@ -73,9 +73,7 @@ class PrefillDriver(StepDriver):
     def before_schedule(self) -> BeforeStep:
         sched = self.scheduler
         queued = [*sched.waiting, *sched.swapped]
-        under_way = [r for r in sched.running if r.num_tokens - r.num_computed_tokens > 1]
-        competing = max(1, min(self.limits.max_num_partial_prefills, len(under_way) + len(queued)))
-        share = max(1, sched.config.max_num_batched_tokens // competing)
+        share = max(1, sched.config.max_num_batched_tokens // self.limits.max_num_partial_prefills)
         return BeforeStep({r.request_id: r.num_tokens - r.num_computed_tokens for r in queued},
                           [r.request_id for r in sched.waiting], share)
 
@@ -184,7 +182,7 @@ def first_token_steps(scheduler: Scheduler, prompts: dict[str, int]) -> dict[str
 def test_short_prompts_behind_a_long_one_get_their_first_token_at_once() -> None:
     """One 400-token prompt ahead of five short ones, a budget of 64: computed one prompt at a time, the short
     ones wait for the long one's seven steps; with four partial prefills, they are done in the first step,
-    and the long prompt, alone after that, takes the whole budget again."""
+    and the long prompt takes its share (16 tokens) every step, alone too: 25 steps, each a quarter as long."""
     prompts = {"long": 400, **{f"short-{i}": 8 for i in range(5)}}
 
     def scheduler(**limits: int) -> Scheduler:
@@ -196,5 +194,5 @@ def test_short_prompts_behind_a_long_one_get_their_first_token_at_once() -> None
                                      prompts)
     assert min(one_at_a_time[f"short-{i}"] for i in range(5)) >= 6
     assert max(side_by_side[f"short-{i}"] for i in range(5)) == 0
-    assert side_by_side["long"] <= one_at_a_time["long"] + 1, "alone again, the long prompt takes the whole budget"
+    assert side_by_side["long"] == 400 // 16 - 1, "16 tokens a step, never the whole budget"
 

@@ -107,8 +107,8 @@ class Scheduler:
         self.prefills = PartialPrefills.from_limits(
             config.max_num_partial_prefills, config.max_long_partial_prefills, config.long_prefill_token_threshold,
             config.max_num_batched_tokens, config.max_model_len)
-        # Tokens one request may take in a step: the whole budget, or a prefill's share of it.
-        self._chunk_cap = config.max_num_batched_tokens
+        # Tokens one request may take in a step: the whole budget, or with partial prefills a prefill's share.
+        self._chunk_cap = config.max_num_batched_tokens if self.prefills is None else self.prefills.chunk_cap
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
@@ -265,8 +265,6 @@ class Scheduler:
         self._swap_out = []
         self._admitted_tokens = self._admitted_requests = 0
         swap_in: list[tuple[int, int]] = []
-        if self.prefills is not None:
-            self._chunk_cap = self.prefills.share(self.running, len(self.waiting) + len(self.swapped))
         budget = self.config.max_num_batched_tokens
         drafts = self.speculator.drafts(self.running, budget) if self.speculator is not None and self.running else None
         scheduled, budget = self._schedule_running(budget, drafts)

@@ -2,12 +2,14 @@
 
 With one prompt computed at a time, a 4,000-token prompt takes the whole token budget for several
 steps and every short prompt behind it waits (vLLM v1 issue 57413). With ``--max-num-partial-prefills
-N`` above 1 (vLLM v0's flags), up to N prompts are computed in chunks side by side, the step's budget
-shared between the prompts that want it (those under way and those queued, at most N): a long prompt
-alone takes the whole budget, beside short ones its share; of those at most ``--max-long-partial-prefills`` may be
-long (more than ``--long-prefill-token-threshold`` tokens still to compute), so when that many long ones
-are under way, a later short prompt is admitted ahead of a waiting long one. A prompt that completes in
-the step it is admitted is not a partial prefill and takes no place.
+N`` above 1 (vLLM v0's flags), up to N prompts are computed in chunks side by side, each taking at most
+its share of the step's budget, ``max_num_batched_tokens / N``, even when it is alone: a step that holds
+a long prompt stays short, so a short prompt that arrives during it waits for one short step, not for
+a chunk of the whole budget (which, deep in a 4,000-token prompt, takes seconds on a CPU). Of the
+prompts under way at most ``--max-long-partial-prefills`` may be long (more than
+``--long-prefill-token-threshold`` tokens still to compute), so when that many long ones are under way,
+a later short prompt is admitted ahead of a waiting long one. A prompt that completes in the step it is
+admitted is not a partial prefill and takes no place.
 
 The aging bound: a waiting request passed over for these caps in ``PREFILL_AGING_STEPS`` steps stops
 admission at itself (nobody overtakes it any more), and is admitted as soon as a place frees, which
@@ -32,7 +34,7 @@ class PartialPrefills:
     max_long_partial_prefills: int
     long_prefill_token_threshold: int
     max_num_batched_tokens: int
-    chunk_cap: int = 0  # tokens one prefill may take in this step (see ``share``)
+    chunk_cap: int = 0  # tokens one prefill may take in a step: the budget over N
     num_partial: int = 0
     num_long: int = 0
     long_ids: set[str] = field(default_factory=set)  # the long prefills under way
@@ -46,15 +48,7 @@ class PartialPrefills:
             return None
         threshold = threshold or max(1, int(max_model_len * LONG_PREFILL_SHARE))
         return cls(max_num_partial_prefills, max_long_partial_prefills, threshold, max_num_batched_tokens,
-                   max_num_batched_tokens)
-
-    def share(self, running: list[Request], num_queued: int) -> int:
-        """This step's cap on one request's tokens: the budget over the prompts that compete for it (those
-        under way, which lack more than the one token a decode lacks, and those queued; at most N)."""
-        under_way = sum(1 for r in running if r.num_tokens - r.num_computed_tokens > 1)
-        competing = min(self.max_num_partial_prefills, under_way + num_queued)
-        self.chunk_cap = max(1, self.max_num_batched_tokens // max(1, competing))
-        return self.chunk_cap
+                   max(1, max_num_batched_tokens // max_num_partial_prefills))
 
     def count_under_way(self, running: list[Request], scheduled_tokens: dict[str, int]) -> None:
         """Count the running requests that this step's chunk (if any) leaves short of their last token."""
