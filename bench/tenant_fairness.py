@@ -12,7 +12,10 @@ fcfs's).
 The simulator's prediction of part 1: the same tenants (the heavy one as closed-loop senders, the light one's
 requests at the same times) through the same scheduler on this machine's step profile (``conveyor simulate
 calibrate``; without a current one the roofline prices the steps, which the line printed says), and its error
-against each policy's measured p99 (the aim: within 15%).
+against each policy's measured p99 (the aim: within 15%). The profile times the offline engine; what serving adds
+per token (the streams, and the clients sharing the machine) is measured first, on a server of its own: the heavy
+tenant alone for ``--seconds`` / 2, its output tokens a second against the simulator's for the same run, the
+difference in seconds per token added to every simulated step per token it samples.
 
 Part 2, weighted shares: ``fair`` with ``--tenant-weights {"a": 2, "b": 1}``, both tenants backlogged (each
 ``--heavy-inflight`` in flight) for ``--seconds``; the tokens each was served over the run, counted as VTC
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -82,6 +86,23 @@ async def light_tenant_wait(base: str, args: argparse.Namespace) -> list[float]:
     return waits
 
 
+def _generated(base: str) -> float:
+    """Output tokens the server has generated so far, from /metrics."""
+    lines = httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("conveyor:generation_tokens_total{"))
+
+
+async def heavy_alone_rate(base: str, args: argparse.Namespace) -> float:
+    """The serving overhead's run: output tokens a second the heavy tenant alone gets for ``--seconds`` / 2."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        warm = random.Random(99)
+        await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(8)))
+        before, start = _generated(base), time.perf_counter()
+        await _backlog(client, base, "heavy", args, start + args.seconds / 2, seed=4)
+        return (_generated(base) - before) / (time.perf_counter() - start)
+
+
 def light_arrivals(args: argparse.Namespace) -> list[float]:
     """When the light tenant sends, seconds from the heavy tenant's start: every ``--light-every`` from the
     first until ``--seconds`` (what ``light_tenant_wait`` does on the wall clock)."""
@@ -89,25 +110,41 @@ def light_arrivals(args: argparse.Namespace) -> list[float]:
             if args.light_every * k < args.seconds]
 
 
-def simulated_light_wait(args: argparse.Namespace, policy: str) -> tuple[dict[str, float], str]:
-    """Part 1 in the simulator, with the engine configuration `conveyor serve` builds from the same flags: the light
-    tenant's TTFT figures under ``policy``, and what priced the steps."""
-    from conveyor.entrypoints.args import engine_config
-    from conveyor.entrypoints.cli import build_parser
-    from conveyor.model.loader import resolve_model
-    from conveyor.sim.hardware import load_hardware, load_model_config
-    from conveyor.sim.profile import step_cost_model
-    from conveyor.sim.simulator import simulate
-    from conveyor.sim.workload import SenderShape, WorkloadRequest
+class Simulated:
+    """The benchmark's runs in the simulator, with the engine configuration `conveyor serve` builds from the same
+    flags, its steps priced by this machine's profile (plus ``serving_s_per_token`` once it is fitted)."""
 
-    config = engine_config(build_parser().parse_args(["serve", *args.engine_flags, "--scheduling-policy",
-                                                      policy]))
-    model = load_model_config(str(resolve_model(config.model)))
-    cost, priced_by = step_cost_model(model, load_hardware("cpu-local"), config.dtype, threads=config.num_threads)
-    light = [WorkloadRequest(at, args.light_prompt, 8, tenant="light") for at in light_arrivals(args)]
-    heavy = SenderShape("heavy", args.heavy_inflight, args.heavy_prompt, args.heavy_output, until=args.seconds)
-    figures, _ = simulate(config, cost, light, senders=[heavy])
-    return figures["tenants"]["light"], priced_by
+    def __init__(self, args: argparse.Namespace) -> None:
+        from conveyor.entrypoints.args import engine_config
+        from conveyor.entrypoints.cli import build_parser
+        from conveyor.model.loader import resolve_model
+        from conveyor.sim.hardware import load_hardware, load_model_config
+        from conveyor.sim.profile import step_cost_model
+
+        self.args = args
+        self.config = engine_config(build_parser().parse_args(["serve", *args.engine_flags]))
+        model = load_model_config(str(resolve_model(self.config.model)))
+        self.cost, self.priced_by = step_cost_model(model, load_hardware("cpu-local"), self.config.dtype,
+                                                    threads=self.config.num_threads)
+
+    def run(self, policy: str, light: bool, until: float) -> dict:
+        from conveyor.sim.simulator import simulate
+        from conveyor.sim.workload import SenderShape, WorkloadRequest
+
+        args = self.args
+        config = dataclasses.replace(self.config, scheduling_policy=policy)
+        arrivals = [WorkloadRequest(at, args.light_prompt, 8, tenant="light") for at in light_arrivals(args)]
+        heavy = SenderShape("heavy", args.heavy_inflight, args.heavy_prompt, args.heavy_output, until=until)
+        return simulate(config, self.cost, arrivals if light else [], senders=[heavy])[0]
+
+    def fit_serving_overhead(self, measured_tokens_per_s: float) -> float:
+        """Seconds a token that serving adds, from the heavy tenant alone: measured against simulated."""
+        from conveyor.sim.cost import with_serving_overhead
+
+        simulated = self.run("fcfs", light=False, until=self.args.seconds / 2)["output_tokens_per_s"]
+        seconds = max(0.0, 1 / measured_tokens_per_s - 1 / simulated)
+        self.cost = with_serving_overhead(self.cost, seconds)
+        return seconds
 
 
 def _tenant_counters(base: str) -> dict[str, float]:
@@ -149,6 +186,15 @@ def main() -> int:
     parser.add_argument("engine_flags", nargs="*", help="flags for every server, after --")
     args = parser.parse_args()
     results: dict[str, object] = {}
+    simulated = Simulated(args)
+    with local_server([*args.engine_flags, "--scheduling-policy", "fcfs"]) as base:
+        alone = asyncio.run(heavy_alone_rate(base, args))
+    overhead = simulated.fit_serving_overhead(alone)
+    check = simulated.run("fcfs", light=False, until=args.seconds / 2)["output_tokens_per_s"]
+    results["serving_overhead"] = {"heavy_alone_tokens_per_s": alone, "seconds_per_token": overhead,
+                                   "simulated_tokens_per_s": check, "priced_by": simulated.priced_by}
+    print(f"heavy tenant alone: {alone:.1f} output tok/s; serving adds {overhead * 1e3:.3f} ms a token to the "
+          f"simulated steps ({simulated.priced_by}), which then give {check:.1f}", flush=True)
     for policy in ("fcfs", "fair"):
         with local_server([*args.engine_flags, "--scheduling-policy", policy]) as base:
             waits = asyncio.run(light_tenant_wait(base, args))
@@ -159,10 +205,10 @@ def main() -> int:
     ratio = results["fair"]["light_ttft_p99_s"] / results["fcfs"]["light_ttft_p99_s"]
     print(f"light tenant's TTFT p99, fair / fcfs: {ratio:.3f} (the aim: <= 0.2)")
     for policy in ("fcfs", "fair"):
-        predicted, priced_by = simulated_light_wait(args, policy)
+        predicted = simulated.run(policy, light=True, until=args.seconds)["tenants"]["light"]
         off = predicted["ttft_p99_s"] / results[policy]["light_ttft_p99_s"] - 1
-        results[policy]["simulated"] = predicted | {"priced_by": priced_by}
-        print(f"simulated {policy} ({priced_by}): light tenant TTFT p50 {predicted['ttft_p50_s']:.3f} s, p99 "
+        results[policy]["simulated"] = predicted
+        print(f"simulated {policy}: light tenant TTFT p50 {predicted['ttft_p50_s']:.3f} s, p99 "
               f"{predicted['ttft_p99_s']:.3f} s ({off * 100:+.1f}% of the measured p99; the aim: within 15%)",
               flush=True)
     weights = '{"a": 2, "b": 1}'

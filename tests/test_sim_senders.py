@@ -72,3 +72,16 @@ def test_a_sender_shape_with_nothing_to_send_is_refused():
 def test_requests_without_a_tenant_give_no_tenant_figures():
     figures, _ = simulate(CONFIG, SMALL, [WorkloadRequest(0.0, 10, 4)])
     assert "tenants" not in figures
+
+
+def test_a_serving_overhead_lengthens_each_step_by_its_sampled_tokens_and_leaves_the_model_alone():
+    from conveyor.sim.cost import with_serving_overhead
+
+    served = with_serving_overhead(SMALL, 0.01)
+    alone = [WorkloadRequest(0.0, 10, 20)]
+    plain, _ = simulate(CONFIG, SMALL, alone)
+    slower, _ = simulate(CONFIG, served, alone)
+    assert slower["latency_mean_s"] - plain["latency_mean_s"] == pytest.approx(20 * 0.01)  # 20 tokens sampled
+    assert SMALL.serving_s_per_token == 0.0 and served.kv_bytes_per_token == SMALL.kv_bytes_per_token
+    with pytest.raises(ValueError, match=">= 0"):
+        with_serving_overhead(SMALL, -1e-3)

@@ -21,6 +21,7 @@ stays true for quantized models.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 from conveyor.core.model_config import ModelConfig
@@ -132,6 +133,10 @@ class CostModel:
         self.flops = hardware.flops(dtype) * hardware.flops_efficiency
         self.bandwidth = hardware.memory_bandwidth * hardware.bandwidth_efficiency
         self.kv_bandwidth = self.bandwidth * hardware.attention_efficiency
+        # What serving adds to a step per token sampled in it, beyond the engine's step (the stream's events to
+        # each client, and on a machine that also runs the clients, their work): 0 prices the offline engine.
+        # The simulated executor adds it to every step; ``with_serving_overhead`` sets it.
+        self.serving_s_per_token = 0.0
 
     def dense_time(self, num_tokens: int, num_sampled: int) -> float:
         flops = num_tokens * self.dense_flops_per_token + num_sampled * self.lm_head_flops_per_row
@@ -188,3 +193,14 @@ class CostModel:
         )
         allreduce = self.allreduce_time(num_seqs) if self.tensor_parallel_size > 1 else 0.0
         return hw.step_overhead_s + num_seqs * hw.per_sequence_overhead_s + dense + attention + allreduce
+
+
+def with_serving_overhead(cost: CostModel, seconds_per_token: float) -> CostModel:
+    """A copy of ``cost`` whose steps take ``seconds_per_token`` longer per token they sample: a served engine
+    priced from a profile of the offline one, the overhead measured on the server (``bench/tenant_fairness.py``
+    fits it from a run of its own)."""
+    if seconds_per_token < 0:
+        raise ValueError(f"the serving overhead must be >= 0 s a token, got {seconds_per_token}")
+    served = copy.copy(cost)
+    served.serving_s_per_token = seconds_per_token
+    return served
