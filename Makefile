@@ -62,7 +62,9 @@ docs-check: install
 # of their own: waiting passively, they sleep instead of spinning on the core the other worker computes on.
 # Measured on a 2-core Zen 4 EPYC, 2026-12-01: pytest 489 s spinning, 413 s passive, 396 s with the longest
 # files first (three workers: no faster; the suite is CPU-bound). On a 2-core Zen 5, 2026-12-02, 1,632 tests:
-# pytest 355-400 s with xdist's own order, 316-378 s with the longest files first (a fresh clone: 318 s).
+# pytest 355-400 s with xdist's own order, 316-378 s with the longest files first (a fresh clone: 318 s); with a
+# model's tokenizer loaded once per process (about 240 engines are built, most on the same few folders), 312-321 s,
+# `make test` 5:23-5:24 (a fresh clone, the install not counted: 5:24).
 test: lint docs-check
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

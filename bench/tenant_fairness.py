@@ -13,9 +13,9 @@ The simulator's prediction of part 1: the same tenants (the heavy one as closed-
 requests at the same times) through the same scheduler on this machine's step profile (``conveyor simulate
 calibrate``; without a current one the roofline prices the steps, which the line printed says), and its error
 against each policy's measured p99 (the aim: within 15%). The profile times the offline engine; what serving adds
-per token (the streams, and the clients sharing the machine) is measured first, on a server of its own: the heavy
-tenant alone for ``--seconds`` / 2, its output tokens a second against the simulator's for the same run, the
-difference in seconds per token added to every simulated step per token it samples.
+per token (the streams, and the clients sharing the machine) is measured on each part-1 server before the light
+tenant comes: the heavy tenant alone for ``--overhead-seconds``, its output tokens a second against the simulator's
+for the same run, the difference in seconds per token added to every simulated step per token it samples.
 
 Part 2, weighted shares: ``fair`` with ``--tenant-weights {"a": 2, "b": 1}``, both tenants backlogged (each
 ``--heavy-inflight`` in flight) for ``--seconds``; the tokens each was served over the run, counted as VTC
@@ -68,12 +68,16 @@ async def _backlog(client: httpx.AsyncClient, base: str, user: str, args: argpar
     await asyncio.gather(*(sender(i) for i in range(args.heavy_inflight)))
 
 
-async def light_tenant_wait(base: str, args: argparse.Namespace) -> list[float]:
-    """Part 1 on one server: the light tenant's TTFTs while the heavy tenant keeps its backlog."""
+async def light_tenant_wait(base: str, args: argparse.Namespace) -> tuple[list[float], float]:
+    """Part 1 on one server: the heavy tenant alone for ``--overhead-seconds`` (its output tokens a second: the
+    serving overhead's run), then the light tenant's TTFTs while the heavy tenant keeps its backlog."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         warm = random.Random(99)
         await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(8)))
+        before, start = _generated(base), time.perf_counter()
+        await _backlog(client, base, "heavy", args, start + args.overhead_seconds, seed=4)
+        alone = (_generated(base) - before) / (time.perf_counter() - start)
         until = time.perf_counter() + args.seconds
         heavy = asyncio.create_task(_backlog(client, base, "heavy", args, until, seed=1))
         await asyncio.sleep(args.light_every)  # the backlog builds first
@@ -83,24 +87,13 @@ async def light_tenant_wait(base: str, args: argparse.Namespace) -> list[float]:
             await asyncio.sleep(args.light_every)
         waits = list(await asyncio.gather(*light))
         await heavy
-    return waits
+    return waits, alone
 
 
 def _generated(base: str) -> float:
     """Output tokens the server has generated so far, from /metrics."""
     lines = httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("conveyor:generation_tokens_total{"))
-
-
-async def heavy_alone_rate(base: str, args: argparse.Namespace) -> float:
-    """The serving overhead's run: output tokens a second the heavy tenant alone gets for ``--seconds`` / 2."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        warm = random.Random(99)
-        await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(8)))
-        before, start = _generated(base), time.perf_counter()
-        await _backlog(client, base, "heavy", args, start + args.seconds / 2, seed=4)
-        return (_generated(base) - before) / (time.perf_counter() - start)
 
 
 def light_arrivals(args: argparse.Namespace) -> list[float]:
@@ -124,8 +117,9 @@ class Simulated:
         self.args = args
         self.config = engine_config(build_parser().parse_args(["serve", *args.engine_flags]))
         model = load_model_config(str(resolve_model(self.config.model)))
-        self.cost, self.priced_by = step_cost_model(model, load_hardware("cpu-local"), self.config.dtype,
-                                                    threads=self.config.num_threads)
+        self.profiled, self.priced_by = step_cost_model(model, load_hardware("cpu-local"), self.config.dtype,
+                                                        threads=self.config.num_threads)
+        self.cost = self.profiled
 
     def run(self, policy: str, light: bool, until: float) -> dict:
         from conveyor.sim.simulator import simulate
@@ -137,14 +131,38 @@ class Simulated:
         heavy = SenderShape("heavy", args.heavy_inflight, args.heavy_prompt, args.heavy_output, until=until)
         return simulate(config, self.cost, arrivals if light else [], senders=[heavy])[0]
 
-    def fit_serving_overhead(self, measured_tokens_per_s: float) -> float:
-        """Seconds a token that serving adds, from the heavy tenant alone: measured against simulated."""
+    def fit_serving_overhead(self, measured_tokens_per_s: float) -> tuple[float, float]:
+        """Seconds a token that serving adds, from the heavy tenant alone: measured against simulated on the
+        profile alone; the later runs use it. Returns it, and the rate the simulator then gives."""
         from conveyor.sim.cost import with_serving_overhead
 
-        simulated = self.run("fcfs", light=False, until=self.args.seconds / 2)["output_tokens_per_s"]
+        self.cost = self.profiled
+        simulated = self.run("fcfs", light=False, until=self.args.overhead_seconds)["output_tokens_per_s"]
         seconds = max(0.0, 1 / measured_tokens_per_s - 1 / simulated)
-        self.cost = with_serving_overhead(self.cost, seconds)
-        return seconds
+        self.cost = with_serving_overhead(self.profiled, seconds)
+        return seconds, self.run("fcfs", light=False, until=self.args.overhead_seconds)["output_tokens_per_s"]
+
+
+def light_tenant_part(args: argparse.Namespace, policy: str, simulated: Simulated) -> dict[str, object]:
+    """Part 1 under ``policy``: measured on a fresh server, then predicted by the simulator with the serving
+    overhead fitted from that server's own heavy-alone run (the machine's pace drifts within a sitting)."""
+    with local_server([*args.engine_flags, "--scheduling-policy", policy]) as base:
+        waits, alone = asyncio.run(light_tenant_wait(base, args))
+    result: dict[str, object] = {"light_ttft_p50_s": statistics.median(waits), "light_ttft_p99_s":
+                                 percentile(waits, 99), "light_ttft_max_s": max(waits), "light_requests": len(waits)}
+    print(f"{policy}: light tenant TTFT p50 {result['light_ttft_p50_s']:.3f} s, p99 {result['light_ttft_p99_s']:.3f} s "
+          f"over {len(waits)} requests", flush=True)
+    overhead, check = simulated.fit_serving_overhead(alone)
+    predicted = simulated.run(policy, light=True, until=args.seconds)["tenants"]["light"]
+    off = predicted["ttft_p99_s"] / result["light_ttft_p99_s"] - 1
+    result["serving_overhead"] = {"heavy_alone_tokens_per_s": alone, "seconds_per_token": overhead,
+                                  "simulated_tokens_per_s": check}
+    result["simulated"] = predicted
+    print(f"  heavy tenant alone first: {alone:.1f} output tok/s, so serving adds {overhead * 1e3:.3f} ms a token "
+          f"(the simulator then gives {check:.1f}); simulated: light tenant TTFT p50 {predicted['ttft_p50_s']:.3f} s, "
+          f"p99 {predicted['ttft_p99_s']:.3f} s ({off * 100:+.1f}% of the measured p99; the aim: within 15%)",
+          flush=True)
+    return result
 
 
 def _tenant_counters(base: str) -> dict[str, float]:
@@ -182,35 +200,17 @@ def main() -> int:
     parser.add_argument("--heavy-output", type=int, default=64)
     parser.add_argument("--light-every", type=float, default=2.0)
     parser.add_argument("--light-prompt", type=int, default=32)
+    parser.add_argument("--overhead-seconds", type=float, default=20.0)
     parser.add_argument("--json", default=None)
     parser.add_argument("engine_flags", nargs="*", help="flags for every server, after --")
     args = parser.parse_args()
     results: dict[str, object] = {}
     simulated = Simulated(args)
-    with local_server([*args.engine_flags, "--scheduling-policy", "fcfs"]) as base:
-        alone = asyncio.run(heavy_alone_rate(base, args))
-    overhead = simulated.fit_serving_overhead(alone)
-    check = simulated.run("fcfs", light=False, until=args.seconds / 2)["output_tokens_per_s"]
-    results["serving_overhead"] = {"heavy_alone_tokens_per_s": alone, "seconds_per_token": overhead,
-                                   "simulated_tokens_per_s": check, "priced_by": simulated.priced_by}
-    print(f"heavy tenant alone: {alone:.1f} output tok/s; serving adds {overhead * 1e3:.3f} ms a token to the "
-          f"simulated steps ({simulated.priced_by}), which then give {check:.1f}", flush=True)
+    print(f"the simulator's steps priced by the {simulated.priced_by}", flush=True)
     for policy in ("fcfs", "fair"):
-        with local_server([*args.engine_flags, "--scheduling-policy", policy]) as base:
-            waits = asyncio.run(light_tenant_wait(base, args))
-        results[policy] = {"light_ttft_p50_s": statistics.median(waits), "light_ttft_p99_s": percentile(waits, 99),
-                           "light_ttft_max_s": max(waits), "light_requests": len(waits)}
-        print(f"{policy}: light tenant TTFT p50 {results[policy]['light_ttft_p50_s']:.3f} s, p99 "
-              f"{results[policy]['light_ttft_p99_s']:.3f} s over {len(waits)} requests", flush=True)
+        results[policy] = light_tenant_part(args, policy, simulated)
     ratio = results["fair"]["light_ttft_p99_s"] / results["fcfs"]["light_ttft_p99_s"]
     print(f"light tenant's TTFT p99, fair / fcfs: {ratio:.3f} (the aim: <= 0.2)")
-    for policy in ("fcfs", "fair"):
-        predicted = simulated.run(policy, light=True, until=args.seconds)["tenants"]["light"]
-        off = predicted["ttft_p99_s"] / results[policy]["light_ttft_p99_s"] - 1
-        results[policy]["simulated"] = predicted
-        print(f"simulated {policy}: light tenant TTFT p50 {predicted['ttft_p50_s']:.3f} s, p99 "
-              f"{predicted['ttft_p99_s']:.3f} s ({off * 100:+.1f}% of the measured p99; the aim: within 15%)",
-              flush=True)
     weights = '{"a": 2, "b": 1}'
     with local_server([*args.engine_flags, "--scheduling-policy", "fair", "--tenant-weights", weights]) as base:
         served = asyncio.run(weighted_shares(base, args))
