@@ -23,12 +23,13 @@ is the largest single charge a tenant can take before the others catch up: one p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from conveyor.core.kv import PagedKVCacheManager
 from conveyor.core.request import Request
-from conveyor.core.scheduler.policies.base import SchedulingPolicy
+from conveyor.core.scheduler.policies.base import FreesEnough, SchedulingPolicy
 
 # Past this many tenants, one whose last request ends is forgotten: tenants come from a client's ``user``
 # field, so their number is the client's to choose. A forgotten tenant that returns starts level with the
@@ -60,7 +61,7 @@ class FairPolicy(SchedulingPolicy):
 
     The queues stay in arrival order (a tenant's own requests are first come, first served); the choices
     between tenants look at the counters: whom to admit and whom to resume (the least served), and whom
-    to preempt when memory runs out (the most served).
+    to preempt when memory runs out or a tenant with nothing running finds the batch full (the most served).
     """
 
     name = "fair"
@@ -106,6 +107,42 @@ class FairPolicy(SchedulingPolicy):
         never from one behind it (taking the latest arrival, as fcfs does, would preempt a tenant that has
         just been let in ahead of one that has held the batch all along)."""
         return max(running, key=lambda r: (self.accounts[r.tenant].counter, r.arrival_time, r.arrival_order))
+
+    def victims_for(self, request: Request, running: list[Request], step_index: int,
+                    frees_enough: FreesEnough) -> list[Request] | None:
+        """A tenant with nothing running is seated at once when the batch is full (or memory short), by the
+        latest-admitted requests of the tenants that hold more than their share of the running batch.
+
+        Without it, a light tenant behind a heavy one that holds every place waits for the heavy tenant's next
+        finish; requests of one length admitted together finish in waves, so that wait is a wave's length (the
+        batch cap defeats priorities the same way: vLLM issue 40004). A victim's tenant must hold more places
+        than its weight's share among the tenants in the engine (rounded up), keep that share, and be served at
+        least as much as the newcomer's: so a tenant with a request running waits its turn at admission (two
+        backlogged tenants never preempt each other, and a victim's tenant always keeps a request running, so it
+        cannot preempt back), and many tenants of a request or two each preempt nobody. The latest admitted of a tenant
+        goes first (the least work to compute again); the same newcomer never preempts in two steps running.
+        """
+        if any(r.tenant == request.tenant for r in running):
+            return None
+        accounts = self.accounts
+        held: dict[str, int] = {}
+        for r in running:
+            held[r.tenant] = held.get(r.tenant, 0) + 1
+        in_engine = sum(a.weight for a in accounts.values() if a.num_in_engine > 0)
+        share = {tenant: math.ceil(len(running) * accounts[tenant].weight / in_engine) for tenant in held}
+        floor = accounts[request.tenant].counter
+        ahead = [r for r in running if accounts[r.tenant].counter >= floor and held[r.tenant] > share[r.tenant]]
+        victims: list[Request] = []
+        for victim in sorted(ahead, key=lambda r: (-accounts[r.tenant].counter, -(r.first_scheduled_time or 0.0))):
+            if held[victim.tenant] <= share[victim.tenant]:
+                continue  # down to its share: it keeps the rest
+            if victim.last_preempted_by == (request.request_id, step_index - 1):
+                return None  # thrash guard, as the priority policy's
+            victims.append(victim)
+            held[victim.tenant] -= 1
+            if frees_enough(victims):
+                return victims
+        return None
 
     def resumes_before(self, swapped: Request, waiting: Request | None) -> bool:
         """Between tenants, the less served goes on first (a swapped request holds no device blocks, so it
