@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import random
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 
@@ -68,13 +70,20 @@ async def _backlog(client: httpx.AsyncClient, base: str, user: str, args: argpar
     await asyncio.gather(*(sender(i) for i in range(args.heavy_inflight)))
 
 
-async def light_tenant_wait(base: str, args: argparse.Namespace) -> tuple[list[float], float]:
-    """Part 1 on one server: the heavy tenant alone for ``--overhead-seconds`` (its output tokens a second: the
-    serving overhead's run), then the light tenant's TTFTs while the heavy tenant keeps its backlog."""
+@contextlib.asynccontextmanager
+async def _warmed_client(base: str) -> AsyncIterator[httpx.AsyncClient]:
+    """A client without connection limits, on a server warmed by a few requests of tenant "warm"."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         warm = random.Random(99)
         await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(8)))
+        yield client
+
+
+async def light_tenant_wait(base: str, args: argparse.Namespace) -> tuple[list[float], float]:
+    """Part 1 on one server: the heavy tenant alone for ``--overhead-seconds`` (its output tokens a second: the
+    serving overhead's run), then the light tenant's TTFTs while the heavy tenant keeps its backlog."""
+    async with _warmed_client(base) as client:
         before, start = _generated(base), time.perf_counter()
         await _backlog(client, base, "heavy", args, start + args.overhead_seconds, seed=4)
         alone = (_generated(base) - before) / (time.perf_counter() - start)
@@ -90,10 +99,21 @@ async def light_tenant_wait(base: str, args: argparse.Namespace) -> tuple[list[f
     return waits, alone
 
 
+def _samples(base: str, *names: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of the counters ``names`` in one read of the server's /metrics: name, labels, value."""
+    samples = []
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in names:
+            labels, value = rest.rsplit("} ", 1)
+            samples.append((name, {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.split(","))},
+                            float(value)))
+    return samples
+
+
 def _generated(base: str) -> float:
-    """Output tokens the server has generated so far, from /metrics."""
-    lines = httpx.get(f"{base}/metrics", timeout=10).text.splitlines()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("conveyor:generation_tokens_total{"))
+    """Output tokens the server has generated so far."""
+    return sum(value for _, _, value in _samples(base, "conveyor:generation_tokens_total"))
 
 
 def light_arrivals(args: argparse.Namespace) -> list[float]:
@@ -177,23 +197,16 @@ def median_run(policy: str, runs: list[dict]) -> dict[str, object]:
 
 def _tenant_counters(base: str) -> dict[str, float]:
     """VTC-weighted tokens served per tenant so far (a prompt token 1, an output token 2), from /metrics."""
+    weights = {"conveyor:tenant_prompt_tokens_total": 1, "conveyor:tenant_generation_tokens_total": 2}
     served: dict[str, float] = {}
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        for name, weight in (("conveyor:tenant_prompt_tokens_total", 1), ("conveyor:tenant_generation_tokens_total",
-                                                                           2)):
-            if line.startswith(name + "{"):
-                labels, value = line[len(name) + 1:].rsplit("} ", 1)
-                tenant = dict(part.split("=", 1) for part in labels.split(","))["tenant"].strip('"')
-                served[tenant] = served.get(tenant, 0.0) + weight * float(value)
+    for name, labels, value in _samples(base, *weights):
+        served[labels["tenant"]] = served.get(labels["tenant"], 0.0) + weights[name] * value
     return served
 
 
 async def weighted_shares(base: str, args: argparse.Namespace) -> dict[str, float]:
     """Part 2 on one server: both tenants backlogged; the tokens each was served during the run."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        warm = random.Random(99)
-        await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(8)))
+    async with _warmed_client(base) as client:
         before = _tenant_counters(base)
         until = time.perf_counter() + args.seconds
         await asyncio.gather(_backlog(client, base, "a", args, until, seed=2),

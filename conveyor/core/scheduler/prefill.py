@@ -34,7 +34,6 @@ class PartialPrefills:
     max_long_partial_prefills: int
     long_prefill_token_threshold: int
     max_num_batched_tokens: int
-    chunk_cap: int = 0  # tokens one prefill may take in a step: the budget over N
     num_partial: int = 0
     num_long: int = 0
     long_ids: set[str] = field(default_factory=set)  # the long prefills under way
@@ -47,8 +46,12 @@ class PartialPrefills:
         if max_num_partial_prefills == 1:
             return None
         threshold = threshold or max(1, int(max_model_len * LONG_PREFILL_SHARE))
-        return cls(max_num_partial_prefills, max_long_partial_prefills, threshold, max_num_batched_tokens,
-                   max(1, max_num_batched_tokens // max_num_partial_prefills))
+        return cls(max_num_partial_prefills, max_long_partial_prefills, threshold, max_num_batched_tokens)
+
+    @property
+    def chunk_cap(self) -> int:
+        """Tokens one prefill may take in a step: the budget over N, alone too."""
+        return max(1, self.max_num_batched_tokens // self.max_num_partial_prefills)
 
     def count_under_way(self, running: list[Request], scheduled_tokens: dict[str, int]) -> None:
         """Count the running requests that this step's chunk (if any) leaves short of their last token."""

@@ -131,11 +131,11 @@ class FairPolicy(SchedulingPolicy):
         in_engine = sum(a.weight for a in accounts.values() if a.num_in_engine > 0)
         share = {tenant: math.ceil(len(running) * accounts[tenant].weight / in_engine) for tenant in held}
         floor = accounts[request.tenant].counter
-        ahead = [r for r in running if accounts[r.tenant].counter >= floor and held[r.tenant] > share[r.tenant]]
+        ahead = [r for r in running if accounts[r.tenant].counter >= floor]
         victims: list[Request] = []
         for victim in sorted(ahead, key=lambda r: (-accounts[r.tenant].counter, -(r.first_scheduled_time or 0.0))):
             if held[victim.tenant] <= share[victim.tenant]:
-                continue  # down to its share: it keeps the rest
+                continue  # at (or down to) its share: it keeps the rest
             if victim.last_preempted_by == (request.request_id, step_index - 1):
                 return None  # thrash guard, as the priority policy's
             victims.append(victim)
