@@ -15,7 +15,10 @@ calibrate``; without a current one the roofline prices the steps, which the line
 against each policy's measured p99 (the aim: within 15%). The profile times the offline engine; what serving adds
 per token (the streams, and the clients sharing the machine) is measured on each part-1 server before the light
 tenant comes: the heavy tenant alone for ``--overhead-seconds``, its output tokens a second against the simulator's
-for the same run, the difference in seconds per token added to every simulated step per token it samples.
+for the same run, the difference in seconds per token added to every simulated step per token it samples; and the
+clients' mean TTFT in that run less the engine's own (its /metrics histogram, over the same requests), the time a
+request spends outside the engine (the HTTP request's way in, the first token's way out), added to every simulated
+request's TTFT.
 
 Part 2, weighted shares: ``fair`` with ``--tenant-weights {"a": 2, "b": 1}``, both tenants backlogged (each
 ``--heavy-inflight`` in flight) for ``--seconds``; the tokens each was served over the run, counted as VTC
@@ -60,14 +63,17 @@ async def _request(client: httpx.AsyncClient, base: str, user: str, prompt: list
 
 
 async def _backlog(client: httpx.AsyncClient, base: str, user: str, args: argparse.Namespace, until: float,
-                   seed: int) -> None:
-    """``--heavy-inflight`` closed-loop senders for ``user`` until ``until``."""
+                   seed: int) -> list[float]:
+    """``--heavy-inflight`` closed-loop senders for ``user`` until ``until``; every request's TTFT (client's)."""
+    waits: list[float] = []
+
     async def sender(index: int) -> None:
         rng = random.Random(seed * 1000 + index)
         while time.perf_counter() < until:
-            await _request(client, base, user, _prompt(rng, args.heavy_prompt), args.heavy_output)
+            waits.append(await _request(client, base, user, _prompt(rng, args.heavy_prompt), args.heavy_output))
 
     await asyncio.gather(*(sender(i) for i in range(args.heavy_inflight)))
+    return waits
 
 
 @contextlib.asynccontextmanager
@@ -80,13 +86,23 @@ async def _warmed_client(base: str) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def light_tenant_wait(base: str, args: argparse.Namespace) -> tuple[list[float], float]:
-    """Part 1 on one server: the heavy tenant alone for ``--overhead-seconds`` (its output tokens a second: the
-    serving overhead's run), then the light tenant's TTFTs while the heavy tenant keeps its backlog."""
+@dataclasses.dataclass(frozen=True)
+class ServingOverheadRun:
+    """The heavy tenant alone on a part-1 server, before the light tenant comes: what the simulator's serving
+    overhead is fitted to."""
+
+    output_tokens_per_s: float
+    seconds_per_request: float  # the clients' mean TTFT less the engine's (its /metrics histogram), same requests
+
+
+async def light_tenant_wait(base: str, args: argparse.Namespace) -> tuple[list[float], ServingOverheadRun]:
+    """Part 1 on one server: the heavy tenant alone for ``--overhead-seconds`` (the serving overhead's run),
+    then the light tenant's TTFTs while the heavy tenant keeps its backlog."""
     async with _warmed_client(base) as client:
-        before, start = _generated(base), time.perf_counter()
-        await _backlog(client, base, "heavy", args, start + args.overhead_seconds, seed=4)
-        alone = (_generated(base) - before) / (time.perf_counter() - start)
+        before, engine_before, start = _generated(base), _engine_ttft(base), time.perf_counter()
+        heavy_waits = await _backlog(client, base, "heavy", args, start + args.overhead_seconds, seed=4)
+        alone = ServingOverheadRun((_generated(base) - before) / (time.perf_counter() - start),
+                                   await _outside_engine(base, heavy_waits, engine_before))
         until = time.perf_counter() + args.seconds
         heavy = asyncio.create_task(_backlog(client, base, "heavy", args, until, seed=1))
         await asyncio.sleep(args.light_every)  # the backlog builds first
@@ -109,6 +125,30 @@ def _samples(base: str, *names: str) -> list[tuple[str, dict[str, str], float]]:
             samples.append((name, {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.split(","))},
                             float(value)))
     return samples
+
+
+def _engine_ttft(base: str) -> tuple[float, float]:
+    """The server's TTFT histogram so far, as the engine measures it (from the request's hand-over to the engine,
+    after the HTTP request was read, to its first token): the sum of its observations and their count."""
+    sums = dict.fromkeys(("conveyor:time_to_first_token_seconds_sum", "conveyor:time_to_first_token_seconds_count"),
+                         0.0)
+    for name, _, value in _samples(base, *sums):
+        sums[name] += value
+    return sums["conveyor:time_to_first_token_seconds_sum"], sums["conveyor:time_to_first_token_seconds_count"]
+
+
+async def _outside_engine(base: str, client_waits: list[float], engine_before: tuple[float, float]) -> float:
+    """Mean seconds a request's TTFT at the client exceeds the engine's for ``client_waits``' requests, the
+    only ones the server finished since ``engine_before``: the HTTP request's way in and the first token's way
+    out. The server records a request as its stream ends, so its count may trail the client's for a moment."""
+    for _ in range(50):
+        engine_sum, count = (now - then for now, then in zip(_engine_ttft(base), engine_before))
+        if count >= len(client_waits):
+            break
+        await asyncio.sleep(0.02)
+    if count != len(client_waits):
+        raise RuntimeError(f"the server counted {count:.0f} first tokens for the {len(client_waits)} requests sent")
+    return max(0.0, (sum(client_waits) - engine_sum) / count)
 
 
 def _generated(base: str) -> float:
@@ -151,15 +191,16 @@ class Simulated:
         heavy = SenderShape("heavy", args.heavy_inflight, args.heavy_prompt, args.heavy_output, until=until)
         return simulate(config, self.cost, arrivals if light else [], senders=[heavy])[0]
 
-    def fit_serving_overhead(self, measured_tokens_per_s: float) -> tuple[float, float]:
-        """Seconds a token that serving adds, from the heavy tenant alone: measured against simulated on the
-        profile alone; the later runs use it. Returns it, and the rate the simulator then gives."""
+    def fit_serving_overhead(self, alone: ServingOverheadRun) -> tuple[float, float]:
+        """What serving adds, from the heavy tenant alone: per token, its output tokens a second measured against
+        simulated on the profile alone; per request, as measured. The later runs use both. Returns the seconds a
+        token, and the rate the simulator then gives."""
         from conveyor.sim.cost import with_serving_overhead
 
         self.cost = self.profiled
         simulated = self.run("fcfs", light=False, until=self.args.overhead_seconds)["output_tokens_per_s"]
-        seconds = max(0.0, 1 / measured_tokens_per_s - 1 / simulated)
-        self.cost = with_serving_overhead(self.profiled, seconds)
+        seconds = max(0.0, 1 / alone.output_tokens_per_s - 1 / simulated)
+        self.cost = with_serving_overhead(self.profiled, seconds, alone.seconds_per_request)
         return seconds, self.run("fcfs", light=False, until=self.args.overhead_seconds)["output_tokens_per_s"]
 
 
@@ -175,11 +216,14 @@ def light_tenant_part(args: argparse.Namespace, policy: str, simulated: Simulate
     overhead, check = simulated.fit_serving_overhead(alone)
     predicted = simulated.run(policy, light=True, until=args.seconds)["tenants"]["light"]
     off = predicted["ttft_p99_s"] / result["light_ttft_p99_s"] - 1
-    result["serving_overhead"] = {"heavy_alone_tokens_per_s": alone, "seconds_per_token": overhead,
-                                  "simulated_tokens_per_s": check}
+    result["serving_overhead"] = {"heavy_alone_tokens_per_s": alone.output_tokens_per_s, "seconds_per_token":
+                                  overhead, "simulated_tokens_per_s": check,
+                                  "seconds_per_request": alone.seconds_per_request}
     result["simulated"] = predicted
-    print(f"  heavy tenant alone first: {alone:.1f} output tok/s, so serving adds {overhead * 1e3:.3f} ms a token "
-          f"(the simulator then gives {check:.1f}); simulated: light tenant TTFT p50 {predicted['ttft_p50_s']:.3f} s, "
+    print(f"  heavy tenant alone first: {alone.output_tokens_per_s:.1f} output tok/s, so serving adds "
+          f"{overhead * 1e3:.3f} ms a token (the simulator then gives {check:.1f}), and "
+          f"{alone.seconds_per_request * 1e3:.1f} ms a request outside the engine; simulated: light tenant TTFT "
+          f"p50 {predicted['ttft_p50_s']:.3f} s, "
           f"p99 {predicted['ttft_p99_s']:.3f} s ({off * 100:+.1f}% of the measured p99; the aim: within 15%)",
           flush=True)
     return result

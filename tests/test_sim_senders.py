@@ -96,3 +96,18 @@ def test_a_serving_overhead_lengthens_each_step_by_its_sampled_tokens_and_leaves
     assert SMALL.serving_s_per_token == 0.0 and served.kv_bytes_per_token == SMALL.kv_bytes_per_token
     with pytest.raises(ValueError, match=">= 0"):
         with_serving_overhead(SMALL, -1e-3)
+
+
+def test_a_serving_latency_per_request_adds_to_each_ttft_and_latency_but_not_to_the_steps():
+    from conveyor.sim.cost import with_serving_overhead
+
+    served = with_serving_overhead(SMALL, 0.0, 0.05)
+    workload = [WorkloadRequest(0.1 * i, 10, 20, tenant="light") for i in range(5)]
+    plain, _ = simulate(CONFIG, SMALL, workload)
+    later, _ = simulate(CONFIG, served, workload)
+    assert later["ttft_mean_s"] - plain["ttft_mean_s"] == pytest.approx(0.05)
+    assert later["latency_mean_s"] - plain["latency_mean_s"] == pytest.approx(0.05)
+    assert later["tenants"]["light"]["ttft_p99_s"] - plain["tenants"]["light"]["ttft_p99_s"] == pytest.approx(0.05)
+    assert later["elapsed_s"] == plain["elapsed_s"] and SMALL.serving_s_per_request == 0.0
+    with pytest.raises(ValueError, match="a request"):
+        with_serving_overhead(SMALL, 0.0, -0.01)

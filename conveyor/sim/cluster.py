@@ -98,7 +98,7 @@ class ClusterSimulation:
     def run(self) -> dict[str, Any]:
         """Run to the last finish; the single-engine figures for the whole cluster, and a few per replica."""
         wall_start = time.perf_counter()
-        finished = FinishedSums()
+        finished = FinishedSums(serving_latency=self.cost.serving_s_per_request)
         steps = 0
         while True:
             busy = [replica for replica in self.replicas if replica.busy()]

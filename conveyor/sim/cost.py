@@ -137,6 +137,10 @@ class CostModel:
         # each client, and on a machine that also runs the clients, their work): 0 prices the offline engine.
         # The simulated executor adds it to every step; ``with_serving_overhead`` sets it.
         self.serving_s_per_token = 0.0
+        # What serving adds to each request's time to first token and latency outside the steps: its way in (the
+        # HTTP request, until the engine holds it) and its first token's way out to the client. The figures add
+        # it to every finished request; 0 for the offline engine.
+        self.serving_s_per_request = 0.0
 
     def dense_time(self, num_tokens: int, num_sampled: int) -> float:
         flops = num_tokens * self.dense_flops_per_token + num_sampled * self.lm_head_flops_per_row
@@ -195,12 +199,15 @@ class CostModel:
         return hw.step_overhead_s + num_seqs * hw.per_sequence_overhead_s + dense + attention + allreduce
 
 
-def with_serving_overhead(cost: CostModel, seconds_per_token: float) -> CostModel:
-    """A copy of ``cost`` whose steps take ``seconds_per_token`` longer per token they sample: a served engine
-    priced from a profile of the offline one, the overhead measured on the server (``bench/tenant_fairness.py``
-    fits it from a run of its own)."""
-    if seconds_per_token < 0:
-        raise ValueError(f"the serving overhead must be >= 0 s a token, got {seconds_per_token}")
+def with_serving_overhead(cost: CostModel, seconds_per_token: float, seconds_per_request: float = 0.0) -> CostModel:
+    """A copy of ``cost`` for a served engine priced from a profile of the offline one: its steps take
+    ``seconds_per_token`` longer per token they sample, and each request's time to first token and latency
+    ``seconds_per_request`` longer (both measured on the server: ``bench/tenant_fairness.py`` fits them from a
+    run of its own)."""
+    for name, value in (("a token", seconds_per_token), ("a request", seconds_per_request)):
+        if value < 0:
+            raise ValueError(f"the serving overhead must be >= 0 s {name}, got {value}")
     served = copy.copy(cost)
     served.serving_s_per_token = seconds_per_token
+    served.serving_s_per_request = seconds_per_request
     return served

@@ -65,12 +65,13 @@ class FinishedSums:
     cached_tokens: int = 0
     num_good: int = 0  # met their latency targets (goodput counts them)
     tenant_ttft: dict[str, array] = field(default_factory=dict)  # of the requests that named their tenant
+    serving_latency: float = 0.0  # seconds serving adds to each TTFT and latency (CostModel.serving_s_per_request)
 
     def add(self, request: Request) -> None:
         self.prompt_lens.append(request.num_prompt_tokens)
         self.output_lens.append(request.num_output_tokens)
-        self.ttft.append(request.first_token_time - request.arrival_time)
-        self.latency.append(request.finish_time - request.arrival_time)
+        self.ttft.append(request.first_token_time - request.arrival_time + self.serving_latency)
+        self.latency.append(request.finish_time - request.arrival_time + self.serving_latency)
         self.arrivals.append(request.arrival_time)
         self.finishes.append(request.finish_time)
         self.preemptions += request.num_preemptions
@@ -138,7 +139,8 @@ class Simulation:
         feeds = (ConversationFeed(conversations or [], self.plan.max_model_len),
                  SenderFeed(senders or [], self.plan.max_model_len))
         self.feeds = [feed for feed in feeds if feed]
-        self.finished = FinishedSums()  # every finished request's figures, in the order they finished
+        # Every finished request's figures, in the order they finished.
+        self.finished = FinishedSums(serving_latency=cost.serving_s_per_request)
 
     def run(self) -> dict[str, Any]:
         """Run to the last finish; the figures of ``conveyor bench throughput`` and a few more."""
