@@ -111,3 +111,17 @@ def test_a_serving_latency_per_request_adds_to_each_ttft_and_latency_but_not_to_
     assert later["elapsed_s"] == plain["elapsed_s"] and SMALL.serving_s_per_request == 0.0
     with pytest.raises(ValueError, match="a request"):
         with_serving_overhead(SMALL, 0.0, -0.01)
+
+
+def test_a_cluster_runs_senders_too_and_one_replica_is_the_engine_alone():
+    from conveyor.sim.cluster import simulate_cluster
+
+    senders = [SenderShape("heavy", 6, 40, 12, until=0.3)]
+    light = light_requests(0.05, 0.3)
+    alone, _ = simulate(CONFIG, SMALL, light, senders=senders)
+    one = simulate_cluster(CONFIG, SMALL, light, 1, "round-robin", senders=senders)
+    assert one["tenants"] == alone["tenants"] and one["num_requests"] == alone["num_requests"]
+    two = simulate_cluster(CONFIG, SMALL, light, 2, "round-robin", senders=senders)
+    assert two["tenants"]["light"]["requests"] == len(light)
+    assert two["tenants"]["heavy"]["requests"] > 6, "the senders' follow-ups reach the router"
+    assert sum(two["requests_per_replica"]) == two["num_requests"] and min(two["requests_per_replica"]) > 0

@@ -26,12 +26,14 @@ from conveyor.sim.executor import SimulatedExecutor, VirtualClock
 from conveyor.sim.simulator import (
     ConversationFeed,
     FinishedSums,
+    SenderFeed,
     fast_forward_group,
     mid_run_rates,
     run_step,
+    tenant_figures,
     workload_request,
 )
-from conveyor.sim.workload import ConversationShape, WorkloadRequest
+from conveyor.sim.workload import ConversationShape, SenderShape, WorkloadRequest
 
 FINISHED = RequestStatus.FINISHED
 
@@ -63,8 +65,11 @@ class ClusterSimulation:
         conversations: list[ConversationShape] | None = None,
         seed: int = 0,
         fast_forward: bool = True,
+        senders: list[SenderShape] | None = None,
     ) -> None:
-        """``fast_forward``: each replica advances its determined decodes as a group (the same results)."""
+        """``fast_forward``: each replica advances its determined decodes as a group (the same results).
+        ``conversations`` and ``senders`` are closed loops, as in :class:`~conveyor.sim.simulator.Simulation`: a
+        request's follow-up arrives at the router as it finishes, and is routed like any other."""
         if num_replicas < 1:
             raise ValueError(f"--num-replicas must be >= 1, got {num_replicas}")
         self.config = config
@@ -76,13 +81,16 @@ class ClusterSimulation:
         self.router_clock = VirtualClock()
         self.router = Router(num_replicas, router_policy, block_size=config.block_size, seed=seed,
                              clock=self.router_clock)
-        self.conversations = ConversationFeed(conversations or [], self.plan.max_model_len)
+        feeds = (ConversationFeed(conversations or [], self.plan.max_model_len),
+                 SenderFeed(senders or [], self.plan.max_model_len))
+        self.feeds = [feed for feed in feeds if feed]
         self._arrivals: list[tuple[float, int, Request]] = []  # (time, tie-break, request): a heap
         self._order = itertools.count()
         for index, item in enumerate(sorted(workload, key=lambda r: r.arrival_time)):
             self._push(workload_request(item, index, self.plan.max_model_len))
-        for request in self.conversations.first_requests():
-            self._push(request)
+        for feed in self.feeds:
+            for request in feed.first_requests():
+                self._push(request)
         self._replica_of: dict[str, int] = {}
 
     def _replica(self) -> SimulatedReplica:
@@ -139,8 +147,9 @@ class ClusterSimulation:
             self.router.finished(index)
             self.router_clock.now = max(self.router_clock.now, replica.clock.now)
             self.router.remember(index, request.prompt_token_ids + request.output_token_ids[:-1])
-            if self.conversations and (turn := self.conversations.follow_up(request, replica.clock.now)) is not None:
-                self._push(turn)
+            for feed in self.feeds:
+                if (follow_up := feed.follow_up(request, replica.clock.now)) is not None:
+                    self._push(follow_up)
 
     def _figures(self, finished: FinishedSums, steps: int, end: float) -> dict[str, Any]:
         start = min(finished.arrivals, default=0.0)
@@ -165,6 +174,7 @@ class ClusterSimulation:
             "offered_rate": offered,
             "completion_rate": completed,
             "steps_fast_forwarded": sum(r.group.num_group_steps for r in self.replicas if r.group is not None),
+            **tenant_figures(finished),
         }
 
 
@@ -177,7 +187,8 @@ def simulate_cluster(
     conversations: list[ConversationShape] | None = None,
     seed: int = 0,
     fast_forward: bool = True,
+    senders: list[SenderShape] | None = None,
 ) -> dict[str, Any]:
-    """Run ``workload`` (and ``conversations``) on the cluster to the end; its figures."""
+    """Run ``workload`` (and ``conversations``, ``senders``) on the cluster to the end; its figures."""
     return ClusterSimulation(config, cost, workload, num_replicas, router_policy, conversations, seed,
-                             fast_forward).run()
+                             fast_forward, senders).run()

@@ -169,7 +169,7 @@ class Simulation:
         figures.update(_shedding_figures(finished, refused, figures["elapsed_s"]))
         figures.update(_fast_forward_figures(core))
         figures.update(_draft_figures(core))
-        figures.update(_tenant_figures(finished))
+        figures.update(tenant_figures(finished))
         figures["simulation_wall_s"] = time.perf_counter() - wall_start
         return figures
 
@@ -244,7 +244,7 @@ def _draft_figures(core: EngineCore) -> dict[str, Any]:
             stats.acceptance_rate, "spec_decode_tokens_per_drafted_step": stats.mean_acceptance_length}
 
 
-def _tenant_figures(finished: FinishedSums) -> dict[str, Any]:
+def tenant_figures(finished: FinishedSums) -> dict[str, Any]:
     """Each named tenant's requests and time to first token (mean, p50, p99), where requests named one."""
     if not finished.tenant_ttft:
         return {}
