@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -23,7 +22,7 @@ import time
 
 import httpx
 
-from conveyor.bench.local_server import local_server
+from conveyor.bench.local_server import local_server, save_results, server_script_parser
 from conveyor.bench.serve import RequestTiming, stream_request
 from conveyor.bench.workload import SyntheticRequest
 from conveyor.core.figures import percentile
@@ -69,7 +68,7 @@ def summary(timings: list[RequestTiming], elapsed: float, long_prompt: int) -> d
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = server_script_parser(__doc__)
     parser.add_argument("--short", type=int, default=200)
     parser.add_argument("--short-prompt", type=int, default=100)
     parser.add_argument("--long", type=int, default=8)
@@ -77,8 +76,6 @@ def main() -> int:
     parser.add_argument("--output", type=int, default=32)
     parser.add_argument("--rate", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("engine_flags", nargs="*", help="flags for every server, after --")
     args = parser.parse_args()
     results = {}
     for name, flags in CONFIGURATIONS.items():
@@ -91,9 +88,7 @@ def main() -> int:
     print(f"short prompts' TTFT p99, one at a time / partial prefills: "
           f"{one['short_ttft_p99_s'] / partial['short_ttft_p99_s']:.2f}x (the aim: >= 3); output tok/s, partial / "
           f"one at a time: {partial['output_tokens_per_s'] / one['output_tokens_per_s']:.3f} (the aim: within 5%)")
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2)
+    save_results(args.json, results)
     return 0
 
 

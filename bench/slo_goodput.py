@@ -17,11 +17,9 @@ Prints goodput, completions, refusals and the slowest 429 of each, and the ratio
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
-from conveyor.bench.local_server import local_server
+from conveyor.bench.local_server import local_server, save_results, server_script_parser
 from conveyor.bench.report import format_table
 from conveyor.bench.serve import bench_serve
 
@@ -30,15 +28,13 @@ CONFIGURATIONS = {"fcfs": ["--scheduling-policy", "fcfs"],
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = server_script_parser(__doc__, "flags for both servers, after --")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--load", type=float, default=1.5, help="offered rate as a multiple of the capacity")
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     parser.add_argument("--slo-tpot", type=float, default=0.2, help="seconds per output token")
     parser.add_argument("--output-len", default="8,256")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("engine_flags", nargs="*", help="flags for both servers, after --")
     args = parser.parse_args()
     low, high = (int(x) for x in args.output_len.split(","))
     capacity, results = None, {}
@@ -60,10 +56,7 @@ def main() -> int:
     base_goodput = results["fcfs"]["goodput_requests_per_s"]
     ratio = results["slo+admission"]["goodput_requests_per_s"] / base_goodput if base_goodput else float("inf")
     print(f"goodput, slo + admission control / fcfs: {ratio:.2f}x")
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"capacity_requests_per_s": capacity, "load": args.load, "results": results}, file, indent=2,
-                      default=str)
+    save_results(args.json, {"capacity_requests_per_s": capacity, "load": args.load, "results": results})
     return 0
 
 

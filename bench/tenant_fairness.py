@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from conveyor.bench.local_server import local_server
+from conveyor.bench.local_server import local_server, save_results, server_script_parser
 from conveyor.bench.serve import stream_request
 from conveyor.bench.workload import SyntheticRequest
 from conveyor.core.figures import percentile
@@ -265,7 +265,7 @@ async def weighted_shares(base: str, args: argparse.Namespace) -> dict[str, floa
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = server_script_parser(__doc__)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--heavy-inflight", type=int, default=64)
     parser.add_argument("--heavy-prompt", type=int, default=128)
@@ -274,8 +274,6 @@ def main() -> int:
     parser.add_argument("--light-prompt", type=int, default=32)
     parser.add_argument("--overhead-seconds", type=float, default=20.0)
     parser.add_argument("--repeats", type=int, default=1, help="part-1 runs per policy (medians compared)")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("engine_flags", nargs="*", help="flags for every server, after --")
     args = parser.parse_args()
     results: dict[str, object] = {}
     simulated = Simulated(args)
@@ -292,9 +290,7 @@ def main() -> int:
     results["weighted"] = {"weights": json.loads(weights), "served": served, "share_a": share}
     print(f"weights 2:1, both backlogged: served a {served['a']:.0f}, b {served['b']:.0f} (VTC tokens); a's share "
           f"{share:.3f} against 0.667 ({(share / (2 / 3) - 1) * 100:+.1f}%)")
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=2)
+    save_results(args.json, results)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import signal
 import socket
 import subprocess
@@ -51,3 +53,22 @@ def _wait_until_healthy(process: subprocess.Popen, base: str, command: list[str]
         if time.monotonic() > deadline:
             raise RuntimeError(f"the server did not start in {START_TIMEOUT_S} s")
         time.sleep(0.5)
+
+
+def server_script_parser(doc: str, engine_flags_help: str = "flags for every server, after --"
+                         ) -> argparse.ArgumentParser:
+    """The command line of a script that benchmarks servers it starts (``bench/*.py``): described by the first
+    paragraph of its docstring, with ``--json`` (a file for the results) and, after ``--``, the engine flags
+    each of its servers gets."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="write the results to this file as JSON")
+    parser.add_argument("engine_flags", nargs="*", help=engine_flags_help)
+    return parser
+
+
+def save_results(path: str | None, results: object) -> None:
+    """The results as JSON at ``path`` (``--json``), where one was given; what JSON has no type for (an enum, a
+    path) as its text."""
+    if path:
+        with open(path, "w") as file:
+            json.dump(results, file, indent=2, default=str)
