@@ -48,6 +48,8 @@ from conveyor.bench.serve import stream_request
 from conveyor.bench.workload import SyntheticRequest
 from conveyor.core.figures import percentile
 
+WARM_REQUESTS = 8  # each server's first requests, before anything is measured
+
 
 def _prompt(rng: random.Random, length: int) -> list[int]:
     return [rng.randrange(1000, 40000) for _ in range(length)]
@@ -82,7 +84,7 @@ async def _warmed_client(base: str) -> AsyncIterator[httpx.AsyncClient]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         warm = random.Random(99)
-        await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(8)))
+        await asyncio.gather(*(_request(client, base, "warm", _prompt(warm, 64), 8) for _ in range(WARM_REQUESTS)))
         yield client
 
 
@@ -99,7 +101,8 @@ async def light_tenant_wait(base: str, args: argparse.Namespace) -> tuple[list[f
     """Part 1 on one server: the heavy tenant alone for ``--overhead-seconds`` (the serving overhead's run),
     then the light tenant's TTFTs while the heavy tenant keeps its backlog."""
     async with _warmed_client(base) as client:
-        before, engine_before, start = _generated(base), _engine_ttft(base), time.perf_counter()
+        engine_before = await _engine_ttft_after(base, WARM_REQUESTS)  # the server is fresh: the warm-up's alone
+        before, start = _generated(base), time.perf_counter()
         heavy_waits = await _backlog(client, base, "heavy", args, start + args.overhead_seconds, seed=4)
         alone = ServingOverheadRun((_generated(base) - before) / (time.perf_counter() - start),
                                    await _outside_engine(base, heavy_waits, engine_before))
@@ -137,18 +140,26 @@ def _engine_ttft(base: str) -> tuple[float, float]:
     return sums["conveyor:time_to_first_token_seconds_sum"], sums["conveyor:time_to_first_token_seconds_count"]
 
 
+async def _engine_ttft_after(base: str, num_requests: int, before: tuple[float, float] = (0.0, 0.0)
+                             ) -> tuple[float, float]:
+    """The engine's TTFT histogram (``_engine_ttft``) once it counts ``num_requests`` more than ``before``: the
+    server records a request as its stream ends, so its count may trail the client's for a moment."""
+    for _ in range(50):
+        now = _engine_ttft(base)
+        if now[1] - before[1] >= num_requests:
+            break
+        await asyncio.sleep(0.02)
+    if now[1] - before[1] != num_requests:
+        raise RuntimeError(f"the server counted {now[1] - before[1]:.0f} first tokens for {num_requests} requests")
+    return now
+
+
 async def _outside_engine(base: str, client_waits: list[float], engine_before: tuple[float, float]) -> float:
     """Mean seconds a request's TTFT at the client exceeds the engine's for ``client_waits``' requests, the
     only ones the server finished since ``engine_before``: the HTTP request's way in and the first token's way
-    out. The server records a request as its stream ends, so its count may trail the client's for a moment."""
-    for _ in range(50):
-        engine_sum, count = (now - then for now, then in zip(_engine_ttft(base), engine_before))
-        if count >= len(client_waits):
-            break
-        await asyncio.sleep(0.02)
-    if count != len(client_waits):
-        raise RuntimeError(f"the server counted {count:.0f} first tokens for the {len(client_waits)} requests sent")
-    return max(0.0, (sum(client_waits) - engine_sum) / count)
+    out."""
+    engine_sum = (await _engine_ttft_after(base, len(client_waits), engine_before))[0] - engine_before[0]
+    return max(0.0, (sum(client_waits) - engine_sum) / len(client_waits))
 
 
 def _generated(base: str) -> float:
