@@ -59,7 +59,8 @@ def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_pat
         assert measured["output_tokens"] == predicted["output_tokens"]
         assert result["priced_by"].startswith("step profile")
         assert [run["output_tokens"] for run in measured["runs"]] == [measured["output_tokens"]] * 2
+        assert all(0.05 < run["pace"] < 20 for run in measured["runs"]), "each real run's pace, timed around it"
     swap = results[-1]
     assert swap["measured"]["preemptions"] > 0 and swap["predicted"]["preemptions"] > 0
     out = capsys.readouterr().out
-    assert "within 10% / 15%" in out and "shared-prefix" in out
+    assert "within 10% / 15%" in out and "shared-prefix" in out and "the machine's pace in each real run" in out

@@ -110,3 +110,21 @@ def test_catalog_names_are_found_whatever_their_case():
     assert load_hardware("a100-80gb").name == "A100-80GB"
     with pytest.raises(ValueError, match="neither"):
         load_model_config("llama-2-14b")
+
+
+def test_a_pace_stretches_every_step_by_its_factor_and_leaves_the_model_alone():
+    from conveyor.core.config import EngineConfig
+    from conveyor.sim.cost import with_pace
+    from conveyor.sim.simulator import simulate
+    from conveyor.sim.workload import WorkloadRequest
+
+    cost = CostModel(load_model_config("SmolLM2-135M"), load_hardware("A100-80GB"), "float16")
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, block_size=8, num_kv_blocks=512,
+                          max_model_len=512)
+    workload = [WorkloadRequest(0.0, 40, 12) for _ in range(3)]
+    plain, _ = simulate(config, cost, workload)
+    slower, _ = simulate(config, with_pace(cost, 1.5), workload)
+    assert slower["elapsed_s"] == pytest.approx(1.5 * plain["elapsed_s"])
+    assert slower["steps"] == plain["steps"] and cost.pace == 1.0
+    with pytest.raises(ValueError, match="pace"):
+        with_pace(cost, 0.0)

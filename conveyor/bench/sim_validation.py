@@ -20,11 +20,15 @@ from conveyor.core.config import EngineConfig
 from conveyor.core.figures import request_figures
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
-from conveyor.sim.cost import CostModel
+from conveyor.sim.cost import CostModel, with_pace
 from conveyor.sim.hardware import load_hardware
 from conveyor.sim.profile import step_cost_model
 from conveyor.sim.simulator import simulate
 from conveyor.sim.validation import CASE_NAMES, FIGURES, ValidationCase, error, validation_cases
+
+# Eight requests of 96 prompt tokens and 24 output tokens at once: a prefill step, then decodes of a batch of 8,
+# the kinds of step the validation's workloads are made of; about a third of a second on 2 cores.
+PACE_PROBE = Probe("pace", ((0, 96, 24),) * 8)
 
 
 def real_prompts(case: ValidationCase, vocab_size: int, seed: int) -> list[list[int]]:
@@ -69,15 +73,30 @@ def run_real(engine: Engine, case: ValidationCase, prompts: list[list[int]]) -> 
 
 def run_case(config: EngineConfig, engine: Engine, cost: CostModel, case: ValidationCase, seed: int,
              repeats: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The case through the real engine ``repeats`` times, then once through the simulator (which does the
-    same each time). The real figures are the median of the runs, with each run kept under ``runs``: on a
-    shared machine one run of a workload whose requests queue can move by a fifth on its own. Each run has
-    prompt tokens of its own (the same lengths and shared prefixes), so none finds another's in the cache."""
-    runs = [run_real(engine, case, real_prompts(case, engine.model_config.vocab_size, seed + 1000 * r))
-            for r in range(repeats)]
+    """The case through the real engine ``repeats`` times, and through the simulator once per real run, at the
+    pace the machine had during that run (``machine_pace``, timed before and after it). The figures of both are
+    the medians of their runs, each run kept under ``runs``: on a shared machine one run of a workload whose
+    requests queue can move by a fifth on its own. Each real run has prompt tokens of its own (the same lengths
+    and shared prefixes), so none finds another's in the cache."""
+    runs, predictions = [], []
+    for r in range(repeats):
+        before = machine_pace(engine, cost)
+        runs.append(run_real(engine, case, real_prompts(case, engine.model_config.vocab_size, seed + 1000 * r)))
+        runs[-1]["pace"] = (before + machine_pace(engine, cost)) / 2
+        predictions.append(simulate(dataclasses.replace(config, **case.overrides), with_pace(cost, runs[-1]["pace"]),
+                                    list(case.requests))[0])
     measured = {key: median_of([run[key] for run in runs]) for key in runs[0]} | {"runs": runs}
-    predicted, _ = simulate(dataclasses.replace(config, **case.overrides), cost, list(case.requests))
+    predicted = {key: median_of([run[key] for run in predictions]) for key in predictions[0]}
     return measured, predicted
+
+
+def machine_pace(engine: Engine, cost: CostModel) -> float:
+    """How much longer than the profile's prices the engine's steps take now: ``PACE_PROBE`` timed, against what
+    the profile prices its steps at. This machine's speed drifts by a fifth from one minute to the next, and the
+    profile was measured minutes before; the simulator is asked what the real run did on the machine it ran on."""
+    samples = time_probe(engine, PACE_PROBE, random.Random(0))
+    block_size = engine.config.block_size
+    return sum(seconds for _, seconds in samples) / sum(cost.step_time(work, block_size) for work, _ in samples)
 
 
 def median_of(values: list[Any]) -> Any:
@@ -131,6 +150,8 @@ def print_case(result: dict[str, Any]) -> None:
              f"{error(measured[key], predicted[key]):+.1%}"] for label, key, _ in FIGURES]
     print(f"\n{result['case']}: {result['description']}")
     print(format_table(["figure", f"real engine (median of {len(runs)})", "real runs", "simulator", "error"], rows))
+    print(f"the machine's pace in each real run (its steps' time over the profile's price, which the simulator's "
+          f"run beside it takes): {_paces(runs)}")
 
 
 def _spread(values: list[float]) -> str:
@@ -145,6 +166,11 @@ def print_errors(results: list[dict[str, Any]]) -> None:
         within = all(abs(e) <= bound for e, (_, _, bound) in zip(errors, FIGURES) if bound is not None)
         rows.append([result["case"], *(f"{e:+.1%}" for e in errors[:5]),
                      f"{result['measured']['preemptions']} / {result['predicted']['preemptions']}",
-                     f"{result['measured']['steps']} / {result['predicted']['steps']}", "yes" if within else "NO"])
+                     f"{result['measured']['steps']} / {result['predicted']['steps']}",
+                     _paces(result["measured"]["runs"]), "yes" if within else "NO"])
     print("\n" + format_table(["workload", "tok/s", "mean TTFT", "p90 TTFT", "mean latency", "p90 latency",
-                               "preemptions real / sim", "steps real / sim", "within 10% / 15%"], rows))
+                               "preemptions real / sim", "steps real / sim", "pace", "within 10% / 15%"], rows))
+
+
+def _paces(runs: list[dict[str, Any]]) -> str:
+    return ", ".join(f"{run['pace']:.2f}" for run in runs if "pace" in run)

@@ -141,6 +141,9 @@ class CostModel:
         # HTTP request, until the engine holds it) and its first token's way out to the client. The figures add
         # it to every finished request; 0 for the offline engine.
         self.serving_s_per_request = 0.0
+        # How much longer than their prices the machine's steps take now: a validation measures it around each
+        # real run (``with_pace``), since a shared machine's speed drifts by a fifth within minutes; 1 elsewhere.
+        self.pace = 1.0
 
     def dense_time(self, num_tokens: int, num_sampled: int) -> float:
         flops = num_tokens * self.dense_flops_per_token + num_sampled * self.lm_head_flops_per_row
@@ -211,3 +214,14 @@ def with_serving_overhead(cost: CostModel, seconds_per_token: float, seconds_per
     served.serving_s_per_token = seconds_per_token
     served.serving_s_per_request = seconds_per_request
     return served
+
+
+def with_pace(cost: CostModel, pace: float) -> CostModel:
+    """A copy of ``cost`` whose steps take ``pace`` times their price: the machine as fast, or as slow, as it was
+    measured to be when the run being predicted ran (``conveyor simulate validate`` times a probe around each
+    real run and holds it against the profile's prices)."""
+    if not pace > 0:
+        raise ValueError(f"the pace must be > 0, got {pace}")
+    paced = copy.copy(cost)
+    paced.pace = pace
+    return paced

@@ -59,7 +59,8 @@ class SimulatedExecutor:
         self._run(StepWork(n, n, n, context, context, 0, context, n))
 
     def _run(self, work: StepWork) -> None:
-        duration = self.cost.step_time(work, self.block_size) + self.cost.serving_s_per_token * work.num_sampled
+        cost = self.cost
+        duration = cost.step_time(work, self.block_size) * cost.pace + cost.serving_s_per_token * work.num_sampled
         self.clock.now += duration
         self.busy_time += duration
         self.num_model_steps += 1 if work.num_seqs else 0
