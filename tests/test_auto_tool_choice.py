@@ -182,6 +182,12 @@ def test_the_responses_api_reads_calls_streamed_or_not(json_client):
     plain = json_client.responses.create(model="tiny", input="Hello", tools=[tool], max_output_tokens=5,
                                          temperature=0)
     assert [item.type for item in plain.output] == ["message"] and plain.output[0].content[0].text
+    events = list(json_client.responses.create(model="tiny", input="Hello", tools=[tool], max_output_tokens=5,
+                                               temperature=0, stream=True))
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    [message] = events[-1].response.output
+    assert deltas and {event.output_index for event in deltas} == {0}
+    assert message.type == "message" and message.content[0].text == "".join(event.delta for event in deltas)
 
 
 def test_start_is_refused_without_a_format_to_read(tiny_model_dir, capsys):

@@ -178,6 +178,7 @@ class ResponsesShape:
         self._auto = AutoToolStream(auto_tools) if auto_tools is not None else None
         self._auto_items: list[dict[str, Any]] = []  # streamed with auto_tools: the message and calls, in order
         self._auto_text = ""  # the message's text streamed so far
+        self._auto_message_at: int | None = None  # the message's place among _auto_items, once its text began
         self.id = f"resp_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._sequence = 0
@@ -288,16 +289,16 @@ class ResponsesShape:
         read, whole, as an item of its own after what came before it."""
         events = []
         if content:
-            if not any(item["type"] == "message" for item in self._auto_items):
+            if self._auto_message_at is None:
+                index = self._auto_message_at = len(self._auto_items)
                 self._auto_items.append(self._message("", "in_progress"))
-                index = len(self._auto_items) - 1
                 events += [self.event("response.output_item.added", output_index=index,
                                       item=self._message("", "in_progress")),
                            self.event("response.content_part.added", item_id=self._message_id, output_index=index,
                                       content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
             self._auto_text += content
             events.append(self.event("response.output_text.delta", item_id=self._message_id,
-                                     output_index=self._auto_message_index(), content_index=0, delta=content,
+                                     output_index=self._auto_message_at, content_index=0, delta=content,
                                      logprobs=[]))
         for call in calls:
             item = _function_call_item(whole_call(call.name, call.arguments), "completed")
@@ -312,14 +313,11 @@ class ResponsesShape:
                        self.event("response.output_item.done", output_index=index, item=dict(item))]
         return events
 
-    def _auto_message_index(self) -> int:
-        return next(i for i, item in enumerate(self._auto_items) if item["type"] == "message")
-
     def _auto_closing(self, final: RequestOutput, status: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """With auto_tools: the last piece, what was held back, and the message's closing events; the output."""
         events = self.deltas(final) + self._auto_events(*self._auto.finish())
-        if any(item["type"] == "message" for item in self._auto_items):
-            index = self._auto_message_index()
+        if self._auto_message_at is not None:
+            index = self._auto_message_at
             item = self._auto_items[index] = self._message(self._auto_text, status, self._logprobs(final))
             part = item["content"][0]
             events += [self.event("response.output_text.done", item_id=self._message_id, output_index=index,
