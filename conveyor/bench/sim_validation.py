@@ -79,12 +79,12 @@ def run_case(config: EngineConfig, engine: Engine, cost: CostModel, case: Valida
     requests queue can move by a fifth on its own. Each real run has prompt tokens of its own (the same lengths
     and shared prefixes), so none finds another's in the cache."""
     runs, predictions = [], []
+    case_config = dataclasses.replace(config, **case.overrides)
     for r in range(repeats):
         before = machine_pace(engine, cost)
         runs.append(run_real(engine, case, real_prompts(case, engine.model_config.vocab_size, seed + 1000 * r)))
         runs[-1]["pace"] = (before + machine_pace(engine, cost)) / 2
-        predictions.append(simulate(dataclasses.replace(config, **case.overrides), with_pace(cost, runs[-1]["pace"]),
-                                    list(case.requests))[0])
+        predictions.append(simulate(case_config, with_pace(cost, runs[-1]["pace"]), list(case.requests))[0])
     measured = {key: median_of([run[key] for run in runs]) for key in runs[0]} | {"runs": runs}
     predicted = {key: median_of([run[key] for run in predictions]) for key in predictions[0]}
     return measured, predicted
@@ -173,4 +173,4 @@ def print_errors(results: list[dict[str, Any]]) -> None:
 
 
 def _paces(runs: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{run['pace']:.2f}" for run in runs if "pace" in run)
+    return ", ".join(f"{run['pace']:.2f}" for run in runs)

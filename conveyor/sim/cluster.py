@@ -24,9 +24,8 @@ from conveyor.router import Router
 from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock
 from conveyor.sim.simulator import (
-    ConversationFeed,
     FinishedSums,
-    SenderFeed,
+    closed_loop_feeds,
     fast_forward_group,
     mid_run_rates,
     run_step,
@@ -81,9 +80,7 @@ class ClusterSimulation:
         self.router_clock = VirtualClock()
         self.router = Router(num_replicas, router_policy, block_size=config.block_size, seed=seed,
                              clock=self.router_clock)
-        feeds = (ConversationFeed(conversations or [], self.plan.max_model_len),
-                 SenderFeed(senders or [], self.plan.max_model_len))
-        self.feeds = [feed for feed in feeds if feed]
+        self.feeds = closed_loop_feeds(conversations, senders, self.plan.max_model_len)
         self._arrivals: list[tuple[float, int, Request]] = []  # (time, tie-break, request): a heap
         self._order = itertools.count()
         for index, item in enumerate(sorted(workload, key=lambda r: r.arrival_time)):

@@ -136,9 +136,7 @@ class Simulation:
                                proposer=drafts[0])
         self.trace = self.core.start_trace() if record_trace else None
         self.arrivals = sorted(workload, key=lambda r: r.arrival_time)
-        feeds = (ConversationFeed(conversations or [], self.plan.max_model_len),
-                 SenderFeed(senders or [], self.plan.max_model_len))
-        self.feeds = [feed for feed in feeds if feed]
+        self.feeds = closed_loop_feeds(conversations, senders, self.plan.max_model_len)
         # Every finished request's figures, in the order they finished.
         self.finished = FinishedSums(serving_latency=cost.serving_s_per_request)
 
@@ -277,6 +275,14 @@ def simulate(
     """Run ``workload`` (and ``conversations``, ``senders``) to the end; its figures, and its trace if asked for."""
     simulation = Simulation(config, cost, workload, record_trace, conversations, fast_forward, acceptance, senders)
     return simulation.run(), simulation.trace
+
+
+def closed_loop_feeds(conversations: list[ConversationShape] | None, senders: list[SenderShape] | None,
+                      max_model_len: int) -> list[ConversationFeed | SenderFeed]:
+    """The closed loops of a run (conversations, senders), those that have any: a simulation adds their first
+    requests at the start and asks each for a follow-up as a request finishes."""
+    feeds = (ConversationFeed(conversations or [], max_model_len), SenderFeed(senders or [], max_model_len))
+    return [feed for feed in feeds if feed]
 
 
 class ConversationFeed:
