@@ -21,6 +21,9 @@ def test_the_grid_covers_decode_batches_contexts_prompts_and_mixed_steps():
     assert "prompt of 2048" in names and "8 prompts of 256" in names
     assert any("joining" in n for n in names) and any("over the budget" in n for n in names)
     assert all(prompt + output <= 300 for p in profiling_grid(4, 256, 300) for _, prompt, output in p.requests)
+    shared = {p.name: p for p in profiling_grid(32, 2048) if p.prefixes}
+    assert list(shared) == ["decode 16 over 4 shared prefixes of 320", "decode 8 over a shared prefix of 1280"]
+    assert all(prompt > p.prefixes[0] for p in shared.values() for _, prompt, _ in p.requests)
 
 
 def test_a_probe_times_every_step_with_its_work(tiny_model_dir):
@@ -30,6 +33,10 @@ def test_a_probe_times_every_step_with_its_work(tiny_model_dir):
     assert works[0].num_tokens == 64 and works[0].num_sampled == 0  # the long prompt's first chunk
     assert sum(w.num_tokens for w in works) == 100 + 10 + 2 + 1  # prompts, then each decode
     assert all(seconds > 0 for _, seconds in samples)
+    # Over a shared prefix of 32 (two blocks of 16): computed once, and the decodes read its blocks together.
+    samples = time_probe(engine, Probe("s", ((0, 40, 3),) * 3, (32,)), __import__("random").Random(1))
+    assert sum(w.num_tokens for w, _ in samples) == 40 + 2 * 8 + 3 * 2
+    assert max(w.shared_decode_blocks for w, _ in samples) == 2 * 2
 
 
 def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -45,6 +52,8 @@ def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_pat
     assert len(saved) == 1 and load_profile(saved[0]) == profile
     assert profile.machine["threads"] == 1 and profile.fit["samples"] > 50
     assert profile.per_swapped_token_s > 0 and all(s >= 0 for s in profile.dense_s)
+    # Decodes over a shared prefix were timed (their keys read again priced), and the pace probe around the grid.
+    assert profile.per_shared_decode_key_s is not None and profile.fit["pace_probe"] > 0
     out = capsys.readouterr().out
     assert "decode 4 x context 1000" in out and "calibrated in" in out
     engine_model = Engine(config).model_config

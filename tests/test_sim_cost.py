@@ -105,6 +105,24 @@ def test_simulated_executor_prices_a_mixed_step_and_advances_the_clock():
     assert clock.now == pytest.approx(5.0 + cost.step_time(work))
 
 
+def test_step_work_counts_the_blocks_decodes_read_again_only_where_blocks_are_shared():
+    from conveyor.core.kv import MemoryReport
+    from conveyor.sim.cost import step_work
+
+    def decode(request_id: str, blocks: list[int]) -> ScheduledRequest:
+        return ScheduledRequest(request_id, 16 * len(blocks) - 1, [0], blocks, SamplingParams(), True, 0)
+
+    # Two decodes over one prefix of blocks 1-3, a third over its own; a prompt chunk reading block 1 is no decode.
+    items = [decode("a", [1, 2, 3, 7]), _item("prompt", 0, 40, False), decode("b", [1, 2, 3, 8]), decode("c", [9])]
+    items[1] = dataclasses.replace(items[1], block_ids=[1, 2, 3])
+    shared = MemoryReport(capacity_slots=320, reserved_slots=160, used_slots=100, unusable_free_slots=0,
+                          num_requests=4, shared_slots=96)
+    work, sampled = step_work(SchedulerOutput(step=1, scheduled=items, memory=shared))
+    assert work.shared_decode_blocks == 3 and sampled == ["a", "b", "c"]
+    unshared = dataclasses.replace(shared, shared_slots=0)  # no block held twice: not even looked at
+    assert step_work(SchedulerOutput(step=1, scheduled=items, memory=unshared))[0].shared_decode_blocks == 0
+
+
 def test_catalog_names_are_found_whatever_their_case():
     assert load_model_config("llama-2-13b") == load_model_config("Llama-2-13B")
     assert load_hardware("a100-80gb").name == "A100-80GB"

@@ -77,6 +77,34 @@ def test_the_fit_recovers_the_table_and_the_parts_that_made_the_times():
     assert max(errors) < 0.05
 
 
+def test_keys_in_blocks_an_earlier_decode_read_get_a_price_of_their_own():
+    """Decodes over shared prefixes: the fit finds the price of a key read again apart from the others', and
+    a profile measured without such steps prices them as the others."""
+    rng, again = random.Random(1), 1.2e-7
+
+    def timed(work: StepWork) -> float:
+        shared = 16 * work.shared_decode_blocks
+        return true_time(work) - shared * (TRUTH["per_decode_key_s"][decode_bucket(work.decode_rows)] - again)
+
+    prefixed = [StepWork(b, b, b, b * 352, b * 352, 0, b * 352, b, (b - p) * 20) for b, p in ((16, 4), (8, 1))]
+    # Nine steps of each prefixed shape, as a probe decodes nine.
+    samples = [(w, timed(w)) for w in grid() for _ in range(3)] + [(w, timed(w)) for w in prefixed for _ in range(9)]
+    fitted = fit_step_times(samples)
+    assert fitted["per_shared_decode_key_s"] == pytest.approx(again, rel=1e-3)
+    # The keys read again are a few percent of a step: with 1% noise on every step their own price is loose,
+    # and the steps' prices still hold.
+    noisy = new_profile(fit_step_times([(w, t * (1 + rng.gauss(0, 0.01))) for w, t in samples]), 0.0,
+                        this_machine(2), MODEL, "float32", 16)
+    for work in prefixed:
+        assert noisy.step_time(work) == pytest.approx(timed(work), rel=0.03)
+    profile = new_profile(fitted, 0.0, this_machine(2), MODEL, "float32", 16)
+    unmeasured = new_profile(fit_step_times(samples[: 3 * len(grid())]), 0.0, this_machine(2), MODEL, "float32", 16)
+    assert unmeasured.per_shared_decode_key_s is None
+    alike = dataclasses.replace(prefixed[0], shared_decode_blocks=0)
+    assert unmeasured.step_time(prefixed[0]) == unmeasured.step_time(alike)
+    assert StepProfile.from_json(profile.to_json()) == profile
+
+
 def test_steps_a_stray_process_slowed_are_dropped_from_the_fit():
     samples = [(w, true_time(w)) for w in grid() for _ in range(5)]  # a decode probe times nine steps of a shape
     slowed = [(w, 3 * t) for w, t in samples[::50]]

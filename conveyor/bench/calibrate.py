@@ -15,8 +15,10 @@ This module imports torch (through the engine); the simulator itself does not.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.bench.report import format_table
@@ -29,23 +31,35 @@ from conveyor.sim.profile import StepProfile, fit_step_times, new_profile, save_
 
 DECODE_CONTEXTS = ((48, None), (320, 32), (1000, 8))  # (prompt tokens, largest batch decoded over it)
 DECODE_OUTPUT = 10  # tokens each decode probe's requests produce: 9 decode steps
+# Timed before and after the grid, and again around each validation run: its steps' time over their price now,
+# held against the same at calibration, is how much slower or faster the machine runs than when calibrated
+# (conveyor/bench/sim_validation.py machine_pace).
+PACE_PROBE_REQUESTS = ((0, 96, 24),) * 8
+SHARED_PREFIX_KEYS = 1280  # the shared-prefix probes' prefixes, in all (4 of 320, or 1 of 1280)
+SHARED_PREFIX_OWN = 32  # and each request's own tokens after its prefix
 # Prompt steps: powers of two (the table's entries) and sizes between them, where the table interpolates.
 PROMPT_SIZES = (16, 48, 64, 96, 128, 200, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Requests that join at given steps: ``(join step, prompt tokens, output tokens)`` each."""
+    """Requests that join at given steps: ``(join step, prompt tokens, output tokens)`` each. With ``prefixes``
+    (token counts), request ``i``'s prompt begins with prefix ``i % len(prefixes)``, the same tokens in every
+    request that has it: prefix caching computes it once and the decodes share its blocks."""
 
     name: str
     requests: tuple[tuple[int, int, int], ...]
+    prefixes: tuple[int, ...] = ()
+
+
+PACE_PROBE = Probe("pace", PACE_PROBE_REQUESTS)
 
 
 def profiling_grid(max_num_seqs: int, token_budget: int, max_model_len: int = 1 << 30) -> list[Probe]:
     """The probes, for an engine of these limits (prompts cut to fit ``max_model_len`` with their outputs)."""
     probes = _grid(max_num_seqs, token_budget)
-    return [Probe(p.name, tuple((join, min(prompt, max_model_len - output), output)
-                                for join, prompt, output in p.requests)) for p in probes]
+    return [dataclasses.replace(p, requests=tuple((join, min(prompt, max_model_len - output), output)
+                                                  for join, prompt, output in p.requests)) for p in probes]
 
 
 def _grid(max_num_seqs: int, token_budget: int) -> list[Probe]:
@@ -67,6 +81,20 @@ def _grid(max_num_seqs: int, token_budget: int) -> list[Probe]:
     probes.append(Probe("prompt over the budget + decodes", (
         (0, 64, 8), (0, 64, 8), (2, token_budget + token_budget // 2, 2))))
     probes.append(mixed_traffic(max_num_seqs))
+    probes.extend(shared_prefix_probes(max_num_seqs))
+    return probes
+
+
+def shared_prefix_probes(max_num_seqs: int) -> list[Probe]:
+    """Decodes whose prompts share a cached prefix (several prefixes, and one long one): the price of a key that
+    an earlier decode of the step read too (``StepWork.shared_decode_blocks``)."""
+    probes = []
+    for batch, prefixes in ((min(16, max_num_seqs), 4), (min(8, max_num_seqs), 1)):
+        if batch >= 2 * prefixes:
+            length = SHARED_PREFIX_KEYS // prefixes
+            shared = f"{prefixes} shared prefixes" if prefixes > 1 else "a shared prefix"
+            probes.append(Probe(f"decode {batch} over {shared} of {length}",
+                                ((0, length + SHARED_PREFIX_OWN, DECODE_OUTPUT),) * batch, (length,) * prefixes))
     return probes
 
 
@@ -82,12 +110,14 @@ def mixed_traffic(max_num_seqs: int, seed: int = 7) -> Probe:
 def time_probe(engine: Engine, probe: Probe, rng: random.Random) -> list[tuple[StepWork, float]]:
     """Run the probe to its end; each step's work and wall seconds (steps with nothing scheduled left out)."""
     vocab = engine.model_config.vocab_size
-    pending = sorted(probe.requests)
+    prefixes = [[rng.randrange(vocab // 8, vocab) for _ in range(length)] for length in probe.prefixes]
+    pending = sorted((join, index, prompt, output) for index, (join, prompt, output) in enumerate(probe.requests))
     samples, step = [], 0
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:
-            _, prompt_len, output_len = pending.pop(0)
-            prompt = [rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)]
+            _, index, prompt_len, output_len = pending.pop(0)
+            prefix = prefixes[index % len(prefixes)][:prompt_len] if prefixes else []
+            prompt = prefix + [rng.randrange(vocab // 8, vocab) for _ in range(prompt_len - len(prefix))]
             engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
         start = time.perf_counter()
         engine.step()
@@ -128,17 +158,21 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     rng = random.Random(seed)
     time_probe(engine, Probe("warm-up", ((0, 64, 4),) * 4 + ((0, 512, 1),)), rng)
     probes = profiling_grid(config.max_num_seqs, config.max_num_batched_tokens, engine.max_model_len)
+    pace_samples = time_probe(engine, PACE_PROBE, random.Random(0))
     timed: list[tuple[Probe, list[tuple[StepWork, float]]]] = []
     for probe in probes:
         samples = time_probe(engine, probe, rng)
         timed.append((probe, samples))
         print(f"{probe.name}: {len(samples)} steps, {sum(s for _, s in samples):.2f} s", flush=True)
-    fitted = fit_step_times([sample for _, samples in timed for sample in samples])
+    pace_samples += time_probe(engine, PACE_PROBE, random.Random(0))
+    fitted = fit_step_times([sample for _, samples in timed for sample in samples], block_size=config.block_size)
     threads = engine.num_threads
     machine = this_machine(threads, str(engine.device) if engine.device.type != "cpu" else "cpu")
     profile = new_profile(fitted, swap_price(engine, config.dtype), machine, engine.model_config, config.dtype,
                           config.block_size)
+    price = functools.partial(profile.step_time, block_size=profile.block_size)
     profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(profile, timed),
+                                               "pace_probe": pace_ratio(pace_samples, price),
                                                "seconds": round(time.perf_counter() - started, 1)})
     path = save_profile(profile, engine.model_config)
     print_profile(profile)
@@ -146,11 +180,17 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     return profile
 
 
+def pace_ratio(samples: list[tuple[StepWork, float]], price: Callable[[StepWork], float]) -> float:
+    """The timed steps' seconds over their price: the pace probe's, at calibration and at each validation run."""
+    return sum(seconds for _, seconds in samples) / sum(price(work) for work, _ in samples)
+
+
 def _fit_report(profile: StepProfile, timed: list[tuple[Probe, list[tuple[StepWork, float]]]]) -> dict:
-    errors = sorted(abs(profile.step_time(w) / s - 1) for _, samples in timed for w, s in samples)
+    price = functools.partial(profile.step_time, block_size=profile.block_size)
+    errors = sorted(abs(price(w) / s - 1) for _, samples in timed for w, s in samples)
     return {"median_step_error": errors[len(errors) // 2], "p90_step_error": errors[int(len(errors) * 0.9)],
             "probes": [{"probe": p.name, "steps": len(samples), "measured_s": sum(s for _, s in samples),
-                        "predicted_s": sum(profile.step_time(w) for w, _ in samples)} for p, samples in timed]}
+                        "predicted_s": sum(price(w) for w, _ in samples)} for p, samples in timed]}
 
 
 def print_profile(profile: StepProfile) -> None:
@@ -162,6 +202,12 @@ def print_profile(profile: StepProfile) -> None:
                        [[t, s * 1000] for t, s in zip(profile.dense_tokens, profile.dense_s)]))
     print(f"per request {profile.per_sequence_s * 1e6:.0f} us, per sampled row {profile.per_sampled_row_s * 1e6:.0f} "
           f"us, per decode key {'/'.join(f'{k * 1e9:.0f}' for k in profile.per_decode_key_s)} ns (1, 2-3, 4-7, "
-          f"8-15, 16+ decode rows), per prompt query-key pair "
+          f"8-15, 16+ decode rows), {shared_key_price(profile)}, per prompt query-key pair "
           f"{profile.per_prompt_pair_s * 1e9:.2f} ns, per swapped token {profile.per_swapped_token_s * 1e9:.0f} ns; "
           f"median step error {profile.fit['median_step_error']:.1%}, p90 {profile.fit['p90_step_error']:.1%}")
+
+
+def shared_key_price(profile: StepProfile) -> str:
+    price = profile.per_shared_decode_key_s
+    return "a decode key read again at the others' price" if price is None else (
+        f"per decode key read again {price * 1e9:.0f} ns")

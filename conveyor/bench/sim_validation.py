@@ -14,7 +14,7 @@ import statistics
 import time
 from typing import Any
 
-from conveyor.bench.calibrate import Probe, time_probe
+from conveyor.bench.calibrate import PACE_PROBE, Probe, pace_ratio, time_probe
 from conveyor.bench.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.figures import request_figures
@@ -22,13 +22,12 @@ from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
 from conveyor.sim.cost import CostModel, with_pace
 from conveyor.sim.hardware import load_hardware
-from conveyor.sim.profile import step_cost_model
+from conveyor.sim.profile import ProfiledCostModel, step_cost_model
 from conveyor.sim.simulator import simulate
 from conveyor.sim.validation import CASE_NAMES, FIGURES, ValidationCase, error, validation_cases
 
 # Eight requests of 96 prompt tokens and 24 output tokens at once: a prefill step, then decodes of a batch of 8,
 # the kinds of step the validation's workloads are made of; about a third of a second on 2 cores.
-PACE_PROBE = Probe("pace", ((0, 96, 24),) * 8)
 
 
 def real_prompts(case: ValidationCase, vocab_size: int, seed: int) -> list[list[int]]:
@@ -91,12 +90,19 @@ def run_case(config: EngineConfig, engine: Engine, cost: CostModel, case: Valida
 
 
 def machine_pace(engine: Engine, cost: CostModel) -> float:
-    """How much longer than the profile's prices the engine's steps take now: ``PACE_PROBE`` timed, against what
-    the profile prices its steps at. This machine's speed drifts by a fifth from one minute to the next, and the
-    profile was measured minutes before; the simulator is asked what the real run did on the machine it ran on."""
+    """How much longer than when the profile was measured the engine's steps take now: ``PACE_PROBE`` timed against
+    the profile's prices, over the same ratio at calibration (``fit["pace_probe"]``, timed before and after the
+    grid). This machine's speed drifts by a fifth from one minute to the next, and the profile was measured
+    minutes before; the simulator is asked what the real run did on the machine it ran on. Held against the
+    probe's own ratio at calibration, not against 1: on a noisy machine the fit can misprice the probe's shapes
+    by a fifth (its decodes over short contexts), which a ratio against 1 would read as the machine's pace and
+    lay on every step of every workload."""
     samples = time_probe(engine, PACE_PROBE, random.Random(0))
     block_size = engine.config.block_size
-    return sum(seconds for _, seconds in samples) / sum(cost.step_time(work, block_size) for work, _ in samples)
+    now = pace_ratio(samples, lambda work: cost.step_time(work, block_size))
+    # The same probe's ratio when the profile was measured: what its own fit makes of the probe's steps cancels.
+    at_calibration = cost.profile.fit.get("pace_probe", 1.0) if isinstance(cost, ProfiledCostModel) else 1.0
+    return now / at_calibration
 
 
 def median_of(values: list[Any]) -> Any:

@@ -95,6 +95,7 @@ class ClusterSimulation:
         executor = SimulatedExecutor(self.cost, clock, self.config.block_size)
         token = executor.token_id if self.fast_forward else None
         core = EngineCore(self.config, self.plan, executor, clock, fast_forward_token=token)
+        executor.listed = core.scheduler.listed
         return SimulatedReplica(clock, executor, core, fast_forward_group(core))
 
     def _push(self, request: Request) -> None:

@@ -42,6 +42,9 @@ class StepWork:
     swap_blocks: int = 0  # KV blocks copied between device and host
     decode_context: int = 0  # keys the single-token rows attend to (their pairs; the rest are prompt rows')
     decode_rows: int = 0  # single-token rows
+    # Of the decodes' KV blocks, those an earlier decode of the same step reads too (prefix caching shares them):
+    # the later reads find the block in cache, and a measured profile prices their keys apart.
+    shared_decode_blocks: int = 0
 
     @property
     def prompt_pairs(self) -> int:
@@ -54,6 +57,9 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
     (most of a simulated step's cost). The simulator prices this; calibration times it on the real engine."""
     sampled: list[str] = []
     num_tokens = attention_pairs = kv_tokens_read = decode_context = decode_rows = num_drafted_rows = 0
+    # Blocks read by the step's decodes so far, kept only where some block is held by two requests at once.
+    seen: set[int] | None = set() if output.memory is not None and output.memory.shared_slots else None
+    shared_blocks = 0
     for item in output.scheduled:
         start, chunk = item.start_position, len(item.token_ids)
         context = start + chunk
@@ -71,14 +77,24 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
             num_drafted_rows += chunk - 1
         else:
             attention_pairs += chunk_attention_pairs(start, chunk)
+        if seen is not None and (chunk == 1 or item.num_draft_tokens):
+            shared_blocks += read_again(item.block_ids, seen)
         if item.samples_token:
             sampled.append(item.request_id)
     swap_blocks = len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out)
     grouped, context = output.num_grouped_decodes, output.grouped_decode_context  # decodes counted, not listed
     work = StepWork(len(output.scheduled) + grouped, num_tokens + grouped, len(sampled) + grouped + num_drafted_rows,
                     attention_pairs + context, kv_tokens_read + context, swap_blocks, decode_context + context,
-                    decode_rows + grouped)
+                    decode_rows + grouped, shared_blocks)
     return work, sampled
+
+
+def read_again(block_ids: list[int], seen: set[int]) -> int:
+    """How many of a decode's blocks an earlier decode of the step read; adds the others to ``seen``. (Only full
+    blocks are shared, and a fast-forward's group never holds a shared one: see FastForwardScheduler.)"""
+    before = len(seen)
+    seen.update(block_ids)
+    return len(block_ids) - (len(seen) - before)
 
 
 def chunk_attention_pairs(start: int, num_tokens: int) -> int:

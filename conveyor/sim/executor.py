@@ -9,6 +9,8 @@ and ``ignore_eos``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from conveyor.core.scheduler.output import SchedulerOutput
 from conveyor.sim.cost import CostModel, StepWork, step_work
 from conveyor.sim.speculative import DraftAcceptance
@@ -40,9 +42,16 @@ class SimulatedExecutor:
         self.num_model_steps = 0
         self.num_busy_slot_steps = 0  # sum over model steps of the requests computing in them
         self.busy_time = 0.0
+        # The scheduler's ``listed`` (set by whoever builds the engine core around this executor): a step whose
+        # fast-forward group is only counted is listed in full where blocks are shared, so that its price sees
+        # which of them its decodes read again.
+        self.listed: Callable[[SchedulerOutput], SchedulerOutput] | None = None
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Price the step and move the clock."""
+        memory = output.memory
+        if output.num_grouped_decodes and memory is not None and memory.shared_slots and self.listed is not None:
+            output = self.listed(output)
         work, sampled = step_work(output)
         self._run(work)
         if output.num_draft_tokens:
@@ -52,11 +61,12 @@ class SimulatedExecutor:
         token = self.token_id
         return dict.fromkeys(sampled, token)
 
-    def execute_group(self, num_decodes: int, context: int) -> None:
-        """A step of decodes only, given by their number and the keys they attend to in all (a fast-forward's
-        group): priced as ``execute`` prices the same decodes listed one by one."""
+    def execute_group(self, num_decodes: int, context: int, shared_blocks: int = 0) -> None:
+        """A step of decodes only, given by their number, the keys they attend to in all and the blocks they read
+        that an earlier one read too (a fast-forward's group): priced as ``execute`` prices the same decodes
+        listed one by one."""
         n = num_decodes
-        self._run(StepWork(n, n, n, context, context, 0, context, n))
+        self._run(StepWork(n, n, n, context, context, 0, context, n, shared_blocks))
 
     def _run(self, work: StepWork) -> None:
         cost = self.cost

@@ -7,7 +7,8 @@ overhead cannot make up the difference. A profile instead learns from steps time
 what it grows with, the parameters fitted by non-negative least squares on relative error::
 
     step = dense(T) + per_sequence * N + per_sampled_row * S
-           + per_decode_key[rows bucket] * Kd + per_prompt_pair * Pp + per_swapped_token * W
+           + per_decode_key[rows bucket] * (Kd - Ks) + per_shared_decode_key * Ks
+           + per_prompt_pair * Pp + per_swapped_token * W
 
 ``dense(T)`` is a table of seconds by the step's token count ``T``, interpolated linearly between its
 entries (and along its last segment beyond them): the projections and MLP, which read every weight
@@ -16,7 +17,11 @@ requests in the step (input preparation, bookkeeping), ``S`` the rows that sampl
 detokenizer), ``Kd`` the keys the decode rows attend to, ``Pp`` the query-key pairs of prompt rows, ``W``
 the tokens of KV swapped. Every parameter is a time, none negative. A key costs a lone decode row more
 than one of many (two to three times, measured on 2 cores), as a few rows' heads cannot keep every thread
-busy, so its price is kept per bucket of decode rows in the step (1, 2-3, 4-7, 8-15, 16 and more).
+busy, so its price is kept per bucket of decode rows in the step (1, 2-3, 4-7, 8-15, 16 and more). ``Ks``
+are the decode keys in blocks that an earlier decode of the same step read too (requests sharing a cached
+prefix): read again from cache, not memory, they cost less (measured on 2 cores: decode steps over shared
+prefixes took 0.60 of the unshared price where steps without took 0.68-0.73), so they have a price of their
+own, measured by decode probes over shared prefixes (without such probes, the unshared price).
 
 A profile says what it was measured on: the CPU and its vector ISA, the threads, the model's shape, the
 dtype, and a fingerprint of the engine's own code. Used with another model or dtype it is refused; with
@@ -73,6 +78,7 @@ class StepProfile:
     engine: str  # engine_fingerprint() when measured
     measured_at: str = ""
     fit: dict[str, Any] = field(default_factory=dict)  # samples, errors, shapes: how well it describes them
+    per_shared_decode_key_s: float | None = None  # None: no probe shared blocks; such keys cost as the others
 
     def dense_time(self, num_tokens: int) -> float:
         weights = dense_weights(self.dense_tokens, num_tokens)
@@ -86,17 +92,25 @@ class StepProfile:
             self.dense_time(work.num_tokens)
             + work.num_seqs * self.per_sequence_s
             + work.num_sampled * self.per_sampled_row_s
-            + work.decode_context * self.per_decode_key_s[decode_bucket(work.decode_rows)]
+            + self.decode_keys_time(work, block_size)
             + work.prompt_pairs * self.per_prompt_pair_s
             + swap
         )
+
+    def decode_keys_time(self, work: StepWork, block_size: int) -> float:
+        """The decodes' keys: those in blocks an earlier decode of the step read at their own price, if measured."""
+        price = self.per_decode_key_s[decode_bucket(work.decode_rows)]
+        shared = work.shared_decode_blocks * block_size
+        if not shared or self.per_shared_decode_key_s is None:
+            return work.decode_context * price
+        return (work.decode_context - shared) * price + shared * self.per_shared_decode_key_s
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StepProfile:
-        optional = ("measured_at", "fit")
+        optional = ("measured_at", "fit", "per_shared_decode_key_s")
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw and f.name not in optional]
         if missing:
             raise ProfileError(f"not a step profile: missing {', '.join(missing)}")
@@ -145,20 +159,22 @@ def dense_knots(token_counts: Sequence[int]) -> tuple[int, ...]:
     return tuple(knots)
 
 
-def features(work: StepWork, knots: Sequence[int]) -> list[float]:
-    """The row of the least-squares problem: dense-table weights, the linear parts' quantities, then the decode
-    keys in their bucket's column."""
+def features(work: StepWork, knots: Sequence[int], block_size: int = 16) -> list[float]:
+    """The row of the least-squares problem: dense-table weights, the linear parts' quantities, the decode
+    keys in their bucket's column (less those in blocks read again), then the keys read again."""
     linear = len(knots) + len(LINEAR_PARTS)
-    row = [0.0] * (linear + len(DECODE_ROW_BUCKETS))
+    row = [0.0] * (linear + len(DECODE_ROW_BUCKETS) + 1)
     for index, weight in dense_weights(knots, work.num_tokens):
         row[index] = weight
     row[len(knots):linear] = [work.num_seqs, work.num_sampled, work.prompt_pairs]
-    row[linear + decode_bucket(work.decode_rows)] = work.decode_context
+    shared = work.shared_decode_blocks * block_size
+    row[linear + decode_bucket(work.decode_rows)] = work.decode_context - shared
+    row[-1] = shared
     return row
 
 
 def fit_step_times(samples: Sequence[tuple[StepWork, float]], outlier_factor: float = 4.0,
-                   rounds: int = 3) -> dict[str, Any]:
+                   rounds: int = 3, block_size: int = 16) -> dict[str, Any]:
     """The dense table and linear parts that best predict ``samples`` (work, seconds), by relative error.
 
     Swap-free steps with tokens only (the swap price is not fitted: see ``calibrate``). Each further
@@ -171,27 +187,30 @@ def fit_step_times(samples: Sequence[tuple[StepWork, float]], outlier_factor: fl
         raise ValueError("no timed steps with tokens to fit")
     knots = dense_knots([w.num_tokens for w, _ in usable])
     kept = usable
-    params = _fit(kept, knots)
+    params = _fit(kept, knots, block_size)
     for _ in range(rounds - 1):
-        errors = [abs(_predict(params, knots, w) / t - 1) for w, t in usable]
+        errors = [abs(_predict(params, knots, w, block_size) / t - 1) for w, t in usable]
         limit = max(outlier_factor * sorted(errors)[len(errors) // 2], 0.10)
         kept = [sample for sample, error in zip(usable, errors) if error <= limit]
-        params = _fit(kept, knots)
+        params = _fit(kept, knots, block_size)
     dense = _fill_unmeasured(params[: len(knots)], knots)
     linear = len(knots) + len(LINEAR_PARTS)
     fitted = dict(zip(LINEAR_PARTS, params[len(knots):linear]))
-    keys = _fill_unmeasured_buckets(params[linear:], [w.decode_rows for w, _ in kept])
+    keys = _fill_unmeasured_buckets(params[linear:-1], [w.decode_rows for w, _ in kept])
+    shared = params[-1] if any(w.shared_decode_blocks for w, _ in kept) else None
     return {"dense_tokens": knots, "dense_s": tuple(dense), **fitted, "per_decode_key_s": keys,
+            "per_shared_decode_key_s": shared,
             "fit": {"samples": len(usable), "outliers_dropped": len(usable) - len(kept)}}
 
 
-def _fit(samples: Sequence[tuple[StepWork, float]], knots: Sequence[int]) -> list[float]:
-    rows = [[x / t for x in features(w, knots)] for w, t in samples]  # relative error: each row over its time
+def _fit(samples: Sequence[tuple[StepWork, float]], knots: Sequence[int], block_size: int) -> list[float]:
+    # Relative error: each row over its time.
+    rows = [[x / t for x in features(w, knots, block_size)] for w, t in samples]
     return nonnegative_least_squares(rows, [1.0] * len(rows))
 
 
-def _predict(params: Sequence[float], knots: Sequence[int], work: StepWork) -> float:
-    return sum(p * x for p, x in zip(params, features(work, knots)))
+def _predict(params: Sequence[float], knots: Sequence[int], work: StepWork, block_size: int) -> float:
+    return sum(p * x for p, x in zip(params, features(work, knots, block_size)))
 
 
 def _fill_unmeasured(dense: Sequence[float], knots: Sequence[int]) -> list[float]:

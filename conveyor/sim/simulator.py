@@ -134,6 +134,7 @@ class Simulation:
         token = self.executor.token_id if fast_forward else None
         self.core = EngineCore(config, self.plan, self.executor, self.clock, fast_forward_token=token,
                                proposer=drafts[0])
+        self.executor.listed = self.core.scheduler.listed
         self.trace = self.core.start_trace() if record_trace else None
         self.arrivals = sorted(workload, key=lambda r: r.arrival_time)
         self.feeds = closed_loop_feeds(conversations, senders, self.plan.max_model_len)
@@ -201,7 +202,7 @@ def run_step(core: EngineCore, executor: SimulatedExecutor,
     and used after its allocations, and whether it scheduled nothing."""
     if group is not None and group.group_step_ready():
         step = group.advance_group()
-        executor.execute_group(step.num_decodes, step.context)
+        executor.execute_group(step.num_decodes, step.context, step.shared_blocks)
         return group.finish_group_step(), step.num_decodes, step.reserved_slots, step.used_slots, False
     updated = core.step()
     output = core.last_output

@@ -47,13 +47,16 @@ GROUP_PAUSE_STEPS = 16  # after the group had to leave (a swap, a budget short o
 
 @dataclass(frozen=True, slots=True)
 class GroupStep:
-    """A step of the group alone: its decodes, the keys they attend to in all, and the KV slots reserved and
-    used after its blocks were taken (``MemoryReport``'s two figures of the same names)."""
+    """A step of the group alone: its decodes, the keys they attend to in all, the KV slots reserved and used
+    after its blocks were taken (``MemoryReport``'s two figures of the same names), and the block references
+    beyond the first (prefix caching's sharing: with every holder of a block decoding in the step, the reads
+    of a block that an earlier decode of the step made too, ``StepWork.shared_decode_blocks``)."""
 
     num_decodes: int
     context: int
     reserved_slots: int
     used_slots: int
+    shared_blocks: int = 0
 
 
 class _Member:
@@ -259,8 +262,9 @@ class FastForwardScheduler(Scheduler):
         num_decodes = len(self._members)
         self.num_grouped_decodes += num_decodes
         self.num_group_steps += 1
-        context = self._group_context(step)
-        return GroupStep(num_decodes, context, *self.kv_manager.reserved_and_used_slots(context - self._synced))
+        context, kv = self._group_context(step), self.kv_manager
+        return GroupStep(num_decodes, context, *kv.reserved_and_used_slots(context - self._synced),
+                         kv.num_shared_slots // kv.block_size)
 
     def finish_group_step(self) -> list[Request]:
         """The update half: the members' events of the step in the running queue's order; the requests that
