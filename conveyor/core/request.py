@@ -56,6 +56,11 @@ class Request:
     # The slo policy orders and protects by them, admission control refuses by the first, goodput counts both.
     ttft_slo: float | None = None
     tpot_slo: float | None = None
+    # Positions from here on hold tokens no other request will ever send (the simulator's stand-in ids of a
+    # request's own question and answer): a block holding any is found again only by this request, after a
+    # preemption, so prefix caching indexes such blocks only then (conveyor.core.kv.prefix_cache). None: any
+    # block may be found by any request (the real engine's requests).
+    private_after: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (OpenAI's cached_tokens)

@@ -34,6 +34,9 @@ FINISHED = RequestStatus.FINISHED
 SHARED_PREFIX_TOKEN = 1 << 40  # stand-in ids of shared prefixes, far from any request's own
 SYSTEM_PROMPT_TOKEN = 1 << 41  # stand-in ids of multi-turn conversations' shared system prompts
 SENDER_TOKEN = 1 << 42  # stand-in ids of closed-loop senders' prompts, one id per request
+# Stand-in ids of a workload request's own tokens, one id per request, below those of conversations (negative, of
+# at most a few million): no other request sends them (Request.private_after).
+OWN_TOKEN = -(1 << 43)
 MAX_IDLE_STEPS = 1000  # steps in a row that schedule nothing: the scheduler is stuck
 
 
@@ -385,7 +388,11 @@ def _sampling_params(output_len: int) -> SamplingParams:
 
 
 def workload_request(item: WorkloadRequest, index: int, max_model_len: int) -> Request:
+    """The request of a workload's item: its own tokens (and the answer after them) no other request sends, so
+    prefix caching need not index their blocks unless it is preempted (``private_after``); a prompt all of a
+    shared prefix has none of its own, and another such request's answer would hold the same ids."""
     prompt_len = min(item.prompt_len, max_model_len - 1)
+    shared = min(item.shared_prefix_len, prompt_len)
     return Request(
         request_id=f"sim-{index}",
         prompt_token_ids=prompt_token_ids(item, index, prompt_len),
@@ -393,6 +400,7 @@ def workload_request(item: WorkloadRequest, index: int, max_model_len: int) -> R
         arrival_time=item.arrival_time,
         priority=item.priority,
         tenant=item.tenant,
+        private_after=shared if shared < prompt_len else None,
     )
 
 
@@ -400,7 +408,7 @@ def prompt_token_ids(item: WorkloadRequest, index: int, prompt_len: int) -> list
     """Stand-in token ids that the prefix cache sees as the workload means them: a shared prefix is the same
     ids in every request that shares it, the rest is the request's own (no model reads these ids)."""
     shared = min(item.shared_prefix_len, prompt_len)
-    return [SHARED_PREFIX_TOKEN + item.shared_prefix_id] * shared + [-(index + 1)] * (prompt_len - shared)
+    return [SHARED_PREFIX_TOKEN + item.shared_prefix_id] * shared + [OWN_TOKEN - index] * (prompt_len - shared)
 
 
 def _figures(

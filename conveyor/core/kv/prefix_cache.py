@@ -18,7 +18,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 from conveyor.core.kv.paged import NO_PREFIX, CachedPrefix, PagedKVCacheManager, blocks_for_tokens
-from conveyor.core.request import Request
+from conveyor.core.request import Request, RequestStatus
 
 # The digest of a block's content (its parent node and token ids): Python's hash, which can collide; the index
 # chains the nodes that share one and compares contents whole. (Tests make every content collide.)
@@ -45,6 +45,12 @@ class BlockKey:
         self.block = block
         self.digest = digest
         self.next_same_digest: BlockKey | None = None
+
+
+# The node of a cached block that no lookup will ever look for: a block of a request's own tokens, given back by
+# the request as it finished (PrefixCachingKVCacheManager). It is cached all the same, and evicted in its turn,
+# so the pool takes blocks in the same order as if it were indexed; it is only in no index.
+UNINDEXED = BlockKey(None, ())
 
 
 class RefCountedBlockPool:
@@ -107,7 +113,9 @@ class RefCountedBlockPool:
             for _ in range(num_evicted):
                 block = evictable.popitem(last=False)[0]
                 node = node_of.pop(block)  # forgotten: its content is found no more
-                if index[node.digest] is node and node.next_same_digest is None:
+                if node is UNINDEXED:
+                    pass
+                elif index[node.digest] is node and node.next_same_digest is None:
                     del index[node.digest]  # alone with its digest, as nearly always
                 else:
                     self._unchain(node)
@@ -181,6 +189,12 @@ class RefCountedBlockPool:
             self._index[digest] = self._node_of[block] = node
         return node
 
+    def keep_unindexed(self, block_ids: Iterable[int]) -> None:
+        """Count these held blocks as cached without indexing them (``UNINDEXED``): nobody will look for them."""
+        node_of = self._node_of
+        for block in block_ids:
+            node_of[block] = UNINDEXED
+
     def _unchain(self, node: BlockKey) -> None:
         """Take an evicted node out of the chain of nodes with its digest (and the digest out of the index with
         the last of them)."""
@@ -208,6 +222,13 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
       own blocks again if memory allowed them to stay.
     - Swapping a request out copies all its blocks, shared ones included, and drops its references; swapped
       back in, it gets blocks of its own.
+    - A block holding a token of the request's own (``Request.private_after``: the simulator's requests) can
+      be found again only by the request itself, re-admitted after a preemption. Such blocks are counted as
+      committed but indexed only when the request is preempted or swapped out (from then on, all of its
+      blocks as they fill); a request that finishes gives them back cached but unindexed (``UNINDEXED``), in
+      the same eviction order. Nothing any request finds, and no block the pool takes, differs from indexing
+      them at once; what is saved is building and evicting an index entry per block that nobody looks up
+      (half of a long simulation's time).
     """
 
     caches_prefixes = True
@@ -218,6 +239,9 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         self._chains: dict[str, list[BlockKey]] = {}  # per running request: the keys of its indexed full blocks
         self._roots: dict[str, BlockKey] = {}  # one root per cache salt: salted prefixes are never shared
         self._filling: dict[str, Request] = {}  # running requests with full prompt blocks not yet indexed
+        # Requests with committed blocks of their own tokens not indexed yet (after their chain): how many.
+        self._unindexed: dict[str, tuple[Request, int]] = {}
+        self._index_all: dict[str, Request] = {}  # requests preempted or swapped once: indexed as their blocks fill
         self.num_queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries)
         self.num_hits = 0  # tokens found
 
@@ -306,8 +330,8 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
             return False
         wanted = None
         for other in self._prompts_filling():
-            indexed = len(self._chains[other.request_id])
-            if other is request or indexed > len(prefix.block_ids) or other.num_prompt_tokens < end:
+            committed = self._num_committed(other.request_id)
+            if other is request or committed > len(prefix.block_ids) or other.num_prompt_tokens < end:
                 continue  # itself, past that block already (it would be cached), or too short to reach it
             if other.cache_salt == request.cache_salt:
                 wanted = wanted if wanted is not None else request.token_ids(0, end)
@@ -319,33 +343,77 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         """The requests on the device with full prompt blocks not yet indexed (forgetting those that are done;
         a swapped-out request computes nothing until it is back)."""
         for request_id, request in list(self._filling.items()):
-            chain = self._chains.get(request_id)
-            if chain is None or len(chain) >= request.num_prompt_tokens // self.block_size:
-                del self._filling[request_id]  # freed, or every full prompt block indexed
+            if request_id not in self._chains or (
+                    self._num_committed(request_id) >= request.num_prompt_tokens // self.block_size):
+                del self._filling[request_id]  # freed, or every full prompt block committed
         return [request for request_id, request in self._filling.items() if request_id in self.block_tables]
 
+    def _num_committed(self, request_id: str) -> int:
+        """The request's full blocks committed: indexed (its chain), then those of its own tokens held back."""
+        held = self._unindexed.get(request_id)
+        return len(self._chains[request_id]) + (held[1] if held is not None else 0)
+
     def commit_computed(self, request: Request) -> None:
-        """Index the full blocks the request has computed since the last call."""
-        bs = self.block_size
-        chain = self._chains.get(request.request_id)
-        full = request.num_computed_tokens // bs
-        if chain is None or full <= len(chain):
+        """Index the full blocks the request has computed since the last call (those of its own tokens: counted,
+        indexed if it is ever preempted)."""
+        request_id = request.request_id
+        chain = self._chains.get(request_id)
+        if chain is None:
             return
+        full, held = request.num_computed_tokens // self.block_size, self._unindexed.get(request_id)
+        done = len(chain) + (held[1] if held is not None else 0)
+        if full <= done:
+            return
+        own = request.private_after
+        if own is None or request_id in self._index_all:
+            self._index(request, chain, full)
+            return
+        first_own = own // self.block_size  # the first block holding a token of the request's own
+        if done < first_own:
+            self._index(request, chain, min(full, first_own))
+        if full > first_own:
+            self._unindexed[request_id] = (request, full - len(chain))
+
+    def _index(self, request: Request, chain: list[BlockKey], end: int) -> None:
+        """Index the request's blocks from the end of its chain up to block ``end``."""
+        bs, done = self.block_size, len(chain)
         table = self.block_tables[request.request_id]
-        done = len(chain)
         parent = chain[-1] if chain else self._root(request)
-        if full == done + 1:  # one block: every decode's block, and most chunks' (no second slice of the tokens)
-            chain.append(self.pool.register(table[done], parent, tuple(request.token_ids(done * bs, full * bs))))
+        if end == done + 1:  # one block: every decode's block, and most chunks' (no second slice of the tokens)
+            chain.append(self.pool.register(table[done], parent, tuple(request.token_ids(done * bs, end * bs))))
             return
-        tokens = request.token_ids(done * bs, full * bs)
-        for index in range(done, full):
+        tokens = request.token_ids(done * bs, end * bs)
+        for index in range(done, end):
             offset = (index - done) * bs
             parent = self.pool.register(table[index], parent, tuple(tokens[offset : offset + bs]))
             chain.append(parent)
 
+    def _index_held(self, request_id: str) -> None:
+        """The request leaves its blocks and may come back to look for them: index those held back, and from now
+        on index its blocks as they fill."""
+        request, count = self._unindexed.pop(request_id)
+        chain = self._chains[request_id]
+        self._index(request, chain, len(chain) + count)
+        self._index_all[request_id] = request
+
     def free(self, request_id: str) -> None:
+        held = self._unindexed.get(request_id)
+        if held is not None and held[0].status is RequestStatus.PREEMPTED:
+            self._index_held(request_id)  # re-admitted, it looks for its blocks
+        elif held is not None:  # it finishes: nobody will look for them
+            del self._unindexed[request_id]
+            chain = self._chains[request_id]
+            self.pool.keep_unindexed(self.block_tables[request_id][len(chain) : len(chain) + held[1]])
+        again = self._index_all.get(request_id)
+        if again is not None and again.status is not RequestStatus.PREEMPTED:
+            del self._index_all[request_id]
         self._chains.pop(request_id, None)
         super().free(request_id)
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        if request_id in self._unindexed:
+            self._index_held(request_id)  # its blocks stay cached for whoever finds them, as they would indexed
+        return super().swap_out(request_id)
 
     def _give_back(self, table: list[int]) -> None:
         self.pool.give_back(reversed(table))  # the tail first into the eviction queue: evicted first

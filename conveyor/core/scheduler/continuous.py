@@ -548,9 +548,9 @@ class Scheduler:
             bisect.insort(self.swapped, request, key=self._order)
             self.policy.on_queued(request, swapped=True)
             return
+        request.status = RequestStatus.PREEMPTED  # before its blocks go: prefix caching asks who comes back
         self.kv_manager.free(request.request_id)
         request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
         self._enqueue_waiting(request)
         self.policy.on_queued(request, swapped=False)
 
