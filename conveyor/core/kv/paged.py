@@ -204,6 +204,10 @@ class PagedKVCacheManager:
     def commit_computed(self, request: Request) -> None:
         """Called after each step the request computed tokens in: nothing to do without prefix caching."""
 
+    def holds_back(self, request_id: str) -> bool:
+        """Whether the blocks the request fills from now on need no ``commit_computed``: none are indexed here."""
+        return True
+
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's block table to hold ``num_tokens`` tokens; False if the pool is short."""
         return self.grow_table(request_id, num_tokens) is not None

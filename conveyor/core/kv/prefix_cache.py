@@ -223,12 +223,12 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
     - Swapping a request out copies all its blocks, shared ones included, and drops its references; swapped
       back in, it gets blocks of its own.
     - A block holding a token of the request's own (``Request.private_after``: the simulator's requests) can
-      be found again only by the request itself, re-admitted after a preemption. Such blocks are counted as
-      committed but indexed only when the request is preempted or swapped out (from then on, all of its
-      blocks as they fill); a request that finishes gives them back cached but unindexed (``UNINDEXED``), in
-      the same eviction order. Nothing any request finds, and no block the pool takes, differs from indexing
-      them at once; what is saved is building and evicting an index entry per block that nobody looks up
-      (half of a long simulation's time).
+      be found again only by the request itself, re-admitted after a preemption. Such blocks are committed as
+      its computed tokens fill them, but indexed only when the request is preempted or swapped out (from then
+      on, all of its blocks as they fill); a request that finishes gives them back cached but unindexed
+      (``UNINDEXED``), in the same eviction order. Nothing any request finds, and no block the pool takes,
+      differs from indexing them at once; what is saved is building and evicting an index entry per block
+      that nobody looks up (half of a long simulation's time).
     """
 
     caches_prefixes = True
@@ -239,8 +239,9 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         self._chains: dict[str, list[BlockKey]] = {}  # per running request: the keys of its indexed full blocks
         self._roots: dict[str, BlockKey] = {}  # one root per cache salt: salted prefixes are never shared
         self._filling: dict[str, Request] = {}  # running requests with full prompt blocks not yet indexed
-        # Requests with committed blocks of their own tokens not indexed yet (after their chain): how many.
-        self._unindexed: dict[str, tuple[Request, int]] = {}
+        # Requests whose blocks of their own tokens are held back from the index (Request.private_after): past
+        # their chain, every block their computed tokens fill is committed, and indexed only if they leave.
+        self._held_back: dict[str, Request] = {}
         self._index_all: dict[str, Request] = {}  # requests preempted or swapped once: indexed as their blocks fill
         self.num_queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries)
         self.num_hits = 0  # tokens found
@@ -314,6 +315,8 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
             self._num_tokens[request_id] = prefix.num_tokens
             self._used_slots += prefix.num_tokens
         self._chains[request_id] = list(prefix.keys)
+        if request.private_after is not None and request_id not in self._index_all:
+            self._held_back[request_id] = request
         if request.num_prompt_tokens // self.block_size > len(prefix.block_ids):
             self._filling[request_id] = request
         return self.grow_table(request_id, num_tokens)
@@ -349,30 +352,29 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         return [request for request_id, request in self._filling.items() if request_id in self.block_tables]
 
     def _num_committed(self, request_id: str) -> int:
-        """The request's full blocks committed: indexed (its chain), then those of its own tokens held back."""
-        held = self._unindexed.get(request_id)
-        return len(self._chains[request_id]) + (held[1] if held is not None else 0)
+        """The request's full blocks committed: indexed (its chain), or past it, held back and filled."""
+        held = self._held_back.get(request_id)
+        chain = len(self._chains[request_id])
+        return chain if held is None else max(chain, held.num_computed_tokens // self.block_size)
+
+    def holds_back(self, request_id: str) -> bool:
+        """Whether the blocks the request fills from now on stay out of the index (no commit needs calling for
+        them: the fast-forward's group skips those events)."""
+        held = self._held_back.get(request_id)
+        return held is not None and len(self._chains[request_id]) >= held.private_after // self.block_size
 
     def commit_computed(self, request: Request) -> None:
-        """Index the full blocks the request has computed since the last call (those of its own tokens: counted,
-        indexed if it is ever preempted)."""
+        """Index the full blocks the request has computed since the last call (those of its own tokens held back:
+        indexed if it is ever preempted or swapped out)."""
         request_id = request.request_id
         chain = self._chains.get(request_id)
         if chain is None:
             return
-        full, held = request.num_computed_tokens // self.block_size, self._unindexed.get(request_id)
-        done = len(chain) + (held[1] if held is not None else 0)
-        if full <= done:
-            return
-        own = request.private_after
-        if own is None or request_id in self._index_all:
+        full = request.num_computed_tokens // self.block_size
+        if request_id in self._held_back:  # only the blocks before its own tokens, once
+            full = min(full, request.private_after // self.block_size)
+        if full > len(chain):
             self._index(request, chain, full)
-            return
-        first_own = own // self.block_size  # the first block holding a token of the request's own
-        if done < first_own:
-            self._index(request, chain, min(full, first_own))
-        if full > first_own:
-            self._unindexed[request_id] = (request, full - len(chain))
 
     def _index(self, request: Request, chain: list[BlockKey], end: int) -> None:
         """Index the request's blocks from the end of its chain up to block ``end``."""
@@ -391,19 +393,18 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
     def _index_held(self, request_id: str) -> None:
         """The request leaves its blocks and may come back to look for them: index those held back, and from now
         on index its blocks as they fill."""
-        request, count = self._unindexed.pop(request_id)
-        chain = self._chains[request_id]
-        self._index(request, chain, len(chain) + count)
+        request = self._held_back.pop(request_id)
+        self._index(request, self._chains[request_id], request.num_computed_tokens // self.block_size)
         self._index_all[request_id] = request
 
     def free(self, request_id: str) -> None:
-        held = self._unindexed.get(request_id)
-        if held is not None and held[0].status is RequestStatus.PREEMPTED:
+        held = self._held_back.get(request_id)
+        if held is not None and held.status is RequestStatus.PREEMPTED:
             self._index_held(request_id)  # re-admitted, it looks for its blocks
         elif held is not None:  # it finishes: nobody will look for them
-            del self._unindexed[request_id]
-            chain = self._chains[request_id]
-            self.pool.keep_unindexed(self.block_tables[request_id][len(chain) : len(chain) + held[1]])
+            del self._held_back[request_id]
+            start = len(self._chains[request_id])
+            self.pool.keep_unindexed(self.block_tables[request_id][start : held.num_computed_tokens // self.block_size])
         again = self._index_all.get(request_id)
         if again is not None and again.status is not RequestStatus.PREEMPTED:
             del self._index_all[request_id]
@@ -411,7 +412,7 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
         super().free(request_id)
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        if request_id in self._unindexed:
+        if request_id in self._held_back:
             self._index_held(request_id)  # its blocks stay cached for whoever finds them, as they would indexed
         return super().swap_out(request_id)
 

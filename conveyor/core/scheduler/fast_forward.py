@@ -71,7 +71,7 @@ class _Member:
                  "synced")
 
     def __init__(self, request: Request, key: tuple, step: int, finish: int, table_slots: int,
-                 block_size: int, caches_prefixes: bool) -> None:
+                 block_size: int, indexes_blocks: bool) -> None:
         self.request = request
         self.key = key  # the policy's order: events of one step happen in the running queue's order
         self.context_base = request.num_tokens - 1 - step
@@ -81,9 +81,10 @@ class _Member:
         self.alive = True
         # Its next block is taken in the step whose end passes the table's last slot, then every block_size steps.
         self.next_alloc = table_slots - self.context_base + 1
-        # It fills a block (end a multiple of the block size) every block_size steps; only prefix caching cares.
+        # It fills a block (end a multiple of the block size) every block_size steps; only prefix caching cares,
+        # and only where it indexes the request's blocks as they fill (PagedKVCacheManager.holds_back).
         first_fill = step + 1 + (-(self.context_base + step + 1)) % block_size
-        self.next_commit = first_fill if caches_prefixes else finish + 1
+        self.next_commit = first_fill if indexes_blocks else finish + 1
 
     def end(self, step: int) -> int:
         return self.context_base + step
@@ -307,8 +308,9 @@ class FastForwardScheduler(Scheduler):
         """The request has just drawn a token after step ``step`` and only decodes from now on."""
         finish = step + self._steps_to_finish(request)
         table_slots = len(self.kv_manager.block_ids(request.request_id)) * self.kv_manager.block_size
-        member = _Member(request, self._order(request), step, finish, table_slots, self.kv_manager.block_size,
-                         self.kv_manager.caches_prefixes)
+        kv = self.kv_manager  # prefix caching indexes the blocks it fills, unless it holds them back
+        indexes = kv.caches_prefixes and not kv.holds_back(request.request_id)
+        member = _Member(request, self._order(request), step, finish, table_slots, kv.block_size, indexes)
         # The tokens it will have drawn by its finish, written now (cut back if it leaves the group before): the
         # group owns the request meanwhile, and its commits read them.
         request.output_token_ids.extend([self.decode_token] * (finish - step))
