@@ -88,6 +88,12 @@ CONFIGS = st.fixed_dictionaries({
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(CONFIGS, st.integers(0, 10**6), st.booleans())
 def test_fast_forward_gives_the_same_requests_figures_and_trace_as_stepping(options, seed, conversing):
+    _assert_identical(*random_case(options, seed, conversing))
+
+
+def random_case(options: dict, seed: int, conversing: bool):
+    """A drawn configuration (``CONFIGS``) with swap space and a model length its pool holds, and a random
+    workload (and conversations) for it."""
     block_size, blocks = options["block_size"], options["num_kv_blocks"]
     if options["kv_layout"] == "contiguous":
         options["enable_prefix_caching"] = False
@@ -97,7 +103,7 @@ def test_fast_forward_gives_the_same_requests_figures_and_trace_as_stepping(opti
     rng = random.Random(seed)
     workload = _workload(rng, rng.randint(1, 30), max_model_len - 1, 120)
     conversations = _conversations(rng, rng.randint(1, 4)) if conversing else None
-    _assert_identical(config, workload, conversations)
+    return config, workload, conversations
 
 
 def test_a_long_run_is_advanced_as_a_group_and_passes_every_kind_of_event():

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import conveyor.sim.simulator as simulator
 from conveyor.core.config import EngineConfig
 from conveyor.core.kv.prefix_cache import UNINDEXED
-from tests.test_sim_fast_forward import CONFIGS, SMALL, _conversations, _run, _workload
+from tests.test_sim_fast_forward import CONFIGS, _run, _workload, random_case
 
 
 def _everything_indexed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,16 +37,7 @@ def _compare(config: EngineConfig, workload, conversations, fast_forward: bool) 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(CONFIGS, st.integers(0, 10**6), st.booleans(), st.booleans())
 def test_holding_back_own_blocks_changes_nothing_a_simulation_shows(options, seed, conversing, fast_forward):
-    block_size, blocks = options["block_size"], options["num_kv_blocks"]
-    if options["kv_layout"] == "contiguous":
-        options["enable_prefix_caching"] = False
-    max_model_len = min(block_size * blocks, 160)
-    config = EngineConfig(**options, max_model_len=max_model_len,
-                          swap_space=blocks // 2 * block_size * SMALL.kv_bytes_per_token)
-    rng = random.Random(seed)
-    workload = _workload(rng, rng.randint(1, 30), max_model_len - 1, 120)
-    conversations = _conversations(rng, rng.randint(1, 4)) if conversing else None
-    _compare(config, workload, conversations, fast_forward)
+    _compare(*random_case(options, seed, conversing), fast_forward)
 
 
 def test_a_long_run_holds_back_blocks_and_indexes_them_for_preempted_requests():
