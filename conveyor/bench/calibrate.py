@@ -31,10 +31,6 @@ from conveyor.sim.profile import StepProfile, fit_step_times, new_profile, save_
 
 DECODE_CONTEXTS = ((48, None), (320, 32), (1000, 8))  # (prompt tokens, largest batch decoded over it)
 DECODE_OUTPUT = 10  # tokens each decode probe's requests produce: 9 decode steps
-# Timed before and after the grid, and again around each validation run: its steps' time over their price now,
-# held against the same at calibration, is how much slower or faster the machine runs than when calibrated
-# (conveyor/bench/sim_validation.py machine_pace).
-PACE_PROBE_REQUESTS = ((0, 96, 24),) * 8
 SHARED_PREFIX_KEYS = 1280  # the shared-prefix probes' prefixes, in all (4 of 320, or 1 of 1280)
 SHARED_PREFIX_OWN = 32  # and each request's own tokens after its prefix
 # Prompt steps: powers of two (the table's entries) and sizes between them, where the table interpolates.
@@ -52,7 +48,12 @@ class Probe:
     prefixes: tuple[int, ...] = ()
 
 
-PACE_PROBE = Probe("pace", PACE_PROBE_REQUESTS)
+# Eight requests of 96 prompt tokens and 24 output tokens at once: a prefill step, then decodes of a batch of 8,
+# the kinds of step the validation's workloads are made of; about a third of a second on 2 cores. Timed before
+# and after the grid, and again around each validation run: its steps' time over their price now, held against
+# the same at calibration, is how much slower or faster the machine runs than when calibrated
+# (conveyor/bench/sim_validation.py machine_pace).
+PACE_PROBE = Probe("pace", ((0, 96, 24),) * 8)
 
 
 def profiling_grid(max_num_seqs: int, token_budget: int, max_model_len: int = 1 << 30) -> list[Probe]:
@@ -171,7 +172,7 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     profile = new_profile(fitted, swap_price(engine, config.dtype), machine, engine.model_config, config.dtype,
                           config.block_size)
     price = functools.partial(profile.step_time, block_size=profile.block_size)
-    profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(profile, timed),
+    profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(price, timed),
                                                "pace_probe": pace_ratio(pace_samples, price),
                                                "seconds": round(time.perf_counter() - started, 1)})
     path = save_profile(profile, engine.model_config)
@@ -185,8 +186,7 @@ def pace_ratio(samples: list[tuple[StepWork, float]], price: Callable[[StepWork]
     return sum(seconds for _, seconds in samples) / sum(price(work) for work, _ in samples)
 
 
-def _fit_report(profile: StepProfile, timed: list[tuple[Probe, list[tuple[StepWork, float]]]]) -> dict:
-    price = functools.partial(profile.step_time, block_size=profile.block_size)
+def _fit_report(price: Callable[[StepWork], float], timed: list[tuple[Probe, list[tuple[StepWork, float]]]]) -> dict:
     errors = sorted(abs(price(w) / s - 1) for _, samples in timed for w, s in samples)
     return {"median_step_error": errors[len(errors) // 2], "p90_step_error": errors[int(len(errors) * 0.9)],
             "probes": [{"probe": p.name, "steps": len(samples), "measured_s": sum(s for _, s in samples),

@@ -26,9 +26,6 @@ from conveyor.sim.profile import ProfiledCostModel, step_cost_model
 from conveyor.sim.simulator import simulate
 from conveyor.sim.validation import CASE_NAMES, FIGURES, ValidationCase, error, validation_cases
 
-# Eight requests of 96 prompt tokens and 24 output tokens at once: a prefill step, then decodes of a batch of 8,
-# the kinds of step the validation's workloads are made of; about a third of a second on 2 cores.
-
 
 def real_prompts(case: ValidationCase, vocab_size: int, seed: int) -> list[list[int]]:
     """Token ids for each request: a shared prefix is the same ids in every request that shares it."""

@@ -91,7 +91,8 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
 
 def read_again(block_ids: list[int], seen: set[int]) -> int:
     """How many of a decode's blocks an earlier decode of the step read; adds the others to ``seen``. (Only full
-    blocks are shared, and a fast-forward's group never holds a shared one: see FastForwardScheduler.)"""
+    blocks are shared; a step whose fast-forward group is only counted is listed first where blocks are shared:
+    SimulatedExecutor.execute.)"""
     before = len(seen)
     seen.update(block_ids)
     return len(block_ids) - (len(seen) - before)

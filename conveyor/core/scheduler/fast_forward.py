@@ -309,7 +309,7 @@ class FastForwardScheduler(Scheduler):
         finish = step + self._steps_to_finish(request)
         table_slots = len(self.kv_manager.block_ids(request.request_id)) * self.kv_manager.block_size
         kv = self.kv_manager  # prefix caching indexes the blocks it fills, unless it holds them back
-        indexes = kv.caches_prefixes and not kv.holds_back(request.request_id)
+        indexes = not kv.holds_back(request.request_id)  # (and without prefix caching, none are indexed)
         member = _Member(request, self._order(request), step, finish, table_slots, kv.block_size, indexes)
         # The tokens it will have drawn by its finish, written now (cut back if it leaves the group before): the
         # group owns the request meanwhile, and its commits read them.
