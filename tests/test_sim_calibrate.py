@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 
 from conveyor.bench.calibrate import Probe, calibrate, profiling_grid, time_probe
-from conveyor.bench.sim_validation import validate_suite
+from conveyor.bench.sim_validation import run_pace, validate_suite
 from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
+from conveyor.sim.cost import StepWork
 from conveyor.sim.hardware import load_hardware
 from conveyor.sim.profile import ProfiledCostModel, load_profile, step_cost_model
 from conveyor.sim.validation import CASE_NAMES
@@ -24,6 +26,21 @@ def test_the_grid_covers_decode_batches_contexts_prompts_and_mixed_steps():
     shared = {p.name: p for p in profiling_grid(32, 2048) if p.prefixes}
     assert list(shared) == ["decode 16 over 4 shared prefixes of 320", "decode 8 over a shared prefix of 1280"]
     assert all(prompt > p.prefixes[0] for p in shared.values() for _, prompt, _ in p.requests)
+
+
+def test_a_runs_pace_is_its_steps_time_over_their_price_and_each_kind_is_held_against_it():
+    # A cost model whose price is a step's token count in seconds: the arithmetic can be checked by hand.
+    class TokensPriced:
+        def step_time(self, work: StepWork, block_size: int = 16) -> float:
+            return float(work.num_tokens)
+
+    decodes = StepWork(num_seqs=4, num_tokens=4, decode_rows=4)
+    mixed = StepWork(num_seqs=2, num_tokens=10, decode_rows=1)
+    pace = run_pace([(decodes, 6.0), (decodes, 6.0), (mixed, 10.0)], TokensPriced(), 16)
+    assert pace["pace"] == 22.0 / 18.0
+    assert pace["decodes"] == (12.0 / 8.0) / pace["pace"] and pace["with prompts"] == 1.0 / pace["pace"]
+    alone = run_pace([(decodes, 2.0)], TokensPriced(), 16)
+    assert alone["pace"] == 0.5 and alone["decodes"] == 1.0 and math.isnan(alone["with prompts"])
 
 
 def test_a_probe_times_every_step_with_its_work(tiny_model_dir):
@@ -52,8 +69,8 @@ def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_pat
     assert len(saved) == 1 and load_profile(saved[0]) == profile
     assert profile.machine["threads"] == 1 and profile.fit["samples"] > 50
     assert profile.per_swapped_token_s > 0 and all(s >= 0 for s in profile.dense_s)
-    # Decodes over a shared prefix were timed (their keys read again priced), and the pace probe around the grid.
-    assert profile.per_shared_decode_key_s is not None and profile.fit["pace_probe"] > 0
+    # Decodes over a shared prefix were timed: their keys read again are priced.
+    assert profile.per_shared_decode_key_s is not None
     out = capsys.readouterr().out
     assert "decode 4 x context 1000" in out and "calibrated in" in out
     engine_model = Engine(config).model_config
@@ -68,8 +85,9 @@ def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_pat
         assert measured["output_tokens"] == predicted["output_tokens"]
         assert result["priced_by"].startswith("step profile")
         assert [run["output_tokens"] for run in measured["runs"]] == [measured["output_tokens"]] * 2
-        assert all(0.05 < run["pace"] < 20 for run in measured["runs"]), "each real run's pace, timed around it"
+        assert all(0.05 < run["pace"] < 20 for run in measured["runs"]), "each real run's pace, over its own steps"
     swap = results[-1]
     assert swap["measured"]["preemptions"] > 0 and swap["predicted"]["preemptions"] > 0
     out = capsys.readouterr().out
     assert "within 10% / 15%" in out and "shared-prefix" in out and "the machine's pace in each real run" in out
+    assert "steps of decodes alone" in out

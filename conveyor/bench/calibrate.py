@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from conveyor.bench.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
-from conveyor.engine import Engine
+from conveyor.engine import Engine, RequestOutput
 from conveyor.sim.cost import CostModel, StepWork, step_work
 from conveyor.sim.hardware import load_hardware, machine_file
 from conveyor.sim.profile import StepProfile, fit_step_times, new_profile, save_profile, this_machine
@@ -46,14 +46,6 @@ class Probe:
     name: str
     requests: tuple[tuple[int, int, int], ...]
     prefixes: tuple[int, ...] = ()
-
-
-# Eight requests of 96 prompt tokens and 24 output tokens at once: a prefill step, then decodes of a batch of 8,
-# the kinds of step the validation's workloads are made of; about a third of a second on 2 cores. Timed before
-# and after the grid, and again around each validation run: its steps' time over their price now, held against
-# the same at calibration, is how much slower or faster the machine runs than when calibrated
-# (conveyor/bench/sim_validation.py machine_pace).
-PACE_PROBE = Probe("pace", ((0, 96, 24),) * 8)
 
 
 def profiling_grid(max_num_seqs: int, token_budget: int, max_model_len: int = 1 << 30) -> list[Probe]:
@@ -120,14 +112,21 @@ def time_probe(engine: Engine, probe: Probe, rng: random.Random) -> list[tuple[S
             prefix = prefixes[index % len(prefixes)][:prompt_len] if prefixes else []
             prompt = prefix + [rng.randrange(vocab // 8, vocab) for _ in range(prompt_len - len(prefix))]
             engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True))
-        start = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - start
-        work, _ = step_work(engine.core.last_output)
+        _, work, seconds = timed_step(engine)
         if work.num_tokens:
             samples.append((work, seconds))
         step += 1
     return samples
+
+
+def timed_step(engine: Engine) -> tuple[list[RequestOutput], StepWork, float]:
+    """One engine step: its outputs, its work (from the scheduler's output) and its wall seconds around
+    ``Engine.step``, which is what the simulator's clock stands for."""
+    start = time.perf_counter()
+    outputs = engine.step()
+    seconds = time.perf_counter() - start
+    work, _ = step_work(engine.core.last_output)
+    return outputs, work, seconds
 
 
 def swap_price(engine: Engine, dtype: str) -> float:
@@ -159,13 +158,11 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     rng = random.Random(seed)
     time_probe(engine, Probe("warm-up", ((0, 64, 4),) * 4 + ((0, 512, 1),)), rng)
     probes = profiling_grid(config.max_num_seqs, config.max_num_batched_tokens, engine.max_model_len)
-    pace_samples = time_probe(engine, PACE_PROBE, random.Random(0))
     timed: list[tuple[Probe, list[tuple[StepWork, float]]]] = []
     for probe in probes:
         samples = time_probe(engine, probe, rng)
         timed.append((probe, samples))
         print(f"{probe.name}: {len(samples)} steps, {sum(s for _, s in samples):.2f} s", flush=True)
-    pace_samples += time_probe(engine, PACE_PROBE, random.Random(0))
     fitted = fit_step_times([sample for _, samples in timed for sample in samples], block_size=config.block_size)
     threads = engine.num_threads
     machine = this_machine(threads, str(engine.device) if engine.device.type != "cpu" else "cpu")
@@ -173,17 +170,11 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
                           config.block_size)
     price = functools.partial(profile.step_time, block_size=profile.block_size)
     profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(price, timed),
-                                               "pace_probe": pace_ratio(pace_samples, price),
                                                "seconds": round(time.perf_counter() - started, 1)})
     path = save_profile(profile, engine.model_config)
     print_profile(profile)
     print(f"calibrated in {profile.fit['seconds']:.0f} s; saved to {path}")
     return profile
-
-
-def pace_ratio(samples: list[tuple[StepWork, float]], price: Callable[[StepWork], float]) -> float:
-    """The timed steps' seconds over their price: the pace probe's, at calibration and at each validation run."""
-    return sum(seconds for _, seconds in samples) / sum(price(work) for work, _ in samples)
 
 
 def _fit_report(price: Callable[[StepWork], float], timed: list[tuple[Probe, list[tuple[StepWork, float]]]]) -> dict:

@@ -14,15 +14,15 @@ import statistics
 import time
 from typing import Any
 
-from conveyor.bench.calibrate import PACE_PROBE, Probe, pace_ratio, time_probe
+from conveyor.bench.calibrate import Probe, time_probe, timed_step
 from conveyor.bench.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.figures import request_figures
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
-from conveyor.sim.cost import CostModel, with_pace
+from conveyor.sim.cost import CostModel, StepWork, with_pace
 from conveyor.sim.hardware import load_hardware
-from conveyor.sim.profile import ProfiledCostModel, step_cost_model
+from conveyor.sim.profile import step_cost_model
 from conveyor.sim.simulator import simulate
 from conveyor.sim.validation import CASE_NAMES, FIGURES, ValidationCase, error, validation_cases
 
@@ -41,11 +41,14 @@ def real_prompts(case: ValidationCase, vocab_size: int, seed: int) -> list[list[
     return prompts
 
 
-def run_real(engine: Engine, case: ValidationCase, prompts: list[list[int]]) -> dict[str, Any]:
-    """Requests join as the wall clock passes their arrival; the engine steps while it has work."""
+def run_real(engine: Engine, case: ValidationCase,
+             prompts: list[list[int]]) -> tuple[dict[str, Any], list[tuple[StepWork, float]]]:
+    """Requests join as the wall clock passes their arrival; the engine steps while it has work. The run's
+    figures, and each step's work and wall seconds (those that compute or copy something)."""
     order = sorted(range(len(prompts)), key=lambda i: case.requests[i].arrival_time)
     start = engine.clock()
     done: list[RequestOutput] = []
+    timed: list[tuple[StepWork, float]] = []
     steps = 0
     while order or engine.has_unfinished_requests():
         now = engine.clock() - start
@@ -58,48 +61,54 @@ def run_real(engine: Engine, case: ValidationCase, prompts: list[list[int]]) -> 
         if not engine.has_unfinished_requests():
             time.sleep(max(case.requests[order[0]].arrival_time - now, 0.0))
             continue
-        done.extend(o for o in engine.step() if o.finished)
+        outputs, work, seconds = timed_step(engine)
+        done.extend(o for o in outputs if o.finished)
         steps += 1
+        if work.num_tokens or work.swap_blocks:
+            timed.append((work, seconds))
     elapsed = engine.clock() - start
     figures = request_figures([len(o.prompt_token_ids) for o in done], [len(o.token_ids) for o in done],
                               [o.metrics.time_to_first_token for o in done], [o.metrics.latency for o in done],
                               elapsed, steps)
-    return {**figures, "preemptions": sum(o.metrics.num_preemptions for o in done)}
+    return {**figures, "preemptions": sum(o.metrics.num_preemptions for o in done)}, timed
 
 
 def run_case(config: EngineConfig, engine: Engine, cost: CostModel, case: ValidationCase, seed: int,
              repeats: int = 1) -> tuple[dict[str, Any], dict[str, Any]]:
     """The case through the real engine ``repeats`` times, and through the simulator once per real run, at the
-    pace the machine had during that run (``machine_pace``, timed before and after it). The figures of both are
-    the medians of their runs, each run kept under ``runs``: on a shared machine one run of a workload whose
-    requests queue can move by a fifth on its own. Each real run has prompt tokens of its own (the same lengths
-    and shared prefixes), so none finds another's in the cache."""
+    pace the machine had during that run (``run_pace``). The figures of both are the medians of their runs, each
+    run kept under ``runs``: on a shared machine one run of a workload whose requests queue can move by a fifth
+    on its own. Each real run has prompt tokens of its own (the same lengths and shared prefixes), so none
+    finds another's in the cache."""
     runs, predictions = [], []
     case_config = dataclasses.replace(config, **case.overrides)
     for r in range(repeats):
-        before = machine_pace(engine, cost)
-        runs.append(run_real(engine, case, real_prompts(case, engine.model_config.vocab_size, seed + 1000 * r)))
-        runs[-1]["pace"] = (before + machine_pace(engine, cost)) / 2
+        figures, timed = run_real(engine, case, real_prompts(case, engine.model_config.vocab_size, seed + 1000 * r))
+        runs.append({**figures, **run_pace(timed, cost, engine.config.block_size)})
         predictions.append(simulate(case_config, with_pace(cost, runs[-1]["pace"]), list(case.requests))[0])
     measured = {key: median_of([run[key] for run in runs]) for key in runs[0]} | {"runs": runs}
     predicted = {key: median_of([run[key] for run in predictions]) for key in predictions[0]}
     return measured, predicted
 
 
-def machine_pace(engine: Engine, cost: CostModel) -> float:
-    """How much longer than when the profile was measured the engine's steps take now: ``PACE_PROBE`` timed against
-    the profile's prices, over the same ratio at calibration (``fit["pace_probe"]``, timed before and after the
-    grid). This machine's speed drifts by a fifth from one minute to the next, and the profile was measured
-    minutes before; the simulator is asked what the real run did on the machine it ran on. Held against the
-    probe's own ratio at calibration, not against 1: on a noisy machine the fit can misprice the probe's shapes
-    by a fifth (its decodes over short contexts), which a ratio against 1 would read as the machine's pace and
-    lay on every step of every workload."""
-    samples = time_probe(engine, PACE_PROBE, random.Random(0))
-    block_size = engine.config.block_size
-    now = pace_ratio(samples, lambda work: cost.step_time(work, block_size))
-    # The same probe's ratio when the profile was measured: what its own fit makes of the probe's steps cancels.
-    at_calibration = cost.profile.fit.get("pace_probe", 1.0) if isinstance(cost, ProfiledCostModel) else 1.0
-    return now / at_calibration
+def run_pace(timed: list[tuple[StepWork, float]], cost: CostModel, block_size: int) -> dict[str, float]:
+    """How much longer than their price the run's own steps took: the machine's pace during the run, which the
+    simulator's run beside it takes. This machine's speed moves by a quarter from one minute to the next, and
+    within a run of a few seconds; a probe timed before and after a run read it 0.8-0.9 where the run's own
+    steps took 1.03-1.09 of their price, and a queue near capacity magnifies that tenfold. Taken over every step
+    of the run, the pace leaves the simulator's decisions (what each step holds, when requests wait, whom a
+    preemption hits) and the relative price of one kind of step against another to be checked, not the
+    machine's speed; the latter is reported per kind: ``decodes`` (steps of decodes alone) and ``with prompts``
+    (steps with a prompt chunk), each over the pace."""
+    def pace(steps: list[tuple[StepWork, float]]) -> float | None:
+        priced = sum(cost.step_time(work, block_size) for work, _ in steps)
+        return sum(seconds for _, seconds in steps) / priced if steps and priced else None
+
+    whole = pace(timed) or 1.0
+    decodes = pace([(w, s) for w, s in timed if w.num_tokens and w.decode_rows == w.num_tokens])
+    prompts = pace([(w, s) for w, s in timed if w.num_tokens > w.decode_rows])
+    return {"pace": whole, "decodes": decodes / whole if decodes else float("nan"),
+            "with prompts": prompts / whole if prompts else float("nan")}
 
 
 def median_of(values: list[Any]) -> Any:
@@ -154,7 +163,8 @@ def print_case(result: dict[str, Any]) -> None:
     print(f"\n{result['case']}: {result['description']}")
     print(format_table(["figure", f"real engine (median of {len(runs)})", "real runs", "simulator", "error"], rows))
     print(f"the machine's pace in each real run (its steps' time over the profile's price, which the simulator's "
-          f"run beside it takes): {_paces(runs)}")
+          f"run beside it takes): {_paces(runs)}; over it, steps of decodes alone: {_paces(runs, 'decodes')}, "
+          f"steps with a prompt: {_paces(runs, 'with prompts')}")
 
 
 def _spread(values: list[float]) -> str:
@@ -175,5 +185,5 @@ def print_errors(results: list[dict[str, Any]]) -> None:
                                "preemptions real / sim", "steps real / sim", "pace", "within 10% / 15%"], rows))
 
 
-def _paces(runs: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{run['pace']:.2f}" for run in runs)
+def _paces(runs: list[dict[str, Any]], key: str = "pace") -> str:
+    return ", ".join(f"{run[key]:.2f}" for run in runs)
