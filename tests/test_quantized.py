@@ -230,7 +230,7 @@ def test_resident_memory_is_the_files_size_plus_a_stated_overhead(kernels) -> No
     """Peak resident memory of an engine on the default model that has served a request, less that of a process
     that imports the same runtime and tokenizer without a model, is at most 1.3x the GGUF file: the weights as
     the file holds them (codes, scales and mins repacked, none dequantized; measured 1.0x), the rotary tables,
-    the KV blocks the request wrote (the pool is resident only where written) and the executor's buffers. The
+    the KV pool (64 blocks, written through when it is made) and the executor's buffers. The
     load itself peaks no higher than that (the file is read tensor by tensor, not mapped). In float32 the same
     difference is over 5x the file."""
     from conveyor.model.loader import default_model_path

@@ -42,8 +42,8 @@ namespace conveyor {
 // on 4 KiB pages the stream crosses a page every 4 KiB, each a TLB miss and a restart for the hardware
 // prefetcher. Measured over all the default model's weights, both kinds in one process and in turn, at 1 and 8
 // rows: 6-16% faster. Where the kernel declines, the memory is ordinary pages; nothing else changes. The pages
-// are fresh anonymous ones, zero until written and resident only where written: what the KV pool lies in, so
-// that a pool sized for the worst case takes memory only as far as requests fill it.
+// are fresh anonymous ones, zero until written and resident only where written (the KV pool is written through
+// once when it is made: LlamaModel.zeroed_kv_cache says why).
 torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, torch::ScalarType dtype) {
   constexpr size_t kHugePage = size_t{1} << 21;
   int64_t numel = 1;
