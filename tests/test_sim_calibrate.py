@@ -6,13 +6,13 @@ import json
 import math
 
 from conveyor.bench.calibrate import Probe, calibrate, profiling_grid, time_probe
-from conveyor.bench.sim_validation import run_pace, validate_suite
+from conveyor.bench.sim_validation import print_errors, run_pace, validate_suite
 from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.sim.cost import StepWork
 from conveyor.sim.hardware import load_hardware
 from conveyor.sim.profile import ProfiledCostModel, load_profile, step_cost_model
-from conveyor.sim.validation import CASE_NAMES
+from conveyor.sim.validation import CASE_NAMES, FIGURES
 
 
 def test_the_grid_covers_decode_batches_contexts_prompts_and_mixed_steps():
@@ -41,6 +41,19 @@ def test_a_runs_pace_is_its_steps_time_over_their_price_and_each_kind_is_held_ag
     assert pace["decodes"] == (12.0 / 8.0) / pace["pace"] and pace["with prompts"] == 1.0 / pace["pace"]
     alone = run_pace([(decodes, 2.0)], TokensPriced(), 16)
     assert alone["pace"] == 0.5 and alone["decodes"] == 1.0 and math.isnan(alone["with prompts"])
+
+
+def test_an_error_is_marked_where_the_simulator_lies_among_the_real_runs(capsys):
+    def result(runs: list[float], predicted: float) -> dict:
+        figures = {key: 1.0 for _, key, _ in FIGURES}
+        measured = {**figures, "ttft_mean_s": sorted(runs)[len(runs) // 2],
+                    "runs": [{**figures, "ttft_mean_s": r, "pace": 1.0} for r in runs]}
+        return {"case": "c", "measured": measured, "predicted": {**figures, "ttft_mean_s": predicted}}
+
+    print_errors([result([1.0, 1.2, 2.0], 1.6), result([1.0, 1.2, 2.0], 2.1), result([1.0], 1.0)])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| c ")]
+    ttft = [row.split("|")[3].strip() for row in rows]
+    assert ttft == ["+33.3% *", "+75.0%", "+0.0%"]  # inside the range; outside it; one run has no range
 
 
 def test_a_probe_times_every_step_with_its_work(tiny_model_dir):
@@ -90,4 +103,4 @@ def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_pat
     assert swap["measured"]["preemptions"] > 0 and swap["predicted"]["preemptions"] > 0
     out = capsys.readouterr().out
     assert "within 10% / 15%" in out and "shared-prefix" in out and "the machine's pace in each real run" in out
-    assert "steps of decodes alone" in out
+    assert "steps of decodes alone" in out and "lies within the range of the real runs' figures" in out

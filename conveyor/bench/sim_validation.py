@@ -172,17 +172,28 @@ def _spread(values: list[float]) -> str:
 
 
 def print_errors(results: list[dict[str, Any]]) -> None:
-    """One row per workload: the simulator's error on each figure, and whether every bound holds."""
+    """One row per workload: the simulator's error on each figure, marked where the simulator's figure lies
+    within the real runs' own range, and whether every bound holds."""
     rows = []
     for result in results:
         errors = [error(result["measured"][key], result["predicted"][key]) for _, key, _ in FIGURES]
         within = all(abs(e) <= bound for e, (_, _, bound) in zip(errors, FIGURES) if bound is not None)
-        rows.append([result["case"], *(f"{e:+.1%}" for e in errors[:5]),
+        cells = [f"{e:+.1%}{' *' if _among_the_runs(result, key) else ''}" for e, (_, key, _) in zip(errors, FIGURES)]
+        rows.append([result["case"], *cells[:5],
                      f"{result['measured']['preemptions']} / {result['predicted']['preemptions']}",
                      f"{result['measured']['steps']} / {result['predicted']['steps']}",
                      _paces(result["measured"]["runs"]), "yes" if within else "NO"])
     print("\n" + format_table(["workload", "tok/s", "mean TTFT", "p90 TTFT", "mean latency", "p90 latency",
                                "preemptions real / sim", "steps real / sim", "pace", "within 10% / 15%"], rows))
+    print("*: the simulator's figure lies within the range of the real runs' figures: it is no further from their "
+          "median than one of the real runs is")
+
+
+def _among_the_runs(result: dict[str, Any], key: str) -> bool:
+    """Whether the simulator's figure lies within the real runs' range (two runs or more): an error the size of
+    the real engine's own spread, which more runs would be needed to tell from the simulator's."""
+    runs = [run[key] for run in result["measured"]["runs"]]
+    return len(runs) > 1 and min(runs) <= result["predicted"][key] <= max(runs)
 
 
 def _paces(runs: list[dict[str, Any]], key: str = "pace") -> str:
