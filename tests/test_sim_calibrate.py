@@ -36,11 +36,14 @@ def test_a_runs_pace_is_its_steps_time_over_their_price_and_each_kind_is_held_ag
 
     decodes = StepWork(num_seqs=4, num_tokens=4, decode_rows=4)
     mixed = StepWork(num_seqs=2, num_tokens=10, decode_rows=1)
-    pace = run_pace([(decodes, 6.0), (decodes, 6.0), (mixed, 10.0)], TokensPriced(), 16)
+    # Steps started at 0.0 and 0.5 s (the first window: pace 1.5), then at 1.2 s (the second: pace 1.0).
+    pace = run_pace([(decodes, 6.0, 0.0), (decodes, 6.0, 0.5), (mixed, 10.0, 1.2)], TokensPriced(), 16)
     assert pace["pace"] == 22.0 / 18.0
     assert pace["decodes"] == (12.0 / 8.0) / pace["pace"] and pace["with prompts"] == 1.0 / pace["pace"]
-    alone = run_pace([(decodes, 2.0)], TokensPriced(), 16)
+    assert math.isclose(pace["variation"], 0.25 / 1.25)  # windows at 1.5 and 1.0: deviation 0.25 about 1.25
+    alone = run_pace([(decodes, 2.0, 0.0)], TokensPriced(), 16)
     assert alone["pace"] == 0.5 and alone["decodes"] == 1.0 and math.isnan(alone["with prompts"])
+    assert alone["variation"] == 0.0  # one window: nothing to vary
 
 
 def test_an_error_is_marked_where_the_simulator_lies_among_the_real_runs(capsys):
@@ -103,4 +106,5 @@ def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_pat
     assert swap["measured"]["preemptions"] > 0 and swap["predicted"]["preemptions"] > 0
     out = capsys.readouterr().out
     assert "within 10% / 15%" in out and "shared-prefix" in out and "the machine's pace in each real run" in out
-    assert "steps of decodes alone" in out and "lies within the range of the real runs' figures" in out
+    assert "steps of decodes alone" in out and "its variation within the run" in out
+    assert "lies within the range of the real runs' figures" in out

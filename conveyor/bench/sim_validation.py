@@ -41,14 +41,19 @@ def real_prompts(case: ValidationCase, vocab_size: int, seed: int) -> list[list[
     return prompts
 
 
+# A real run's step: its work, its wall seconds, and when it started (seconds since the run's start).
+TimedStep = tuple[StepWork, float, float]
+PACE_WINDOW_S = 1.0  # the windows of a run over which its pace's variation is measured (run_pace)
+
+
 def run_real(engine: Engine, case: ValidationCase,
-             prompts: list[list[int]]) -> tuple[dict[str, Any], list[tuple[StepWork, float]]]:
+             prompts: list[list[int]]) -> tuple[dict[str, Any], list[TimedStep]]:
     """Requests join as the wall clock passes their arrival; the engine steps while it has work. The run's
-    figures, and each step's work and wall seconds (those that compute or copy something)."""
+    figures, and each step's work, wall seconds and start (those that compute or copy something)."""
     order = sorted(range(len(prompts)), key=lambda i: case.requests[i].arrival_time)
     start = engine.clock()
     done: list[RequestOutput] = []
-    timed: list[tuple[StepWork, float]] = []
+    timed: list[TimedStep] = []
     steps = 0
     while order or engine.has_unfinished_requests():
         now = engine.clock() - start
@@ -61,11 +66,12 @@ def run_real(engine: Engine, case: ValidationCase,
         if not engine.has_unfinished_requests():
             time.sleep(max(case.requests[order[0]].arrival_time - now, 0.0))
             continue
+        started = engine.clock() - start
         outputs, work, seconds = timed_step(engine)
         done.extend(o for o in outputs if o.finished)
         steps += 1
         if work.num_tokens or work.swap_blocks:
-            timed.append((work, seconds))
+            timed.append((work, seconds, started))
     elapsed = engine.clock() - start
     figures = request_figures([len(o.prompt_token_ids) for o in done], [len(o.token_ids) for o in done],
                               [o.metrics.time_to_first_token for o in done], [o.metrics.latency for o in done],
@@ -91,7 +97,7 @@ def run_case(config: EngineConfig, engine: Engine, cost: CostModel, case: Valida
     return measured, predicted
 
 
-def run_pace(timed: list[tuple[StepWork, float]], cost: CostModel, block_size: int) -> dict[str, float]:
+def run_pace(timed: list[TimedStep], cost: CostModel, block_size: int) -> dict[str, float]:
     """How much longer than their price the run's own steps took: the machine's pace during the run, which the
     simulator's run beside it takes. This machine's speed moves by a quarter from one minute to the next, and
     within a run of a few seconds; a probe timed before and after a run read it 0.8-0.9 where the run's own
@@ -99,16 +105,27 @@ def run_pace(timed: list[tuple[StepWork, float]], cost: CostModel, block_size: i
     of the run, the pace leaves the simulator's decisions (what each step holds, when requests wait, whom a
     preemption hits) and the relative price of one kind of step against another to be checked, not the
     machine's speed; the latter is reported per kind: ``decodes`` (steps of decodes alone) and ``with prompts``
-    (steps with a prompt chunk), each over the pace."""
-    def pace(steps: list[tuple[StepWork, float]]) -> float | None:
-        priced = sum(cost.step_time(work, block_size) for work, _ in steps)
-        return sum(seconds for _, seconds in steps) / priced if steps and priced else None
+    (steps with a prompt chunk), each over the pace. ``variation``: how much the pace moved within the run, the
+    coefficient of variation of its pace over windows of PACE_WINDOW_S: one pace for the whole run leaves that
+    out, and a queue near capacity grows in the slow moments more than it drains in the fast ones (on this
+    machine, 5-14% at 1 s; the same runs' pace replayed window by window took the simulator's mean latency
+    from 8-19% short to within 3%: docs/benchmarks/simulator.md)."""
+    priced = [(work, seconds, started, cost.step_time(work, block_size)) for work, seconds, started in timed]
 
-    whole = pace(timed) or 1.0
-    decodes = pace([(w, s) for w, s in timed if w.num_tokens and w.decode_rows == w.num_tokens])
-    prompts = pace([(w, s) for w, s in timed if w.num_tokens > w.decode_rows])
+    def pace(steps: list[tuple[StepWork, float, float, float]]) -> float | None:
+        price = sum(step[3] for step in steps)
+        return sum(step[1] for step in steps) / price if steps and price else None
+
+    whole = pace(priced) or 1.0
+    decodes = pace([step for step in priced if step[0].num_tokens and step[0].decode_rows == step[0].num_tokens])
+    prompts = pace([step for step in priced if step[0].num_tokens > step[0].decode_rows])
+    windows: dict[int, list[tuple[StepWork, float, float, float]]] = {}
+    for step in priced:
+        windows.setdefault(int(step[2] // PACE_WINDOW_S), []).append(step)
+    paces = [p for p in map(pace, windows.values()) if p is not None]
     return {"pace": whole, "decodes": decodes / whole if decodes else float("nan"),
-            "with prompts": prompts / whole if prompts else float("nan")}
+            "with prompts": prompts / whole if prompts else float("nan"),
+            "variation": statistics.pstdev(paces) / statistics.fmean(paces) if len(paces) > 1 else 0.0}
 
 
 def median_of(values: list[Any]) -> Any:
@@ -164,7 +181,8 @@ def print_case(result: dict[str, Any]) -> None:
     print(format_table(["figure", f"real engine (median of {len(runs)})", "real runs", "simulator", "error"], rows))
     print(f"the machine's pace in each real run (its steps' time over the profile's price, which the simulator's "
           f"run beside it takes): {_paces(runs)}; over it, steps of decodes alone: {_paces(runs, 'decodes')}, "
-          f"steps with a prompt: {_paces(runs, 'with prompts')}")
+          f"steps with a prompt: {_paces(runs, 'with prompts')}; its variation within the run (the coefficient of "
+          f"variation of the pace over {PACE_WINDOW_S:g} s windows): {_percents(runs, 'variation')}")
 
 
 def _spread(values: list[float]) -> str:
@@ -198,3 +216,7 @@ def _among_the_runs(result: dict[str, Any], key: str) -> bool:
 
 def _paces(runs: list[dict[str, Any]], key: str = "pace") -> str:
     return ", ".join(f"{run[key]:.2f}" for run in runs)
+
+
+def _percents(runs: list[dict[str, Any]], key: str) -> str:
+    return ", ".join(f"{run[key]:.0%}" for run in runs)
