@@ -335,35 +335,34 @@ def test_packed_swiglu_matches_the_unfused_pair(kernels, width, rows):
 
 
 def test_kernels_release_the_gil_while_they_compute(kernels):
-    """A Python thread keeps running while a long native call computes (the server's event loop does)."""
+    """A Python thread keeps running while a long native call computes (the server's event loop does).
+
+    The check counts the other thread's turns rather than timing its worst one: on two cores shared with a
+    second test process and the kernel's own threads, one turn can be delayed by the OS for as long as a call,
+    but holding the GIL would allow about one turn per call (between two calls), where released it allows one
+    every millisecond or so of each call.
+    """
     import threading
     import time
 
     weight = kernels.pack_linear_weight(torch.randn(2048, 2048))
     x = torch.randn(512, 2048)
-    start = time.perf_counter()
-    kernels.packed_linear(x, weight, 2048)
-    call = time.perf_counter() - start  # about 2 GFLOP: tens of milliseconds or more
+    calls = 6
     done = threading.Event()
-    gaps: list[float] = []
+    turns = 0
 
     def compute() -> None:
-        for _ in range(3):
-            kernels.packed_linear(x, weight, 2048)
+        for _ in range(calls):
+            kernels.packed_linear(x, weight, 2048)  # about 2 GFLOP: tens of milliseconds or more each
         done.set()
 
     thread = threading.Thread(target=compute)
-    last = time.perf_counter()
     thread.start()
     while not done.is_set():
         time.sleep(0.001)
-        now = time.perf_counter()
-        gaps.append(now - last)
-        last = now
+        turns += 1
     thread.join()
-    # Holding the GIL, the calls would stop this loop for a whole call each; released, only the OS scheduler
-    # (two cores shared with the kernel's threads) delays it.
-    assert len(gaps) >= 3 and max(gaps) < max(call / 2, 0.02), (call, max(gaps))
+    assert turns >= 5 * calls, turns
 
 
 @pytest.mark.parametrize("n", [1, 7, 16, 33, 49152])
