@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 from conveyor.bench.calibrate import Probe, calibrate, profiling_grid, time_probe
 from conveyor.bench.sim_validation import print_errors, run_pace, validate_suite
@@ -41,9 +42,16 @@ def test_a_runs_pace_is_its_steps_time_over_their_price_and_each_kind_is_held_ag
     assert pace["pace"] == 22.0 / 18.0
     assert pace["decodes"] == (12.0 / 8.0) / pace["pace"] and pace["with prompts"] == 1.0 / pace["pace"]
     assert math.isclose(pace["variation"], 0.25 / 1.25)  # windows at 1.5 and 1.0: deviation 0.25 about 1.25
+    assert math.isnan(pace["few decodes"]) and math.isnan(pace["many decodes"])  # four rows: neither
     alone = run_pace([(decodes, 2.0, 0.0)], TokensPriced(), 16)
     assert alone["pace"] == 0.5 and alone["decodes"] == 1.0 and math.isnan(alone["with prompts"])
     assert alone["variation"] == 0.0  # one window: nothing to vary
+    # Batches of one decode faster than their price, batches of 16 slower: the profile's shape has moved.
+    one, many = StepWork(num_seqs=1, num_tokens=1, decode_rows=1), StepWork(num_seqs=16, num_tokens=16, decode_rows=16)
+    split = run_pace([(one, 0.8, 0.0), (one, 0.8, 0.1), (many, 19.2, 0.2), (mixed, 10.0, 0.3)], TokensPriced(), 16)
+    assert math.isclose(split["pace"], 30.8 / 28.0)
+    assert math.isclose(split["few decodes"], 0.8 / split["pace"])
+    assert math.isclose(split["many decodes"], 1.2 / split["pace"])
 
 
 def test_an_error_is_marked_where_the_simulator_lies_among_the_real_runs(capsys):
@@ -106,5 +114,6 @@ def test_calibrate_then_validate_against_the_real_engine(tiny_model_dir, tmp_pat
     assert swap["measured"]["preemptions"] > 0 and swap["predicted"]["preemptions"] > 0
     out = capsys.readouterr().out
     assert "within 10% / 15%" in out and "shared-prefix" in out and "the machine's pace in each real run" in out
-    assert "steps of decodes alone" in out and "its variation within the run" in out
+    assert "steps of decodes alone" in out and "its variation within the run" in out and "of 1-3 rows" in out
+    assert re.search(r"steps priced by the step profile \S+, measured \d+ min ago", out)
     assert "lies within the range of the real runs' figures" in out

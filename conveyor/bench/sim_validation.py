@@ -8,6 +8,7 @@ This module imports torch (through the engine); the simulator itself does not.
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import random
 import statistics
@@ -22,7 +23,7 @@ from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
 from conveyor.sim.cost import CostModel, StepWork, with_pace
 from conveyor.sim.hardware import load_hardware
-from conveyor.sim.profile import step_cost_model
+from conveyor.sim.profile import ProfiledCostModel, step_cost_model
 from conveyor.sim.simulator import simulate
 from conveyor.sim.validation import CASE_NAMES, FIGURES, ValidationCase, error, validation_cases
 
@@ -44,6 +45,9 @@ def real_prompts(case: ValidationCase, vocab_size: int, seed: int) -> list[list[
 # A real run's step: its work, its wall seconds, and when it started (seconds since the run's start).
 TimedStep = tuple[StepWork, float, float]
 PACE_WINDOW_S = 1.0  # the windows of a run over which its pace's variation is measured (run_pace)
+# Steps of decodes alone, split by their rows (run_pace): a few rows read the weights (memory-bound), many rows
+# compute (compute-bound), and a machine whose memory changes speed moves one against the other.
+FEW_DECODE_ROWS, MANY_DECODE_ROWS = 3, 16
 
 
 def run_real(engine: Engine, case: ValidationCase,
@@ -105,7 +109,13 @@ def run_pace(timed: list[TimedStep], cost: CostModel, block_size: int) -> dict[s
     of the run, the pace leaves the simulator's decisions (what each step holds, when requests wait, whom a
     preemption hits) and the relative price of one kind of step against another to be checked, not the
     machine's speed; the latter is reported per kind: ``decodes`` (steps of decodes alone) and ``with prompts``
-    (steps with a prompt chunk), each over the pace. ``variation``: how much the pace moved within the run, the
+    (steps with a prompt chunk), each over the pace, and the decodes again by their rows: ``few decodes`` (up to
+    FEW_DECODE_ROWS) and ``many decodes`` (MANY_DECODE_ROWS or more). Those two part when the machine's memory
+    and its arithmetic no longer stand as they did when the profile was measured (this machine's memory read
+    moves between about 46 and 80 GB/s): with a profile measured four hours before, steps of one decode took
+    0.87-0.92 of the pace and steps of 32 or more 1.07-1.08, and the simulator, faster than the machine exactly
+    where a queue forms, put poisson-high's mean TTFT 15-36% short; calibrated again, 0.88-0.96 and 0.96-0.98,
+    and 1-6% short. ``variation``: how much the pace moved within the run, the
     coefficient of variation of its pace over windows of PACE_WINDOW_S: one pace for the whole run leaves that
     out, and a queue near capacity grows in the slow moments more than it drains in the fast ones (on this
     machine, 5-14% at 1 s; the same runs' pace replayed window by window took the simulator's mean latency
@@ -117,14 +127,17 @@ def run_pace(timed: list[TimedStep], cost: CostModel, block_size: int) -> dict[s
         return sum(step[1] for step in steps) / price if steps and price else None
 
     whole = pace(priced) or 1.0
-    decodes = pace([step for step in priced if step[0].num_tokens and step[0].decode_rows == step[0].num_tokens])
-    prompts = pace([step for step in priced if step[0].num_tokens > step[0].decode_rows])
+    alone = [step for step in priced if step[0].num_tokens and step[0].decode_rows == step[0].num_tokens]
+    kinds = {"decodes": alone, "with prompts": [step for step in priced if step[0].num_tokens > step[0].decode_rows],
+             "few decodes": [step for step in alone if step[0].decode_rows <= FEW_DECODE_ROWS],
+             "many decodes": [step for step in alone if step[0].decode_rows >= MANY_DECODE_ROWS]}
     windows: dict[int, list[tuple[StepWork, float, float, float]]] = {}
     for step in priced:
         windows.setdefault(int(step[2] // PACE_WINDOW_S), []).append(step)
     paces = [p for p in map(pace, windows.values()) if p is not None]
-    return {"pace": whole, "decodes": decodes / whole if decodes else float("nan"),
-            "with prompts": prompts / whole if prompts else float("nan"),
+    by_kind = {kind: (kind_pace / whole if (kind_pace := pace(steps)) else float("nan"))
+               for kind, steps in kinds.items()}
+    return {"pace": whole, **by_kind,
             "variation": statistics.pstdev(paces) / statistics.fmean(paces) if len(paces) > 1 else 0.0}
 
 
@@ -144,7 +157,8 @@ def validate_suite(config: EngineConfig, num: int = 48, seed: int = 0, names: tu
     base = _engine(engines, config, first.overrides)
     cost, priced_by = step_cost_model(base.model_config, load_hardware("cpu-local"), config.dtype,
                                       step_profile=step_profile, threads=base.num_threads)
-    print(f"validation, steps priced by the {priced_by}\n{first.name}: {first.description} ...", flush=True)
+    print(f"validation, steps priced by the {priced_by}{_measured_ago(cost)}", flush=True)
+    print(f"{first.name}: {first.description} ...", flush=True)
     measured, predicted = run_case(config, base, cost, first, seed, repeats)
     results = []
     for case in validation_cases(num, seed, measured["requests_per_s"], config.max_num_seqs):
@@ -159,6 +173,15 @@ def validate_suite(config: EngineConfig, num: int = 48, seed: int = 0, names: tu
         print_case(results[-1])
     print_errors(results)
     return results
+
+
+def _measured_ago(cost: CostModel) -> str:
+    """How long ago the step profile was measured: the machine it describes may have changed since (run_pace
+    tells by how much; `conveyor simulate calibrate` measures it again)."""
+    if not isinstance(cost, ProfiledCostModel) or not cost.profile.measured_at:
+        return ""
+    then = calendar.timegm(time.strptime(cost.profile.measured_at, "%Y-%m-%dT%H:%M:%SZ"))
+    return f", measured {(time.time() - then) / 60:.0f} min ago"
 
 
 def _engine(engines: dict[str, Engine], config: EngineConfig, overrides: dict[str, Any]) -> Engine:
@@ -180,8 +203,10 @@ def print_case(result: dict[str, Any]) -> None:
     print(f"\n{result['case']}: {result['description']}")
     print(format_table(["figure", f"real engine (median of {len(runs)})", "real runs", "simulator", "error"], rows))
     print(f"the machine's pace in each real run (its steps' time over the profile's price, which the simulator's "
-          f"run beside it takes): {_paces(runs)}; over it, steps of decodes alone: {_paces(runs, 'decodes')}, "
-          f"steps with a prompt: {_paces(runs, 'with prompts')}; its variation within the run (the coefficient of "
+          f"run beside it takes): {_paces(runs)}; over it, steps of decodes alone: {_paces(runs, 'decodes')} "
+          f"(of 1-{FEW_DECODE_ROWS} rows: {_paces(runs, 'few decodes')}; of {MANY_DECODE_ROWS} or more: "
+          f"{_paces(runs, 'many decodes')}), steps with a prompt: {_paces(runs, 'with prompts')}; "
+          f"its variation within the run (the coefficient of "
           f"variation of the pace over {PACE_WINDOW_S:g} s windows): {_percents(runs, 'variation')}")
 
 
