@@ -113,13 +113,13 @@ def run_pace(timed: list[TimedStep], cost: CostModel, block_size: int) -> dict[s
     FEW_DECODE_ROWS) and ``many decodes`` (MANY_DECODE_ROWS or more). Those two part when the machine's memory
     and its arithmetic no longer stand as they did when the profile was measured (this machine's memory read
     moves between about 46 and 80 GB/s): with a profile measured four hours before, steps of one decode took
-    0.87-0.92 of the pace and steps of 32 or more 1.07-1.08, and the simulator, faster than the machine exactly
-    where a queue forms, put poisson-high's mean TTFT 15-36% short; calibrated again, 0.88-0.96 and 0.96-0.98,
-    and 1-6% short. ``variation``: how much the pace moved within the run, the
-    coefficient of variation of its pace over windows of PACE_WINDOW_S: one pace for the whole run leaves that
-    out, and a queue near capacity grows in the slow moments more than it drains in the fast ones (on this
-    machine, 5-14% at 1 s; the same runs' pace replayed window by window took the simulator's mean latency
-    from 8-19% short to within 3%: docs/benchmarks/simulator.md)."""
+    0.87-0.92 of the pace and steps of 16-31 decodes 1.07-1.08, and the simulator, faster than the machine
+    exactly where a queue forms, put poisson-high's mean TTFT up to 36% short; calibrated again, 0.88-0.96 and
+    0.96-0.98, and 1-6% short (docs/benchmarks/simulator.md). ``variation``: how much the pace moved within
+    the run, the coefficient of variation of its pace over windows of PACE_WINDOW_S: one pace for the whole run
+    leaves that out, and a queue near capacity grows in the slow moments more than it drains in the fast ones
+    (on this machine, 5-14% at 1 s; the same runs' pace replayed window by window took the simulator's mean
+    latency from 8-19% short to within 3%: docs/benchmarks/simulator.md)."""
     priced = [(work, seconds, started, cost.step_time(work, block_size)) for work, seconds, started in timed]
 
     def pace(steps: list[tuple[StepWork, float, float, float]]) -> float | None:
