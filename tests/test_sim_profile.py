@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import json
 import random
@@ -209,3 +210,10 @@ def test_a_profile_file_prices_any_hardware_the_simulator_names(machine_cache, c
     (machine_cache / "bad.json").write_text("{}")
     assert main([*args, "--step-profile", str(machine_cache / "bad.json")]) == 2
     assert "not a step profile" in capsys.readouterr().err
+
+
+def test_a_profiles_age_is_read_from_its_stamp_and_an_unreadable_stamp_has_none():
+    stamped = synthetic_profile(measured_at="2026-12-03T06:00:00Z")
+    assert stamped.age_s(now=calendar.timegm((2026, 12, 3, 6, 30, 0, 0, 0, 0))) == 1800.0
+    assert synthetic_profile(measured_at="").age_s() is None
+    assert synthetic_profile(measured_at="now").age_s() is None  # edited by hand: no age, no failure

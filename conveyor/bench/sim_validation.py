@@ -8,7 +8,6 @@ This module imports torch (through the engine); the simulator itself does not.
 
 from __future__ import annotations
 
-import calendar
 import dataclasses
 import random
 import statistics
@@ -178,10 +177,8 @@ def validate_suite(config: EngineConfig, num: int = 48, seed: int = 0, names: tu
 def _measured_ago(cost: CostModel) -> str:
     """How long ago the step profile was measured: the machine it describes may have changed since (run_pace
     tells by how much; `conveyor simulate calibrate` measures it again)."""
-    if not isinstance(cost, ProfiledCostModel) or not cost.profile.measured_at:
-        return ""
-    then = calendar.timegm(time.strptime(cost.profile.measured_at, "%Y-%m-%dT%H:%M:%SZ"))
-    return f", measured {(time.time() - then) / 60:.0f} min ago"
+    age = cost.profile.age_s() if isinstance(cost, ProfiledCostModel) else None
+    return "" if age is None else f", measured {age / 60:.0f} min ago"
 
 
 def _engine(engines: dict[str, Engine], config: EngineConfig, overrides: dict[str, Any]) -> Engine:

@@ -31,6 +31,7 @@ Pure Python, like the rest of the simulator.
 
 from __future__ import annotations
 
+import calendar
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -54,6 +55,7 @@ ENGINE_PACKAGES = ("core", "engine", "executor", "model", "csrc")  # the code a 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                 "head_dim", "tie_word_embeddings", "stored_as")
+MEASURED_AT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # a profile's measured_at: UTC, to the second
 LINEAR_PARTS = ("per_sequence_s", "per_sampled_row_s", "per_prompt_pair_s")
 DECODE_ROW_BUCKETS = (1, 2, 4, 8, 16)  # lower bounds: a key's price by how many decode rows share the step
 
@@ -104,6 +106,15 @@ class StepProfile:
         if not shared or self.per_shared_decode_key_s is None:
             return work.decode_context * price
         return (work.decode_context - shared) * price + shared * self.per_shared_decode_key_s
+
+    def age_s(self, now: float | None = None) -> float | None:
+        """Seconds since the profile was measured; None where its stamp is missing or not one ``new_profile``
+        writes (a profile edited by hand prices steps as well as any)."""
+        try:
+            return (time.time() if now is None else now) - calendar.timegm(time.strptime(self.measured_at,
+                                                                                         MEASURED_AT_FORMAT))
+        except (TypeError, ValueError):
+            return None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -375,7 +386,7 @@ def new_profile(fitted: dict[str, Any], per_swapped_token_s: float, machine: dic
     """A profile from a fit (``fit_step_times``), stamped with what it was measured on and when."""
     return StepProfile(**fitted, per_swapped_token_s=per_swapped_token_s, machine=machine,
                        model=model_signature(model), dtype=dtype, block_size=block_size,
-                       engine=engine_fingerprint(), measured_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                       engine=engine_fingerprint(), measured_at=time.strftime(MEASURED_AT_FORMAT, time.gmtime()))
 
 
 def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tensor_parallel_size: int = 1,
