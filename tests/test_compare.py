@@ -234,8 +234,31 @@ def test_llamacpp_request_is_greedy_exact_and_uncached():
     assert body["ignore_eos"] is True and body["temperature"] == 0 and body["cache_prompt"] is False
     assert body["return_tokens"] is True and body["stream"] is False
     response = {"tokens": [4, 5], "content": "ab", "timings": {"predicted_ms": 1500.0, "prompt_ms": 20.0}}
-    assert runner.parse_completion(response, 2.0) == {"output_token_ids": [4, 5], "ttft_s": 0.5, "latency_s": 2.0}
+    assert runner.endpoint(8080).record(response, 2.0) == {"output_token_ids": [4, 5], "ttft_s": 0.5,
+                                                            "latency_s": 2.0}
     assert "--no-ui" in runner.SERVER_ARGS and runner.SERVER_ARGS[:2] == ("-np", "64")
+
+
+def test_conveyor_is_timed_through_its_own_server_as_the_peers_are():
+    runner = _peer_module("run_conveyor")
+    body = runner.completion_body({"prompt_token_ids": [1, 2, 3], "output_len": 7})
+    assert body["prompt"] == [1, 2, 3] and body["max_tokens"] == 7 and body["ignore_eos"] is True
+    assert body["temperature"] == 0 and body["return_token_ids"] is True and body["stream"] is False
+    answer = {"choices": [{"token_ids": [4, 5]}], "timings": {"predicted_ms": 500.0}}
+    assert runner.endpoint(1).record(answer, 2.0) == {"output_token_ids": [4, 5], "ttft_s": 1.5, "latency_s": 2.0}
+    command = runner.serve_command("m.gguf", 9, 2, False, ["--max-num-seqs", "64"])
+    assert command[command.index("--num-threads") + 1] == "2" and "--no-enable-prefix-caching" in command
+    assert command[-2:] == ["--model", "m.gguf"] and "--max-num-seqs" in command
+
+
+def test_on_a_gguf_file_the_llamacpp_peers_run_that_file():
+    from conveyor.bench.compare import on_the_file, select_peers
+
+    peers = select_peers(["llamacpp-q4_1", "ik-llamacpp", "openvino"])
+    followed = on_the_file(peers, "/models/x.gguf")
+    assert followed[0].args == ("--model", "/models/x.gguf")
+    assert followed[1].args == ("--fork", "ik_llama.cpp", "--model", "/models/x.gguf")
+    assert followed[2] == peers[2] and on_the_file(peers, None) == peers
 
 
 # ----- agreement, table and ratios ---------------------------------------------------------------------
@@ -289,6 +312,18 @@ def test_conveyor_runs_the_comparison_in_the_dtype_asked_and_says_so():
 
     workloads, result, _ = conveyor_on_workloads(("W1@1",), w1_single=1, limit=1, max_output_len=4, threads=1,
                                                  dtype="bfloat16")
-    assert result.engine == "Conveyor (bfloat16)"
+    assert result.engine == "Conveyor in-process (bfloat16)"
     assert [len(ids) for ids in result.results["W1@1"].output_token_ids] == [4]
     assert len(workloads) == 1 and workloads[0].name == "W1@1"
+
+
+def test_compare_times_conveyor_through_its_own_server(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "compare.json"
+    assert main(["bench", "compare", "--peers", "", "--workloads", "W1@1,W1@64", "--limit", "2",
+                 "--max-output-len", "5", "--model", str(tiny_model_dir), "--num-threads", "1",
+                 "--serve-args", "--num-kv-blocks 256 --kernels torch", "-o", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    (engine,) = saved["engines"]
+    assert engine["engine"] == "Conveyor server"
+    assert engine["results"]["W1@64"]["output_tokens"] == 10 and engine["results"]["W1@1"]["num_requests"] == 2
+    assert engine["results"]["W1@64"]["ttft_mean_s"] > 0

@@ -59,6 +59,28 @@ def test_chat_streamed_equals_unstreamed_equals_offline(client, offline):
     assert usage is not None and usage.completion_tokens == 10 and usage.prompt_tokens == len(prompt_ids)
 
 
+def test_return_token_ids_and_timings_answer_as_vllm_and_llama_cpp_do(client, offline):
+    prompt = [504, 3458, 282, 9, 17]
+    expected = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+                                use_tqdm=False)[0].token_ids
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0, extra_body=extra)
+    answer = full.model_dump()
+    assert answer["choices"][0]["token_ids"] == expected and answer["choices"][0]["prompt_token_ids"] == prompt
+    timings = answer["timings"]  # llama.cpp's names: the output's time from its first token to its last
+    assert timings["predicted_n"] == 9 and timings["prompt_n"] == len(prompt) and timings["cache_n"] == 0
+    assert 0 < timings["predicted_ms"] and 0 < timings["prompt_ms"]
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0, stream=True,
+                                       extra_body=extra)
+    streamed = [token for c in chunks for token in c.model_dump()["choices"][0]["token_ids"]]
+    assert streamed == expected  # each chunk carries the ids it adds, none twice
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=5, temperature=0, extra_body=extra).model_dump()
+    assert len(chat["choices"][0]["token_ids"]) == 5 and chat["prompt_token_ids"]
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0).model_dump()
+    assert "token_ids" not in plain["choices"][0]
+
+
 def test_32_concurrent_streams_match_offline(server, offline):
     rng = random.Random(5)
     prompts = [[rng.randrange(1000, 40000) for _ in range(rng.randrange(1, 60))] for _ in range(32)]

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import http_client
 import httpx
 import run_llamacpp
 
@@ -37,7 +38,7 @@ DEFAULT_LLAMA_SPECS = ["--spec-type ngram-simple",
 
 def llama_server(spec: list[str], threads: int, log: Path) -> tuple[subprocess.Popen, str]:
     """llama-server on the default model's Q4_1 file, one slot, with ``spec`` flags; (process, completion url)."""
-    port = run_llamacpp.free_port()
+    port = http_client.free_port()
     server = run_llamacpp.start_server(run_llamacpp.gguf_file("q4_1"), port, log, threads,
                                        ("-np", "1", "-c", "4096", "--no-ui", *spec))
     return server, f"http://127.0.0.1:{port}/completion"

@@ -1,16 +1,19 @@
 """``conveyor bench compare``: Conveyor and the engines a user would pick instead, on the same workloads.
 
-Conveyor runs in this process; each peer set up under ``.peers/`` (by
-``bench/peers/setup_*.sh``) runs in its own virtual environment through its
-runner script, one engine after another on the same token ids, so that every
-ratio comes from one sitting on one machine (machines of this kind differ by up
-to 2x from day to day). Greedy float32 engines should agree token for token, so
-the first tokens of every request are checked against Conveyor's as well.
+Every engine is timed the way a user meets it. Conveyor runs as its own ``conveyor serve``
+(``bench/peers/run_conveyor.py``), and every served peer (llama.cpp) as its own server, all
+asked by one HTTP client (``bench/peers/http_client.py``) on the same token ids and the same
+threads; engines that have no server of their own (OpenVINO GenAI, vLLM's offline LLM,
+transformers) run through their runner scripts in their own virtual environments, set up
+under ``.peers/`` by ``bench/peers/setup_*.sh``. One engine after another, so every ratio
+comes from one sitting on one machine (machines of this kind differ by up to 2x from day to
+day). ``--in-process`` adds Conveyor's engine called in this process, a row named for what it
+is (no HTTP, no server threads). Greedy engines on the same weights should agree token for
+token, so the first tokens of every request are checked against Conveyor's server's as well.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import platform
@@ -68,6 +71,10 @@ PEERS = (
     Peer("llamacpp-q8_0", "run_llamacpp.py", None,
          (".peers/llama.cpp/build/bin/llama-server", ".peers/llama.cpp/model-q8_0.gguf"), "setup_llamacpp.sh",
          ("--gguf", "q8_0")),
+    # ik_llama.cpp (a llama.cpp fork with row-interleaved layouts, repacked at load by -rtr), built by hand from
+    # its public source into .peers/ik_llama.cpp (not by `make`): on the default model's Q4_1 file.
+    Peer("ik-llamacpp", "run_llamacpp.py", None, (".peers/ik_llama.cpp/build/bin/llama-server",),
+         "(by hand: see docs/benchmarks/peers.md)", ("--gguf", "q4_1", "--fork", "ik_llama.cpp")),
     # llama.cpp on Gemma 3 270M's Q4_K_M file (with `conveyor bench compare --model gemma3-270m`).
     Peer("llamacpp-gemma3-270m", "run_llamacpp.py", None, (".peers/llama.cpp/build/bin/llama-server",),
          "setup_llamacpp.sh", ("--gguf", "gemma3-270m")),
@@ -337,7 +344,7 @@ def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | N
     engines = {caching: engine if not caching else engine_with(True) for caching in {w.prefix_caching
                                                                                    for w in workloads}}
     stored = engine.kernel_dtype or dtype  # the weights' format on the native stack ("Q4_1+Q8_0", "float32")
-    return workloads, run_conveyor(engines, workloads, f"Conveyor ({stored})"), engine.tokenizer.eos_token_id
+    return workloads, run_conveyor(engines, workloads, f"Conveyor in-process ({stored})"), engine.tokenizer.eos_token_id
 
 
 def select_peers(names: list[str]) -> list[Peer]:
@@ -348,17 +355,54 @@ def select_peers(names: list[str]) -> list[Peer]:
     return [known[n] for n in names]
 
 
+CONVEYOR_SERVER = Peer("conveyor", "run_conveyor.py", None, (), "")
+
+
+def conveyor_server(model: str | None, dtype: str, serve_args: str, name: str = "Conveyor server") -> Peer:
+    """Conveyor's own server as a runner, on ``model`` in ``dtype``, with ``serve_args`` for ``conveyor serve``."""
+    flags = f"--dtype {dtype} {serve_args}".strip()
+    return replace(CONVEYOR_SERVER, args=(*(("--model", model) if model else ()), "--serve-args", flags,
+                                          "--name", name))
+
+
+def on_the_file(peers: list[Peer], model: str | None) -> list[Peer]:
+    """Where Conveyor's model is a GGUF file of the user's, the llama.cpp peers run that very file."""
+    if not model or not str(model).endswith(".gguf"):
+        return peers
+    def follow(peer: Peer) -> Peer:
+        if peer.runner != "run_llamacpp.py":
+            return peer
+        kept = [a for i, a in enumerate(peer.args) if a != "--gguf" and (i == 0 or peer.args[i - 1] != "--gguf")]
+        return replace(peer, args=(*kept, "--model", str(Path(model).resolve())))
+    return [follow(p) for p in peers]
+
+
+def model_workloads(model: str | None, names: tuple[str, ...], w1_single: int, limit: int | None,
+                    max_output_len: int | None) -> tuple[list[Workload], int | None]:
+    """The workloads in ``model``'s token ids (its tokenizer alone: no weights are loaded) and its EOS id."""
+    from conveyor.bench.workload import comparison_workloads
+    from conveyor.core.model_config import ModelConfig
+    from conveyor.engine.tokenizer import Tokenizer
+    from conveyor.model.loader import resolve_model
+
+    folder = resolve_model(model)
+    tokenizer = Tokenizer(folder)
+    workloads = comparison_workloads(tokenizer, ModelConfig.from_folder(folder).vocab_size, w1_single, names)
+    return shrink(workloads, limit, max_output_len), tokenizer.eos_token_id
+
+
 def compare(workload_names: list[str], peer_names: list[str], w1_single: int, limit: int | None = None,
             max_output_len: int | None = None, output: str | None = None, num_threads: int | None = None,
-            dtype: str = "float32", model: str | None = None, float32: bool = False) -> int:
-    """Run everything on ``num_threads`` threads each (default: the usable cores), Conveyor in ``dtype`` on
-    ``model`` (and with ``float32`` on its float32 weights too, as the first peer), print machine info and the
-    table, write JSON to ``output``."""
+            dtype: str = "float32", model: str | None = None, float32: bool = False, in_process: bool = False,
+            serve_args: str = "") -> int:
+    """Run everything on ``num_threads`` threads each (default: the usable cores): Conveyor's server in
+    ``dtype`` on ``model`` (with ``float32``, on its float32 weights too; with ``in_process``, its engine called
+    in this process as well), then each peer; print machine info and the table, write JSON to ``output``."""
     if not 1 <= w1_single <= 64:
         raise ValueError(f"--w1-single must be in [1, 64], got {w1_single}")
     if (limit is not None and limit < 1) or (max_output_len is not None and max_output_len < 1):
         raise ValueError("--limit and --max-output-len must be >= 1")
-    peers = select_peers(peer_names)
+    peers = on_the_file(select_peers(peer_names), model)
     if not PEERS_DIR.is_dir():
         raise FileNotFoundError(f"bench compare: no {PEERS_DIR}; it runs from a source checkout of Conveyor")
     from conveyor.core.config import usable_cores
@@ -366,18 +410,18 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
     threads = num_threads or usable_cores()
     machine = machine_info(threads)
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
-    workloads, conveyor, eos_token_id = conveyor_on_workloads(tuple(workload_names), w1_single, limit,
-                                                              max_output_len, threads, dtype, model)
-    gc.collect()  # the engine's KV pool and weights, before the peers need the memory
-    others = []
+    workloads, eos_token_id = model_workloads(model, tuple(workload_names), w1_single, limit, max_output_len)
+    ours = [conveyor_server(model, dtype, serve_args)]
     if float32:
         from conveyor.model.loader import float32_folder
 
-        others.append(conveyor_on_workloads((), w1_single, None, None, threads, "float32",
-                                            str(float32_folder(model)), workloads)[1])
-        gc.collect()
-    comparison = Comparison(machine, workloads, eos_token_id, conveyor,
-                            others + run_peers(peers, workloads, threads=threads))
+        ours.append(conveyor_server(str(float32_folder(model)), "float32", serve_args, "Conveyor server (float32)"))
+    results = run_peers(ours + peers, workloads, threads=threads)
+    if not results or results[0].engine != "Conveyor server":
+        raise RuntimeError("bench compare: Conveyor's own server did not run; see the messages above")
+    if in_process:
+        results.insert(1, conveyor_on_workloads((), w1_single, None, None, threads, dtype, model, workloads)[1])
+    comparison = Comparison(machine, workloads, eos_token_id, results[0], results[1:])
     print(comparison.table())
     if output:
         Path(output).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")

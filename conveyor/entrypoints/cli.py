@@ -138,7 +138,12 @@ def _add_bench_compare(bench: Commands) -> None:
                      help="Conveyor's model: a GGUF file (weights kept quantized) or a HF folder (default: the "
                           "default model's Q4_1 file)")
     cmp.add_argument("--float32", action="store_true",
-                     help="also run Conveyor on the same model's float32 weights (dequantized once)")
+                     help="also run Conveyor's server on the same model's float32 weights (dequantized once)")
+    cmp.add_argument("--in-process", action="store_true",
+                     help="also time Conveyor's engine called in this process (no HTTP, no server threads), "
+                          "as a row of its own")
+    cmp.add_argument("--serve-args", default="",
+                     help="more flags for Conveyor's `conveyor serve`, as one string (e.g. \"--max-num-seqs 64\")")
 
 
 def _add_bench_serve(bench: Commands) -> None:
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return compare(args.workloads.split(","), args.peers.split(",") if args.peers else [], args.w1_single,
                            args.limit, args.max_output_len, args.output, args.num_threads, args.dtype, args.model,
-                           args.float32)
+                           args.float32, args.in_process, args.serve_args)
         if args.command == "plot":
             return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":

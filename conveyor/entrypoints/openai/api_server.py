@@ -437,7 +437,8 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
         await serving.compile_grammar(body)
         requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
         fmt = CompletionShape(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo,
-                              prompt_logprobs=body.prompt_logprobs is not None)
+                              prompt_logprobs=body.prompt_logprobs is not None,
+                              return_token_ids=body.return_token_ids)
         return await serving.respond(body, requests, fmt, raw)
 
     @app.post("/v1/chat/completions")
@@ -451,7 +452,7 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
         request = await serving.off_loop(serving.make_chat_request, body)
         fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
                         body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None,
-                        auto_tools=auto_tools)
+                        auto_tools=auto_tools, return_token_ids=body.return_token_ids)
         return await serving.respond(body, [request], fmt, raw)
 
 

@@ -113,6 +113,9 @@ class SamplingRequest(Body):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    # vLLM's: each choice carries its output token ids (a streamed chunk: those it adds) and the answer its
+    # prompt's, so a client can compare engines token for token without a tokenizer of its own.
+    return_token_ids: bool = False
 
     def check_supported(self) -> None:
         """FieldError naming the first field set to something the engine cannot do yet."""

@@ -23,6 +23,27 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def timings(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """llama.cpp's ``timings`` of a whole answer, under its names: the prompt's computing (from its first step to
+    the first token) and the output's (first token to last), so a client can tell time to first token from a
+    response that was not streamed."""
+    prompts = {o.request_id: o for o in outputs}.values()
+    starts = [o.metrics.first_scheduled_time for o in prompts]
+    firsts = [o.metrics.first_token_time for o in outputs]
+    ends = [o.metrics.finish_time for o in outputs]
+    if None in starts or None in firsts or None in ends:
+        return {}
+    prompt_n = sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in prompts)
+    predicted_n = sum(len(o.token_ids) for o in outputs)
+    prompt_ms = max(first - start for first, start in zip(firsts, starts)) * 1000
+    predicted_ms = (max(ends) - min(firsts)) * 1000
+    return {"timings": {
+        "cache_n": sum(o.num_cached_tokens for o in prompts), "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_second": prompt_n / prompt_ms * 1000 if prompt_ms > 0 else None,
+        "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+        "predicted_per_second": predicted_n / predicted_ms * 1000 if predicted_ms > 0 else None}}
+
+
 class ResponseShape:
     """One answer's shape, whole (``full``) or chunk by chunk (``chunk``), for the completion and chat
     endpoints: the envelope, echo, and the usage chunk that ends a stream."""
@@ -31,11 +52,25 @@ class ResponseShape:
     object_chunk = ""
 
     def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echo: bool = False,
-                 prompt_logprobs: bool = False) -> None:
+                 prompt_logprobs: bool = False, return_token_ids: bool = False) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.logprobs, self.echo, self.prompt_logprobs = logprobs, echo, prompt_logprobs
+        self.return_token_ids = return_token_ids
         self._echoed: set[int] = set()  # choices whose stream has sent what echo repeats
         self._prompts_sent: set[int] = set()  # choices whose stream has sent their prompt_logprobs
+        self._tokens_sent: dict[int, int] = {}  # per streamed choice, output token ids already sent
+
+    def token_part(self, output: RequestOutput, streamed: bool = False) -> dict[str, Any]:
+        """vLLM's ``return_token_ids``: a choice's output token ids (a chunk's: those it adds), where asked."""
+        if not self.return_token_ids:
+            return {}
+        start = self._tokens_sent.get(output.index, 0) if streamed else 0
+        self._tokens_sent[output.index] = len(output.token_ids)
+        return {"token_ids": output.token_ids[start:]}
+
+    def prompt_ids_part(self, output: RequestOutput) -> dict[str, Any]:
+        """vLLM's ``prompt_token_ids`` beside the output's, where ``return_token_ids`` asked."""
+        return {"prompt_token_ids": output.prompt_token_ids} if self.return_token_ids else {}
 
     def prompt_part(self, output: RequestOutput, streamed: bool = False) -> dict[str, Any]:
         """vLLM's ``prompt_logprobs`` field, where the client asked: in the whole answer, or in the first chunk
@@ -85,13 +120,14 @@ class CompletionShape(ResponseShape):
     def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = [{"index": o.index, "text": self.echoed_text(o, o.text), "finish_reason": o.finish_reason,
                     "logprobs": self.logprobs.completion_full(o, self.echo), "stop_reason": o.stop_reason}
-                   | self.prompt_part(o) for o in outputs]
-        return self._envelope(self.object_full, choices) | {"usage": usage(outputs)}
+                   | self.prompt_part(o) | self.prompt_ids_part(o) | self.token_part(o) for o in outputs]
+        return self._envelope(self.object_full, choices) | {"usage": usage(outputs)} | timings(outputs)
 
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
         choice = {"index": output.index, "text": self.echoed_text(output, output.delta_text),
                   "finish_reason": output.finish_reason, "logprobs": self.logprobs.completion_delta(output, self.echo)}
-        return self._envelope(self.object_chunk, [choice | self.prompt_part(output, streamed=True)])
+        return self._envelope(self.object_chunk, [choice | self.prompt_part(output, streamed=True)
+                                                  | self.token_part(output, streamed=True)])
 
 
 class ChatShape(ResponseShape):
@@ -100,12 +136,13 @@ class ChatShape(ResponseShape):
 
     def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echoed: str | None = None,
                  tools: ForcedToolCalls | None = None, prompt_logprobs: bool = False,
-                 auto_tools: str | None = None) -> None:
+                 auto_tools: str | None = None, return_token_ids: bool = False) -> None:
         """``echoed``: the text every choice starts with (vLLM's echo: the assistant's final message), if any;
         ``tools``: the calls tool_choice forces, which the choices' text is read back as; ``auto_tools``: the
         parser (tool_parsers.py) that reads the calls the model chose to make out of its text. prompt_logprobs
         go at the top, as vLLM puts them (the choices share the prompt)."""
-        super().__init__(request_id, model, logprobs, echo=echoed is not None, prompt_logprobs=prompt_logprobs)
+        super().__init__(request_id, model, logprobs, echo=echoed is not None, prompt_logprobs=prompt_logprobs,
+                         return_token_ids=return_token_ids)
         self._echoed_text = echoed or ""
         self.tools = tools
         self.auto_tools = auto_tools
@@ -117,9 +154,10 @@ class ChatShape(ResponseShape):
 
     def full(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = [{"index": o.index, **self._message(o), "stop_reason": o.stop_reason,
-                    "logprobs": None if o.logprobs is None else self.logprobs.chat(o.logprobs)}
+                    "logprobs": None if o.logprobs is None else self.logprobs.chat(o.logprobs)} | self.token_part(o)
                    for o in outputs]
-        return self._envelope(self.object_full, choices) | self.prompt_part(outputs[0]) | {"usage": usage(outputs)}
+        return (self._envelope(self.object_full, choices) | self.prompt_part(outputs[0])
+                | self.prompt_ids_part(outputs[0]) | {"usage": usage(outputs)} | timings(outputs))
 
     def _message(self, output: RequestOutput) -> dict[str, Any]:
         """A whole choice's message and finish_reason: its text, or the tool calls it made."""
@@ -150,7 +188,7 @@ class ChatShape(ResponseShape):
                 delta["tool_calls"] = calls
             finish_reason = tool_finish_reason(stream.num_calls > 0, finish_reason)
         choice = {"index": output.index, "delta": delta, "finish_reason": finish_reason,
-                  "logprobs": self.logprobs.chat_delta(output)}
+                  "logprobs": self.logprobs.chat_delta(output)} | self.token_part(output, streamed=True)
         return self._envelope(self.object_chunk, [choice]) | self.prompt_part(output, streamed=True)
 
     def _auto_delta(self, output: RequestOutput, is_first: bool) -> tuple[dict[str, Any], str | None]:
