@@ -69,7 +69,7 @@ def test_return_token_ids_and_timings_answer_as_vllm_and_llama_cpp_do(client, of
     assert answer["choices"][0]["token_ids"] == expected and answer["choices"][0]["prompt_token_ids"] == prompt
     timings = answer["timings"]  # llama.cpp's names: the output's time from its first token to its last
     assert timings["predicted_n"] == 9 and timings["prompt_n"] == len(prompt) and timings["cache_n"] == 0
-    assert 0 < timings["predicted_ms"] and 0 < timings["prompt_ms"]
+    assert timings["predicted_ms"] > 0 and timings["prompt_ms"] > 0
     chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0, stream=True,
                                        extra_body=extra)
     streamed = [token for c in chunks for token in c.model_dump()["choices"][0]["token_ids"]]

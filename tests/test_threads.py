@@ -34,3 +34,49 @@ def test_more_threads_than_cores_runs_with_a_warning(tiny_model_dir, caplog) -> 
         assert f"more than the {usable_cores()} cores this process may use" in caplog.text
     finally:
         torch.set_num_threads(before)
+
+
+RELEASE_SCRIPT = """
+import os, time, torch
+from conveyor.executor.compute_threads import release_openmp_pool
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+torch.set_num_threads(3)
+alone = threads()
+torch.ones(1 << 22).sum()  # a parallel region: this thread's pool of 2 workers
+pooled = threads()
+assert release_openmp_pool()
+deadline = time.monotonic() + 10
+while threads() > alone and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(alone, pooled, threads(), float(torch.ones(1 << 22).sum()))
+"""
+
+
+def test_the_loading_thread_gives_its_openmp_workers_back() -> None:
+    """A second pool (the model loaded on one thread, stepped on another) makes libgomp throttle every
+    barrier's wait into sleeps: the thread that loaded gives its workers back before the loop starts."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True, timeout=120,
+                         check=True)
+    alone, pooled, released, total = run.stdout.split()
+    assert int(pooled) == int(alone) + 2  # the workers a parallel region started
+    assert int(released) == int(alone)  # gone again
+    assert float(total) == float(1 << 22)  # a later region starts a pool of its own and computes
+
+
+def test_the_async_engine_releases_the_starting_threads_pool(tiny_model_dir, monkeypatch) -> None:
+    from conveyor.engine import AsyncEngine, async_engine
+
+    calls = []
+    monkeypatch.setattr(async_engine, "release_openmp_pool", lambda: calls.append(1) or True)
+    engine = AsyncEngine(Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, kernels="torch")))
+    engine.start()
+    try:
+        assert calls == [1]
+    finally:
+        engine.stop()

@@ -37,6 +37,7 @@ from conveyor.engine.llm_engine import Engine
 from conveyor.engine.output import RequestOutput
 from conveyor.engine.request_builder import RequestBuilder
 from conveyor.engine.tokenizer import Tokenizer
+from conveyor.executor.compute_threads import release_openmp_pool
 from conveyor.executor.grammar_compilers import CompilersBusy
 
 logger = logging.getLogger("conveyor.engine.async_engine")
@@ -128,6 +129,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
 
     def start(self) -> None:
+        """Start the loop thread. Call from the thread that built the engine: it gives its OpenMP workers back,
+        so that the loop thread's are the only ones (see conveyor.executor.compute_threads)."""
+        release_openmp_pool()
         self._thread.start()
 
     def stop(self) -> None:
