@@ -28,12 +28,12 @@ def sample(metrics: EngineMetrics, name: str) -> float | None:
 
 def test_a_forgotten_tenant_loses_its_gauges_and_its_counters_go_on_when_it_returns() -> None:
     metrics = EngineMetrics("m")
-    metrics.on_step(stats({"bob": figures(10, 3)}), [])
+    metrics.on_stats(stats({"bob": figures(10, 3)}))
     assert sample(metrics, "conveyor:tenant_generation_tokens_total") == 3
-    metrics.on_step(stats({}), [])  # forgotten
+    metrics.on_stats(stats({}))  # forgotten
     assert sample(metrics, "conveyor:tenant_virtual_tokens") is None
-    metrics.on_step(stats({"bob": figures(4, 1)}), [])  # back, its account restarted
+    metrics.on_stats(stats({"bob": figures(4, 1)}))  # back, its account restarted
     assert sample(metrics, "conveyor:tenant_generation_tokens_total") == 4
     assert sample(metrics, "conveyor:tenant_prompt_tokens_total") == 14
-    metrics.on_step(stats({"bob": figures(5, 2)}), [])
+    metrics.on_stats(stats({"bob": figures(5, 2)}))
     assert sample(metrics, "conveyor:tenant_generation_tokens_total") == 5

@@ -80,3 +80,28 @@ def test_the_async_engine_releases_the_starting_threads_pool(tiny_model_dir, mon
         assert calls == [1]
     finally:
         engine.stop()
+
+
+def test_a_reader_that_answers_whole_gets_each_sequences_final_output_alone(tiny_model_dir) -> None:
+    """Outputs are cumulative, so a response sent whole needs only the last; every step's goes to a stream."""
+    import asyncio
+
+    from conveyor import SamplingParams
+    from conveyor.engine import AsyncEngine
+
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, kernels="torch"))
+    served = AsyncEngine(engine)
+    served.start()
+
+    async def read(final_only: bool, n: int) -> list:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=n, seed=1)
+        request = served.requests.build([5, 6, 7], params, f"r-{final_only}-{n}")
+        return [output async for output in served.generate(request, final_only=final_only)]
+
+    try:
+        every, finals, finals_of_two = (asyncio.run(read(f, n)) for f, n in ((False, 1), (True, 1), (True, 2)))
+    finally:
+        served.stop()
+    assert len(every) == 6 and [o.finished for o in every] == [False] * 5 + [True]
+    assert len(finals) == 1 and finals[0].finished and finals[0].token_ids == every[-1].token_ids
+    assert sorted(o.index for o in finals_of_two) == [0, 1] and all(o.finished for o in finals_of_two)

@@ -53,6 +53,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     num_open: int = 1  # sequences not finished yet (n of them, for a request with n > 1)
+    final_only: bool = False  # its reader wants each sequence's last output alone (a response not streamed)
 
 
 class RequestStream:
@@ -186,13 +187,15 @@ class AsyncEngine:
         """Nothing beyond /health's status code for one engine (replicas behind a router report each one)."""
         return None
 
-    def submit(self, request: Request) -> RequestStream:
-        """Hand ``request`` (built by ``requests``) to the loop; its outputs as a stream.
+    def submit(self, request: Request, final_only: bool = False) -> RequestStream:
+        """Hand ``request`` (built by ``requests``) to the loop; its outputs as a stream: every step's, or with
+        ``final_only`` each sequence's last (outputs are cumulative, so a reader that answers whole loses
+        nothing, and its event loop is not woken once a step for nothing).
 
         Raises EngineDead or EngineOverloaded at once, before anything is queued. Call from the event loop
         that will read the stream, and close the stream when done with it (``finally: stream.close()``).
         """
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.sampling_params.n)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.sampling_params.n, final_only)
         with self._lock:
             if self.error is not None:
                 raise EngineDead("the engine stopped after an internal error; the server is restarting")
@@ -215,9 +218,9 @@ class AsyncEngine:
         self._wake.set()
         return RequestStream(self, request.request_id, stream)
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """``submit`` as an async generator: the request's outputs as they come; leaving early aborts it."""
-        stream = self.submit(request)
+        stream = self.submit(request, final_only)
         try:
             async for output in stream:
                 yield output
@@ -296,8 +299,7 @@ class AsyncEngine:
                 outputs = self._engine.step()
                 self._stats = self._engine.stats()
                 self._publish_admission_view()
-                for output in outputs:
-                    self._deliver(output)
+                self._deliver_all(outputs)
                 self._report(outputs)
                 self._live.publish()
         except BaseException as error:  # the loop must report whatever stopped it
@@ -358,19 +360,35 @@ class AsyncEngine:
         if self._admission_view is not None:
             self._admission_view = self._scheduler.admission_view()
 
-    def _deliver(self, output: RequestOutput) -> None:
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their readers: one wake-up per event loop for the whole step, not one per
+        output (each wake-up takes the GIL, and a core, from the next step)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._to_deliver(output)
+            if stream is not None:
+                batches.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody is reading any more
+                loop.call_soon_threadsafe(_put_each, items)
+
+    def _to_deliver(self, output: RequestOutput) -> _Stream | None:
+        """The stream ``output`` goes to, None where it goes nowhere: its caller left, its request failed (the
+        error goes at once), or its reader wants final outputs only and this is not one."""
         request_id = output.request_id
         if output.error is not None:
             self._fail(request_id, RequestFailed(output.error))
-            return
+            return None
         stream = self._streams.get(request_id)
         if stream is None:
-            return  # aborted by its caller, or already ended
+            return None  # aborted by its caller, or already ended
         if output.finished:
             stream.num_open -= 1
             if stream.num_open == 0 and self._close(request_id, "finished", stream) is None:
-                return
-        _put(stream, output)
+                return None
+        elif stream.final_only:
+            return None
+        return stream
 
 
 def _plus(load: tuple[int, int], what: Request | tuple[int, int], sign: int) -> tuple[int, int]:
@@ -380,6 +398,11 @@ def _plus(load: tuple[int, int], what: Request | tuple[int, int], sign: int) -> 
         n = what.sampling_params.n
         what = (n, n * what.num_tokens)
     return load[0] + sign * what[0], load[1] + sign * what[1]
+
+
+def _put_each(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, output in items:
+        queue_.put_nowait(output)
 
 
 def _put(stream: _Stream, item: RequestOutput | BaseException) -> None:

@@ -95,8 +95,9 @@ class EngineClient(Protocol):
         (a FieldError); EngineOverloaded when the compilers stay busy. Called from a thread pool."""
         ...
 
-    def submit(self, request: Request) -> OutputStream:
-        """Hand over a built request; EngineDead or EngineOverloaded at once, before anything is queued."""
+    def submit(self, request: Request, final_only: bool = False) -> OutputStream:
+        """Hand over a built request; EngineDead or EngineOverloaded at once, before anything is queued. Its
+        stream holds every step's output, or with ``final_only`` each sequence's last one."""
         ...
 
     def stats(self) -> EngineStats:

@@ -51,8 +51,8 @@ class EngineReplica:
             raise RuntimeError(f"the replica's engine stopped: {self._async_engine.error!r}")
         return self._async_engine.stats()
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         # The front end's clock is another process's (maybe another machine's): time from arrival here.
         request.arrival_time = time.monotonic()
-        async for output in self._async_engine.generate(request):
+        async for output in self._async_engine.generate(request, final_only):
             yield output

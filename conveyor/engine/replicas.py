@@ -250,14 +250,14 @@ class ReplicaSet:
             failover = {"retried": counts.retried, "errored": counts.errored, "unplaced": counts.unplaced}
         return {"router_policy": self.router.policy.name, "replicas": replicas, "failover": failover}
 
-    def submit(self, request: Request) -> GeneratorStream:
+    def submit(self, request: Request, final_only: bool = False) -> GeneratorStream:
         """``generate`` with the face the server reads (as ``AsyncEngine.submit``): ``close()`` aborts."""
         if self.draining:
             raise EngineOverloaded("the server is shutting down")
         self._ledger.submitted += 1
-        return GeneratorStream(self.generate(request), self._ledger.ended)
+        return GeneratorStream(self.generate(request, final_only), self._ledger.ended)
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request, final_only: bool = False) -> AsyncIterator[RequestOutput]:
         """Route ``request``, stream its outputs; on a replica's death, retry it elsewhere if nothing was sent."""
         if self.draining:
             raise EngineOverloaded("the server is shutting down")
@@ -266,7 +266,7 @@ class ReplicaSet:
             replica = self._place(request, tried)
             streamed = False
             try:
-                async for output in self._stream(replica, request):
+                async for output in self._stream(replica, request, final_only):
                     streamed = True
                     yield output
                 return
@@ -288,12 +288,13 @@ class ReplicaSet:
         self._in_flight[request.request_id] = replica
         return replica
 
-    async def _stream(self, replica: int, request: Request) -> AsyncIterator[RequestOutput]:
-        """One replica's outputs for ``request``; its death raises :class:`_ReplicaFailed`."""
+    async def _stream(self, replica: int, request: Request, final_only: bool) -> AsyncIterator[RequestOutput]:
+        """One replica's outputs for ``request`` (with ``final_only``, each sequence's last); its death raises
+        :class:`_ReplicaFailed`."""
         import ray
 
         errors = _ray_errors()
-        stream = self._actors[replica].generate.remote(request)
+        stream = self._actors[replica].generate.remote(request, final_only)
         finished = False
         try:
             async for reference in stream:

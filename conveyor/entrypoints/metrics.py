@@ -1,5 +1,8 @@
-"""Prometheus metrics, named as vLLM's with a ``conveyor:`` prefix, updated after every step.
+"""Prometheus metrics, named as vLLM's with a ``conveyor:`` prefix.
 
+Gauges and counters are read from the engine's latest snapshot when /metrics is scraped, not set after every
+step: a step at batch 1 takes a few milliseconds, and a dozen labelled updates each step cost over 1% of it.
+Only what each finished request adds (its latencies, into histograms) is recorded by the engine's thread.
 Every figure that only grows is taken from a running total of the engine (or of the server's request ledger)
 rather than summed here from outputs, so nothing is kept per request: the metrics cost the same memory after
 a million requests, disconnects included.
@@ -12,7 +15,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from conveyor.core.stats import EngineStats
-from conveyor.engine import RequestCounts, RequestOutput
+from conveyor.engine import EngineClient, RequestCounts, RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
@@ -26,8 +29,9 @@ class ServerMetrics(Protocol):
 
     registry: CollectorRegistry
 
-    def on_requests(self, counts: RequestCounts) -> None:
-        """The engine client's request ledger, read when the metrics are scraped."""
+    def on_scrape(self, engine: EngineClient) -> None:
+        """Read what the figures need of the engine client (its request ledger, its latest snapshot): called
+        when the metrics are scraped."""
         ...
 
 
@@ -109,7 +113,19 @@ class EngineMetrics:
         self._tenants: set[str] = set()  # tenants with gauges
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
-        """Called by the engine thread after each step, with the step's snapshot and outputs."""
+        """Called by the engine thread after each step: the finished requests' latencies."""
+        for output in outputs:
+            if output.finished and output.error is None:
+                self._on_finish(output)
+
+    def on_scrape(self, engine: EngineClient) -> None:
+        """At a scrape (one at a time, on the event loop): the ledger, then the gauges and counters as of the
+        latest step."""
+        self.ledger.on_requests(engine.request_counts())
+        self.on_stats(engine.stats())
+
+    def on_stats(self, stats: EngineStats) -> None:
+        """The gauges and counters as of the snapshot ``stats``."""
         m = self._model
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
@@ -134,9 +150,6 @@ class EngineMetrics:
                 self._counted.pop(f"tenant_prompt:{tenant}", None)
                 self._counted.pop(f"tenant_generation:{tenant}", None)
             self._tenants &= stats.tenants.keys()
-        for output in outputs:
-            if output.finished and output.error is None:
-                self._on_finish(output)
 
     def _on_spec_decode(self, stats: EngineStats) -> None:
         self._count(self.spec_drafts, "spec_decode_num_drafts", stats.spec_decode_num_drafts)
@@ -144,10 +157,6 @@ class EngineMetrics:
         self._count(self.spec_accepted, "spec_decode_num_accepted_tokens", stats.spec_decode_num_accepted_tokens)
         for position, total in enumerate(stats.spec_decode_accepted_per_position):
             self._count(self.spec_accepted_per_pos, f"spec_decode_per_pos:{position}", total, str(position))
-
-    def on_requests(self, counts: RequestCounts) -> None:
-        """The server's request ledger (see AsyncEngine.request_counts), read when the metrics are scraped."""
-        self.ledger.on_requests(counts)
 
     def _on_tenant(self, tenant: str, figures: dict[str, float]) -> None:
         m = self._model

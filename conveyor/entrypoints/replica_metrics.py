@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from conveyor.core.stats import EngineStats
-from conveyor.engine import RequestCounts
+from conveyor.engine import EngineClient
 from conveyor.engine.replicas import FailoverCounts, ReplicaHealth
 from conveyor.entrypoints.metrics import RequestLedgerMetrics
 
@@ -39,9 +39,10 @@ class ReplicaMetrics:
         self._model = model_name
         self._counted: dict[tuple[str, int], float] = {}  # running totals as last added, per replica
 
-    def on_requests(self, counts: RequestCounts) -> None:
-        """The front end's request ledger (see ReplicaSet.request_counts), read when the metrics are scraped."""
-        self.ledger.on_requests(counts)
+    def on_scrape(self, engine: EngineClient) -> None:
+        """The front end's request ledger (see ReplicaSet.request_counts), read when the metrics are scraped;
+        each replica's gauges come from its own snapshot at every poll (``on_poll``), not from their sum."""
+        self.ledger.on_requests(engine.request_counts())
 
     def on_poll(self, replica: int, health: ReplicaHealth, num_routed: int, failover: FailoverCounts) -> None:
         """After the front end polled ``replica``: its gauges, and counters advanced to its running totals."""

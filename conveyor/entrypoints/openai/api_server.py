@@ -306,7 +306,7 @@ class _Serving:
         """
         self.assign_service(requests, body, raw)
         try:  # refused (429), overloaded or dead (503): at once, from the handlers above
-            stream = open_streams(self.engine, requests)
+            stream = open_streams(self.engine, requests, final_only=not body.stream)
         except FieldError as error:  # more tokens than the queue cap could ever hold
             raise _refusal(body, error) from None
         if body.stream:  # the headers go out now; the tokens follow, and a disconnect cancels the stream
@@ -378,7 +378,7 @@ def _add_info_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) ->
 
     @app.get("/metrics")
     async def prometheus_metrics() -> PlainTextResponse:
-        metrics.on_requests(serving.engine.request_counts())
+        metrics.on_scrape(serving.engine)
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
@@ -486,7 +486,7 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
                 store.put(response, [*conversation, *ResponsesShape.conversation_of(response)])
 
         serving.assign_tenant([request], body.user, raw)
-        stream = open_streams(serving.engine, [request])
+        stream = open_streams(serving.engine, [request], final_only=not body.stream)
         if body.stream:
             return StreamingResponse(_responses_sse(shape, stream, keep), media_type="text/event-stream")
         outputs = await serving.finals(stream, raw, 1)

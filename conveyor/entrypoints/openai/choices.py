@@ -13,13 +13,14 @@ from conveyor.engine import EngineClient, OutputStream, RequestOutput
 _DONE = object()
 
 
-def open_streams(engine: EngineClient, requests: list[Request]) -> OutputStream:
+def open_streams(engine: EngineClient, requests: list[Request], final_only: bool = False) -> OutputStream:
     """Submit every request (all or none: if one is refused, those already in are aborted) and return their
-    outputs as one stream. One request is the engine's own stream."""
+    outputs as one stream (with ``final_only``, each sequence's last output alone: for an answer sent whole).
+    One request is the engine's own stream."""
     streams: list[OutputStream] = []
     try:
         for request in requests:
-            streams.append(engine.submit(request))
+            streams.append(engine.submit(request, final_only))
     except BaseException:
         for stream in streams:
             stream.close()

@@ -1,0 +1,72 @@
+"""What the server costs one request: its decode speed through HTTP against the same engine stepped in process.
+
+The same model and threads both ways, in alternating rounds (the machines of this
+kind change speed by a third within minutes, so only ratios of neighbours mean
+anything): a round times the engine in this process decoding one request for
+``--tokens`` steps from a ``--prompt-len`` prompt (``conveyor bench decode``'s
+measure), then one request of the same lengths through ``conveyor serve``'s
+``/v1/completions``, its decode time from the server's own ``timings``
+(``predicted_ms``: first token to last, so the prompt's time is left out on
+both sides). Prints each round and the median ratio.
+
+    .venv/bin/python bench/server_overhead.py --rounds 9
+    .venv/bin/python bench/server_overhead.py --model FILE.gguf -- --num-threads 2
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import httpx
+
+from conveyor.bench.decode import decode_slices
+from conveyor.bench.local_server import local_server, save_results, server_script_parser
+from conveyor.core.config import EngineConfig
+from conveyor.engine import Engine
+
+
+def in_process(engine: Engine, prompt_len: int, tokens: int) -> float:
+    """Decode tokens/s of one request in this process, over ``tokens`` steps."""
+    runs = decode_slices(engine, 1, prompt_len, tokens, seed=0, slices=1)
+    produced, seconds = next(runs)
+    runs.close()
+    return produced / seconds
+
+
+def through_server(client: httpx.Client, base: str, prompt: list[int], tokens: int) -> float:
+    """Decode tokens/s of one request through the server: its output's tokens after the first over the
+    server's own time from the first to the last."""
+    body = {"prompt": prompt, "max_tokens": tokens + 1, "temperature": 0, "ignore_eos": True}
+    answer = client.post(f"{base}/v1/completions", json=body).raise_for_status().json()
+    return tokens / (answer["timings"]["predicted_ms"] / 1000)
+
+
+def main() -> int:
+    parser = server_script_parser(__doc__)
+    parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the default model)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--prompt-len", type=int, default=41)
+    parser.add_argument("--tokens", type=int, default=128, help="decode steps timed per round and side")
+    args = parser.parse_args()
+    flags = [*(["--model", args.model] if args.model else []), *args.engine_flags]
+    engine = Engine(EngineConfig(model=args.model))
+    prompt = list(range(1000, 1000 + args.prompt_len))
+    rows = []
+    with local_server(flags) as base, httpx.Client(timeout=None) as client:
+        through_server(client, base, prompt, 4)  # first-call costs on both sides are not what is compared
+        in_process(engine, args.prompt_len, 4)
+        for round_ in range(args.rounds):
+            ours = in_process(engine, args.prompt_len, args.tokens)
+            served = through_server(client, base, prompt, args.tokens)
+            rows.append({"in_process_tok_s": ours, "server_tok_s": served, "ratio": served / ours})
+            print(f"round {round_ + 1}: in process {ours:.1f} tok/s, server {served:.1f} tok/s, "
+                  f"ratio {served / ours:.3f}", flush=True)
+    median = statistics.median(r["ratio"] for r in rows)
+    print(f"median server / in process: {median:.3f}")
+    save_results(args.json, {"rounds": rows, "median_ratio": median, "flags": flags})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
