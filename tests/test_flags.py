@@ -259,3 +259,17 @@ def test_compare_overrides_convert_by_field_type() -> None:
         with_overrides(base, "max_num_seqs=lots")
     with pytest.raises(ValueError, match="--compare"):
         with_overrides(base, "no_such_option=1")
+
+
+def test_the_default_kv_pool_is_sized_to_the_model_and_bounded_by_free_memory():
+    from conveyor.core.engine_core import DEFAULT_TOKENS_PER_SEQUENCE, plan_kv_cache
+
+    per_token = 64 * 1024  # a Llama 3.2 1B shape's K and V in float32
+    config = EngineConfig()
+    plan = plan_kv_cache(config, per_token, 131072, free_bytes=20 * 2**30)
+    assert plan.num_blocks * config.block_size == config.max_num_seqs * DEFAULT_TOKENS_PER_SEQUENCE >= 64 * 512
+    small = plan_kv_cache(config, per_token, 131072, free_bytes=2**30)  # half the free memory at most
+    assert small.num_blocks * small.block_bytes <= 2**29 < plan.num_blocks * plan.block_bytes
+    given = plan_kv_cache(EngineConfig(kv_cache_memory="4GiB"), per_token, 131072, free_bytes=2**30)
+    assert given.num_blocks * given.block_bytes == 4 * 2**30  # a size given is a size kept
+    assert plan_kv_cache(EngineConfig(max_num_seqs=8), per_token, 131072).num_blocks * 16 == 8 * 256

@@ -148,7 +148,8 @@ def ensure_machine_figures() -> None:
 
 def calibration_config(config: EngineConfig) -> EngineConfig:
     """The engine the grid runs on: the user's, with a pool that holds every probe (no preemption, no swap)."""
-    return dataclasses.replace(config, num_kv_blocks=None, kv_cache_memory=max(int(config.kv_cache_memory), 2 << 30))
+    pool = max(int(config.kv_cache_memory or 0), 2 << 30)
+    return dataclasses.replace(config, num_kv_blocks=None, kv_cache_memory=pool)
 
 
 def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:

@@ -67,7 +67,10 @@ class EngineConfig:
     max_num_seqs: int = _option(128, "most requests in one batch", minimum=1)
     max_num_batched_tokens: int = _option(2048, "token budget of one step", minimum=1)
     block_size: int = _option(16, "tokens per KV block", minimum=1)
-    kv_cache_memory: int | str = _option("2GiB", "KV pool size in bytes, e.g. 2GiB, 512MB", minimum=1, size=True)
+    kv_cache_memory: int | str | None = _option(
+        None, "KV pool size in bytes, e.g. 2GiB, 512MB", minimum=1, size=True,
+        unset="sized to the model: max_num_seqs requests of 256 tokens (64 of 512 at the default), at most half "
+              "the memory free once the weights are in")
     num_kv_blocks: int | None = _option(None, "KV pool size in blocks (overrides memory)", minimum=1)
     max_model_len: int | None = _option(None, "longest prompt + output", minimum=1,
                                         unset="the model's, capped by the pool")

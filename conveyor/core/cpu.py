@@ -32,3 +32,27 @@ def this_cpu() -> Cpu:
     except OSError:
         pass
     return Cpu(model, tuple(flag for flag in ISA_FLAGS if flag in flags))
+
+
+def available_memory_bytes() -> int | None:
+    """The memory Linux can give this process without swapping (``MemAvailable``), None where it does not say.
+    What sizes the default KV pool, with the weights' bytes taken off."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key == "MemAvailable":
+                return int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (``VmRSS``), None where Linux does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

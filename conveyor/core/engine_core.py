@@ -68,15 +68,34 @@ class KVCachePlan:
     layout: KVLayout | None = None
 
 
+# The default pool (no --kv-cache-memory, no --num-kv-blocks): room for a full batch of requests this long, as
+# llama.cpp sizes its cache from -c rather than a fixed size whatever the model (2 GiB held 46,000 tokens of the
+# default model but 32,768 of a Llama 3.2 1B shape and 8,192 of an 8B one) ...
+DEFAULT_TOKENS_PER_SEQUENCE = 256
+# ... and at most this share of the memory free once the weights are in, as vLLM takes a share of a device's.
+DEFAULT_POOL_SHARE = 0.5
+
+
+def default_pool_bytes(config: EngineConfig, kv_bytes_per_token: int, free_bytes: int | None) -> int:
+    """The pool's bytes when the config gives none: ``max_num_seqs`` requests of DEFAULT_TOKENS_PER_SEQUENCE
+    tokens, at most DEFAULT_POOL_SHARE of ``free_bytes`` (the machine's memory left after the weights; None
+    where unknown, as in the simulator), at least one block."""
+    wanted = config.max_num_seqs * DEFAULT_TOKENS_PER_SEQUENCE * kv_bytes_per_token
+    if free_bytes is not None:
+        wanted = min(wanted, int(DEFAULT_POOL_SHARE * free_bytes))
+    return max(wanted, config.block_size * kv_bytes_per_token)
+
+
 def plan_kv_cache(config: EngineConfig, kv_bytes_per_token: int, model_max_len: int,
-                  layer_windows: tuple[int | None, ...] = ()) -> KVCachePlan:
-    """Size the pools from the config; ``kv_bytes_per_token`` counts all layers, K and V, in the model's dtype.
+                  layer_windows: tuple[int | None, ...] = (), free_bytes: int | None = None) -> KVCachePlan:
+    """Size the pools from the config; ``kv_bytes_per_token`` counts all layers, K and V, in the model's dtype;
+    ``free_bytes``: the memory left once the weights are in, which bounds the default pool.
 
     With windows that bind (``layer_windows``, per layer) on the paged layout without prefix caching, the
     layers form KV groups (:mod:`conveyor.core.kv.groups`): the pool keeps its bytes in blocks of one group
     each, so ``--num-kv-blocks`` still counts blocks of every layer, and the pool has that many times the
     number of groups."""
-    plan = _plan_one_group(config, kv_bytes_per_token, model_max_len)
+    plan = _plan_one_group(config, kv_bytes_per_token, model_max_len, free_bytes)
     if config.kv_layout != "paged" or config.prefix_caching:
         return plan
     layout = kv_layout(layer_windows, len(layer_windows), plan.max_model_len)
@@ -87,14 +106,17 @@ def plan_kv_cache(config: EngineConfig, kv_bytes_per_token: int, model_max_len: 
                        plan.max_model_len, layout)
 
 
-def _plan_one_group(config: EngineConfig, kv_bytes_per_token: int, model_max_len: int) -> KVCachePlan:
+def _plan_one_group(config: EngineConfig, kv_bytes_per_token: int, model_max_len: int,
+                    free_bytes: int | None) -> KVCachePlan:
     block_bytes = config.block_size * kv_bytes_per_token
+    memory = config.kv_cache_memory
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
-    elif config.kv_cache_memory < block_bytes:
-        raise ValueError(f"kv_cache_memory: {config.kv_cache_memory} bytes hold no block of {block_bytes} bytes")
+    elif memory is not None and memory < block_bytes:
+        raise ValueError(f"kv_cache_memory: {memory} bytes hold no block of {block_bytes} bytes")
     else:
-        num_blocks = config.kv_cache_memory // block_bytes
+        memory = default_pool_bytes(config, kv_bytes_per_token, free_bytes) if memory is None else memory
+        num_blocks = memory // block_bytes
     num_cpu_blocks = config.swap_space // block_bytes if config.preemption_mode == "swap" else 0
     max_model_len = _max_model_len(config.max_model_len, model_max_len, num_blocks * config.block_size)
     return KVCachePlan(num_blocks, num_cpu_blocks, block_bytes, max_model_len)

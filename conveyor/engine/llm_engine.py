@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from conveyor.core.config import EngineConfig, usable_cores
+from conveyor.core.cpu import available_memory_bytes, resident_bytes
 from conveyor.core.engine_core import EngineCore, KVCachePlan, plan_kv_cache
 from conveyor.core.live import LiveRecorder
 from conveyor.core.model_config import ModelConfig
@@ -55,7 +56,7 @@ class Engine:
         from conveyor.executor.grammar import LazyGrammarBackend
         from conveyor.executor.torch_executor import TorchExecutor
         from conveyor.model.attention import kv_cache_dtype
-        from conveyor.model.loader import DTYPES, load_model, resolve_model
+        from conveyor.model.loader import DTYPES, load_model, resolve_model, weight_file_bytes
 
         self.config = config
         self.clock = clock
@@ -80,9 +81,11 @@ class Engine:
         self.device = device
         dtype = DTYPES[config.dtype]
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)  # uint8: fp8 e5m2 bits
+        self.weight_file_bytes = weight_file_bytes(config.model)
         plan = self._plan_kv_cache()
         self.kv_layout = plan.layout  # KV groups, where windowed layers give back blocks; None: one group
         self.kv_block_bytes = plan.block_bytes
+        self.kv_pool_bytes = plan.num_blocks * plan.block_bytes
         self.max_model_len = plan.max_model_len
         self._native_refusal = self._native_gaps(dtype, device)
         num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
@@ -113,15 +116,30 @@ class Engine:
 
     def _plan_kv_cache(self) -> KVCachePlan:
         """The pools, sized in the cache's own dtype, and the KV groups where windowed layers have their own."""
+        available = available_memory_bytes()
         plan = plan_kv_cache(
             self.config, self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize,
             self.model_config.max_position_embeddings, self.model_config.layer_windows,
+            None if available is None else max(available - self.weight_file_bytes, 0),
         )
         if plan.layout is not None:
             logger.info("KV cache: %d groups of %d layers (windows %s): windowed groups give back the blocks "
                         "behind their window", plan.layout.num_groups, plan.layout.layers_per_group,
                         sorted({w for w in plan.layout.windows if w is not None}))
         return plan
+
+    def memory_report(self) -> str:
+        """Where the process's resident memory goes, in MiB: the weights' file, the KV pool (and the tokens it
+        holds), and the rest (the runtime: Python, torch, the kernels, buffers)."""
+        mib = 2**20
+        resident = resident_bytes()
+        tokens = self.kv_pool_bytes // (self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize)
+        parts = (f"weights {self.weight_file_bytes / mib:,.0f} MiB (the file), KV pool {self.kv_pool_bytes / mib:,.0f} "
+                 f"MiB ({tokens:,} tokens)")
+        if resident is None:
+            return parts
+        rest = resident - self.weight_file_bytes - self.kv_pool_bytes
+        return f"resident {resident / mib:,.0f} MiB: {parts}, runtime and the rest {rest / mib:,.0f} MiB"
 
     @property
     def trace(self) -> Trace | None:

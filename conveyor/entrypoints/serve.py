@@ -49,7 +49,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         engine.start()  # Ray starts the replicas here; they report the tokenizer and limits the app needs
     else:
         metrics = EngineMetrics(name)
-        engine = single = AsyncEngine(Engine(config), args.max_waiting_requests, on_step=metrics.on_step,
+        built = Engine(config)
+        print(f"memory: {built.memory_report()}", flush=True)
+        engine = single = AsyncEngine(built, args.max_waiting_requests, on_step=metrics.on_step,
                                       live_show_text=args.dashboard_show_text)
     app = build_app(engine, settings, metrics)
     server = _GracefulServer(uvicorn.Config(

@@ -69,6 +69,14 @@ def float32_folder(model: str | os.PathLike | None) -> Path:
     return _converted_gguf(path, weights=True)
 
 
+def weight_file_bytes(model: str | os.PathLike | None) -> int:
+    """The bytes of ``model``'s weights as they lie on disk: its GGUF file, or its folder's weight files."""
+    path = _model_path(model)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+
+
 def _model_path(model: str | os.PathLike | None) -> Path:
     from conveyor.model.packaged import PACKAGED, packaged_model_path
 
