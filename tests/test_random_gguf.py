@@ -1,0 +1,54 @@
+"""bench/random_gguf.py: random weights at a model's shape, as a file Conveyor (and llama-quantize) reads."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from conveyor import LLM, SamplingParams
+from conveyor.bench.compare import ROOT
+
+BENCH = ROOT / "bench"
+
+
+def _harness():
+    spec = importlib.util.spec_from_file_location("random_gguf", BENCH / "random_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["random_gguf"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def harness():
+    return _harness()
+
+
+@pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3"])
+def test_the_float16_file_has_the_shape_and_the_default_models_tokenizer(harness, shape, tmp_path):
+    from conveyor.core.model_config import ModelConfig
+    from conveyor.model.loader import resolve_model
+
+    assert harness.make(shape, [], tmp_path, threads=1, keep_f16=True) == []
+    (f16,) = tmp_path.glob("*-F16.gguf")
+    config = ModelConfig.from_folder(resolve_model(str(f16)))
+    want = harness.SHAPES[shape]
+    assert (config.hidden_size, config.num_layers, config.num_kv_heads, config.head_dim, config.intermediate_size,
+            config.tie_word_embeddings) == (want.hidden, want.layers, want.kv_heads, want.head_dim, want.ffn,
+                                            want.tied)
+    assert config.vocab_size == 49152 and config.model_type == want.arch
+    llm = LLM(str(f16), num_kv_blocks=64, kernels="torch")
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+
+
+def test_llama_quantize_converts_it_into_a_file_the_native_kernels_run(harness, tmp_path):
+    if not harness.QUANTIZE.exists():
+        pytest.skip(f"llama-quantize is not built ({harness.QUANTIZE}); bash bench/peers/setup_llamacpp.sh")
+    (q8,) = harness.make("tiny", ["Q8_0"], tmp_path, threads=1)
+    assert not list(tmp_path.glob("*-F16.gguf"))  # the float16 file goes once converted
+    llm = LLM(str(q8), num_kv_blocks=64)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
