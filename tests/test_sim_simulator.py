@@ -159,7 +159,7 @@ def test_simulate_defaults_to_the_hardwares_dtype_and_calibrate_to_the_engines()
     assert args.simulate_command is None and args.dtype is None and args.kv_cache_memory is None
     args = build_parser().parse_args(["simulate", "calibrate", "--no-validate"])
     assert args.simulate_command == "calibrate" and not args.validate
-    assert (args.max_num_seqs, args.dtype, args.kv_cache_memory) == (32, "float32", "2GiB")
+    assert (args.max_num_seqs, args.dtype, args.kv_cache_memory) == (32, "float32", None)  # the engine's default
     args = build_parser().parse_args(["simulate", "validate", "--workloads", "swap"])
     assert args.simulate_command == "validate" and args.workloads == "swap"
 
