@@ -237,6 +237,9 @@ def test_llamacpp_request_is_greedy_exact_and_uncached():
     assert runner.endpoint(8080).record(response, 2.0) == {"output_token_ids": [4, 5], "ttft_s": 0.5,
                                                             "latency_s": 2.0}
     assert "--no-ui" in runner.SERVER_ARGS and runner.SERVER_ARGS[:2] == ("-np", "64")
+    # A fork whose answers hold no ids (ik_llama.cpp): its tokens are counted, not compared.
+    fork = {"content": "ab", "tokens_predicted": 3, "timings": {"predicted_ms": 100.0}}
+    assert runner.endpoint(8080).record(fork, 0.5)["output_token_ids"] == [runner.UNKNOWN_TOKEN] * 3
 
 
 def test_conveyor_is_timed_through_its_own_server_as_the_peers_are():
@@ -279,6 +282,8 @@ def test_agreement_counts_first_tokens_and_stops_at_eos():
     assert agreement(ours, theirs, eos_token_id=0) == (2, 3)
     assert agreement(ours, theirs, eos_token_id=None) == (1, 3)
     assert agreement(ours, _result("other", {"W1@64": 1.0}, [[1]]), eos_token_id=0) == (0, 0)
+    unknown = _result("no ids", {"W2": 1.0}, [[-1] * 9, [1, 2, 3, 3, 3, 3, 3, 3], [-1, -1]])
+    assert agreement(ours, unknown, eos_token_id=0) == (1, 1)  # only the request whose ids came back counts
 
 
 def test_table_ratios_read_above_one_where_conveyor_is_ahead():

@@ -23,8 +23,10 @@ import peer_io
 DIR = peer_io.PEERS / "llama.cpp"
 SERVER = DIR / "build" / "bin" / "llama-server"
 # Forks with llama-server's command line and API, built by hand under .peers/NAME (--fork NAME), and the flags
-# each runs with: ik_llama.cpp repacks weights at load into its row-interleaved layouts (-rtr).
-FORK_ARGS = {"ik_llama.cpp": ("-rtr",)}
+# each runs with in place of SERVER_ARGS: ik_llama.cpp repacks weights at load into its row-interleaved layouts
+# (-rtr) and has no --no-ui.
+FORK_ARGS = {"ik_llama.cpp": ("-np", "64", "-c", "65536", "-cb", "-rtr")}
+UNKNOWN_TOKEN = -1  # an output token whose id the server did not return (ik_llama.cpp's answers hold none)
 SDIST_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp setup_llamacpp.sh builds
 SERVER_ARGS = ("-np", "64", "-c", "65536", "-cb", "--no-ui")
 
@@ -42,9 +44,17 @@ def completion_body(request: peer_io.Request) -> dict[str, Any]:
     }
 
 
+def output_tokens(answer: dict[str, Any]) -> list[int]:
+    """The answer's output ids (``tokens``); where a server returns none, as many UNKNOWN_TOKEN as it predicted,
+    so that its speed counts and its agreement is not judged."""
+    if "tokens" in answer:
+        return answer["tokens"]
+    return [UNKNOWN_TOKEN] * answer["tokens_predicted"]
+
+
 def endpoint(port: int) -> http_client.Endpoint:
     """``/completion`` with a token-id prompt; the answer's ``tokens`` are the output's ids."""
-    return http_client.Endpoint(f"http://127.0.0.1:{port}/completion", completion_body, lambda a: a["tokens"])
+    return http_client.Endpoint(f"http://127.0.0.1:{port}/completion", completion_body, output_tokens)
 
 
 def start_server(model: str, port: int, log: Path, threads: int,
@@ -90,7 +100,7 @@ if __name__ == "__main__":
     binary = peer_io.PEERS / args.fork / "build" / "bin" / "llama-server" if args.fork else SERVER
     port = http_client.free_port()
     log = (binary.parents[2] if args.fork else DIR) / "server.log"
-    server = start_server(model, port, log, args.threads, SERVER_ARGS + FORK_ARGS.get(args.fork, ()), binary)
+    server = start_server(model, port, log, args.threads, FORK_ARGS.get(args.fork, SERVER_ARGS), binary)
     try:
         label = Path(model).name if not args.gguf else args.gguf.upper()
         name = f"{args.fork or 'llama.cpp'} llama-server ({label})"

@@ -225,13 +225,16 @@ def agreement(reference: EngineResult, other: EngineResult, eos_token_id: int | 
 
     Engines read ``ignore_eos`` two ways: some may still produce the end-of-sequence token and go on
     (Conveyor, transformers), others never produce it (min_tokens, an EOS logit bias). Where either
-    output holds one, the outputs are compared only up to it."""
+    output holds one, the outputs are compared only up to it. Outputs whose ids the engine did not return
+    (negative ids) are not compared."""
     matched = total = 0
     for name, ours in reference.results.items():
         theirs = other.results.get(name)
         if theirs is None:
             continue
         for a, b in zip(ours.output_token_ids, theirs.output_token_ids):
+            if any(token < 0 for token in b):  # a server that returned no ids (run_llamacpp.UNKNOWN_TOKEN)
+                continue
             n = min(num_tokens, _index(a, eos_token_id), _index(b, eos_token_id))
             total += 1
             matched += a[:n] == b[:n]
