@@ -74,7 +74,7 @@ PEERS = (
     # ik_llama.cpp (a llama.cpp fork with row-interleaved layouts, repacked at load by -rtr), built by hand from
     # its public source into .peers/ik_llama.cpp (not by `make`): on the default model's Q4_1 file.
     Peer("ik-llamacpp", "run_llamacpp.py", None, (".peers/ik_llama.cpp/build/bin/llama-server",),
-         "(by hand: see docs/benchmarks/peers.md)", ("--gguf", "q4_1", "--fork", "ik_llama.cpp")),
+         "by hand (docs/benchmarks/peers.md#ik_llamacpp)", ("--gguf", "q4_1", "--fork", "ik_llama.cpp")),
     # llama.cpp on Gemma 3 270M's Q4_K_M file (with `conveyor bench compare --model gemma3-270m`).
     Peer("llamacpp-gemma3-270m", "run_llamacpp.py", None, (".peers/llama.cpp/build/bin/llama-server",),
          "setup_llamacpp.sh", ("--gguf", "gemma3-270m")),
@@ -205,8 +205,9 @@ def run_peers(peers: list[Peer], workloads: list[Workload], root: Path = ROOT,
         for peer in peers:
             missing = peer.missing(root)
             if missing:
-                print(f"skipping {peer.name}: not set up (no {missing[0]}); run `bash bench/peers/{peer.setup}` "
-                      "or `make bench-peers`", file=sys.stderr)
+                how = (f"run `bash bench/peers/{peer.setup}` or `make bench-peers`" if peer.setup.endswith(".sh")
+                       else f"it is set up {peer.setup}")
+                print(f"skipping {peer.name}: not set up (no {missing[0]}); {how}", file=sys.stderr)
                 continue
             print(f"running {peer.name} ...", file=sys.stderr, flush=True)
             try:
