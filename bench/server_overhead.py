@@ -7,7 +7,9 @@ anything): a round times the engine in this process decoding one request for
 measure), then one request of the same lengths through ``conveyor serve``'s
 ``/v1/completions``, its decode time from the server's own ``timings``
 (``predicted_ms``: first token to last, so the prompt's time is left out on
-both sides). Prints each round and the median ratio.
+both sides). Each round also times the whole request both ways (its prompt, its decode and, through the
+server, HTTP: output tokens over the client's latency against ``run_all_at_once``'s). Prints each round and the
+median ratios.
 
     .venv/bin/python bench/server_overhead.py --rounds 9
     .venv/bin/python bench/server_overhead.py --model FILE.gguf -- --num-threads 2
@@ -17,11 +19,14 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 import httpx
 
 from conveyor.bench.decode import decode_slices
 from conveyor.bench.local_server import local_server, save_results, server_script_parser
+from conveyor.bench.throughput import run_all_at_once
+from conveyor.bench.workload import SyntheticRequest
 from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
 
@@ -34,12 +39,22 @@ def in_process(engine: Engine, prompt_len: int, tokens: int) -> float:
     return produced / seconds
 
 
-def through_server(client: httpx.Client, base: str, prompt: list[int], tokens: int) -> float:
-    """Decode tokens/s of one request through the server: its output's tokens after the first over the
-    server's own time from the first to the last."""
+def whole_in_process(engine: Engine, prompt: list[int], tokens: int) -> float:
+    """Output tokens/s of one whole request in this process: its prompt and ``tokens`` outputs."""
+    start = time.perf_counter()
+    run_all_at_once(engine, [SyntheticRequest(prompt, tokens)])
+    return tokens / (time.perf_counter() - start)
+
+
+def through_server(client: httpx.Client, base: str, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """One request of ``tokens + 1`` outputs through the server: its decode tokens/s (the outputs after the
+    first over the server's own time from the first to the last), and its output tokens/s over the client's
+    latency (prompt, decode and HTTP)."""
     body = {"prompt": prompt, "max_tokens": tokens + 1, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
     answer = client.post(f"{base}/v1/completions", json=body).raise_for_status().json()
-    return tokens / (answer["timings"]["predicted_ms"] / 1000)
+    latency = time.perf_counter() - start
+    return tokens / (answer["timings"]["predicted_ms"] / 1000), (tokens + 1) / latency
 
 
 def main() -> int:
@@ -58,13 +73,19 @@ def main() -> int:
         in_process(engine, args.prompt_len, 4)
         for round_ in range(args.rounds):
             ours = in_process(engine, args.prompt_len, args.tokens)
-            served = through_server(client, base, prompt, args.tokens)
-            rows.append({"in_process_tok_s": ours, "server_tok_s": served, "ratio": served / ours})
-            print(f"round {round_ + 1}: in process {ours:.1f} tok/s, server {served:.1f} tok/s, "
-                  f"ratio {served / ours:.3f}", flush=True)
+            whole = whole_in_process(engine, prompt, args.tokens + 1)
+            served, served_whole = through_server(client, base, prompt, args.tokens)
+            rows.append({"in_process_tok_s": ours, "server_tok_s": served, "ratio": served / ours,
+                         "whole_in_process_tok_s": whole, "whole_server_tok_s": served_whole,
+                         "whole_ratio": served_whole / whole})
+            print(f"round {round_ + 1}: decode in process {ours:.1f} tok/s, server {served:.1f} "
+                  f"({served / ours:.3f}); whole request {whole:.1f}, server {served_whole:.1f} "
+                  f"({served_whole / whole:.3f})", flush=True)
     median = statistics.median(r["ratio"] for r in rows)
-    print(f"median server / in process: {median:.3f}")
-    save_results(args.json, {"rounds": rows, "median_ratio": median, "flags": flags})
+    whole_median = statistics.median(r["whole_ratio"] for r in rows)
+    print(f"median server / in process: decode {median:.3f}, whole request {whole_median:.3f}")
+    save_results(args.json, {"rounds": rows, "median_ratio": median, "whole_median_ratio": whole_median,
+                             "flags": flags})
     return 0
 
 
