@@ -332,3 +332,26 @@ def test_compare_times_conveyor_through_its_own_server(tiny_model_dir, tmp_path,
     assert engine["engine"] == "Conveyor server"
     assert engine["results"]["W1@64"]["output_tokens"] == 10 and engine["results"]["W1@1"]["num_requests"] == 2
     assert engine["results"]["W1@64"]["ttft_mean_s"] > 0
+
+
+def test_a_streamed_answer_is_read_from_its_last_event():
+    import asyncio
+
+    import httpx
+
+    runner = _peer_module("run_llamacpp")
+    client_module = sys.modules["http_client"]  # the runner's own client, imported with it
+    events = ['data: {"content": "a", "stop": false}', "",
+              'data: {"content": "", "stop": true, "tokens_predicted": 5, "timings": {"predicted_ms": 250.0}}', ""]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        assert json.loads(request.content)["stream"] is True  # the body asks for the stream
+        return httpx.Response(200, text="\n".join(events), headers={"content-type": "text/event-stream"})
+
+    async def one():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await client_module._one(client, runner.endpoint(1, streamed=True), {"prompt_token_ids": [1],
+                                                                                       "output_len": 5})
+
+    record = asyncio.run(one())
+    assert record["output_token_ids"] == [runner.UNKNOWN_TOKEN] * 5 and record["latency_s"] >= record["ttft_s"]

@@ -15,6 +15,7 @@ Runs in the project's .venv (httpx).
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import time
@@ -37,6 +38,9 @@ class Endpoint:
     url: str
     body: Callable[[peer_io.Request], dict[str, Any]]
     tokens_of: Callable[[dict[str, Any]], list[int]]
+    # Read the answer as server-sent events, its last event the whole answer's account: for a server that fails
+    # a whole answer holding text that is not UTF-8 (ik_llama.cpp on random weights), never for the default.
+    streamed: bool = False
 
     def record(self, answer: dict[str, Any], latency_s: float) -> peer_io.Record:
         """A request's record from its answer: time to first token is the latency less the output's time."""
@@ -78,10 +82,28 @@ def stop_server(server: subprocess.Popen) -> None:
 
 async def _one(client: httpx.AsyncClient, endpoint: Endpoint, request: peer_io.Request) -> peer_io.Record:
     start = time.perf_counter()
+    if endpoint.streamed:
+        answer = await _last_event(client, endpoint, endpoint.body(request) | {"stream": True})
+        return endpoint.record(answer, time.perf_counter() - start)
     response = await client.post(endpoint.url, json=endpoint.body(request))
     if response.status_code != 200:
         raise RuntimeError(f"{endpoint.url} answered {response.status_code}: {response.text[:300]}")
     return endpoint.record(response.json(), time.perf_counter() - start)
+
+
+async def _last_event(client: httpx.AsyncClient, endpoint: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+    """The last ``data:`` event of a streamed answer (llama-server's holds its timings and token count)."""
+    last: dict[str, Any] | None = None
+    async with client.stream("POST", endpoint.url, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"{endpoint.url} answered {response.status_code}: {response.text[:300]}")
+        async for line in response.aiter_lines():
+            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                last = json.loads(line[5:])
+    if last is None:
+        raise RuntimeError(f"{endpoint.url} streamed no event")
+    return last
 
 
 async def _all(endpoint: Endpoint, requests: list[peer_io.Request]) -> list[peer_io.Record]:

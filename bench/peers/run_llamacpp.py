@@ -26,6 +26,9 @@ SERVER = DIR / "build" / "bin" / "llama-server"
 # each runs with in place of SERVER_ARGS: ik_llama.cpp repacks weights at load into its row-interleaved layouts
 # (-rtr) and has no --no-ui.
 FORK_ARGS = {"ik_llama.cpp": ("-np", "64", "-c", "65536", "-cb", "-rtr")}
+# Forks whose server answers 500 to a whole answer holding text that is not UTF-8 (random weights' outputs):
+# read from the stream instead, whose last event holds the count and the timings.
+STREAMED_FORKS = {"ik_llama.cpp"}
 UNKNOWN_TOKEN = -1  # an output token whose id the server did not return (ik_llama.cpp's answers hold none)
 SDIST_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp setup_llamacpp.sh builds
 SERVER_ARGS = ("-np", "64", "-c", "65536", "-cb", "--no-ui")
@@ -52,9 +55,10 @@ def output_tokens(answer: dict[str, Any]) -> list[int]:
     return [UNKNOWN_TOKEN] * answer["tokens_predicted"]
 
 
-def endpoint(port: int) -> http_client.Endpoint:
-    """``/completion`` with a token-id prompt; the answer's ``tokens`` are the output's ids."""
-    return http_client.Endpoint(f"http://127.0.0.1:{port}/completion", completion_body, output_tokens)
+def endpoint(port: int, streamed: bool = False) -> http_client.Endpoint:
+    """``/completion`` with a token-id prompt; the answer's ``tokens`` are the output's ids (``streamed``: the
+    answer read from its stream's last event, for a fork that fails whole answers of text that is not UTF-8)."""
+    return http_client.Endpoint(f"http://127.0.0.1:{port}/completion", completion_body, output_tokens, streamed)
 
 
 def start_server(model: str, port: int, log: Path, threads: int,
@@ -70,7 +74,7 @@ def server_version(server: Path = SERVER) -> str:
     """``version: 0.5.0-dev (build 1, commit 0c1e570)`` -> ``0.5.0-dev (0c1e570), llama-cpp-python 0.3.36``
     (a fork's: its version and commit alone)."""
     run = subprocess.run([str(server), "--version"], capture_output=True, text=True)
-    match = re.search(r"version: (\S+) \(.*commit (\w+)\)", run.stdout + run.stderr)
+    match = re.search(r"version: (\S+) \((?:.*commit )?(\w+)\)", run.stdout + run.stderr)
     if not match:
         return "unknown"
     return f"{match.group(1)} ({match.group(2)})" + (f", llama-cpp-python {SDIST_VERSION}" if server == SERVER else "")
@@ -104,6 +108,7 @@ if __name__ == "__main__":
     try:
         label = Path(model).name if not args.gguf else args.gguf.upper()
         name = f"{args.fork or 'llama.cpp'} llama-server ({label})"
-        peer_io.main(name, server_version(binary), args, http_client.run_together(endpoint(port)))
+        streamed = args.fork in STREAMED_FORKS
+        peer_io.main(name, server_version(binary), args, http_client.run_together(endpoint(port, streamed)))
     finally:
         http_client.stop_server(server)
