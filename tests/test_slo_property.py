@@ -314,3 +314,16 @@ def test_a_tight_deadline_is_admitted_ahead_of_loose_ones() -> None:
     driver.add(3, SloSpec(4, 4, 0, 0.2, None))
     driver.step()
     assert [r.request_id for r in driver.scheduler.running] == ["r3"]
+
+
+def test_equal_requests_tie_when_one_was_priced_again_after_a_preemption() -> None:
+    """r10 and r11 are alike; r10 is preempted and queued again, priced by a step-time line fitted again since,
+    which differs in its last bits: they must still tie, and r10, the earlier, go first (a case hypothesis found)."""
+    alike = [SloSpec(prompt_len=1, max_tokens=1, arrival_step=1, ttft_slo=None, tpot_slo=None)] * 7
+    workload = SloWorkload(num_blocks=14, block_size=1, max_num_seqs=3, max_num_batched_tokens=6,
+                           preemption_mode="recompute", requests=(
+        *alike, SloSpec(1, 2, 0, None, None), SloSpec(3, 4, 0, None, 0.03125), SloSpec(6, 2, 1, 0.125, 0.0625),
+        SloSpec(6, 1, 1, 0.125, None), SloSpec(6, 1, 1, 0.125, None)))
+    driver = SloDriver(workload).run()
+    assert not driver.violations, dict(driver.violations)
+    driver.check_outputs()

@@ -35,6 +35,7 @@ from conveyor.core.request import Request
 from conveyor.core.scheduler.policies.base import SchedulingPolicy
 from conveyor.core.scheduler.step_times import StepTimes
 
+PRICE_DIGITS = 9  # latest starts are compared to the nanosecond (see SloPolicy.latest_start)
 Entry = tuple[float, int, Request]  # (latest start, arrival order, request): arrival order is unique, ties end there
 Line = tuple[float, float] | None  # StepTimes.line(): (seconds per step, seconds per token)
 
@@ -75,9 +76,12 @@ class SloPolicy(SchedulingPolicy):
     # ----- slack ---------------------------------------------------------------
 
     def latest_start(self, request: Request, line: Line = None) -> float:
-        """The deadline less the work the request still lacks: it is late once the clock passes this."""
+        """The deadline less the work the request still lacks: it is late once the clock passes this. Rounded to
+        the nanosecond: the step-time line is fitted again every step, so a request queued again after a
+        preemption is priced by a line that differs in its last bits, and equal requests must still tie (their
+        arrival order decides) rather than be ordered by that noise."""
         lacking = request.num_tokens - request.num_computed_tokens
-        return deadline(request) - work_seconds(lacking, line, self.max_num_batched_tokens)
+        return round(deadline(request) - work_seconds(lacking, line, self.max_num_batched_tokens), PRICE_DIGITS)
 
     def admission_key(self, request: Request, line: Line) -> float | None:
         """Where a newcomer would join the queue; admission control counts the on-time work ahead of it."""
