@@ -54,10 +54,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(command: Sequence[str], health_url: str, log: Path, name: str) -> subprocess.Popen:
-    """Start a server (its output to ``log``) and wait until ``health_url`` answers 200 (model loaded)."""
+def start_server(command: Sequence[str], health_url: str, log: Path, name: str,
+                 cwd: Path | None = None) -> subprocess.Popen:
+    """Start a server in ``cwd`` (where it leaves any file of its own; None: here), its output to ``log``, and
+    wait until ``health_url`` answers 200 (model loaded)."""
     with log.open("w") as out:
-        server = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                  cwd=cwd)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if server.poll() is not None:

@@ -63,11 +63,11 @@ def endpoint(port: int, streamed: bool = False) -> http_client.Endpoint:
 
 def start_server(model: str, port: int, log: Path, threads: int,
                  server_args: tuple[str, ...] = SERVER_ARGS, server: Path = SERVER) -> subprocess.Popen:
-    """Start llama-server (with ``server_args``: slots, context, batching) and wait until /health answers 200
-    (model loaded)."""
-    command = [str(server), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-               *server_args]
-    return http_client.start_server(command, f"http://127.0.0.1:{port}/health", log, "llama-server")
+    """Start llama-server (with ``server_args``: slots, context, batching) in the folder of its log, where a fork
+    writes a log file of its own (ik_llama.cpp's llama.log), and wait until /health answers 200 (model loaded)."""
+    command = [str(server), "-m", str(Path(model).resolve()), "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(threads), *server_args]
+    return http_client.start_server(command, f"http://127.0.0.1:{port}/health", log, "llama-server", log.parent)
 
 
 def server_version(server: Path = SERVER) -> str:

@@ -360,9 +360,10 @@ def select_peers(names: list[str]) -> list[Peer]:
 
 
 CONVEYOR_SERVER = Peer("conveyor", "run_conveyor.py", None, (), "")
+CONVEYOR_SERVER_NAME = "Conveyor server"  # the reference row every ratio is taken against
 
 
-def conveyor_server(model: str | None, dtype: str, serve_args: str, name: str = "Conveyor server") -> Peer:
+def conveyor_server(model: str | None, dtype: str, serve_args: str, name: str = CONVEYOR_SERVER_NAME) -> Peer:
     """Conveyor's own server as a runner, on ``model`` in ``dtype``, with ``serve_args`` for ``conveyor serve``."""
     flags = f"--dtype {dtype} {serve_args}".strip()
     return replace(CONVEYOR_SERVER, args=(*(("--model", model) if model else ()), "--serve-args", flags,
@@ -421,7 +422,7 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
 
         ours.append(conveyor_server(str(float32_folder(model)), "float32", serve_args, "Conveyor server (float32)"))
     results = run_peers(ours + peers, workloads, threads=threads)
-    if not results or results[0].engine != "Conveyor server":
+    if not results or results[0].engine != CONVEYOR_SERVER_NAME:
         raise RuntimeError("bench compare: Conveyor's own server did not run; see the messages above")
     if in_process:
         results.insert(1, conveyor_on_workloads((), w1_single, None, None, threads, dtype, model, workloads)[1])

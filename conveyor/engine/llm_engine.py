@@ -82,6 +82,7 @@ class Engine:
         dtype = DTYPES[config.dtype]
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)  # uint8: fp8 e5m2 bits
         self.weight_file_bytes = weight_file_bytes(config.model)
+        self.kv_token_bytes = self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize  # all layers, K and V
         plan = self._plan_kv_cache()
         self.kv_layout = plan.layout  # KV groups, where windowed layers give back blocks; None: one group
         self.kv_block_bytes = plan.block_bytes
@@ -118,8 +119,8 @@ class Engine:
         """The pools, sized in the cache's own dtype, and the KV groups where windowed layers have their own."""
         available = available_memory_bytes()
         plan = plan_kv_cache(
-            self.config, self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize,
-            self.model_config.max_position_embeddings, self.model_config.layer_windows,
+            self.config, self.kv_token_bytes, self.model_config.max_position_embeddings,
+            self.model_config.layer_windows,
             None if available is None else max(available - self.weight_file_bytes, 0),
         )
         if plan.layout is not None:
@@ -133,7 +134,7 @@ class Engine:
         holds), and the rest (the runtime: Python, torch, the kernels, buffers)."""
         mib = 2**20
         resident = resident_bytes()
-        tokens = self.kv_pool_bytes // (self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize)
+        tokens = self.kv_pool_bytes // self.kv_token_bytes
         parts = (f"weights {self.weight_file_bytes / mib:,.0f} MiB (the file), KV pool {self.kv_pool_bytes / mib:,.0f} "
                  f"MiB ({tokens:,} tokens)")
         if resident is None:

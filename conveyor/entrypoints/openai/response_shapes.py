@@ -13,9 +13,14 @@ from conveyor.entrypoints.openai.tool_calls import finish_reason as tool_finish_
 from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, parse
 
 
+def _prompts(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """One output per prompt of an answer (its n choices share their prompt)."""
+    return list({o.request_id: o for o in outputs}.values())
+
+
 def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     """A response's usage: each prompt once, the completion tokens of all its choices."""
-    prompts = {o.request_id: o for o in outputs}.values()
+    prompts = _prompts(outputs)
     prompt = sum(len(o.prompt_token_ids) for o in prompts)
     completion = sum(len(o.token_ids) for o in outputs)
     cached = sum(o.num_cached_tokens for o in prompts)
@@ -27,7 +32,7 @@ def timings(outputs: list[RequestOutput]) -> dict[str, Any]:
     """llama.cpp's ``timings`` of a whole answer, under its names: the prompt's computing (from its first step to
     the first token) and the output's (first token to last), so a client can tell time to first token from a
     response that was not streamed."""
-    prompts = {o.request_id: o for o in outputs}.values()
+    prompts = _prompts(outputs)
     starts = [o.metrics.first_scheduled_time for o in prompts]
     firsts = [o.metrics.first_token_time for o in outputs]
     ends = [o.metrics.finish_time for o in outputs]
