@@ -99,8 +99,31 @@ def _copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:
     return vocab
 
 
-def write_f16(shape: Shape, path: Path, seed: int = 0) -> None:
-    """The float16 file of ``shape`` at ``path``, tensor by tensor (never more than one in memory)."""
+def random_blocks(type_name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of a quantized type for a tensor of numpy shape ``dims``: random codes and sub-scales, the
+    float16 scales (d, dmin) drawn so that weights stay near the float16 file's (|w| up to about 0.03)."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    rows, k = int(np.prod(dims[:-1])), dims[-1]
+    raw = rng.integers(0, 256, (rows, k // block * size), dtype=np.uint8)
+    blocks = raw.reshape(-1, size)
+    scale_at = {"Q6_K": (208,)}.get(type_name, (0, 2) if type_name.endswith("_K") or type_name.endswith("_1") else (0,))
+    top = 0.03 / {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32}.get(type_name, 127)
+    for offset in scale_at:
+        values = rng.uniform(top / 4, top, len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = values.view(np.uint8).reshape(-1, 2)
+    return raw
+
+
+def write_f16(shape: Shape, path: Path, seed: int = 0, block_types: dict[str, str] | None = None) -> None:
+    """The float16 file of ``shape`` at ``path``, tensor by tensor (never more than one in memory).
+
+    ``block_types`` writes the tensors whose names end in one of its keys as random blocks of that quantized
+    type instead (``{"attn_v.weight": "Q6_K"}``): a mix like llama-quantize's, where llama-quantize is not built."""
+    block_types = block_types or {}
+
+    def block_type(name: str) -> str | None:
+        return next((kind for suffix, kind in block_types.items() if name.endswith(suffix)), None)
+
     writer = gguf.GGUFWriter(str(path), shape.arch)
     a = shape.arch
     writer.add_name(f"random weights at {path.stem}'s shape")
@@ -120,6 +143,11 @@ def write_f16(shape: Shape, path: Path, seed: int = 0) -> None:
     writer.add_uint32(f"{a}.vocab_size", vocab)
     layout = tensors(shape, vocab)
     for name, dims, norm in layout:
+        if (kind := block_type(name)) is not None:
+            block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+            writer.add_tensor_info(name, (*dims[:-1], dims[-1] // block * size), np.dtype(np.uint8),
+                                   int(np.prod(dims)) // block * size, gguf.GGMLQuantizationType[kind])
+            continue
         dtype = np.float32 if norm else np.float16
         writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
@@ -127,9 +155,12 @@ def write_f16(shape: Shape, path: Path, seed: int = 0) -> None:
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(RANDOM_POOL, dtype=np.float32) * 0.02).astype(np.float16)
-    for _, dims, norm in layout:
+    for name, dims, norm in layout:
         if norm:
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        if (kind := block_type(name)) is not None:
+            writer.write_tensor_data(random_blocks(kind, dims, rng))
             continue
         count = int(np.prod(dims))
         start = int(rng.integers(0, RANDOM_POOL))

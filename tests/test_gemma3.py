@@ -104,13 +104,17 @@ def test_native_greedy_tokens_equal_transformers_alone_and_batched(float32_llm, 
         assert alone.token_ids == together.token_ids, prompt
 
 
-def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, float32_llm):
-    """Kept quantized (the file's Q4_K, Q5_0, Q6_K and Q8_0 codes on the quantized kernels): each prompt's first
-    four tokens are the float32 run's on all prompts but at most one, and perplexity on a page of text is within
-    1% of the float32 run's (measured on Zen 5: 10.947 against 10.909, 0.35%)."""
+def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, float32_llm, gemma_file):
+    """Kept quantized (the file's Q4_K, Q5_0, Q6_K and Q8_0 codes on the quantized kernels, every projection: the
+    Q6_K values beside Q4_K queries included): each prompt's first four tokens are the float32 run's on all
+    prompts but at most one, and perplexity on a page of text is within 2.5% of the float32 run's and, where
+    llama.cpp is set up, within 1% of llama-perplexity's on the same file. Measured on Zen 3 (2026-12-03):
+    11.119 kept quantized, 11.127 llama.cpp, 10.909 float32 (1.9% over float32 for both engines' int8
+    activations; while a projection mixing Q4_K and Q6_K still ran in float32, 0.35%)."""
     from pathlib import Path
 
     from conveyor.bench.perplexity import perplexity
+    from tests.test_quantized import LLAMA_PERPLEXITY, llama_cpp_perplexity
 
     assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set(quantized_llm.engine.kernel_dtype.split("+"))
     quantized = quantized_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -120,7 +124,11 @@ def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, 
     text = (Path(__file__).parent / "data" / "declaration-of-independence.txt").read_text(encoding="utf-8")
     ours, exact = (perplexity(llm.engine, text, 256).value for llm in (quantized_llm, float32_llm))
     print(f"perplexity: kept quantized {ours:.4f}, float32 {exact:.4f}")
-    assert abs(ours / exact - 1) <= 0.01
+    assert abs(ours / exact - 1) <= 0.025
+    if LLAMA_PERPLEXITY.is_file():
+        theirs = llama_cpp_perplexity(gemma_file, 256)
+        print(f"perplexity: llama.cpp {theirs:.4f}")
+        assert abs(ours / theirs - 1) <= 0.01
 
 
 def test_the_named_model_and_its_chat_template(gemma_file):

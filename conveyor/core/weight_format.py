@@ -26,15 +26,40 @@ class WeightFormat:
         return self.layer_bits < 16
 
 
-# Bits a weight of each GGUF block format takes, scales and mins included (llama.cpp's block sizes: Q4_1 is 32
-# weights in 20 bytes, Q4_K 256 in 144).
-GGUF_BITS = {"Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625}
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    """A GGUF block format: weights per block and bytes per block in the file (llama.cpp's block sizes: Q4_1 is
+    32 weights in 20 bytes, Q4_K 256 in 144), and the bits a weight takes as the kernels store it, scales and
+    mins included (conveyor/model/quant_formats.py, k_quants.py)."""
+
+    name: str
+    block: int
+    file_bytes: int
+    stored_bits: float
+
+    @property
+    def file_bits(self) -> float:
+        return 8.0 * self.file_bytes / self.block
+
+
+# The one table of the formats Conveyor runs. Stored bits equal the file's but for Q5_0 and Q5_1, whose 5-bit codes
+# the uniform tiles hold in whole bytes (each beside its float16 scale, and Q5_1's float16 min).
+BLOCK_FORMATS = {f.name: f for f in (
+    BlockFormat("Q8_0", 32, 34, 8.5),
+    BlockFormat("Q4_0", 32, 18, 4.5),
+    BlockFormat("Q4_1", 32, 20, 5.0),
+    BlockFormat("Q5_0", 32, 22, 8.5),
+    BlockFormat("Q5_1", 32, 24, 9.0),
+    BlockFormat("Q4_K", 256, 144, 4.5),
+    BlockFormat("Q5_K", 256, 176, 5.5),
+    BlockFormat("Q6_K", 256, 210, 6.5625),
+)}
 
 
 def gguf_weights(layer_type: str, lm_head_type: str) -> WeightFormat | None:
-    """A GGUF file's format, its layers in one block type and its LM head in another; None for a type not in
-    GGUF_BITS."""
-    if layer_type not in GGUF_BITS or lm_head_type not in GGUF_BITS:
+    """A GGUF file's format as the engine stores it (what a step reads), its layers in one block type and its LM
+    head in another; None for a type not in BLOCK_FORMATS."""
+    if layer_type not in BLOCK_FORMATS or lm_head_type not in BLOCK_FORMATS:
         return None
-    return WeightFormat(f"{layer_type}/{lm_head_type}", GGUF_BITS[layer_type], GGUF_BITS[lm_head_type])
-
+    layers, head = BLOCK_FORMATS[layer_type], BLOCK_FORMATS[lm_head_type]
+    return WeightFormat(f"{layer_type}/{lm_head_type}", layers.stored_bits, head.stored_bits)

@@ -40,6 +40,7 @@
 #endif
 
 #include "gemm.h"
+#include "kquant_tiles.h"
 #include "quant_tiles.h"
 #include "vec.h"
 
@@ -97,10 +98,14 @@ inline QuantDot default_quant_dot(int64_t width) {
 #endif
 }
 
-// A quantized weight as the kernels take it: the packed codes, scales and mins (mins empty: the zero point).
+// A quantized weight as the kernels take it: the uniform tiles' packed codes, scales and mins (mins empty: the
+// zero point), or a K layout's blocks (codes [tiles, super-blocks, block bytes]; scales and mins empty), or the
+// concatenation along the outputs of `parts`, each its own format (a Q4_K_M file's q/k/v: Q4_K beside Q6_K).
 struct QuantWeight {
   torch::Tensor codes, scales, mins;
   int64_t n = 0, k = 0, group = 32, storage_bits = 4, code_bits = 4, zero_point = 0;
+  QuantLayout layout = QuantLayout::kTiles;
+  std::vector<QuantWeight> parts;
   // The tensors' data, read once: a GEMM looks them up per tile, and Tensor::data_ptr is no plain load.
   const uint8_t* codes_data = nullptr;
   const uint8_t* scales_data = nullptr;
@@ -112,7 +117,10 @@ struct QuantWeight {
   bool f16() const { return scales.scalar_type() == torch::kHalf; }
   bool has_mins() const { return mins.numel() > 0; }
   int64_t bytes() const {
-    return codes.numel() + (scales.numel() + mins.numel()) * static_cast<int64_t>(scales.element_size());
+    int64_t total = 0;
+    for (const QuantWeight& part : parts) total += part.bytes();
+    if (!codes.defined()) return total;
+    return total + codes.numel() + (scales.numel() + mins.numel()) * static_cast<int64_t>(scales.element_size());
   }
 };
 
@@ -140,6 +148,47 @@ inline QuantWeight make_quant_weight(torch::Tensor codes, torch::Tensor scales, 
   w.codes_data = w.codes.data_ptr<uint8_t>();
   w.scales_data = static_cast<const uint8_t*>(w.scales.data_ptr());
   w.mins_data = w.has_mins() ? static_cast<const uint8_t*>(w.mins.data_ptr()) : nullptr;
+  return w;
+}
+
+// A K-quant weight [n, k] from its blocks in kquant_tiles.h's layout: uint8 [tiles, k / 256, block bytes].
+inline QuantWeight make_k_quant_weight(torch::Tensor blocks, const std::string& type, int64_t n, int64_t k) {
+  QuantWeight w;
+  if (type == "Q4_K") {
+    w.layout = QuantLayout::kQ4K;
+  } else if (type == "Q5_K") {
+    w.layout = QuantLayout::kQ5K;
+  } else if (type == "Q6_K") {
+    w.layout = QuantLayout::kQ6K;
+  } else {
+    TORCH_CHECK(false, "no K layout for ", type, " (Q4_K, Q5_K, Q6_K)");
+  }
+  TORCH_CHECK(n > 0 && k > 0 && k % kSuperBlock == 0, "a [", n, ", ", k, "] ", type, " weight is no whole number of ",
+              kSuperBlock, "-input super-blocks");
+  w.n = n;
+  w.k = k;
+  w.group = w.layout == QuantLayout::kQ6K ? 16 : 32;
+  w.code_bits = w.storage_bits = w.layout == QuantLayout::kQ4K ? 4 : w.layout == QuantLayout::kQ5K ? 5 : 6;
+  w.codes = blocks.contiguous();
+  TORCH_CHECK(w.codes.scalar_type() == torch::kUInt8 && w.codes.dim() == 3 && w.codes.size(0) == w.tiles() &&
+                  w.codes.size(1) == k / kSuperBlock && w.codes.size(2) == k_block_bytes(w.layout),
+              type, " blocks must be uint8 [", w.tiles(), ", ", k / kSuperBlock, ", ", k_block_bytes(w.layout), "]");
+  w.scales = w.mins = torch::empty({0}, torch::kFloat32);
+  w.codes_data = w.codes.data_ptr<uint8_t>();
+  return w;
+}
+
+// Weights of one input width stacked along their outputs, each run by its own format's kernel.
+inline QuantWeight join_quant_weights(const std::vector<QuantWeight>& parts) {
+  TORCH_CHECK(!parts.empty(), "nothing to join");
+  QuantWeight w;
+  w.k = parts.front().k;
+  for (const QuantWeight& part : parts) {
+    TORCH_CHECK(part.k == w.k, "parts of ", part.k, " and ", w.k, " inputs cannot be joined");
+    TORCH_CHECK(part.parts.empty(), "a joined weight's parts are not joined weights themselves");
+    w.n += part.n;
+  }
+  w.parts = parts;
   return w;
 }
 
@@ -255,12 +304,45 @@ void with_quant_dot(QuantDot dot, const Fn& f) {
   }
 }
 
-// y [m, n] = x [m, k] . W^T (+ bias) for a quantized W: x quantized once per call, then the tile schedule of the
-// float GEMMs (row blocks of up to 64 rows sharing each tile while it is in cache).
+// The rows of a K-layout weight (kquant_tiles.h) from activations quantized already.
+template <QuantLayout L>
+void k_linear_rows(const QuantizedRows& xq, int64_t m, const QuantWeight& w, const float* bias, float* y,
+                   int64_t ldy, QuantDot dot) {
+  using K = KFormat<L>;
+  const int64_t blocks = w.k / kSuperBlock;
+  with_quant_dot(dot, [&](auto kind) {
+    using T = KQuantKernels<K, decltype(kind)::value>;
+    for_each_tile_pass(m, w.tiles(), T::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
+      const int64_t col = tile * kQuantTile, cols = std::min(kQuantTile, w.n - col);
+      T::at(rows)(xq, row, KTileView{w.codes_data + tile * blocks * K::kBlockBytes, blocks}, y + row * ldy + col, ldy,
+                  cols);
+      if (bias != nullptr) add_bias(y, ldy, row, rows, col, cols, bias);
+    });
+  });
+}
+
+// y [m, n] = x [m, k] . W^T (+ bias) for a quantized W, y's rows `ldy` apart (-1: n): x quantized once per call
+// (per part of a joined weight: parts may group their inputs differently), then the tile schedule of the float
+// GEMMs (row blocks of up to 64 rows sharing each tile while it is in cache).
 inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, const float* bias, float* y,
-                              QuantDot dot) {
+                              QuantDot dot, int64_t ldy = -1) {
   if (m == 0) return;
+  if (ldy < 0) ldy = w.n;
+  if (!w.parts.empty()) {
+    int64_t col = 0;
+    for (const QuantWeight& part : w.parts) {
+      quant_linear_rows(x, m, part, bias == nullptr ? nullptr : bias + col, y + col, dot, ldy);
+      col += part.n;
+    }
+    return;
+  }
   const QuantizedRows xq = quantize_rows(x, m, w.k, w.group);
+  switch (w.layout) {
+    case QuantLayout::kQ4K: return k_linear_rows<QuantLayout::kQ4K>(xq, m, w, bias, y, ldy, dot);
+    case QuantLayout::kQ5K: return k_linear_rows<QuantLayout::kQ5K>(xq, m, w, bias, y, ldy, dot);
+    case QuantLayout::kQ6K: return k_linear_rows<QuantLayout::kQ6K>(xq, m, w, bias, y, ldy, dot);
+    case QuantLayout::kTiles: break;
+  }
   const int64_t n = w.n;
   with_quant_format(w, [&](auto format) {
     using F = decltype(format);
@@ -268,30 +350,64 @@ inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, c
       using K = QuantKernels<F, decltype(kind)::value>;
       for_each_tile_pass(m, w.tiles(), K::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
         const int64_t col = tile * kQuantTile, cols = std::min(kQuantTile, n - col);
-        K::at(rows)(xq, row, tile_view<F>(w, tile), y + row * n + col, n, cols);
-        if (bias != nullptr) add_bias(y, n, row, rows, col, cols, bias);
+        K::at(rows)(xq, row, tile_view<F>(w, tile), y + row * ldy + col, ldy, cols);
+        if (bias != nullptr) add_bias(y, ldy, row, rows, col, cols, bias);
       });
     });
   });
 }
 
+// Row `id` of a K-layout weight as float32 [k].
+template <QuantLayout L>
+void k_dequantize_row(const QuantWeight& w, int64_t id, float* out) {
+  using K = KFormat<L>;
+  const int64_t blocks = w.k / kSuperBlock;
+  const int c = static_cast<int>(id % kQuantTile);
+  const uint8_t* tile = w.codes_data + (id / kQuantTile) * blocks * K::kBlockBytes;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = tile + b * K::kBlockBytes;
+    for (int g = 0; g < K::kGroups; ++g) {
+      float s, m;
+      k_scale_min<K>(block, g, c, &s, &m);
+      for (int i = 0; i < K::kGroup; ++i) {
+        const int32_t code = k_code<K>(block, c, g * K::kGroup + i);
+        out[b * kSuperBlock + g * K::kGroup + i] = K::kMins ? s * static_cast<float>(code) + m
+                                                            : s * static_cast<float>(code - K::kZero);
+      }
+    }
+  }
+}
+
 // Rows `ids` of W as float32 [ids, k]: an embedding table that is also a quantized LM head (tied) is looked
 // up straight from its codes.
 inline void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t count, float* out) {
-  with_quant_format(w, [&](auto format) {
-    using F = decltype(format);
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t id = ids[i], c = id % kQuantTile;
-      const QuantTileView t = tile_view<F>(w, id / kQuantTile);
+  for (int64_t i = 0; i < count; ++i) {
+    int64_t id = ids[i];
+    const QuantWeight* part = &w;
+    for (const QuantWeight& p : w.parts) {  // the part that holds row id
+      part = &p;
+      if (id < p.n) break;
+      id -= p.n;
+    }
+    float* row = out + i * w.k;
+    switch (part->layout) {
+      case QuantLayout::kQ4K: k_dequantize_row<QuantLayout::kQ4K>(*part, id, row); continue;
+      case QuantLayout::kQ5K: k_dequantize_row<QuantLayout::kQ5K>(*part, id, row); continue;
+      case QuantLayout::kQ6K: k_dequantize_row<QuantLayout::kQ6K>(*part, id, row); continue;
+      case QuantLayout::kTiles: break;
+    }
+    with_quant_format(*part, [&](auto format) {
+      using F = decltype(format);
+      const int64_t c = id % kQuantTile;
+      const QuantTileView t = tile_view<F>(*part, id / kQuantTile);
       for (int64_t g = 0; g < t.groups; ++g) {
         const uint8_t* bytes = t.codes + g * F::kGroupBytes;
         for (int64_t j = 0; j < F::kGroup; ++j) {
-          out[i * w.k + g * F::kGroup + j] =
-              weight_value<F>(t.scales, t.mins, g * kQuantTile + c, code_at<F>(bytes, c, j), t.zero);
+          row[g * F::kGroup + j] = weight_value<F>(t.scales, t.mins, g * kQuantTile + c, code_at<F>(bytes, c, j), t.zero);
         }
       }
-    }
-  });
+    });
+  }
 }
 
 }  // namespace conveyor

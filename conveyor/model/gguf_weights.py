@@ -1,10 +1,12 @@
 """A GGUF file's weights under Conveyor's names, read straight from the file and kept quantized.
 
-Each tensor is decoded into the uniform quantized form (:mod:`conveyor.model.quant_formats`: codes, a scale
-and a min or zero point per group) exactly, without going through float; llama.cpp's rotary row order of Q and
-K is undone by reordering whole rows, and Q/K/V and gate/up are joined into the fused projections the model
-runs. Norms and biases, which GGUF stores in float, stay float arrays; so does any 2-D weight a file stores in
-float (F32, F16, BF16), and a fused projection with such a part is all float.
+The K-quants stay the file's blocks (:mod:`conveyor.model.k_quants`); the other block formats are decoded into
+the uniform quantized form (:mod:`conveyor.model.quant_formats`: codes, a scale and a min or zero point per
+group) exactly, without going through float. llama.cpp's rotary row order of Q and K is undone by reordering
+whole rows, and Q/K/V and gate/up are joined into the fused projections the model runs: parts of one form as
+one matrix, parts of different types (a Q4_K_M file's Q6_K values beside Q4_K queries) side by side, each kept
+in its own. Norms and biases, which GGUF stores in float, stay float arrays; so does any 2-D weight a file
+stores in float (F32, F16, BF16), and a fused projection with such a part is all float.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ import numpy as np
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.families import Family, family_for
 from conveyor.model.gguf import ROPE_FREQS, hf_name, hf_norm, rope_heads, rope_row_order
+from conveyor.model.k_quants import K_TYPES, JoinedRows, RawBlocks, concat_blocks
 from conveyor.model.layers import checkpoint_projections
 from conveyor.model.quant_formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
-Weight = QuantizedMatrix | np.ndarray
+Weight = QuantizedMatrix | RawBlocks | JoinedRows | np.ndarray
 
 
 def read_gguf_weights(path: Path, config: ModelConfig,
@@ -137,6 +140,8 @@ def _read_tensor(tensor: TensorEntry, fd: int) -> Weight:
                          f"{', '.join(sorted(SUPPORTED_TYPES | FLOAT_TYPES))})")
     if len(n_k) != 2:
         raise ValueError(f"{tensor.name}: a quantized tensor of {len(n_k)} dimensions")
+    if kind in K_TYPES:
+        return RawBlocks.from_file(raw, kind, n_k[0], n_k[1])
     return decode(raw, kind, n_k[0], n_k[1])
 
 
@@ -188,18 +193,30 @@ def _rope_rows(weight: Weight, heads: int) -> Weight:
     if heads == 0:
         return weight
     order = rope_row_order(weight.shape[0] if isinstance(weight, np.ndarray) else weight.n, heads)
-    return permute_rows(weight, order) if isinstance(weight, QuantizedMatrix) else weight[order]
+    if isinstance(weight, QuantizedMatrix):
+        return permute_rows(weight, order)
+    return weight.permute_rows(order) if isinstance(weight, RawBlocks) else weight[order]
 
 
 def join_rows(parts: list[Weight]) -> Weight:
-    """Parts stacked along the outputs: quantized where every part is and their groups agree, else float32."""
+    """Parts stacked along the outputs: float32 if some part is float; else one matrix where the parts share a
+    form (one K type, or uniform forms with one group), or the parts side by side, each in its own."""
+    if any(isinstance(part, np.ndarray) for part in parts):
+        return np.concatenate([as_float(part) for part in parts])
+    if all(isinstance(part, RawBlocks) for part in parts) and len({part.type_name for part in parts}) == 1:
+        return concat_blocks(parts)
     if all(isinstance(part, QuantizedMatrix) for part in parts):
         try:
             return concat_rows(parts)
-        except ValueError:  # groups that differ (Q6_K's 16 beside 32): no one quantized form holds both
+        except ValueError:  # groups that differ (Q6_K's 16 beside 32): no one uniform form holds both
             pass
-    return np.concatenate([as_float(part) for part in parts])
+    return JoinedRows(tuple(parts))
 
 
 def as_float(weight: Weight) -> np.ndarray:
+    """The float32 weights of any form (the PyTorch path's, exact: see quant_formats.dequantize)."""
+    if isinstance(weight, JoinedRows):
+        return np.concatenate([as_float(part) for part in weight.parts])
+    if isinstance(weight, RawBlocks):
+        return dequantize(weight.decoded())
     return dequantize(weight) if isinstance(weight, QuantizedMatrix) else weight

@@ -204,7 +204,7 @@ class LlamaModel(nn.Module):
         shapes = [kernels.packed_shape(m.out_features, m.in_features, width, bfloat16) for _, m in named]
         sizes = [math.prod(shape) for shape in shapes]
         buffer = kernels.huge_page_buffer(sum(sizes), bfloat16)
-        tied = self.lm_head.weight is self.embed_tokens.weight
+        tied = getattr(self.lm_head, "weight", None) is self.embed_tokens.weight  # a quantized head has no weight
         for (name, module), shape, part in zip(named, shapes, buffer.split(sizes), strict=True):
             keep_weight = name in keep or (module is self.lm_head and tied)
             module.pack(kernels, width, keep_weight=keep_weight, bfloat16=bfloat16, out=part.view(shape))

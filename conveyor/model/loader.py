@@ -231,12 +231,11 @@ Packed = tuple[object, str] | np.ndarray
 
 def _packed_gguf(source: Path, config: ModelConfig, kernels: ModuleType) -> dict[str, Packed]:
     """A GGUF file's weights under our names, each quantized one packed as soon as it is read."""
-    from conveyor.model.gguf_weights import read_gguf_weights
-    from conveyor.model.quant_formats import QuantizedMatrix
+    from conveyor.model.gguf_weights import Weight, read_gguf_weights
     from conveyor.model.quantized import native_weight
 
-    def packed(weight: QuantizedMatrix | np.ndarray) -> Packed:
-        return (native_weight(kernels, weight), weight.source) if isinstance(weight, QuantizedMatrix) else weight
+    def packed(weight: Weight) -> Packed:
+        return weight if isinstance(weight, np.ndarray) else (native_weight(kernels, weight), weight.source)
 
     return read_gguf_weights(source, config, packed)
 

@@ -127,17 +127,23 @@ def _q5_1(b: np.ndarray) -> _Decoded:
     return _nibbles(b[:, 8:24]) | (_bits(b[:, 4:8]) << 4), _f16(b, 0), _f16(b, 2)
 
 
+def k_sub_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K blocks' 6-bit sub-block scales and mins [blocks, 8], unpacked from their 12 bytes."""
+    s = b[:, 4:16].reshape(-1, 3, 4)
+    lo, hi, top = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1)
+    m = np.concatenate([hi & 0x3F, (top >> 4) | ((hi >> 2) & 0x30)], axis=-1)
+    return sc, m
+
+
 def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K sub-block parameters: d * sc and -(dmin * m), the 6-bit sc, m unpacked from 12 bytes.
+    """Q4_K/Q5_K sub-block parameters: d * sc and -(dmin * m).
 
     Both products are f16 times a 6-bit integer, exact in float32.
     """
-    s = b[:, 4:16].reshape(-1, 3, 4)
-    lo, hi, top = s[:, 0], s[:, 1], s[:, 2]
-    sc = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 2) & 0x30)], axis=-1).astype(np.float32)
-    m = np.concatenate([hi & 0x3F, (top >> 4) | ((hi >> 2) & 0x30)], axis=-1).astype(np.float32)
+    sc, m = k_sub_scales(b)
     d, dmin = _f16(b, 0).astype(np.float32), _f16(b, 2).astype(np.float32)
-    return d * sc, -(dmin * m)
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:

@@ -12,15 +12,21 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from conveyor.model.k_quants import SUPER_BLOCK, JoinedRows, RawBlocks, block_bytes, pack_blocks
 from conveyor.model.quant_formats import TILE, QuantizedMatrix, pack_tiles, row_slice
 
 ROWS_PER_PACK = 4096  # rows packed at a time: a whole table at once held three copies of it (30 MB each, Q8_0)
 
 
-def native_weight(kernels: ModuleType, matrix: QuantizedMatrix) -> object:
-    """A matrix as the kernels' ``QuantizedWeight``: packed once into their tile layout (conveyor/csrc/quant_gemm.h),
-    the codes and scales as tensors the weight keeps alive. Packed ROWS_PER_PACK rows at a time into the final
-    tensors, so that loading peaks at the decoded matrix plus its packed copy, not at several copies."""
+def native_weight(kernels: ModuleType, matrix: QuantizedMatrix | RawBlocks | JoinedRows) -> object:
+    """A matrix as the kernels' ``QuantizedWeight``: a uniform matrix packed once into its tiles
+    (conveyor/csrc/quant_gemm.h), a K-quant into its super-blocks at the file's size (kquant_tiles.h), joined
+    rows as their parts side by side. The weight keeps the packed tensors alive. Packed ROWS_PER_PACK rows at a
+    time into the final tensors, so that loading peaks at one part decoded plus the packed copy, not at several."""
+    if isinstance(matrix, JoinedRows):
+        return kernels.QuantizedWeight.join([native_weight(kernels, part) for part in matrix.parts])
+    if isinstance(matrix, RawBlocks):
+        return _native_k_quant(kernels, matrix)
     tiles, groups = -(-matrix.n // TILE), matrix.k // matrix.group
     bytes_per_group = TILE * matrix.group * matrix.storage_bits // 8
     scale_dtype = torch.float16 if matrix.scales.dtype.itemsize == 2 else torch.float32
@@ -37,6 +43,15 @@ def native_weight(kernels: ModuleType, matrix: QuantizedMatrix) -> object:
             mins[first:last] = torch.from_numpy(part.mins)
     return kernels.QuantizedWeight(codes, scales, mins, matrix.n, matrix.k, matrix.group, matrix.storage_bits,
                                    matrix.code_bits, matrix.zero_point)
+
+
+def _native_k_quant(kernels: ModuleType, matrix: RawBlocks) -> object:
+    tiles = -(-matrix.n // TILE)
+    blocks = torch.empty((tiles, matrix.k // SUPER_BLOCK, block_bytes(matrix.type_name)), dtype=torch.uint8)
+    for start in range(0, matrix.n, ROWS_PER_PACK):
+        part = pack_blocks(matrix.rows(start, start + ROWS_PER_PACK))
+        blocks[start // TILE: start // TILE + part.shape[0]] = torch.from_numpy(part)
+    return kernels.QuantizedWeight.k_quant(blocks, matrix.type_name, matrix.n, matrix.k)
 
 
 class QuantizedLinear(nn.Module):
