@@ -3,7 +3,8 @@ projections whose parts differ in type, as llama-quantize's Q4_K_M files have th
 
 The uniform form (quant_formats.decode: a float32 scale and min per group) is the reference: it is exact
 against gguf's dequantization, and a K layout computes the same per-group numbers, so its outputs must equal
-the uniform layout's to the bit on every dot-product kind, while taking no more bytes than the file.
+the uniform layout's to the bit on every dot-product kind, while taking no more bytes than the file. The
+``kernels`` fixture is conftest's (the native kernels must build on the test machine).
 """
 
 from __future__ import annotations
@@ -26,16 +27,6 @@ from tests.test_quant_formats import random_raw
 
 RTOL = 2e-6  # of the largest output, as tests/test_quantized.py holds the uniform kernels
 TYPES = sorted(K_TYPES)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    from conveyor.model.kernels import native_kernels
-
-    built = native_kernels()
-    if built is None:
-        pytest.skip("no native kernels on this machine (no C++ compiler)")
-    return built
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> RawBlocks:
