@@ -273,31 +273,15 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, in
       __m256i sum[Rows];
       k_group_sums_256<K, Rows, Vnni>(x, row, group, block, g, half, sum);
       const __m256 s = _mm256_load_ps(scales + 8 * g);
+      const __m256 m = K::kMins ? _mm256_load_ps(mins + 8 * g) : _mm256_setzero_ps();
 #pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
-        const int64_t at = (row + r) * x.groups + group;
-        const float d = x.d[at];
-        if constexpr (K::kMins) {
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
-          acc[r] = _mm256_fmadd_ps(_mm256_load_ps(mins + 8 * g), _mm256_set1_ps(d * static_cast<float>(x.sums[at])),
-                                   acc[r]);
-        } else {
-          const __m256i centred = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(K::kZero * x.sums[at]));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
-        }
+        acc[r] = scale_group_256<K::kMins>(acc[r], sum[r], s, m, x, (row + r) * x.groups + group, K::kZero);
       }
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < Rows; ++r) {
-    if (cols >= 8) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      alignas(32) float part[8];
-      _mm256_store_ps(part, acc[r]);
-      std::copy(part, part + cols, y + r * ldy);
-    }
-  }
+  for (int r = 0; r < Rows; ++r) store_outputs_256(y + r * ldy, acc[r], cols);
 }
 
 template <typename K, int Rows, bool Vnni>

@@ -331,6 +331,31 @@ inline __m256 load_scales8(const void* p, int64_t at) {
   return _mm256_loadu_ps(static_cast<const float*>(p) + at);
 }
 
+// One group of one row scaled into its 8 outputs' sums: acc + d * (s * sum + mins * sum(xq)), or, with a zero
+// point, acc + d * s * (sum - zero * sum(xq)): the arithmetic every 256-bit kernel shares, uniform or K layout.
+template <bool Mins>
+inline __m256 scale_group_256(__m256 acc, __m256i sum, __m256 s, __m256 mins, const QuantizedRows& x, int64_t at,
+                              int32_t zero) {
+  const float d = x.d[at];
+  if constexpr (Mins) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
+    return _mm256_fmadd_ps(mins, _mm256_set1_ps(d * static_cast<float>(x.sums[at])), acc);
+  }
+  const __m256i centred = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero * x.sums[at]));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
+}
+
+// A row's 8 outputs, or the first `cols` of them.
+inline void store_outputs_256(float* y, __m256 v, int64_t cols) {
+  if (cols >= 8) {
+    _mm256_storeu_ps(y, v);
+    return;
+  }
+  alignas(32) float part[8];
+  _mm256_store_ps(part, v);
+  std::copy(part, part + cols, y);
+}
+
 // 256 bits: one half of the tile (outputs 8 * half .. 8 * half + 7, the half of each 64-byte vector) for Rows
 // rows; the tile takes two passes, the second finding the tile's bytes in L1.
 template <typename F, int Rows, bool Vnni>
@@ -347,31 +372,14 @@ void quant_half_tile_256(const QuantizedRows& x, int64_t row, const QuantTileVie
     __m256i sum[Rows];
     group_sums_256<F, Rows, Vnni>(x, row, g, bytes, sum);
     const __m256 s = load_scales8<F>(t.scales, g * kQuantTile + 8 * half);
-    [[maybe_unused]] __m256 mins;
-    if constexpr (F::kMins) mins = load_scales8<F>(t.mins, g * kQuantTile + 8 * half);
+    const __m256 mins = F::kMins ? load_scales8<F>(t.mins, g * kQuantTile + 8 * half) : _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int r = 0; r < Rows; ++r) {
-      const int64_t at = (row + r) * x.groups + g;
-      const float d = x.d[at];
-      if constexpr (F::kMins) {
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
-        acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(d * static_cast<float>(x.sums[at])), acc[r]);
-      } else {
-        const __m256i centred = _mm256_sub_epi32(sum[r], _mm256_set1_epi32(t.zero * x.sums[at]));
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
-      }
+      acc[r] = scale_group_256<F::kMins>(acc[r], sum[r], s, mins, x, (row + r) * x.groups + g, t.zero);
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < Rows; ++r) {
-    if (cols >= 8) {
-      _mm256_storeu_ps(y + r * ldy, acc[r]);
-    } else {
-      alignas(32) float part[8];
-      _mm256_store_ps(part, acc[r]);
-      std::copy(part, part + cols, y + r * ldy);
-    }
-  }
+  for (int r = 0; r < Rows; ++r) store_outputs_256(y + r * ldy, acc[r], cols);
 }
 
 template <typename F, int Rows, bool Vnni>
