@@ -139,6 +139,12 @@ def test_a_file_mixing_types_in_a_layer_with_a_tied_q6_k_head_runs_natively(kern
     harness.write_f16(harness.SHAPES["tiny"], path, block_types=Q4_K_M_MIX)
     native = LLM(str(path), num_kv_blocks=64)
     assert native.engine.kernel_dtype == "Q4_K+Q6_K"  # every projection kept quantized, none fell back to float
+    assert_first_tokens_agree_with_the_float_path(native, path)
+
+
+def assert_first_tokens_agree_with_the_float_path(native: LLM, path) -> None:
+    """The file's first greedy token and its top-5 logprobs on the native kernels against the float path of the
+    same weights (--kernels torch): the same candidates within 0.01, the same choice where the float one is clear."""
     reference = LLM(str(path), num_kv_blocks=64, kernels="torch")
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
     prompts = [[1, 2, 3], [5, 100, 2000, 7], [42] * 10, [300, 301, 302, 303, 304], [9, 8, 7, 6, 5, 4]]

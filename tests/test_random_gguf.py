@@ -52,3 +52,15 @@ def test_llama_quantize_converts_it_into_a_file_the_native_kernels_run(harness, 
     llm = LLM(str(q8), num_kv_blocks=64)
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+def test_llama_quantizes_q4_k_m_mix_runs_natively_and_agrees_with_the_float_path(harness, tmp_path):
+    """A Q4_K_M file as llama-quantize writes it (Q6_K beside Q4_K in a layer, the tied head Q6_K)."""
+    from tests.test_k_quants import assert_first_tokens_agree_with_the_float_path
+
+    if not harness.QUANTIZE.exists():
+        pytest.skip(f"llama-quantize is not built ({harness.QUANTIZE}); bash bench/peers/setup_llamacpp.sh")
+    (path,) = harness.make("tiny", ["Q4_K_M"], tmp_path, threads=1)
+    native = LLM(str(path), num_kv_blocks=64)
+    assert {"Q4_K", "Q6_K"} <= set(native.engine.kernel_dtype.split("+"))
+    assert_first_tokens_agree_with_the_float_path(native, path)
