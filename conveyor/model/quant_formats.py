@@ -1,11 +1,14 @@
 """GGUF quantized tensors decoded exactly into one form the native kernels can run, and packed into their tiles.
 
-llama.cpp's block formats each pack codes, scales and minimums their own way. A kernel per format would
-multiply the native code for little gain, so every supported format is decoded here into one uniform
-:class:`QuantizedMatrix`: a uint8 code per weight plus one scale (and, for the asymmetric formats, one
-minimum) per group of 16 or 32 weights along the input dimension. The decode loses nothing: for every
-supported type, :func:`dequantize` of the result is bit-identical to ``gguf.quants.dequantize`` of the
-raw bytes, so a model run from the codes sees the very weights llama.cpp's reference sees.
+llama.cpp's block formats each pack codes, scales and minimums their own way. Every supported format decodes
+here into one uniform :class:`QuantizedMatrix`: a uint8 code per weight plus one scale (and, for the
+asymmetric formats, one minimum) per group of 16 or 32 weights along the input dimension. The 32-weight formats
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) run in this form, at their file's size but for Q5's codes in whole bytes; the
+K-quants would take more bits in it than in the file (a float32 scale per group), so they run from their own
+super-blocks (:mod:`conveyor.model.k_quants`) and come here only to be checked and for the float path. The
+decode loses nothing: for every supported type, :func:`dequantize` of the result is bit-identical to
+``gguf.quants.dequantize`` of the raw bytes, so a model run from the codes sees the very weights llama.cpp's
+reference sees.
 
 Why exactness holds (tested bit-for-bit over the whole finite f16 range): each weight's ``scale * code``
 is an f16 (11 significant bits) times integers whose product stays within 2**12 (Q6_K's
