@@ -105,12 +105,11 @@ def test_native_greedy_tokens_equal_transformers_alone_and_batched(float32_llm, 
 
 
 def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, float32_llm, gemma_file):
-    """Kept quantized (the file's Q4_K, Q5_0, Q6_K and Q8_0 codes on the quantized kernels, every projection: the
-    Q6_K values beside Q4_K queries included): each prompt's first four tokens are the float32 run's on all
-    prompts but at most one, and perplexity on a page of text is within 2.5% of the float32 run's and, where
-    llama.cpp is set up, within 1% of llama-perplexity's on the same file. Measured on Zen 3 (2026-12-03):
-    11.119 kept quantized, 11.127 llama.cpp, 10.909 float32 (1.9% over float32 for both engines' int8
-    activations; while a projection mixing Q4_K and Q6_K still ran in float32, 0.35%)."""
+    """Kept quantized (the file's Q4_K, Q5_0, Q6_K and Q8_0 codes on the quantized kernels): each prompt's first
+    four tokens are the float32 run's on all prompts but at most one, and perplexity on a page of text is within
+    2.5% of the float32 run's and, where llama.cpp is set up, within 1% of llama-perplexity's on the same file.
+    Measured on an AVX2-only Zen 3 (2026-12-03, the avx2 kernels): 11.119 kept quantized, 11.127 llama.cpp,
+    10.909 float32 (1.9% over float32 for both engines' int8 activations); on a Zen 5 (vnni512), 10.947."""
     from pathlib import Path
 
     from conveyor.bench.perplexity import perplexity
