@@ -4,7 +4,7 @@
 // store Q4_K at 6.0 bits a weight where the file has 4.5, and Q6_K at 10 where it has 6.56; a decode step reads
 // every stored byte, so that is its speed.
 //
-// Layout (conveyor/model/superblocks.py packs it): per tile of 16 outputs and per super-block of 256 inputs, one
+// Layout (conveyor/model/k_quants.py packs it): per tile of 16 outputs and per super-block of 256 inputs, one
 // block of bytes, the tile's blocks one after another (a tile is one stream):
 //   Q4_K, Q5_K (2,304 / 2,816 bytes = 16 rows x 144 / 176, the file's sizes):
 //     d[16], dmin[16]     float16, row by row
@@ -125,15 +125,9 @@ void k_tile_portable(const QuantizedRows& x, int64_t row, const KTileView& t, fl
           const int8_t* xq = x.q + (row + r) * x.k + group * K::kGroup;
           int32_t sum = 0;
           for (int i = 0; i < K::kGroup; ++i) sum += k_code<K>(block, static_cast<int>(c), g * K::kGroup + i) * xq[i];
-          const int64_t at = (row + r) * x.groups + group;
-          const float d = x.d[at];
           float s, m;
           k_scale_min<K>(block, g, static_cast<int>(c), &s, &m);
-          if constexpr (K::kMins) {
-            acc += static_cast<float>(sum) * (s * d) + m * (d * x.sums[at]);
-          } else {
-            acc += static_cast<float>(sum - K::kZero * x.sums[at]) * (s * d);
-          }
+          acc = scale_group<K::kMins>(acc, sum, s, m, x, (row + r) * x.groups + group, K::kZero);
         }
       }
       y[r * ldy + c] = acc;

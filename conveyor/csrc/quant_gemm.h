@@ -371,8 +371,7 @@ void k_dequantize_row(const QuantWeight& w, int64_t id, float* out) {
       k_scale_min<K>(block, g, c, &s, &m);
       for (int i = 0; i < K::kGroup; ++i) {
         const int32_t code = k_code<K>(block, c, g * K::kGroup + i);
-        out[b * kSuperBlock + g * K::kGroup + i] = K::kMins ? s * static_cast<float>(code) + m
-                                                            : s * static_cast<float>(code - K::kZero);
+        out[b * kSuperBlock + g * K::kGroup + i] = affine_weight<K::kMins>(s, m, code, K::kZero);
       }
     }
   }

@@ -87,12 +87,27 @@ inline int32_t code_at(const uint8_t* group_bytes, int64_t c, int64_t j) {
   return (j % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
 }
 
+// A weight from its code: s * code + min, or s * (code - zero); every layout's lookups share it.
+template <bool Mins>
+inline float affine_weight(float s, float min, int32_t code, int32_t zero) {
+  if constexpr (Mins) return s * static_cast<float>(code) + min;
+  return s * static_cast<float>(code - zero);
+}
+
 // One output column's weights of a group, scaled: what dequantize_rows and the portable kernel share.
 template <typename F>
 inline float weight_value(const void* scales, const void* mins, int64_t at, int32_t code, int32_t zero) {
-  const float s = scale_at<F>(scales, at);
-  if constexpr (F::kMins) return s * static_cast<float>(code) + scale_at<F>(mins, at);
-  return s * static_cast<float>(code - zero);
+  return affine_weight<F::kMins>(scale_at<F>(scales, at), F::kMins ? scale_at<F>(mins, at) : 0.f, code, zero);
+}
+
+// One group of one row added to an output's sum, in plain C++: d * (s * sum + min * sum(xq)), or
+// d * s * (sum - zero * sum(xq)); the portable kernels of every layout share it (scale_group_256 is its vector twin).
+template <bool Mins>
+inline float scale_group(float acc, int32_t sum, float s, float min, const QuantizedRows& x, int64_t at,
+                         int32_t zero) {
+  const float d = x.d[at];
+  if constexpr (Mins) return acc + (static_cast<float>(sum) * (s * d) + min * (d * x.sums[at]));
+  return acc + static_cast<float>(sum - zero * x.sums[at]) * (s * d);
 }
 
 // A weight's raw views for one tile.
@@ -119,13 +134,9 @@ void quant_tile_portable(const QuantizedRows& x, int64_t row, const QuantTileVie
         const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup;
         int32_t sum = 0;
         for (int64_t j = 0; j < F::kGroup; ++j) sum += code_at<F>(bytes, c, j) * xq[j];
-        const int64_t at = (row + r) * x.groups + g;
-        const float d = x.d[at], s = scale_at<F>(t.scales, g * kQuantTile + c);
-        if constexpr (F::kMins) {
-          acc += static_cast<float>(sum) * (s * d) + scale_at<F>(t.mins, g * kQuantTile + c) * (d * x.sums[at]);
-        } else {
-          acc += static_cast<float>(sum - t.zero * x.sums[at]) * (s * d);
-        }
+        const float min = F::kMins ? scale_at<F>(t.mins, g * kQuantTile + c) : 0.f;
+        acc = scale_group<F::kMins>(acc, sum, scale_at<F>(t.scales, g * kQuantTile + c), min, x,
+                                    (row + r) * x.groups + g, t.zero);
       }
       y[r * ldy + c] = acc;
     }

@@ -58,10 +58,6 @@ class RawBlocks:
     def source(self) -> str:
         return self.type_name
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.n, self.k
-
     def permute_rows(self, order: np.ndarray) -> RawBlocks:
         """Output rows reordered (llama.cpp's rotary order of the q/k rows undone): whole rows of blocks move."""
         order = np.asarray(order)
