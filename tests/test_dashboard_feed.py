@@ -178,6 +178,19 @@ def test_rows_carry_no_prompt_text_unless_asked() -> None:
         assert live.flush()["requests"]["r"].get("text") == expected
 
 
+def test_remaining_counts_to_the_models_length_where_that_comes_first() -> None:
+    """The row's "remaining" is the scheduler's own stop rule: 10 tokens of 16 leave 6, not max_tokens' 50."""
+    core = make_core(num_blocks=4)  # 4 blocks of 4: max_model_len 16
+    live = core.start_live()
+    add(core, "r", 10, 50)
+    assert live.flush()["requests"]["r"]["remaining"] == 6
+    steps = 0
+    while core.scheduler.requests:
+        core.step()
+        steps += 1
+    assert steps == 6  # the request ran exactly as many steps as the row said were left
+
+
 def test_merging_stops_when_a_watcher_falls_too_far_behind() -> None:
     core = make_core(num_blocks=64)
     live = core.start_live()

@@ -143,7 +143,7 @@ class LiveRecorder:
         row = {
             "status": request.status.value, "prompt": len(request.prompt_token_ids), "output": num_output,
             "computed": request.num_computed_tokens, "max_tokens": request.sampling_params.max_tokens,
-            "remaining": request.sampling_params.max_tokens - num_output, "priority": request.priority,
+            "remaining": request.tokens_left(self._scheduler.config.max_model_len), "priority": request.priority,
             "order": request.arrival_order, "preemptions": request.num_preemptions,
             "cached": request.num_cached_tokens, "arrival": request.arrival_time - self.origin,
             "ttft": None if request.first_token_time is None else request.first_token_time - request.arrival_time,

@@ -90,6 +90,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def tokens_left(self, max_model_len: int) -> int:
+        """Output tokens the request may still draw: the fewer of what ``max_tokens`` and the model's length
+        allow. The one stop rule: the scheduler ends a request at 0, and the simulator's fast-forward, the
+        speculator's draft room and the dashboard's "remaining" all count from here."""
+        num_output = len(self.output_token_ids)
+        return min(self.sampling_params.max_tokens - num_output,
+                   max_model_len - len(self.prompt_token_ids) - num_output)
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids at positions ``[start, end)`` of prompt + output."""
         prompt = self.prompt_token_ids

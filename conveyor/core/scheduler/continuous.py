@@ -655,8 +655,7 @@ class Scheduler:
             return FinishReason.STOP, None
         if token in params.stop_token_ids:
             return FinishReason.STOP, token
-        num_output = len(request.output_token_ids)
-        if num_output >= params.max_tokens or len(request.prompt_token_ids) + num_output >= self.config.max_model_len:
+        if request.tokens_left(self.config.max_model_len) <= 0:
             return FinishReason.LENGTH, None
         return None, None
 

@@ -328,9 +328,7 @@ class FastForwardScheduler(Scheduler):
         params, token = request.sampling_params, self.decode_token
         if (token == request.eos_token_id and not params.ignore_eos) or token in params.stop_token_ids:
             return 1
-        num_output = len(request.output_token_ids)
-        room = self.config.max_model_len - len(request.prompt_token_ids) - num_output
-        return max(1, min(params.max_tokens - num_output, room))
+        return max(1, request.tokens_left(self.config.max_model_len))
 
     @staticmethod
     def _due(events: dict[int, list[_Member]], step: int) -> list[_Member]:

@@ -123,9 +123,7 @@ class Speculator:
         params = request.sampling_params
         if params.processes_logits or params.logprobs is not None:
             return 0
-        num_output = len(request.output_token_ids)
-        return min(self.config.num_speculative_tokens, params.max_tokens - num_output - 1,
-                   self.max_model_len - request.num_tokens - 1)
+        return min(self.config.num_speculative_tokens, request.tokens_left(self.max_model_len) - 1)
 
     def _worth_carrying(self, proposed: dict[str, list[int]], base_tokens: int, num_requests: int,
                         spare: int) -> dict[str, list[int]]:

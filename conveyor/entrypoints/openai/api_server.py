@@ -58,12 +58,12 @@ from conveyor.entrypoints.openai.protocol import (
 )
 from conveyor.entrypoints.openai.response_shapes import ChatShape, CompletionShape, ResponseShape, usage
 from conveyor.entrypoints.openai.responses_api import (
-    FIELD_NAMES,
     MAX_STORED_RESPONSES,
     ResponsesRequest,
     ResponsesShape,
     ResponseStore,
     error_frame,
+    responses_field,
     sse_events,
 )
 from conveyor.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
@@ -294,8 +294,8 @@ class _Serving:
         except ValueError as error:
             raise _refusal(body, error) from None
         if not prompt:  # a template may show only some roles: nothing to compute, no logits to sample from
-            raise APIError(400, "messages: the chat template renders these messages as no tokens",
-                           "invalid_request_error", "messages")
+            raise _refusal(body, FieldError("messages", "messages: the chat template renders these messages as "
+                                                        "no tokens"))
         return self.make_request(body, prompt, "chatcmpl")
 
     async def respond(self, body: SamplingRequest, requests: list[EngineRequest], fmt: ResponseShape, raw: Request):
@@ -471,12 +471,18 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
                                "not_found_error", "previous_response_id")
             history = stored[1]
         try:
-            chat = ChatCompletionRequest.model_validate(body.chat_body(history))
+            chat = ChatCompletionRequest.model_validate(body.chat_body(history)).speaking_for(responses_field)
+        except ValidationError as error:  # a chat field the Responses body filled wrongly, in the client's names
+            invalid = _first_field_error(error)
+            raise _bad_field(invalid.renamed(responses_field(invalid.field))) from None
+        except ValueError as error:  # the input itself (named as the Responses API names it)
+            raise _bad_field(error) from None
+        try:
             auto_tools = chat.auto_tool_parser(serving.tool_parser)
             await serving.compile_grammar(chat)
             request = await serving.off_loop(serving.make_chat_request, chat)
-        except (ValueError, APIError) as error:
-            raise _in_responses_terms(error) from None
+        except ValueError as error:  # errors that name a field are in the Responses API's names already
+            raise _refusal(chat, error) from None
         shape = ResponsesShape(body, serving.settings.model_name, chat.forced_tool_calls(),
                                LogprobFormatter(serving.tokenizer), auto_tools)
         conversation = [*history, *body.input_messages()]
@@ -511,21 +517,11 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
         return {"id": response_id, "object": "response", "deleted": True}
 
 
-def _in_responses_terms(error: ValueError | APIError) -> APIError:
-    """An error of the chat request a Responses request became, naming the Responses API's field."""
-    if isinstance(error, ValidationError):
-        first = error.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
-        error = APIError(400, f"{param}: {first['msg']}", "invalid_request_error", param)
-    elif not isinstance(error, APIError):
-        error = _bad_field(error)
-    head = (error.param or "").split(".")[0]
-    if head in FIELD_NAMES:
-        # A message's index is the chat request's (instructions and history first), not the input's: "input".
-        renamed = FIELD_NAMES[head] + ("" if head == "messages" else (error.param or "")[len(head):])
-        error = APIError(error.status, error.message.replace(error.param or "", renamed, 1), error.kind, renamed,
-                         error.code)
-    return error
+def _first_field_error(error: ValidationError) -> FieldError:
+    """Pydantic's first complaint as a FieldError naming its field by its path (``messages.0.content``)."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"])
+    return FieldError(field, f"{field}: {first['msg']}")
 
 
 async def _responses_sse(shape: ResponsesShape, stream: OutputStream, keep: Callable[[dict[str, Any]], None]):

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from conveyor.core.errors import FieldError
 from conveyor.core.sampling import MAX_LOGPROBS, SamplingParams
@@ -116,6 +117,14 @@ class SamplingRequest(Body):
     # vLLM's: each choice carries its output token ids (a streamed chunk: those it adds) and the answer its
     # prompt's, so a client can compare engines token for token without a tokenizer of its own.
     return_token_ids: bool = False
+    # The names of the API the client called, where this body stands for another API's request (a Responses
+    # request runs as a chat request): a field's name here -> the client's. None: the client sent this body.
+    _client_field: Callable[[str], str] | None = PrivateAttr(default=None)
+
+    def speaking_for(self, client_field: Callable[[str], str]) -> Self:
+        """This body, with errors named as ``client_field`` maps its fields (the API the client called)."""
+        self._client_field = client_field
+        return self
 
     def check_supported(self) -> None:
         """FieldError naming the first field set to something the engine cannot do yet."""
@@ -145,11 +154,15 @@ class SamplingRequest(Body):
 
     def in_client_terms(self, error: FieldError) -> FieldError:
         """An error raised while making the request, under the name the client knows: a constraint that does
-        not compile is named by the field the client used for it (``response_format``, ``guided_json``, ...)."""
-        if not error.field.startswith("structured_output"):
+        not compile is named by the field the client used for it (``response_format``, ``guided_json``, ...),
+        and a body that stands for another API's request names that API's field."""
+        if error.field.startswith("structured_output"):
+            structured = self.structured_output()
+            error = error.renamed(structured[0] if structured else "structured_output")
+        if self._client_field is None:
             return error
-        structured = self.structured_output()
-        return error.renamed(structured[0] if structured else "structured_output")
+        field = self._client_field(error.field)
+        return error if field == error.field else error.renamed(field)
 
     def _logit_bias(self) -> dict[int, float]:
         try:

@@ -35,6 +35,16 @@ MAX_STORED_RESPONSES = 1024
 FIELD_NAMES = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
+def responses_field(chat_field: str) -> str:
+    """A chat request's field under the Responses API's name: ``response_format.json_schema`` is
+    ``text.format.json_schema``; any message is ``input`` (the chat request's index counts the instructions and
+    the history first, so it would point the client at the wrong item)."""
+    head = chat_field.split(".")[0]
+    if head not in FIELD_NAMES:
+        return chat_field
+    return FIELD_NAMES[head] + ("" if head == "messages" else chat_field[len(head):])
+
+
 class TextFormat(JsonSchemaFormat):
     """``text.format``: chat's json_schema fields, flattened beside the type."""
 
