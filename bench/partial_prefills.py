@@ -25,7 +25,7 @@ import httpx
 from conveyor.bench.local_server import local_server, save_results, server_script_parser
 from conveyor.bench.serve import RequestTiming, stream_request
 from conveyor.bench.workload import SyntheticRequest
-from conveyor.core.figures import percentile
+from conveyor.observe.figures import percentile
 
 CONFIGURATIONS = {
     "one prompt at a time": ["--max-num-partial-prefills", "1"],

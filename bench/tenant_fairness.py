@@ -46,7 +46,7 @@ import httpx
 from conveyor.bench.local_server import local_server, save_results, server_script_parser
 from conveyor.bench.serve import stream_request
 from conveyor.bench.workload import SyntheticRequest
-from conveyor.core.figures import percentile
+from conveyor.observe.figures import percentile
 
 WARM_REQUESTS = 8  # each server's first requests, before anything is measured
 

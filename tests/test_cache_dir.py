@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor.core.cache_dir import CACHE_ENV, CacheDirError, make_cache_folder
 from conveyor.model.kernel_choice import choose_kernels
 from conveyor.model.loader import resolve_model
+from conveyor.platform.cache_dir import CACHE_ENV, CacheDirError, make_cache_folder
 
 
 @pytest.fixture

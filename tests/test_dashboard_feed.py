@@ -8,7 +8,8 @@ import pytest
 
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, KVCachePlan
-from conveyor.core.live import MAX_PENDING_STEPS, delta_as_json_ready, merge_deltas
+from conveyor.observe.live import MAX_PENDING_STEPS, delta_as_json_ready, merge_deltas, start_live
+from conveyor.observe.trace import start_trace
 from tests.harness import FakeClock, make_request
 
 
@@ -56,7 +57,7 @@ def test_replaying_kv_blocks_rebuilds_every_table_at_every_step(options) -> None
     """Under preemption (recompute and swap), prefix sharing, aborts and contiguous slabs."""
     num_cpu = 64 if options.get("preemption_mode") == "swap" else 0
     core = make_core(num_blocks=12, num_cpu_blocks=num_cpu, **options)
-    trace = core.start_trace()
+    trace = start_trace(core)
     rng = random.Random(3)
     tables: dict[str, list[int]] = {}
     shared = list(range(3000, 3010))
@@ -77,7 +78,7 @@ def test_replaying_kv_blocks_rebuilds_every_table_at_every_step(options) -> None
 
 def test_a_delta_holds_only_what_changed_and_finished_requests_leave() -> None:
     core = make_core(num_blocks=64, enable_prefix_caching=False, max_num_seqs=2)
-    live = core.start_live()
+    live = start_live(core)
     for i in range(5):
         add(core, f"r{i}", 4, max_tokens=3 if i == 0 else 50)
     first = live.flush()
@@ -97,7 +98,7 @@ def test_a_delta_holds_only_what_changed_and_finished_requests_leave() -> None:
 def test_keyframe_plus_deltas_equals_a_later_keyframe() -> None:
     """A watcher that joined mid-run, and one whose unread deltas were merged, both end where the engine is."""
     core = make_core(num_blocks=32, enable_prefix_caching=True, max_num_seqs=4)
-    live = core.start_live()
+    live = start_live(core)
     rng = random.Random(1)
     for i in range(6):
         add(core, f"a{i}", rng.randrange(2, 10), rng.randrange(2, 20))
@@ -125,7 +126,7 @@ def assert_view_matches(keyframe: dict, delta: dict, later: dict) -> None:
 
 def test_an_abort_between_steps_releases_its_table_in_the_next_delta() -> None:
     core = make_core(num_blocks=32, enable_prefix_caching=False)
-    live = core.start_live()
+    live = start_live(core)
     add(core, "a", 6, 20)
     add(core, "b", 6, 20)
     core.step()
@@ -145,7 +146,7 @@ def test_rate_limit_allows_one_delta_per_interval() -> None:
     core = make_core()
     now = [0.0]
     core.clock = core.scheduler.clock = lambda: now[0]
-    live = core.start_live(min_interval=0.1)
+    live = start_live(core, min_interval=0.1)
     assert not live.due()  # nothing to send
     add(core, "r", 4, 30)
     assert live.due()
@@ -161,7 +162,7 @@ def test_rate_limit_allows_one_delta_per_interval() -> None:
 
 def test_a_finished_requests_full_blocks_stay_cached_and_evictable() -> None:
     core = make_core(num_blocks=16, block_size=4, enable_prefix_caching=True)
-    live = core.start_live()
+    live = start_live(core)
     add(core, "r", 9, max_tokens=2)  # 10 tokens computed: two full blocks get indexed
     while core.has_unfinished_requests():
         core.step()
@@ -173,7 +174,7 @@ def test_a_finished_requests_full_blocks_stay_cached_and_evictable() -> None:
 def test_rows_carry_no_prompt_text_unless_asked() -> None:
     for show_text, expected in ((False, None), (True, "hello")):
         core = make_core()
-        live = core.start_live(show_text=show_text)
+        live = start_live(core, show_text=show_text)
         add(core, "r", 4, 4, text="hello")
         assert live.flush()["requests"]["r"].get("text") == expected
 
@@ -181,7 +182,7 @@ def test_rows_carry_no_prompt_text_unless_asked() -> None:
 def test_remaining_counts_to_the_models_length_where_that_comes_first() -> None:
     """The row's "remaining" is the scheduler's own stop rule: 10 tokens of 16 leave 6, not max_tokens' 50."""
     core = make_core(num_blocks=4)  # 4 blocks of 4: max_model_len 16
-    live = core.start_live()
+    live = start_live(core)
     add(core, "r", 10, 50)
     assert live.flush()["requests"]["r"]["remaining"] == 6
     steps = 0
@@ -193,7 +194,7 @@ def test_remaining_counts_to_the_models_length_where_that_comes_first() -> None:
 
 def test_merging_stops_when_a_watcher_falls_too_far_behind() -> None:
     core = make_core(num_blocks=64)
-    live = core.start_live()
+    live = start_live(core)
     add(core, "r", 4, 50)
     core.step()
     pending = dict(live.flush())
@@ -205,7 +206,7 @@ def test_a_delta_is_json_ready() -> None:
     import json
 
     core = make_core()
-    live = core.start_live()
+    live = start_live(core)
     add(core, "r", 4, 4)
     core.step()
     encoded = json.loads(json.dumps(delta_as_json_ready(live.flush())))
@@ -230,7 +231,7 @@ def test_steps_and_rows_show_the_drafts_a_request_carried_and_how_many_were_acce
                           speculative_config='{"method": "ngram", "prompt_lookup_min": 1, "draft_length": "fixed"}')
     plan = KVCachePlan(24, 0, block_bytes=1, max_model_len=96)
     core = EngineCore(config, plan, DraftAcceptingExecutor(), clock=FakeClock())
-    live = core.start_live()
+    live = start_live(core)
     add(core, "r", 6, 12, prompt=[7, 7, 7, 7, 7, 7])  # the executor's token repeats the prompt: drafts at once
     steps = []
     for _ in range(4):

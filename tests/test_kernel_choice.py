@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.core.cpu import Cpu
 from conveyor.model import kernel_choice
 from conveyor.model.kernel_choice import ROW_CLASSES, TORCH, KernelChoice, choice_key, choose_kernels, decide
+from conveyor.platform.cpu import Cpu
 from tests.harness import hf_greedy
 
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor.core.config import EngineConfig
-from conveyor.core.trace import step_as_dict
+from conveyor.observe.trace import step_as_dict
 from conveyor.sim.cluster import simulate_cluster
 from conveyor.sim.cost import CostModel, StepWork
 from conveyor.sim.hardware import load_hardware, load_model_config

@@ -14,8 +14,8 @@ import pytest
 
 from conveyor.core.config import EngineConfig
 from conveyor.core.scheduler import SchedulerOutput
-from conveyor.core.trace import Trace
 from conveyor.entrypoints.cli import build_parser, main
+from conveyor.observe.trace import Trace
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import load_hardware, load_model_config
 from conveyor.sim.simulator import Simulation, device_kv_cache_memory, simulate

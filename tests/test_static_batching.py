@@ -8,8 +8,8 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.core.scheduler.output import SchedulerOutput
-from conveyor.core.trace import Trace
 from conveyor.entrypoints.cli import main
+from conveyor.observe.trace import Trace
 
 
 def _workload(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:

@@ -29,8 +29,8 @@ from typing import Any
 from conveyor.bench.report import format_table
 from conveyor.bench.throughput import run_all_at_once
 from conveyor.bench.workload import AT_ONCE, ONE_AT_A_TIME, SyntheticRequest, Workload
-from conveyor.core.figures import percentile
 from conveyor.engine import Engine
+from conveyor.observe.figures import percentile
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS_DIR = ROOT / "bench" / "peers"

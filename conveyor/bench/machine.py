@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from conveyor.core.cache_dir import write_cache_file
-from conveyor.core.cpu import this_cpu
 from conveyor.model.kernel_choice import time_candidates
 from conveyor.model.loader import DTYPES
+from conveyor.platform.cache_dir import write_cache_file
+from conveyor.platform.cpu import this_cpu
 from conveyor.sim.hardware import machine_file
 
 

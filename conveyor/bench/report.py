@@ -1,4 +1,4 @@
-"""Plain-text tables shared by the benchmarks and the CLI (the figures themselves: :mod:`conveyor.core.figures`)."""
+"""Plain-text tables shared by the benchmarks and the CLI (the figures themselves: :mod:`conveyor.observe.figures`)."""
 
 from __future__ import annotations
 

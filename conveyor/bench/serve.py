@@ -29,7 +29,7 @@ from conveyor.bench.workload import (
     multi_turn_workload,
     shared_prefix_workload,
 )
-from conveyor.core.figures import mean, met_targets, percentile
+from conveyor.observe.figures import mean, met_targets, percentile
 
 
 @dataclass(slots=True)

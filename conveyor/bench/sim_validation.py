@@ -17,9 +17,9 @@ from typing import Any
 from conveyor.bench.calibrate import Probe, time_probe, timed_step
 from conveyor.bench.report import format_table
 from conveyor.core.config import EngineConfig
-from conveyor.core.figures import request_figures
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
+from conveyor.observe.figures import request_figures
 from conveyor.sim.cost import CostModel, StepWork, with_pace
 from conveyor.sim.hardware import load_hardware
 from conveyor.sim.profile import ProfiledCostModel, step_cost_model

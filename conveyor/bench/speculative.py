@@ -40,9 +40,10 @@ DEFAULT_SPEC = '{"method": "ngram", "num_speculative_tokens": 4}'
 
 def _sources() -> list[tuple[str, str, str | None]]:
     """(source, name, docstring) of functions of this package (every install has them): the prompts' texts."""
-    from conveyor.core import figures, request, stats
+    from conveyor.core import request, stats
     from conveyor.core.kv import paged
     from conveyor.core.scheduler import step_times
+    from conveyor.observe import figures
 
     functions = [request.Request.token_ids, paged.PagedKVCacheManager.grow_table, step_times.StepTimes.record,
                  step_times.StepTimes.line, figures.percentile, paged.PagedKVCacheManager.trim_table,

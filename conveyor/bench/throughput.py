@@ -17,9 +17,9 @@ from conveyor.bench.workload import (
     multi_turn_workload,
     shared_prefix_workload,
 )
-from conveyor.core.figures import config_figures, request_figures
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
+from conveyor.observe.figures import config_figures, request_figures
 
 
 def run_all_at_once(engine: Engine, requests: list[SyntheticRequest]) -> tuple[list[RequestOutput], int]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -28,16 +28,31 @@ from conveyor.core.kv import (
     PrefixCachingKVCacheManager,
     kv_layout,
 )
-from conveyor.core.live import LiveRecorder
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.scheduler import SCHEDULERS, Scheduler, SchedulerConfig, SchedulerOutput
 from conveyor.core.scheduler.fast_forward import FastForwardScheduler
 from conveyor.core.spec import Proposer, Speculator
 from conveyor.core.stats import EngineStats
-from conveyor.core.trace import Trace
 
 logger = logging.getLogger("conveyor")
 T = TypeVar("T")
+
+
+class StepWatcher(Protocol):
+    """What watches the core run (the step trace, the live dashboard's feed: see conveyor.observe). Called on
+    the engine's thread: requests as they come and go, then each step with what it scheduled (a fast-forward's
+    group expanded), the slots held, the requests it updated, its start and end on the core's clock, and the
+    drafts accepted by request where it carried drafts."""
+
+    def on_add(self, request_id: str) -> None: ...
+
+    def on_abort(self, request_id: str) -> None: ...
+
+    def after_step(self, output: SchedulerOutput, slots: list[str], updated: list[Request], start: float,
+                   end: float, accepted: Mapping[str, int] | None) -> None: ...
+
+
+W = TypeVar("W", bound=StepWatcher)
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
@@ -200,8 +215,7 @@ class EngineCore:
         self.clock = clock
         self.scheduler = build_scheduler(config, plan, clock, fast_forward_token, proposer)
         self.executor = executor
-        self.trace: Trace | None = None
-        self.live: LiveRecorder | None = None  # set while a dashboard watches
+        self.watchers: list[StepWatcher] = []  # a trace, a dashboard's feed: see conveyor.observe
         self.last_output: SchedulerOutput | None = None  # the latest step's decision, for running figures
         self._consecutive_failures = 0
 
@@ -211,14 +225,14 @@ class EngineCore:
         """Queue a request; ValueError (naming the field) if it cannot be served, RequestRefused if admission
         control turns it away (not judged with ``check_admission`` False: see Scheduler.add_request)."""
         self.scheduler.add_request(request, check_admission)
-        if self.live is not None:
-            self.live.on_add(request.request_id)
+        for watcher in self.watchers:
+            watcher.on_add(request.request_id)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request wherever it is (its blocks return at once); False if it is not in the engine."""
         found = self.scheduler.abort_request(request_id, reason) is not None
-        if found and self.live is not None:
-            self.live.on_abort(request_id)
+        for watcher in self.watchers if found else ():
+            watcher.on_abort(request_id)
         return found
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None,
@@ -237,18 +251,14 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.plan.max_model_len
 
-    def start_trace(self) -> Trace:
-        """Record every step from now on (see :mod:`conveyor.core.trace`)."""
-        self.trace = Trace(self.trace_header(), self.clock())
-        return self.trace
+    def watch(self, watcher: W) -> W:
+        """Tell ``watcher`` of every request added or aborted and every step from now on, until ``unwatch``."""
+        self.watchers.append(watcher)
+        return watcher
 
-    def start_live(self, show_text: bool = False, min_interval: float = 0.1) -> LiveRecorder:
-        """Keep what a live dashboard needs from now on (see :mod:`conveyor.core.live`), until ``stop_live``."""
-        self.live = LiveRecorder(self.scheduler, self.clock, self.trace_header(), show_text, min_interval)
-        return self.live
-
-    def stop_live(self) -> None:
-        self.live = None
+    def unwatch(self, watcher: StepWatcher) -> None:
+        if watcher in self.watchers:
+            self.watchers.remove(watcher)
 
     def trace_header(self) -> dict:
         """The policy and limits a trace's first line names."""
@@ -281,8 +291,8 @@ class EngineCore:
         """
         start = self.clock()
         output = self.last_output = self.scheduler.schedule()
-        trace, live = self.trace, self.live
-        watched = trace is not None or live is not None
+        watchers = self.watchers
+        watched = bool(watchers)
         slots = self.scheduler.slot_holders() if watched else []
         listed = self.scheduler.listed(output) if watched else output  # a fast-forward's group, expanded
         accepted = None
@@ -298,10 +308,8 @@ class EngineCore:
         result = postprocess(updated) if postprocess is not None else updated
         if watched:
             end = self.clock()
-            if trace is not None:
-                trace.record(listed, slots, [r.request_id for r in updated if r.is_finished], start, end, accepted)
-            if live is not None:
-                live.after_step(listed, slots, updated, start, end, accepted)
+            for watcher in watchers:
+                watcher.after_step(listed, slots, updated, start, end, accepted)
         return result
 
 

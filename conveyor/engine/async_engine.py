@@ -228,7 +228,7 @@ class AsyncEngine:
             stream.close()
 
     def watch(self) -> AsyncIterator[dict[str, Any]]:
-        """The live dashboard's stream: a keyframe, then deltas at most 10 a second (see ``conveyor.core.live``)."""
+        """The live dashboard's stream: a keyframe, then deltas at most 10 a second (see ``conveyor.observe.live``)."""
         return self._watch()
 
     async def _watch(self) -> AsyncIterator[dict[str, Any]]:

@@ -14,8 +14,8 @@ import asyncio
 import threading
 from typing import Any
 
-from conveyor.core.live import LiveRecorder, merge_deltas
 from conveyor.engine.llm_engine import Engine
+from conveyor.observe.live import LiveRecorder, merge_deltas
 
 
 class Watcher:

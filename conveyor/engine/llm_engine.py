@@ -15,18 +15,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from conveyor.core.config import EngineConfig, usable_cores
-from conveyor.core.cpu import available_memory_bytes, resident_bytes
 from conveyor.core.engine_core import EngineCore, KVCachePlan, plan_kv_cache
-from conveyor.core.live import LiveRecorder
 from conveyor.core.model_config import ModelConfig
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
-from conveyor.core.trace import Trace
 from conveyor.core.weight_format import WeightFormat
 from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
 from conveyor.engine.request_builder import RequestBuilder, check_logit_bias
 from conveyor.engine.tokenizer import Tokenizer
+from conveyor.observe.live import LiveRecorder, start_live
+from conveyor.observe.trace import Trace, start_trace
+from conveyor.platform.cpu import available_memory_bytes, resident_bytes
 
 if TYPE_CHECKING:
     from conveyor.model.kernel_choice import KernelChoice
@@ -47,6 +47,9 @@ class _Family:
 
 
 class Engine:
+    _trace: Trace | None = None  # set by start_trace
+    _live: LiveRecorder | None = None  # set while a dashboard watches
+
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
         # torch is imported here, not at module level, so that the engine's pure-Python
         # parts stay importable without it.
@@ -144,7 +147,8 @@ class Engine:
 
     @property
     def trace(self) -> Trace | None:
-        return self.core.trace
+        """The trace ``start_trace`` began, if any."""
+        return self._trace
 
     def _native_kernels(self, dtype, device):
         """The native kernels where they may run this model: on CPU, float32 or bfloat16, not refused (``--kernels
@@ -235,15 +239,20 @@ class Engine:
         return f"{self.kernel_width}-bit vectors{stored}{chosen}"
 
     def start_trace(self) -> Trace:
-        """Record every step from now on (see :mod:`conveyor.core.trace`)."""
-        return self.core.start_trace()
+        """Record every step from now on (see :mod:`conveyor.observe.trace`)."""
+        self._trace = start_trace(self.core)
+        return self._trace
 
     def start_live(self, show_text: bool = False) -> LiveRecorder:
-        """Keep what a live dashboard shows from now on (see :mod:`conveyor.core.live`), until ``stop_live``."""
-        return self.core.start_live(show_text)
+        """Keep what a live dashboard shows from now on (see :mod:`conveyor.observe.live`), until ``stop_live``."""
+        self.stop_live()
+        self._live = start_live(self.core, show_text)
+        return self._live
 
     def stop_live(self) -> None:
-        self.core.stop_live()
+        if self._live is not None:
+            self.core.unwatch(self._live)
+            self._live = None
 
     # ----- requests ---------------------------------------------------------
 

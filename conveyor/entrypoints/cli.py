@@ -12,11 +12,11 @@ from collections import defaultdict
 from pathlib import Path
 
 from conveyor.bench.workload import WORKLOADS
-from conveyor.core.cache_dir import CacheDirError
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
 from conveyor.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
+from conveyor.platform.cache_dir import CacheDirError
 from conveyor.router import POLICY_NAMES
 
 EXAMPLE_CHATS = [
@@ -381,7 +381,7 @@ def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def _read_traces(paths: list[str], describe: str) -> tuple[list, list[str]]:
     """Traces and their labels: the file name, and the config fields that ``describe`` names."""
-    from conveyor.core.trace import Trace
+    from conveyor.observe.trace import Trace
 
     traces = [Trace.read(path) for path in paths]
     labels = [f"{Path(p).stem} ({describe.format_map(defaultdict(str, t.config))})" for p, t in zip(paths, traces)]

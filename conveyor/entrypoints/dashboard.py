@@ -3,7 +3,7 @@
 ``conveyor serve`` adds both to its app; ``conveyor dashboard TRACE.jsonl``
 serves the same page over a trace file instead, which the page replays. The
 stream is server-sent events, one JSON delta per event (see
-:mod:`conveyor.core.live`). Both routes want the server's API key, as every
+:mod:`conveyor.observe.live`). Both routes want the server's API key, as every
 route does; since a browser cannot send a header when it opens a page, the
 key may also come as ``?api_key=`` (the page then sends it as a header).
 """
@@ -19,8 +19,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 
-from conveyor.core.live import delta_as_json_ready
 from conveyor.engine import EngineClient, LiveViewUnavailable
+from conveyor.observe.live import delta_as_json_ready
 from conveyor.viz.dashboard import dashboard_page
 
 TRACE_ROUTE = "/dashboard/trace.jsonl"

@@ -31,8 +31,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from conveyor.core.cache_dir import cache_dir, write_cache_file
-from conveyor.core.cpu import this_cpu
+from conveyor.platform.cache_dir import cache_dir, write_cache_file
+from conveyor.platform.cpu import this_cpu
 
 logger = logging.getLogger("conveyor")
 

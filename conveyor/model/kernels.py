@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from conveyor.core.cache_dir import cache_dir, make_cache_folder
+from conveyor.platform.cache_dir import cache_dir, make_cache_folder
 
 logger = logging.getLogger("conveyor")
 NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128, 256)  # attention is unrolled for these (csrc/attention.h, attend_fn)

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from conveyor.core.cache_dir import cache_dir, make_cache_folder, write_cache_file
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.families import family_for
 from conveyor.model.layers import checkpoint_projections
 from conveyor.model.llama import LAYER_PROJECTIONS, Linear, LlamaModel
+from conveyor.platform.cache_dir import cache_dir, make_cache_folder, write_cache_file
 
 logger = logging.getLogger("conveyor")
 

@@ -14,7 +14,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.core.cache_dir import cache_dir, make_cache_folder
+from conveyor.platform.cache_dir import cache_dir, make_cache_folder
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,8 +21,8 @@ from types import ModuleType
 
 import torch
 
-from conveyor.core.cache_dir import cache_dir
 from conveyor.model.kernel_choice import ROW_CLASSES, choice_key, read_choices, store_choice, time_candidates
+from conveyor.platform.cache_dir import cache_dir
 
 logger = logging.getLogger("conveyor")
 CACHE_FILE = "quantized-kernel-choice.json"

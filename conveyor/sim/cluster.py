@@ -17,9 +17,9 @@ from typing import Any
 
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
-from conveyor.core.figures import request_figures
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.scheduler.fast_forward import FastForwardScheduler
+from conveyor.observe.figures import request_figures
 from conveyor.router import Router
 from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from conveyor.core.cache_dir import cache_dir
 from conveyor.core.model_config import ModelConfig
+from conveyor.platform.cache_dir import cache_dir
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

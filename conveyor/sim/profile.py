@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.core.cache_dir import cache_dir, write_cache_file
 from conveyor.core.config import usable_cores
-from conveyor.core.cpu import this_cpu
 from conveyor.core.model_config import ModelConfig
+from conveyor.platform.cache_dir import cache_dir, write_cache_file
+from conveyor.platform.cpu import this_cpu
 from conveyor.sim.cost import CostModel, StepWork
 from conveyor.sim.hardware import DTYPE_BYTES, HardwareSpec
 

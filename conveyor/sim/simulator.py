@@ -20,11 +20,11 @@ from typing import Any
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
 from conveyor.core.errors import RequestRefused
-from conveyor.core.figures import config_figures, met_targets, percentile, request_figures
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.scheduler.fast_forward import FastForwardScheduler
-from conveyor.core.trace import Trace
+from conveyor.observe.figures import config_figures, met_targets, percentile, request_figures
+from conveyor.observe.trace import Trace, start_trace
 from conveyor.sim.cost import CostModel
 from conveyor.sim.executor import SimulatedExecutor, VirtualClock
 from conveyor.sim.speculative import AcceptanceProfile, speculative_parts
@@ -138,7 +138,7 @@ class Simulation:
         self.core = EngineCore(config, self.plan, self.executor, self.clock, fast_forward_token=token,
                                proposer=drafts[0])
         self.executor.listed = self.core.scheduler.listed
-        self.trace = self.core.start_trace() if record_trace else None
+        self.trace = start_trace(self.core) if record_trace else None
         self.arrivals = sorted(workload, key=lambda r: r.arrival_time)
         self.feeds = closed_loop_feeds(conversations, senders, self.plan.max_model_len)
         # Every finished request's figures, in the order they finished.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conveyor.core.trace import Trace
+from conveyor.observe.trace import Trace
 
 
 def plot_memory(traces: list[Trace], labels: list[str], out: str | Path) -> list[dict[str, float]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conveyor.core.trace import Trace
+from conveyor.observe.trace import Trace
 
 BUSY, HELD_IDLE, EMPTY = 2, 1, 0
 

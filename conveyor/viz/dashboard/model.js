@@ -223,7 +223,7 @@ class BatchState {
 }
 
 class LiveSession {
-  // The live stream's deltas, applied to a store and a state (see conveyor/core/live.py for their shape).
+  // The live stream's deltas, applied to a store and a state (see conveyor/observe/live.py for their shape).
   constructor() { this.store = null; this.state = null; this.stats = null; this.window = null; this.updates = 0;
                   this.metricsHistory = []; this.config = null; }
 

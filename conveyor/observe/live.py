@@ -1,7 +1,7 @@
 """The engine's state as it changes, for the live dashboard: step records and the deltas of a compact snapshot.
 
 After each step the recorder keeps the step's trace record (the schema of
-:mod:`conveyor.core.trace`) and notes which requests the step touched.
+:mod:`conveyor.observe.trace`) and notes which requests the step touched.
 Publishing (at most every ``min_interval`` seconds, so the steps in between
 are coalesced) turns only those requests into rows: the work is proportional
 to what changed, not to the number of requests or blocks. Block tables travel
@@ -18,12 +18,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from conveyor.core.figures import percentile
 from conveyor.core.request import Request, RequestStatus
 from conveyor.core.scheduler import Scheduler, SchedulerOutput
-from conveyor.core.trace import StepRecord, StepRecorder, step_as_dict
+from conveyor.observe.figures import percentile
+from conveyor.observe.trace import StepRecord, StepRecorder, step_as_dict
+
+if TYPE_CHECKING:
+    from conveyor.core.engine_core import EngineCore
 
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s over the steps that ended this recently
 LATENCY_WINDOW_S = 60.0  # TTFT and TPOT percentiles over the requests that finished this recently
@@ -207,3 +210,8 @@ def merge_deltas(older: dict[str, Any], newer: dict[str, Any]) -> bool:
 def delta_as_json_ready(delta: dict[str, Any]) -> dict[str, Any]:
     """The delta with its step records as plain dicts, for ``json.dumps`` (on any thread)."""
     return {**delta, "steps": [step_as_dict(step) for step in delta["steps"]]}
+
+
+def start_live(core: EngineCore, show_text: bool = False, min_interval: float = 0.1) -> LiveRecorder:
+    """Keep what a live dashboard needs of ``core`` from now on, until ``core.unwatch`` of the recorder."""
+    return core.watch(LiveRecorder(core.scheduler, core.clock, core.trace_header(), show_text, min_interval))

@@ -11,9 +11,13 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from conveyor.core.request import Request
 from conveyor.core.scheduler.output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from conveyor.core.engine_core import EngineCore
 
 
 @dataclass(slots=True)
@@ -172,6 +176,18 @@ class Trace:
         self.steps.append(step)
         return step
 
+    # ----- a StepWatcher of the core (conveyor.core.engine_core) -----
+
+    def on_add(self, request_id: str) -> None:
+        """Requests enter the trace when first scheduled."""
+
+    def on_abort(self, request_id: str) -> None:
+        """An abort shows in the next step's record."""
+
+    def after_step(self, output: SchedulerOutput, slots: list[str], updated: list[Request], start: float,
+                   end: float, accepted: Mapping[str, int] | None = None) -> None:
+        self.record(output, slots, [r.request_id for r in updated if r.is_finished], start, end, accepted)
+
     def write(self, path: str | Path) -> None:
         with open(path, "w") as f:
             f.write(json.dumps({"config": self.config}) + "\n")
@@ -219,3 +235,8 @@ class Trace:
 
 
 _STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
+
+
+def start_trace(core: EngineCore) -> Trace:
+    """Record every step of ``core`` from now on."""
+    return core.watch(Trace(core.trace_header(), core.clock()))
