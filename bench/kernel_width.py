@@ -18,7 +18,7 @@ from functools import partial
 import torch
 
 from conveyor.bench.interleave import gemm_ab, interleaved
-from conveyor.model.kernels import WIDTH_ENV, native_kernels
+from conveyor.model.native.kernels import WIDTH_ENV, native_kernels
 
 # (name, K, N): SmolLM2-135M's projections (qkv and gate/up fused as the engine packs them) and its LM head.
 SHAPES = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576), ("lm_head", 576, 49152)]

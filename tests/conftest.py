@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.model.kernels import WIDTH_FEATURES, native_kernels
+from conveyor.model.native.kernels import WIDTH_FEATURES, native_kernels
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def default_model_dir() -> Path:
     """The default model as a HF folder of float32 weights (dequantized from its GGUF file once, then cached):
     what transformers loads as the reference."""
-    from conveyor.model.loader import float32_folder
+    from conveyor.model.weights.loader import float32_folder
 
     return float32_folder(None)
 

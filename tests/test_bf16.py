@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.model.kernels import BF16_FEATURE, WIDTH_ENV, bfloat16_unavailable
+from conveyor.model.native.kernels import BF16_FEATURE, WIDTH_ENV, bfloat16_unavailable
 from tests.harness import cpu_flags
 from tests.references import paged_attention_reference, ragged_rows
 
@@ -139,7 +139,7 @@ def _stack_errors(kernels, intermediate_size: int, rows: int, torch_rows=None) -
     the native stack's and torch bf16's relative errors in the hidden states. The native stack's bf16 cache
     must hold the reference's K/V rounded."""
     from conveyor.model.attention import AttentionMetadata, PrefillChunk
-    from conveyor.model.llama import StepInputs
+    from conveyor.model.decoder import StepInputs
 
     torch.manual_seed(rows)
     model, block_size = _bf16_valued_model(intermediate_size), 4
@@ -200,7 +200,7 @@ def test_bfloat16_unavailable_names_what_is_missing():
 def test_bfloat16_without_the_kernels_runs_torch_ops_and_says_why(tiny_model_dir, kernels, monkeypatch, caplog):
     """A CPU without avx512_bf16 (stood in for by a build that reports none): torch ops, one warning."""
     from conveyor import LLM
-    from conveyor.model import kernels as kernels_module
+    from conveyor.model.native import kernels as kernels_module
 
     lacking = SimpleNamespace(kernel_widths=kernels.kernel_widths, has_bfloat16=lambda: False)
     monkeypatch.setattr(kernels_module, "native_kernels", lambda: lacking)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor.model.kernel_choice import choose_kernels
-from conveyor.model.loader import resolve_model
+from conveyor.model.quant.kernel_choice import choose_kernels
+from conveyor.model.weights.loader import resolve_model
 from conveyor.platform.cache_dir import CACHE_ENV, CacheDirError, make_cache_folder
 
 
@@ -49,7 +49,7 @@ def test_a_kernel_choice_that_cannot_be_stored_is_still_made(kernels, blocked_ca
 
 def test_kernels_that_cannot_be_built_into_the_cache_fall_back_to_torch_ops(blocked_cache: Path) -> None:
     # In a process of its own: native_kernels() remembers its answer for the life of the process.
-    code = "from conveyor.model.kernels import native_kernels; print('kernels:', native_kernels())"
+    code = "from conveyor.model.native.kernels import native_kernels; print('kernels:', native_kernels())"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env=os.environ | {CACHE_ENV: str(blocked_cache)})
     assert run.returncode == 0, run.stderr

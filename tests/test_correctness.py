@@ -69,7 +69,7 @@ def test_tiny_model_batch_matches_transformers(tiny_model_dir, references, optio
 def test_tiny_model_matches_transformers_on_each_kernel_width(tiny_model_dir, references, monkeypatch, width):
     """Each vector width the CPU can run, forced: the greedy tokens match, prompts long enough for the fused
     SwiGLU and decode batches of one to twelve rows; a width the CPU lacks is skipped, naming the feature."""
-    from conveyor.model.kernels import WIDTH_ENV, WIDTH_FEATURES, native_kernels
+    from conveyor.model.native.kernels import WIDTH_ENV, WIDTH_FEATURES, native_kernels
 
     kernels = native_kernels()
     assert kernels is not None, "the native kernels should build on the test machine"

@@ -1,4 +1,4 @@
-"""Tests for conveyor.model.gguf: the GGUF -> Hugging Face folder converter.
+"""Tests for conveyor.model.weights.gguf: the GGUF -> Hugging Face folder converter.
 
 The reference for the weights is transformers' own, independent GGUF loader, so a mistake in names, shapes or
 the Q/K row permutation shows up as a parameter mismatch rather than only as bad text.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.model.gguf import STALE_PARTIAL_S, _remove_stale_partials, convert_gguf_to_hf, unpermute_rope_rows
-from conveyor.model.loader import conversion_key, default_model_path
+from conveyor.model.weights.gguf import STALE_PARTIAL_S, _remove_stale_partials, convert_gguf_to_hf, unpermute_rope_rows
+from conveyor.model.weights.loader import conversion_key, default_model_path
 from tests.harness import write_gpt2_gguf
 
 # transformers (imported lazily, inside the tests) and huggingface_hub read these once, on import.
@@ -181,8 +181,8 @@ def test_a_killed_conversions_staging_folder_is_removed_and_a_live_ones_kept(tmp
 
 
 def test_a_second_process_converting_the_same_file_uses_the_first_ones_folder(tmp_path, monkeypatch) -> None:
-    import conveyor.model.gguf as converter
-    from conveyor.model.loader import resolve_model
+    import conveyor.model.weights.gguf as converter
+    from conveyor.model.weights.loader import resolve_model
 
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
 

@@ -1,4 +1,4 @@
-"""The K-quants at the file's own size (conveyor/model/k_quants.py, conveyor/csrc/kquant_tiles.h), and fused
+"""The K-quants at the file's own size (model/quant/k_quants.py, model/native/csrc/kquant_tiles.h), and fused
 projections whose parts differ in type, as llama-quantize's Q4_K_M files have them.
 
 The uniform form (quant_formats.decode: a float32 scale and min per group) is the reference: it is exact
@@ -20,9 +20,9 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench.compare import ROOT
-from conveyor.model.k_quants import K_TYPES, JoinedRows, RawBlocks, block_bytes, concat_blocks
-from conveyor.model.quant_formats import TILE, dequantize, permute_rows, reference_linear
-from conveyor.model.quantized import native_weight
+from conveyor.model.quant.formats import TILE, dequantize, permute_rows, reference_linear
+from conveyor.model.quant.k_quants import K_TYPES, JoinedRows, RawBlocks, block_bytes, concat_blocks
+from conveyor.model.quant.linear import native_weight
 from tests.test_quant_formats import random_raw
 
 RTOL = 2e-6  # of the largest output, as tests/test_quantized.py holds the uniform kernels
@@ -162,7 +162,7 @@ def test_the_format_registry_states_the_files_bits_and_the_kernels(kernels) -> N
     """conveyor.core.weight_format.BLOCK_FORMATS, which the cost model reads, against gguf's block sizes and the
     bytes the kernels' weights really take."""
     from conveyor.core.weight_format import BLOCK_FORMATS
-    from conveyor.model.quant_formats import SUPPORTED_TYPES, decode
+    from conveyor.model.quant.formats import SUPPORTED_TYPES, decode
 
     assert set(BLOCK_FORMATS) == set(SUPPORTED_TYPES)
     n, k = 64, 512

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.model.kernels import (
+from conveyor.model.native.kernels import (
     LOCK_NAME,
     StaleBuildLock,
     build_key,
@@ -92,7 +92,7 @@ def test_a_built_extension_loads_without_the_lock_a_killed_start_left(kernels, t
     folder.mkdir(parents=True)
     shutil.copy(built, folder / built.name)
     (folder / LOCK_NAME).touch()  # fresh: a waiter would wait for it
-    code = "import torch; from conveyor.model.kernels import native_kernels; print(native_kernels().__file__)"
+    code = "import torch; from conveyor.model.native.kernels import native_kernels; print(native_kernels().__file__)"
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], env=os.environ | {"CONVEYOR_CACHE_DIR": str(tmp_path)},
                          capture_output=True, text=True, timeout=120)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.model import kernel_choice
-from conveyor.model.kernel_choice import ROW_CLASSES, TORCH, KernelChoice, choice_key, choose_kernels, decide
+from conveyor.model.quant import kernel_choice
+from conveyor.model.quant.kernel_choice import ROW_CLASSES, TORCH, KernelChoice, choice_key, choose_kernels, decide
 from conveyor.platform.cpu import Cpu
 from tests.harness import hf_greedy
 

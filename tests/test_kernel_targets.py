@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.model.kernels import TARGET_ENV, kernel_cflags
+from conveyor.model.native.kernels import TARGET_ENV, kernel_cflags
 from tests.harness import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def test_the_target_names_the_march_of_the_build(monkeypatch) -> None:
 def test_the_avx2_only_build_passes_the_quantized_and_native_tests() -> None:
     env = {**os.environ, TARGET_ENV: AVX2_ONLY}
     probe = subprocess.run(
-        [sys.executable, "-c", "from conveyor.model.kernels import native_kernels as k; m = k(); "
+        [sys.executable, "-c", "from conveyor.model.native.kernels import native_kernels as k; m = k(); "
          "print(m.quant_dots(), m.kernel_widths())"],
         env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
     )

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conveyor.model.kernels import WIDTH_ENV, candidate_widths, kernel_width
+from conveyor.model.native.kernels import WIDTH_ENV, candidate_widths, kernel_width
 
 AVX2_BUILD = SimpleNamespace(kernel_widths=lambda: [256])
 AVX512_BUILD = SimpleNamespace(kernel_widths=lambda: [256, 512])

@@ -266,7 +266,7 @@ def test_paged_attention_rejects_a_context_past_its_table(kernels):
 
 
 def test_paged_attention_refuses_a_head_size_it_has_no_kernel_for(kernels):
-    from conveyor.model.kernels import NATIVE_HEAD_SIZES
+    from conveyor.model.native.kernels import NATIVE_HEAD_SIZES
 
     assert 24 not in NATIVE_HEAD_SIZES
     cache = torch.randn(2, 8, 4, 1, 24)
@@ -278,7 +278,7 @@ def test_paged_attention_refuses_a_head_size_it_has_no_kernel_for(kernels):
 
 def test_packed_layer_with_bias_matches_the_plain_layer(kernels, width):
     """Qwen2-style projections carry a bias; packing must keep it (and free the plain weight)."""
-    from conveyor.model.llama import Linear
+    from conveyor.model.decoder import Linear
 
     torch.manual_seed(3)
     layer = Linear(24, 40, bias=True)

@@ -1,4 +1,4 @@
-"""The whole native stack (NativeLlama, LlamaModel.run_native) against the model's PyTorch layers.
+"""The whole native stack (NativeDecoder, Decoder.run_native) against the model's PyTorch layers.
 
 Mixed batches of prompt chunks (with and without a cached prefix) and decode
 rows; GEMMs routed to torch's at some row counts; SwiGLU fused or not; the LM
@@ -18,14 +18,14 @@ import torch.nn.functional as F
 def _stack_model(intermediate_size: int):
     """A random two-layer model with biases on every projection that may carry one."""
     from conveyor.core.model_config import ModelConfig
-    from conveyor.model.llama import LlamaModel
+    from conveyor.model.decoder import Decoder
 
     config = ModelConfig(
         vocab_size=300, hidden_size=48, intermediate_size=intermediate_size, num_layers=2, num_heads=6,
         num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
         tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
     )
-    model = LlamaModel(config, max_positions=128)
+    model = Decoder(config, max_positions=128)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
@@ -34,7 +34,7 @@ def _stack_model(intermediate_size: int):
 
 def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tables, decodes, prefills, block_size=4,
                                  torch_rows=None, fused_swiglu_rows=None, kv_cache_dtype="auto"):
-    """The same step through the PyTorch layers and through NativeLlama (with some GEMMs routed to torch's,
+    """The same step through the PyTorch layers and through NativeDecoder (with some GEMMs routed to torch's,
     and SwiGLU fused at given row counts, if asked): equal hidden states, caches, and logits of the rows the
     LM head is asked for (some, out of order).
 
@@ -44,7 +44,7 @@ def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tabl
     one step of the format, and the outputs to a tolerance that allows for those."""
     from conveyor.model.attention import AttentionMetadata, from_cache, to_cache
     from conveyor.model.attention import kv_cache_dtype as storage_dtype
-    from conveyor.model.llama import StepInputs
+    from conveyor.model.decoder import StepInputs
 
     config = model.config
     slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])
@@ -162,7 +162,7 @@ def test_the_stack_fuses_swiglu_at_the_row_counts_it_is_given(kernels, width, ro
 def test_the_lm_head_routed_to_torch_at_some_row_counts(kernels):
     """From Python (compute_logits: prompt logprobs), rows in the LM head's torch_rows take F.linear on the
     kept weight, others the packed kernels; both give the plain layer's result."""
-    from conveyor.model.llama import Linear
+    from conveyor.model.decoder import Linear
 
     torch.manual_seed(7)
     layer = Linear(48, 300, bias=False)
@@ -187,7 +187,7 @@ def test_the_stacks_lm_head_routed_to_torch(kernels, width):
 
 def test_a_native_step_refuses_inputs_outside_its_tables(kernels):
     """Whatever reaches the native step out of range is an error naming it, not a read past a buffer."""
-    from conveyor.model.llama import StepInputs
+    from conveyor.model.decoder import StepInputs
 
     model = _stack_model(80)
     model.use_native_kernels(kernels)
@@ -236,7 +236,7 @@ def test_routing_a_projection_needs_its_plain_weight_and_a_known_name(kernels):
         model.native.route_to_torch("qkv", 9, 8)
     with pytest.raises(RuntimeError, match="lm_head has no plain weight"):
         model.native.route_to_torch("lm_head", 1, 8)
-    routed = kernels.NativeLlama(6, 2, 8, 48, 80, 1e-5, torch.ones(48), 256, False)
+    routed = kernels.NativeDecoder(6, 2, 8, 48, 80, 1e-5, torch.ones(48), 256, False)
     layer = model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     args = [torch.ones(48), attn.qkv_proj.packed, torch.empty(0), attn.o_proj.packed, torch.ones(48),

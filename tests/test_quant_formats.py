@@ -12,7 +12,7 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from conveyor.model.quant_formats import (
+from conveyor.model.quant.formats import (
     SUPPORTED_TYPES,
     TILE,
     PackedTiles,
@@ -165,7 +165,7 @@ def test_hand_built_blocks() -> None:
 
 @pytest.fixture(scope="module")
 def default_reader() -> GGUFReader:
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.weights.loader import default_model_path
 
     try:
         path = default_model_path()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.model.quant_formats import (
+from conveyor.model.quant.formats import (
     SUPPORTED_TYPES,
     concat_rows,
     decode,
@@ -28,7 +28,7 @@ from conveyor.model.quant_formats import (
     quantize_activations,
     reference_linear,
 )
-from conveyor.model.quantized import native_weight
+from conveyor.model.quant.linear import native_weight
 from tests.test_quant_formats import random_raw
 
 RTOL = 2e-6  # of the largest output: float32 rounding of a few hundred per-group terms
@@ -36,7 +36,7 @@ RTOL = 2e-6  # of the largest output: float32 rounding of a few hundred per-grou
 
 @pytest.fixture(scope="module")
 def kernels():
-    from conveyor.model.kernels import native_kernels
+    from conveyor.model.native.kernels import native_kernels
 
     built = native_kernels()
     if built is None:
@@ -218,9 +218,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 BASELINE_SCRIPT = """
 import resource
 import torch, transformers, numpy, gguf, fastapi  # what an engine process imports, without a model
-from conveyor.model.kernels import native_kernels
+from conveyor.model.native.kernels import native_kernels
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.model.loader import resolve_model
+from conveyor.model.weights.loader import resolve_model
 native_kernels(); Tokenizer(resolve_model(None))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
@@ -233,7 +233,7 @@ def test_resident_memory_is_the_files_size_plus_a_stated_overhead(kernels) -> No
     the KV pool (64 blocks, written through when it is made) and the executor's buffers. The
     load itself peaks no higher than that (the file is read tensor by tensor, not mapped). In float32 the same
     difference is over 5x the file."""
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.weights.loader import default_model_path
 
     def peak(script: str) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
@@ -251,8 +251,8 @@ def test_the_tensor_directory_is_the_one_ggufs_reader_finds() -> None:
     156 MB resident for a 98 MB file); every name, shape, type, offset and size must be the reader's."""
     import gguf
 
-    from conveyor.model.gguf_weights import tensor_index
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.weights.gguf_weights import tensor_index
+    from conveyor.model.weights.loader import default_model_path
 
     ours = tensor_index(default_model_path())
     theirs = gguf.GGUFReader(default_model_path()).tensors
@@ -282,7 +282,7 @@ def test_perplexity_is_within_1_percent_of_llama_cpp_on_the_same_file(quantized_
     second half of each scored) on the default model's Q4_1 file: a wrong dequantization, a wrong row order or
     a kernel bug moves perplexity by far more than 1%."""
     from conveyor.bench.perplexity import perplexity
-    from conveyor.model.loader import default_model_path
+    from conveyor.model.weights.loader import default_model_path
 
     if not LLAMA_PERPLEXITY.is_file():
         pytest.skip("llama.cpp is not set up (bash bench/peers/setup_llamacpp.sh builds llama-perplexity)")
@@ -297,7 +297,7 @@ def test_perplexity_is_within_1_percent_of_llama_cpp_on_the_same_file(quantized_
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_float_weights_quantize_within_half_a_step(scheme: str) -> None:
-    from conveyor.model.quant_formats import quantize_matrix
+    from conveyor.model.quant.formats import quantize_matrix
 
     rng = np.random.default_rng(6)
     weights = (rng.standard_normal((40, 96)) * rng.uniform(1e-3, 1, (40, 1))).astype(np.float32)
@@ -314,7 +314,7 @@ def test_float_weights_quantize_within_half_a_step(scheme: str) -> None:
 
 
 def test_no_quantization_scheme_but_int8_and_int4() -> None:
-    from conveyor.model.quant_formats import quantize_matrix
+    from conveyor.model.quant.formats import quantize_matrix
 
     with pytest.raises(ValueError, match="no scheme 'fp8'"):
         quantize_matrix(np.zeros((2, 32), np.float32), "fp8")
@@ -353,7 +353,7 @@ def test_quantization_is_refused_where_it_cannot_apply(kernels, default_model_di
 
 
 def test_the_dot_product_choice_is_measured_once_then_read_from_the_cache(kernels, tmp_path) -> None:
-    from conveyor.model.quant_choice import candidates, choose_quant_dots
+    from conveyor.model.quant.dot_choice import candidates, choose_quant_dots
 
     weights = {"o": native_weight(kernels, random_matrix("Q4_1", 64, 128, 7)),
                "lm_head": native_weight(kernels, random_matrix("Q8_0", 96, 128, 8))}

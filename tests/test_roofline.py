@@ -94,7 +94,7 @@ def test_the_compute_roof_is_the_fastest_gemm_the_machine_has(monkeypatch):
 
 
 def test_the_native_bf16_gemm_is_timed_where_the_cpu_has_it(kernels):
-    from conveyor.model.kernels import BF16_FEATURE
+    from conveyor.model.native.kernels import BF16_FEATURE
 
     measured = measure_native_gemm(size=256, repeats=1, bfloat16=True)
     if not kernels.has_bfloat16():

@@ -369,7 +369,7 @@ async def _fill_caches(soak: Soak) -> None:
     """Make resident what is meant to grow to a bound, so that the memory check after the load sees leaks only:
     the compiled grammars' cache, filled to its byte limit by grammar bombs (measured on the default model:
     resident memory grew by 220 MiB over the first 20 bombs, 39 over the next 20, 5 over the 20 after: bounded,
-    unlike a leak). The KV pool is resident from the server's start (LlamaModel.zeroed_kv_cache)."""
+    unlike a leak). The KV pool is resident from the server's start (Decoder.zeroed_kv_cache)."""
     rng = random.Random("fill")
     async with httpx.AsyncClient(timeout=600) as client:
         for i in range(40):

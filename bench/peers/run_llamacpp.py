@@ -83,11 +83,11 @@ def server_version(server: Path = SERVER) -> str:
 def gguf_file(kind: str) -> str:
     """The GGUF file of a ``--gguf`` kind (set up by setup_llamacpp.sh; Q4_1 is the file the model ships as)."""
     if kind == "q4_1":
-        from conveyor.model.loader import default_model_path
+        from conveyor.model.weights.loader import default_model_path
 
         return str(default_model_path())
     if kind == "gemma3-270m":
-        from conveyor.model.packaged import packaged_model_path
+        from conveyor.model.weights.packaged import packaged_model_path
 
         return str(packaged_model_path(kind))
     return str(DIR / f"model-{kind}.gguf")

@@ -388,7 +388,7 @@ def model_workloads(model: str | None, names: tuple[str, ...], w1_single: int, l
     from conveyor.bench.workload import comparison_workloads
     from conveyor.core.model_config import ModelConfig
     from conveyor.engine.tokenizer import Tokenizer
-    from conveyor.model.loader import resolve_model
+    from conveyor.model.weights.loader import resolve_model
 
     folder = resolve_model(model)
     tokenizer = Tokenizer(folder)
@@ -418,7 +418,7 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
     workloads, eos_token_id = model_workloads(model, tuple(workload_names), w1_single, limit, max_output_len)
     ours = [conveyor_server(model, dtype, serve_args)]
     if float32:
-        from conveyor.model.loader import float32_folder
+        from conveyor.model.weights.loader import float32_folder
 
         ours.append(conveyor_server(str(float32_folder(model)), "float32", serve_args, "Conveyor server (float32)"))
     results = run_peers(ours + peers, workloads, threads=threads)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from conveyor.model.loader import float32_folder
+from conveyor.model.weights.loader import float32_folder
 
 
 def export_hf(model: str | os.PathLike | None, out_dir: str | os.PathLike) -> Path:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from conveyor.model.kernel_choice import time_candidates
-from conveyor.model.loader import DTYPES
+from conveyor.model.quant.kernel_choice import time_candidates
+from conveyor.model.weights.loader import DTYPES
 from conveyor.platform.cache_dir import write_cache_file
 from conveyor.platform.cpu import this_cpu
 from conveyor.sim.hardware import machine_file
@@ -76,7 +76,7 @@ class ReadProbe:
     bandwidth drifts from one minute to the next."""
 
     def __init__(self, num_bytes: int = 512 * 2**20) -> None:
-        from conveyor.model.kernels import kernel_width, native_kernels
+        from conveyor.model.native.kernels import kernel_width, native_kernels
 
         data = torch.ones(num_bytes // 4, dtype=torch.float32)
         self.reads: dict[str, tuple[int, Callable[[], object]]] = {"torch sum": (num_bytes, data.sum)}
@@ -104,7 +104,7 @@ def measure_gemm(dtype: torch.dtype = torch.float32, size: int = 2048, repeats: 
 def measure_native_gemm(size: int = 2048, repeats: int = 3, bfloat16: bool = False) -> tuple[float, str] | None:
     """FLOP/s of the native kernels' GEMM on a ``size``-cubed product (on bfloat16 weights if asked), at the
     vector width the engine runs, and its name; None without the native kernels (or their bf16 GEMMs)."""
-    from conveyor.model.kernels import BF16_WIDTH, bfloat16_unavailable, kernel_width, native_kernels
+    from conveyor.model.native.kernels import BF16_WIDTH, bfloat16_unavailable, kernel_width, native_kernels
 
     kernels = native_kernels()
     if kernels is None or (bfloat16 and bfloat16_unavailable(kernels, BF16_WIDTH) is not None):
@@ -122,9 +122,9 @@ def measure_int8_gemm(size: int = 2048, rows: int = 256, repeats: int = 3) -> tu
     last of ``quant_dots``, which lists them fastest of each width last). None without the native kernels. Rows
     are many enough that the weight is read once for much work (compute-bound), few enough that the
     activations stay in cache."""
-    from conveyor.model.kernels import native_kernels
-    from conveyor.model.quant_formats import quantize_matrix
-    from conveyor.model.quantized import native_weight
+    from conveyor.model.native.kernels import native_kernels
+    from conveyor.model.quant.formats import quantize_matrix
+    from conveyor.model.quant.linear import native_weight
 
     kernels = native_kernels()
     if kernels is None:

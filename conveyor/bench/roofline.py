@@ -20,7 +20,7 @@ from conveyor.bench.report import format_table
 from conveyor.core.model_config import ModelConfig
 from conveyor.core.weight_format import WeightFormat
 from conveyor.engine import Engine
-from conveyor.model.kernel_choice import KernelChoice
+from conveyor.model.quant.kernel_choice import KernelChoice
 from conveyor.sim.cost import CostModel
 from conveyor.sim.hardware import HardwareSpec
 

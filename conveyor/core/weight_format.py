@@ -30,7 +30,7 @@ class WeightFormat:
 class BlockFormat:
     """A GGUF block format: weights per block and bytes per block in the file (llama.cpp's block sizes: Q4_1 is
     32 weights in 20 bytes, Q4_K 256 in 144), and the bits a weight takes as the kernels store it, scales and
-    mins included (conveyor/model/quant_formats.py, k_quants.py)."""
+    mins included (conveyor/model/quant/formats.py, k_quants.py)."""
 
     name: str
     block: int

@@ -29,14 +29,14 @@ from conveyor.observe.trace import Trace, start_trace
 from conveyor.platform.cpu import available_memory_bytes, resident_bytes
 
 if TYPE_CHECKING:
-    from conveyor.model.kernel_choice import KernelChoice
-    from conveyor.model.quant_choice import QuantDotChoice
+    from conveyor.model.quant.dot_choice import QuantDotChoice
+    from conveyor.model.quant.kernel_choice import KernelChoice
 
 logger = logging.getLogger("conveyor.engine")
 
 
 @dataclasses.dataclass(slots=True)
-class _Family:
+class _SampleGroup:
     """A request with n > 1 (parallel sampling): sequence 0 runs first; the others are added when its prompt is
     computed, so they find the prompt's blocks in the prefix cache (the last partial block is computed again,
     which is how each gets a copy it may write)."""
@@ -59,7 +59,7 @@ class Engine:
         from conveyor.executor.grammar import LazyGrammarBackend
         from conveyor.executor.torch_executor import TorchExecutor
         from conveyor.model.attention import kv_cache_dtype
-        from conveyor.model.loader import DTYPES, load_model, resolve_model, weight_file_bytes
+        from conveyor.model.weights.loader import DTYPES, load_model, resolve_model, weight_file_bytes
 
         self.config = config
         self.clock = clock
@@ -115,7 +115,7 @@ class Engine:
         self._text: dict[str, TextState] = {}  # per sequence in the core
         self._logprobs: dict[str, LogprobState] = {}  # per sequence that asked for logprobs or prompt_logprobs
         self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
-        self._families: dict[str, _Family] = {}  # requests with n > 1, by the caller's id
+        self._sample_groups: dict[str, _SampleGroup] = {}  # requests with n > 1, by the caller's id
         self.requests = RequestBuilder(self.tokenizer, self.model_config.vocab_size, self.max_model_len, clock)
 
     def _plan_kv_cache(self) -> KVCachePlan:
@@ -156,7 +156,7 @@ class Engine:
         built. None: PyTorch ops."""
         import torch
 
-        from conveyor.model.kernels import native_kernels
+        from conveyor.model.native.kernels import native_kernels
 
         if self.config.kernels == "torch" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
             return None
@@ -192,7 +192,7 @@ class Engine:
         ``--kernels auto``, each projection and batch size runs the GEMM this machine measured fastest."""
         import torch
 
-        from conveyor.model.kernels import bfloat16_unavailable, candidate_widths, kernel_width
+        from conveyor.model.native.kernels import bfloat16_unavailable, candidate_widths, kernel_width
 
         kernels = self._native_kernels(dtype, device)
         if kernels is None:
@@ -202,12 +202,12 @@ class Engine:
             logger.warning("--dtype bfloat16 runs on PyTorch ops, not the native kernels: %s", why)
             return
         if model.quantized:
-            from conveyor.model.loader import quantized_kinds
+            from conveyor.model.weights.loader import quantized_kinds
 
             self.kernel_width, self.kernel_dtype = width, "+".join(sorted(quantized_kinds(model)))
             dots = None
             if self.config.kernels == "auto":
-                from conveyor.model.quant_choice import choose_quant_dots
+                from conveyor.model.quant.dot_choice import choose_quant_dots
 
                 self.quant_choice = choose_quant_dots(kernels, model.quantized_weights())
                 dots = self.quant_choice.ranges()
@@ -216,7 +216,7 @@ class Engine:
             return
         torch_rows, fused_rows = {}, None  # None: the stack's own rule for fusing SwiGLU
         if self.config.kernels == "auto":
-            from conveyor.model.kernel_choice import choose_kernels
+            from conveyor.model.quant.kernel_choice import choose_kernels
 
             widths = [width] if bfloat16 else candidate_widths(kernels)
             self.kernel_choice = choose_kernels(kernels, model.projection_weights(), widths, bfloat16)
@@ -295,13 +295,13 @@ class Engine:
             self._check_params(request.sampling_params)
         else:
             request = self.make_request(prompt, sampling_params, request_id, arrival_time, priority)
-        if request.request_id in self._families:
+        if request.request_id in self._sample_groups:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
         if request.sampling_params.n == 1:
             self._add_sequence(request, request.request_id, 0, check_admission)
         else:
             self._add_sequence(self._sequence(request, 0), request.request_id, 0, check_admission)
-            self._families[request.request_id] = _Family(request)
+            self._sample_groups[request.request_id] = _SampleGroup(request)
         return request.request_id
 
     def _add_sequence(self, request: Request, caller_id: str, index: int, check_admission: bool = False) -> None:
@@ -328,23 +328,23 @@ class Engine:
             sampling_params=dataclasses.replace(params, n=1, seed=seed),
         )
 
-    def _start_family(self, caller_id: str, family: _Family) -> None:
+    def _start_group(self, caller_id: str, group: _SampleGroup) -> None:
         """Sequence 0's prompt is computed (its blocks are in the prefix cache now): the others join, and find
         the prompt there instead of each computing it."""
-        family.started = True
-        for index in range(1, family.parent.sampling_params.n):
-            self._add_sequence(self._sequence(family.parent, index), caller_id, index)
+        group.started = True
+        for index in range(1, group.parent.sampling_params.n):
+            self._add_sequence(self._sequence(group.parent, index), caller_id, index)
 
-    def _sequence_finished(self, caller_id: str, family: _Family | None) -> None:
-        if family is not None:
-            family.num_finished += 1
-            if family.num_finished == family.parent.sampling_params.n:
-                del self._families[caller_id]
+    def _sequence_finished(self, caller_id: str, group: _SampleGroup | None) -> None:
+        if group is not None:
+            group.num_finished += 1
+            if group.num_finished == group.parent.sampling_params.n:
+                del self._sample_groups[caller_id]
 
     def abort_request(self, request_id: str) -> bool:
         """End a request (every sequence of it, with n > 1); False if it is not in the engine."""
-        family = self._families.pop(request_id, None)
-        ids = [request_id] if family is None else [f"{request_id}#{i}" for i in range(family.parent.sampling_params.n)]
+        group = self._sample_groups.pop(request_id, None)
+        ids = [request_id] if group is None else [f"{request_id}#{i}" for i in range(group.parent.sampling_params.n)]
         found = False
         for sequence_id in ids:
             self._text.pop(sequence_id, None)
@@ -391,7 +391,7 @@ class Engine:
         """The last output of a request the engine failed on; a request with n > 1 ends whole."""
         self._caller.pop(request.request_id, None)
         state = self._text.pop(request.request_id, None)
-        if self._families.get(caller_id) is not None:
+        if self._sample_groups.get(caller_id) is not None:
             self.abort_request(caller_id)  # its other sequences: the caller gets one error for the request
         return RequestOutput(
             request_id=caller_id,
@@ -432,9 +432,9 @@ class Engine:
 
     def _output(self, request: Request) -> RequestOutput:
         caller_id, index = self._caller[request.request_id]
-        family = self._families.get(caller_id)
-        if family is not None and not family.started:
-            self._start_family(caller_id, family)
+        group = self._sample_groups.get(caller_id)
+        if group is not None and not group.started:
+            self._start_group(caller_id, group)
         state = self._text[request.request_id]
         finish_reason = request.finish_reason.value if request.finish_reason else None
         stop_reason = request.stop_reason
@@ -452,7 +452,7 @@ class Engine:
             self._logprobs.pop(request.request_id, None)
             del self._text[request.request_id]
             del self._caller[request.request_id]
-            self._sequence_finished(caller_id, family)
+            self._sequence_finished(caller_id, group)
         return RequestOutput(
             request_id=caller_id,
             prompt=state.prompt,

@@ -34,7 +34,7 @@ from conveyor.engine.output import RequestOutput
 from conveyor.engine.replica_actor import EngineReplica
 from conveyor.engine.request_builder import RequestBuilder
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.model.loader import resolve_model
+from conveyor.model.weights.loader import resolve_model
 from conveyor.router import NoHealthyReplica, Router
 
 logger = logging.getLogger("conveyor.replicas")

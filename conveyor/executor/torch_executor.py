@@ -20,13 +20,13 @@ from conveyor.core.scheduler.output import ScheduledRequest, SchedulerOutput
 from conveyor.executor.logprobs import token_logprobs
 from conveyor.executor.sampler import Constrain, Sampler
 from conveyor.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from conveyor.model.llama import LlamaModel, StepInputs
+from conveyor.model.decoder import Decoder, StepInputs
 
 
 class TorchExecutor:
     def __init__(
         self,
-        model: LlamaModel,
+        model: Decoder,
         num_blocks: int,
         block_size: int,
         seed: int = 0,
@@ -84,7 +84,7 @@ class TorchExecutor:
         batch = sorted(output.scheduled, key=_row_order)
         inputs = self._inputs(batch)
         argmax = None
-        if self.model.native is not None:  # the whole model in one native call (LlamaModel.use_native_kernels)
+        if self.model.native is not None:  # the whole model in one native call (Decoder.use_native_kernels)
             hidden, logits, argmax = self.model.run_native(inputs, self.kv_cache)
         else:
             hidden, logits = self._run_torch(batch, inputs)

@@ -8,7 +8,7 @@ long-tailed batch does not pad every row to its longest request. Each prompt
 chunk attends causally to its own cached prefix plus itself.
 
 With the native kernels the whole decoder stack runs in one native call
-(csrc/native_llama.h, LlamaModel.run_native), whose attention reads every
+(model/native/csrc/native_decoder.h, Decoder.run_native), whose attention reads every
 row's context, prompt rows and decode rows alike, through its sequence's
 block table; no grouping, no padded copy, and none of this metadata.
 

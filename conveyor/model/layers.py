@@ -43,7 +43,7 @@ class Linear(nn.Linear):
 
     Packed, the weight is tiles of 16 output columns (32 for the 512-bit
     kernels), each contiguous, which a decode step streams at close to memory
-    bandwidth (see csrc/gemm.h). Packed in bfloat16, the tiles hold pairs
+    bandwidth (see model/native/csrc/gemm.h). Packed in bfloat16, the tiles hold pairs
     of consecutive inputs side by side, at half the bytes; inputs and outputs
     stay float32 either way. Row counts in ``torch_rows`` (inclusive ranges)
     run torch's own GEMM on the plain weight instead, which then stays.

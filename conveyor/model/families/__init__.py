@@ -2,7 +2,7 @@
 
 ``family_for`` is where a model is refused before anything loads: an unknown architecture, an activation
 or a rope scaling the shared layers lack. ``native_gaps`` says what of a model the native stack
-(csrc/native_llama.h) lacks, so the engine runs such a model on the PyTorch ops instead, saying why.
+(model/native/csrc/native_decoder.h) lacks, so the engine runs such a model on the PyTorch ops instead, saying why.
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ def gguf_family(architecture: str | None) -> Family:
 
 
 def native_gaps(config: ModelConfig) -> list[str]:
-    """What the native stack (csrc/native_llama.h) lacks to run ``config`` (empty: it runs it). It has every
+    """What the native stack (native_decoder.h) lacks to run ``config`` (empty: it runs it). It has every
     family's layers here (set_family, set_layer_traits: QK-norm, (1 + w) and sandwich norms, GeGLU, the
     embedding and attention scales, a rope per layer kind, windows and KV groups); its attention is unrolled
     for some head sizes only."""
-    from conveyor.model.kernels import NATIVE_HEAD_SIZES
+    from conveyor.model.native.kernels import NATIVE_HEAD_SIZES
 
     family_for(config)
     if config.head_dim not in NATIVE_HEAD_SIZES:

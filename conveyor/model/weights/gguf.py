@@ -1,12 +1,12 @@
 """Turn a GGUF file into a Hugging Face model folder: with its weights, or only its description.
 
-Conveyor runs a GGUF file's quantized weights as they are (:mod:`conveyor.model.gguf_weights`), but what
+Conveyor runs a GGUF file's quantized weights as they are (:mod:`conveyor.model.weights.gguf_weights`), but what
 describes the model (config.json, the tokenizer and its chat template, generation defaults) is read the HF
 way, so a GGUF file gets a small folder of those, without weights (``weights=False``). With weights, every
 tensor is dequantized once, llama.cpp's layout changes undone, and the folder is one that both Conveyor and
 ``transformers`` load: the export other engines are compared on. Nothing is downloaded. The architectures
 read are those of :mod:`conveyor.model.families` with a GGUF name (llama, qwen2, qwen3, gemma3); what
-each names or leaves out is in :mod:`conveyor.model.gguf_families`.
+each names or leaves out is in :mod:`conveyor.model.weights.gguf_families`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from conveyor.model.families import LLAMA, Family, gguf_family
-from conveyor.model.gguf_families import default_chat_template, family_config, is_norm, layer_names
+from conveyor.model.weights.gguf_families import default_chat_template, family_config, is_norm, layer_names
 
 __all__ = ["ROPE_FREQS", "convert_gguf_to_hf", "hf_name", "hf_norm", "rope_heads", "rope_row_order",
            "unpermute_rope_rows"]

@@ -476,7 +476,7 @@ inline std::vector<RowRun> in_parts(const std::vector<RowRun>& runs, int64_t par
 // which makes the mask causal. Query rows are row_stride apart, heads contiguous within a row; out is
 // [rows, heads * dim]. Runs row by row go on vectors V (attend_rows), prompt tiles on the float32 GEMM path P
 // (attend_prompt_tile). `units`: what the rows amount to in work to share between threads, as a step without
-// drafts would count it (native_llama.h: a decode and its drafts count as the decode alone), so that drafts
+// drafts would count it (native_decoder.h: a decode and its drafts count as the decode alone), so that drafts
 // never change how a row's context is split, nor therefore its sums; the rows themselves where none are drafts.
 // `window` > 0: each row sees only the last `window` positions of its context (itself included), and reads
 // no block wholly behind them (a windowed KV group may have given those back).

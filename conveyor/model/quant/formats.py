@@ -5,7 +5,7 @@ here into one uniform :class:`QuantizedMatrix`: a uint8 code per weight plus one
 asymmetric formats, one minimum) per group of 16 or 32 weights along the input dimension. The 32-weight formats
 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) run in this form, at their file's size but for Q5's codes in whole bytes; the
 K-quants would take more bits in it than in the file (a float32 scale per group), so they run from their own
-super-blocks (:mod:`conveyor.model.k_quants`) and come here only to be checked and for the float path. The
+super-blocks (:mod:`conveyor.model.quant.k_quants`) and come here only to be checked and for the float path. The
 decode loses nothing: for every supported type, :func:`dequantize` of the result is bit-identical to
 ``gguf.quants.dequantize`` of the raw bytes, so a model run from the codes sees the very weights llama.cpp's
 reference sees.
@@ -396,7 +396,7 @@ def unpack_tiles(p: PackedTiles, *, keep_padding: bool = False) -> tuple[np.ndar
 
 
 def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of float32 activations as the quantized kernels take them (conveyor/csrc/quant_gemm.h): int8 codes
+    """Rows of float32 activations as the quantized kernels take them (native/csrc/quant_gemm.h): int8 codes
     [m, k], each group's step d = max|x| / 127 [m, k / group] and code sum [m, k / group]. The codes are
     round(x * (127 / max|x|)) to nearest even, all in float32, as the kernels compute them; bit for bit the same."""
     m, k = x.shape

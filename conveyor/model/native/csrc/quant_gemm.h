@@ -9,7 +9,7 @@
 // pair, against 16 (or 8) in a float32 FMA. Per group and output the integer sum is scaled once:
 //     y += d_x * (scale * sum(code * xq) + min * sum(xq))        (or scale * (sum(code * xq) - zero * sum(xq))).
 //
-// Layout (conveyor/model/quant_formats.py packs it): tiles of 16 outputs; per tile and group, 64-byte vectors
+// Layout (conveyor/model/quant/formats.py packs it): tiles of 16 outputs; per tile and group, 64-byte vectors
 // that each hold 4 consecutive inputs of all 16 outputs (lane c = output c, 4 bytes of inputs side by side: the
 // operand of a vpdpbusd against a broadcast of 4 activations). 8-bit codes: one vector per 4 inputs; 4-bit
 // codes: one per 8 inputs, the first 4 in the low nibbles and the next 4 in the high ones. Then the tile's

@@ -1,10 +1,10 @@
 """``--kernels auto`` on quantized weights: which dot-product kind runs each projection at each batch size.
 
-A CPU may have several kinds of the quantized kernels (conveyor/csrc/quant_gemm.h): vnni512 and vnni256 where
+A CPU may have several kinds of the quantized kernels (native/csrc/quant_gemm.h): vnni512 and vnni256 where
 it has AVX512-VNNI, avx2 everywhere AVX2 is, and the portable one. Which is fastest depends on the shape and
 the rows: at one row a step streams the weights and the wider registers cost more per byte in some layouts; at
 a batch the 512-bit one does twice the multiply-adds per instruction. So, as for the float GEMMs
-(:mod:`conveyor.model.kernel_choice`), each projection shape of the model (``qkv``, ``o``, ``gate_up``,
+(:mod:`conveyor.model.quant.kernel_choice`), each projection shape of the model (``qkv``, ``o``, ``gate_up``,
 ``down``, the LM head) is timed at each row class a step brings (1, 2-8, 9-64, 65+) on every kind but the
 portable one (the reference, never faster where another is built), interleaved round by round, and the
 fastest runs there. The choice is cached under the same kind of key (CPU, ISA, build, torch, threads, shapes).
@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from conveyor.model.kernel_choice import ROW_CLASSES, choice_key, read_choices, store_choice, time_candidates
+from conveyor.model.quant.kernel_choice import ROW_CLASSES, choice_key, read_choices, store_choice, time_candidates
 from conveyor.platform.cache_dir import cache_dir
 
 logger = logging.getLogger("conveyor")
@@ -41,7 +41,7 @@ class QuantDotChoice:
     cached: bool = False
 
     def ranges(self) -> dict[str, list[tuple[str, int, int]]]:
-        """Per projection, (dot kind, lo, hi) for each row class: what NativeLlama.use_quant_dot takes."""
+        """Per projection, (dot kind, lo, hi) for each row class: what NativeDecoder.use_quant_dot takes."""
         classes = {row_class.name: row_class for row_class in ROW_CLASSES}
         return {projection: [(dot, classes[name].lo, classes[name].hi) for name, dot in by_class.items()]
                 for projection, by_class in self.dots.items()}

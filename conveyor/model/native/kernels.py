@@ -1,4 +1,4 @@
-"""The native CPU kernels (``conveyor/csrc``: kernels.cpp and its headers), built on first use and cached.
+"""The native CPU kernels (``conveyor/model/native/csrc``: kernels.cpp and its headers), built on first use and cached.
 
 The build takes about a minute once per machine and source version; later
 starts load it in a fraction of a second. The build folder lives in
@@ -37,7 +37,7 @@ from conveyor.platform.cache_dir import cache_dir, make_cache_folder
 
 logger = logging.getLogger("conveyor")
 NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128, 256)  # attention is unrolled for these (csrc/attention.h, attend_fn)
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "kernels.cpp"  # the one translation unit
+SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"  # the one translation unit
 TARGET_ENV = "CONVEYOR_KERNEL_TARGET"  # -march value to build for instead of this CPU (e.g. x86-64-v3: AVX2 only)
 LOCK_NAME = "lock"  # torch.utils.cpp_extension's build lock, in the build folder
 STALE_LOCK_S = 600.0  # a build takes one or two minutes; a lock this old was left by a killed one

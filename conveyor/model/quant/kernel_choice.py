@@ -92,7 +92,7 @@ class KernelChoice:
     cached: bool = False  # read from the cache rather than measured in this process
 
     def torch_rows(self) -> dict[str, list[tuple[int, int]]]:
-        """The routes as LlamaModel.use_native_kernels takes them: projection -> inclusive row ranges."""
+        """The routes as Decoder.use_native_kernels takes them: projection -> inclusive row ranges."""
         return {projection: _ranges(names) for projection, names in self.torch_classes.items() if names}
 
     def fused_rows(self) -> list[tuple[int, int]]:

@@ -3,7 +3,7 @@
 llama.cpp's converter renames every tensor, drops the config keys it hard-codes for an architecture
 (Gemma 3's local rope base and layer pattern), and for Gemma stores each norm weight as 1 + w. Reading a
 file back into HF names and a HF config undoes that per family, here, so that the converter
-(:mod:`conveyor.model.gguf`) and the quantized reader (:mod:`conveyor.model.gguf_weights`) agree.
+(:mod:`conveyor.model.weights.gguf`) and the quantized reader (:mod:`conveyor.model.weights.gguf_weights`) agree.
 """
 
 from __future__ import annotations

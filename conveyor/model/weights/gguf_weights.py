@@ -1,7 +1,7 @@
 """A GGUF file's weights under Conveyor's names, read straight from the file and kept quantized.
 
-The K-quants stay the file's blocks (:mod:`conveyor.model.k_quants`); the other block formats are decoded into
-the uniform quantized form (:mod:`conveyor.model.quant_formats`: codes, a scale and a min or zero point per
+The K-quants stay the file's blocks (:mod:`conveyor.model.quant.k_quants`); the other block formats are decoded into
+the uniform quantized form (:mod:`conveyor.model.quant.formats`: codes, a scale and a min or zero point per
 group) exactly, without going through float. llama.cpp's rotary row order of Q and K is undone by reordering
 whole rows, and Q/K/V and gate/up are joined into the fused projections the model runs: parts of one form as
 one matrix, parts of different types (a Q4_K_M file's Q6_K values beside Q4_K queries) side by side, each kept
@@ -23,10 +23,10 @@ import numpy as np
 
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.families import Family, family_for
-from conveyor.model.gguf import ROPE_FREQS, hf_name, hf_norm, rope_heads, rope_row_order
-from conveyor.model.k_quants import K_TYPES, JoinedRows, RawBlocks, concat_blocks
 from conveyor.model.layers import checkpoint_projections
-from conveyor.model.quant_formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
+from conveyor.model.quant.formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
+from conveyor.model.quant.k_quants import K_TYPES, JoinedRows, RawBlocks, concat_blocks
+from conveyor.model.weights.gguf import ROPE_FREQS, hf_name, hf_norm, rope_heads, rope_row_order
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 

@@ -3,7 +3,7 @@
 The layers are the shared ones (:mod:`conveyor.model.layers`), built as the config's family describes
 (:mod:`conveyor.model.families`). The model only ever sees the flat token batch the executor packed; which
 request a token belongs to is known only to the attention metadata. Families the native stack runs (Llama's
-layers) can move into it whole (:meth:`LlamaModel.use_native_kernels`).
+layers) can move into it whole (:meth:`Decoder.use_native_kernels`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from conveyor.model.attention import AttentionMetadata
 from conveyor.model.families import family_for, native_gaps
 from conveyor.model.layers import LAYER_PROJECTIONS, DecoderLayer, Linear, RotaryEmbedding, make_norm
 
-__all__ = ["LAYER_PROJECTIONS", "PROJECTIONS", "Linear", "LlamaModel", "StepInputs"]
+__all__ = ["LAYER_PROJECTIONS", "PROJECTIONS", "Decoder", "Linear", "StepInputs"]
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down", "lm_head")  # the GEMM shapes of a step, by projection
 
@@ -44,7 +44,7 @@ class StepInputs:
     group_tables: list[list[list[int]]] = field(default_factory=list)
 
 
-class LlamaModel(nn.Module):
+class Decoder(nn.Module):
     """The decoder in PyTorch ops (any device and dtype, and the reference), or, once
     :meth:`use_native_kernels` has run, the same layers in one native call per step (on CPU: float32, or
     bfloat16 weights and KV cache with float32 activations)."""
@@ -64,7 +64,7 @@ class LlamaModel(nn.Module):
         # Per layer: (its KV group, its index in the cache tensor), set by the executor for a grouped layout
         # (conveyor.core.kv.groups); one group of every layer by default.
         self.kv_slots: list[tuple[int, int]] = [(0, layer) for layer in range(config.num_layers)]
-        self.native = None  # the kernels' NativeLlama, holding the packed layers
+        self.native = None  # the kernels' NativeDecoder, holding the packed layers
         self.kernels: ModuleType | None = None  # the native kernels' module, once use_native_kernels has run
 
     def forward(
@@ -141,7 +141,7 @@ class LlamaModel(nn.Module):
         if self.rotary.cos.dtype != torch.float32:  # a model cast to bfloat16 cast its tables: build them again
             self.build_rotary(self.rotary.cos.shape[0], self.rotary.cos.device)
         c = self.config
-        self.native = kernels.NativeLlama(
+        self.native = kernels.NativeDecoder(
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
             _norm_weight(self.norm), width, bfloat16,
         )
@@ -211,7 +211,7 @@ class LlamaModel(nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether some projection keeps its weight quantized (conveyor.model.quantized)."""
+        """Whether some projection keeps its weight quantized (conveyor.model.quant.linear)."""
         return any(not isinstance(module, Linear) for _, module in self._projections())
 
     def _projections(self) -> list[tuple[str, nn.Module]]:
@@ -232,7 +232,7 @@ class LlamaModel(nn.Module):
 
     def quantized_weights(self) -> dict[str, object]:
         """One quantized weight of each projection shape (the first layer's, and the LM head's): what the choice
-        of dot-product kinds times (:mod:`conveyor.model.quant_choice`)."""
+        of dot-product kinds times (:mod:`conveyor.model.quant.dot_choice`)."""
         named = {}
         for name, module in self._projections():
             if getattr(module, "quantized", None) is not None:
@@ -241,7 +241,7 @@ class LlamaModel(nn.Module):
 
     def projection_weights(self) -> dict[str, torch.Tensor]:
         """One weight [N, K] of each projection shape (the first layer's, and the LM head's): what a kernel
-        choice times (:mod:`conveyor.model.kernel_choice`)."""
+        choice times (:mod:`conveyor.model.quant.kernel_choice`)."""
         named = {}
         for name, module in self._projections():
             named.setdefault(name, module.weight.detach())

@@ -1,4 +1,4 @@
-"""Finding a model and loading its weights into :class:`LlamaModel`.
+"""Finding a model and loading its weights into :class:`Decoder`.
 
 A model is a HF folder (``config.json`` + ``*.safetensors`` + tokenizer
 files) or a GGUF file. A GGUF file's weights are read from the file itself
@@ -26,9 +26,9 @@ import torch
 from safetensors import safe_open
 
 from conveyor.core.model_config import ModelConfig
+from conveyor.model.decoder import LAYER_PROJECTIONS, Decoder, Linear
 from conveyor.model.families import family_for
 from conveyor.model.layers import checkpoint_projections
-from conveyor.model.llama import LAYER_PROJECTIONS, Linear, LlamaModel
 from conveyor.platform.cache_dir import cache_dir, make_cache_folder, write_cache_file
 
 logger = logging.getLogger("conveyor")
@@ -78,7 +78,7 @@ def weight_file_bytes(model: str | os.PathLike | None) -> int:
 
 
 def _model_path(model: str | os.PathLike | None) -> Path:
-    from conveyor.model.packaged import PACKAGED, packaged_model_path
+    from conveyor.model.weights.packaged import PACKAGED, packaged_model_path
 
     if isinstance(model, str) and model in PACKAGED:  # a model that ships as packages: --model gemma3-270m
         return packaged_model_path(model)
@@ -130,7 +130,7 @@ def _converted_gguf(path: Path, weights: bool) -> Path:
     """The cached folder of a GGUF file: its description (config, tokenizer) and a pointer to the file, or with
     ``weights`` its float32 weights too. The folder is keyed by the file's contents, so the pointer names the
     file this call was given (any file of those contents serves)."""
-    from conveyor.model.gguf import convert_gguf_to_hf
+    from conveyor.model.weights.gguf import convert_gguf_to_hf
 
     suffix = "-float32" if weights else ""
     target = make_cache_folder(cache_dir() / "models") / f"{path.stem}-{conversion_key(path)}{suffix}"
@@ -180,7 +180,7 @@ def _our_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
-               quantized_kernels: ModuleType | None = None, quantization: str | None = None) -> LlamaModel:
+               quantized_kernels: ModuleType | None = None, quantization: str | None = None) -> Decoder:
     """The model of ``folder`` in ``dtype`` on ``device``. A GGUF file's weights stay quantized where
     ``quantized_kernels`` (the native kernels) are given; without them they are dequantized into ``dtype`` as
     they load (the PyTorch reference path: float32 is 5.5 times a Q4_1 file's size). ``quantization`` (int8,
@@ -200,7 +200,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
         weights = _packed_gguf(source, config, quantized_kernels)
         return _quantized_model(weights, source.name, config, max_positions, quantized_kernels)
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions)
+        model = Decoder(config, max_positions)
     model.to_empty(device=device)
     model.build_rotary(max_positions, device)
     state = _gguf_state_dict(source, config) if source is not None else _our_state_dict(_read_safetensors(folder),
@@ -216,7 +216,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
 
 def _gguf_state_dict(source: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """A GGUF file's weights dequantized to float32 under our names (the PyTorch path's)."""
-    from conveyor.model.gguf_weights import as_float, read_gguf_weights
+    from conveyor.model.weights.gguf_weights import as_float, read_gguf_weights
 
     weights = read_gguf_weights(source, config)
     state = {name: torch.from_numpy(np.ascontiguousarray(as_float(weight))) for name, weight in weights.items()}
@@ -231,8 +231,8 @@ Packed = tuple[object, str] | np.ndarray
 
 def _packed_gguf(source: Path, config: ModelConfig, kernels: ModuleType) -> dict[str, Packed]:
     """A GGUF file's weights under our names, each quantized one packed as soon as it is read."""
-    from conveyor.model.gguf_weights import Weight, read_gguf_weights
-    from conveyor.model.quantized import native_weight
+    from conveyor.model.quant.linear import native_weight
+    from conveyor.model.weights.gguf_weights import Weight, read_gguf_weights
 
     def packed(weight: Weight) -> Packed:
         return weight if isinstance(weight, np.ndarray) else (native_weight(kernels, weight), weight.source)
@@ -244,8 +244,8 @@ def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernel
     """A float checkpoint's weights under our names, the projections quantized by ``scheme`` and the embedding
     and LM head by int8 (a 4-bit vocabulary table costs the most accuracy for the least memory, the choice
     llama.cpp's Q4 files and OpenVINO's int4 export make too); norms and biases float32."""
-    from conveyor.model.quant_formats import quantize_matrix
-    from conveyor.model.quantized import native_weight
+    from conveyor.model.quant.formats import quantize_matrix
+    from conveyor.model.quant.linear import native_weight
 
     state = _our_state_dict(_read_safetensors(folder), config)
     if config.tie_word_embeddings:
@@ -262,13 +262,13 @@ def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernel
 
 
 def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfig, max_positions: int,
-                     kernels: ModuleType) -> LlamaModel:
+                     kernels: ModuleType) -> Decoder:
     """The model with every quantized weight kept as the kernels' QuantizedWeight; float ones (norms, biases, a
     projection a file stores in float) as float32 tensors. ``source`` names where the weights came from."""
-    from conveyor.model.quantized import QuantizedEmbedding, QuantizedLinear
+    from conveyor.model.quant.linear import QuantizedEmbedding, QuantizedLinear
 
     with torch.device("meta"):
-        model = LlamaModel(config, max_positions)
+        model = Decoder(config, max_positions)
 
     def linear(name: str, bias_name: str | None = None) -> torch.nn.Module:
         """The projection ``name``: quantized, or a plain Linear. Float tensors (a plain weight, a bias) stay in
@@ -307,10 +307,10 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
     return model.eval().requires_grad_(False)
 
 
-def quantized_kinds(model: LlamaModel) -> set[str]:
+def quantized_kinds(model: Decoder) -> set[str]:
     """The GGUF types a model's quantized projections came from (a fused projection's parts may differ: Gemma's
     Q5_0 queries beside Q8_0 keys and values come as "Q5_0+Q8_0")."""
-    from conveyor.model.quantized import QuantizedLinear
+    from conveyor.model.quant.linear import QuantizedLinear
 
     return {kind for module in model.modules() if isinstance(module, QuantizedLinear)
             for kind in module.source.split("+")}

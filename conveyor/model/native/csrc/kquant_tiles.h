@@ -4,7 +4,7 @@
 // store Q4_K at 6.0 bits a weight where the file has 4.5, and Q6_K at 10 where it has 6.56; a decode step reads
 // every stored byte, so that is its speed.
 //
-// Layout (conveyor/model/k_quants.py packs it): per tile of 16 outputs and per super-block of 256 inputs, one
+// Layout (conveyor/model/quant/k_quants.py packs it): per tile of 16 outputs and per super-block of 256 inputs, one
 // block of bytes, the tile's blocks one after another (a tile is one stream):
 //   Q4_K, Q5_K (2,304 / 2,816 bytes = 16 rows x 144 / 176, the file's sizes):
 //     d[16], dmin[16]     float16, row by row

@@ -1,0 +1,1 @@
+"""The native CPU kernels: their C++ sources (csrc/) and the build that compiles them on first use (kernels.py)."""
