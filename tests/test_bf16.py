@@ -206,7 +206,7 @@ def test_bfloat16_without_the_kernels_runs_torch_ops_and_says_why(tiny_model_dir
     monkeypatch.setattr(kernels_module, "native_kernels", lambda: lacking)
     with caplog.at_level(logging.WARNING, logger="conveyor"):
         llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=64)
-    assert llm.engine.kernel_width is None and llm.engine.kernel_dtype is None
+    assert llm.engine.runner.kernel_width is None and llm.engine.runner.kernel_dtype is None
     assert llm.engine.executor.model.native is None
     [line] = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
     assert BF16_FEATURE in line and "PyTorch ops" in line
@@ -230,7 +230,7 @@ def test_engine_runs_bfloat16_on_the_native_stack_close_to_float32(bf16, tiny_mo
     with caplog.at_level(logging.INFO, logger="conveyor"):
         llm = LLM(str(tiny_model_dir), dtype="bfloat16", num_kv_blocks=2048, max_num_batched_tokens=128)
     engine = llm.engine
-    assert (engine.kernel_width, engine.kernel_dtype) == (512, "bfloat16")
+    assert (engine.runner.kernel_width, engine.runner.kernel_dtype) == (512, "bfloat16")
     assert engine.executor.kv_cache.dtype == torch.bfloat16
     assert engine.executor.model.lm_head.packed.dtype == torch.bfloat16
     assert "native kernels: 512-bit vectors, bfloat16 weights and KV cache" in caplog.text

@@ -77,7 +77,7 @@ def test_tiny_model_matches_transformers_on_each_kernel_width(tiny_model_dir, re
         pytest.skip(f"CPU lacks {WIDTH_FEATURES[width]}: no {width}-bit kernels to check")
     monkeypatch.setenv(WIDTH_ENV, str(width))
     llm = LLM(str(tiny_model_dir), num_kv_blocks=2048, max_num_batched_tokens=128)
-    assert llm.engine.kernel_width == width
+    assert llm.engine.runner.kernel_width == width
     assert llm.engine.executor.model.lm_head.packed.shape[2] == width // 16, "the forced width's packing"
     prompts = _prompts(LENGTHS, seed=8)
     for prompt, output in zip(prompts, llm.generate(prompts, GREEDY_16, use_tqdm=False)):

@@ -97,7 +97,7 @@ OPTIONS = {
 def test_family_matches_transformers_batched(family, options, kernels):
     name, folder, reference = family
     llm = LLM(str(folder), kernels=kernels, **{"num_kv_blocks": 1024, **OPTIONS[options]})
-    assert (llm.engine.kernel_width is not None) == (kernels == "auto")
+    assert (llm.engine.runner.kernel_width is not None) == (kernels == "auto")
     prompts = _prompts(seed=1)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
@@ -124,7 +124,7 @@ def test_every_family_runs_on_the_native_stack_without_a_warning(family, caplog)
     _, folder, _ = family
     with caplog.at_level(logging.WARNING, logger="conveyor.engine"):
         llm = LLM(str(folder), num_kv_blocks=64)
-    assert llm.engine.kernel_width is not None
+    assert llm.engine.runner.kernel_width is not None
     assert not [r for r in caplog.records if "not the native kernels" in r.getMessage()]
 
 
@@ -142,7 +142,7 @@ def test_a_head_size_the_native_stack_lacks_runs_on_torch_ops_and_says_so_once(t
         shutil.copy(default_model_dir / name, tmp_path / name)
     with caplog.at_level(logging.WARNING, logger="conveyor.engine"):
         llm = LLM(str(tmp_path), num_kv_blocks=64)
-    assert llm.engine.kernel_width is None
+    assert llm.engine.runner.kernel_width is None
     [warning] = [r.getMessage() for r in caplog.records if "not the native kernels" in r.getMessage()]
     assert "heads of 24" in warning
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -159,7 +159,7 @@ def test_a_window_no_sequence_reaches_runs_on_the_native_stack(tmp_path, default
     config.write_text(config.read_text().replace('"sliding_window": 24', '"sliding_window": 4096'))
     reference_model.config.sliding_window = 4096
     llm = LLM(str(tmp_path), num_kv_blocks=512, max_model_len=1024)
-    assert llm.engine.kernel_width is not None, "the native stack runs a window it never reaches"
+    assert llm.engine.runner.kernel_width is not None, "the native stack runs a window it never reaches"
     prompts = _prompts(seed=3)
     for prompt, output in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False)):
         assert output.token_ids == hf_greedy(reference_model, prompt, GREEDY.max_tokens), len(prompt)

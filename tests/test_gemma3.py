@@ -94,7 +94,7 @@ def test_the_export_is_what_transformers_reads_from_the_file(gemma_file, gemma_f
 
 def test_native_greedy_tokens_equal_transformers_alone_and_batched(float32_llm, references):
     llm = float32_llm
-    assert llm.engine.model_config.model_type == "gemma3_text" and llm.engine.kernel_dtype == "float32"
+    assert llm.engine.model_config.model_type == "gemma3_text" and llm.engine.runner.kernel_dtype == "float32"
     batched = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     for output in batched:
         assert output.token_ids == references(output.prompt_token_ids), output.prompt
@@ -115,7 +115,7 @@ def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, 
     from conveyor.bench.perplexity import perplexity
     from tests.test_quantized import LLAMA_PERPLEXITY, llama_cpp_perplexity
 
-    assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set(quantized_llm.engine.kernel_dtype.split("+"))
+    assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set(quantized_llm.engine.runner.kernel_dtype.split("+"))
     quantized = quantized_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     float32 = float32_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     agree = sum(q.token_ids[:4] == f.token_ids[:4] for q, f in zip(quantized, float32, strict=True))

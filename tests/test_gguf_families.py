@@ -130,7 +130,7 @@ def test_the_file_runs_on_the_native_kernels_kept_quantized(gguf_file):
     (random tiny weights leave near-ties: measured 0.001 apart where Phi-3's parted)."""
     arch, path, _ = gguf_file
     llm = LLM(str(path), num_kv_blocks=256)
-    assert llm.engine.kernel_width is not None and llm.engine.kernel_dtype == "Q8_0", arch
+    assert llm.engine.runner.kernel_width is not None and llm.engine.runner.kernel_dtype == "Q8_0", arch
     exact = LLM(str(path), num_kv_blocks=256, kernels="torch")
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=5)
     prompts = [[int(t) for t in np.random.default_rng(n).integers(1000, 40000, n)] for n in (3, 20, 70)]

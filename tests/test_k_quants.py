@@ -138,7 +138,7 @@ def test_a_file_mixing_types_in_a_layer_with_a_tied_q6_k_head_runs_natively(kern
     path = tmp_path / "tiny-mixed.gguf"
     harness.write_f16(harness.SHAPES["tiny"], path, block_types=Q4_K_M_MIX)
     native = LLM(str(path), num_kv_blocks=64)
-    assert native.engine.kernel_dtype == "Q4_K+Q6_K"  # every projection kept quantized, none fell back to float
+    assert native.engine.runner.kernel_dtype == "Q4_K+Q6_K"  # every projection kept quantized, none fell back to float
     assert_first_tokens_agree_with_the_float_path(native, path)
 
 

@@ -115,7 +115,7 @@ def test_the_engine_on_every_gemm_routed_to_torch_matches_transformers(
         lambda seconds, widths: (max(widths), {p: [c.name for c in ROW_CLASSES] for p in seconds}, []),
     )
     llm = LLM(str(tiny_model_dir), num_kv_blocks=1024, max_num_batched_tokens=128)
-    assert "torch's GEMM for" in llm.engine.native_kernels_summary
+    assert "torch's GEMM for" in llm.engine.runner.native_kernels_summary
     assert llm.engine.executor.model.layers[0].mlp.down_proj.weight.numel() > 0, "kept for torch's GEMM"
     prompts = [[1000 + 37 * i % 30000 for i in range(n)] for n in (3, 40, 100)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
@@ -125,12 +125,12 @@ def test_the_engine_on_every_gemm_routed_to_torch_matches_transformers(
 
 def test_auto_is_the_default_and_says_what_it_chose(tiny_model_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
-    engine = LLM(str(tiny_model_dir), num_kv_blocks=64).engine
-    assert engine.kernel_choice is not None and not engine.kernel_choice.cached
-    assert engine.native_kernels_summary.startswith(f"{engine.kernel_width}-bit vectors; auto (measured in")
-    assert LLM(str(tiny_model_dir), num_kv_blocks=64).engine.kernel_choice.cached
+    runner = LLM(str(tiny_model_dir), num_kv_blocks=64).engine.runner
+    assert runner.kernel_choice is not None and not runner.kernel_choice.cached
+    assert runner.native_kernels_summary.startswith(f"{runner.kernel_width}-bit vectors; auto (measured in")
+    assert LLM(str(tiny_model_dir), num_kv_blocks=64).engine.runner.kernel_choice.cached
     native = LLM(str(tiny_model_dir), num_kv_blocks=64, kernels="native").engine
-    assert native.kernel_choice is None, "--kernels native: the packed kernels everywhere, nothing timed"
+    assert native.runner.kernel_choice is None, "--kernels native: the packed kernels everywhere, nothing timed"
 
 
 @pytest.mark.parametrize("bad", ["fast", ""])

@@ -153,7 +153,7 @@ def greedy(llm, prompts: list[str], max_tokens: int = 24) -> list[list[int]]:
 
 
 def test_the_default_model_runs_kept_quantized(quantized_llm) -> None:
-    summary = quantized_llm.engine.native_kernels_summary
+    summary = quantized_llm.engine.runner.native_kernels_summary
     assert "Q4_1" in summary and "Q8_0" in summary and "kept quantized" in summary
     model = quantized_llm.engine.executor.model
     assert not any(p.numel() > 10**6 for p in model.parameters()), "no float copy of a weight"
@@ -330,7 +330,7 @@ def test_a_float_checkpoint_quantized_at_load_keeps_its_perplexity(kernels, defa
 
     text = TEXT.read_text(encoding="utf-8")
     quantized = LLM(str(default_model_dir), num_kv_blocks=256, max_model_len=1024, quantization=scheme)
-    summary = quantized.engine.native_kernels_summary
+    summary = quantized.engine.runner.native_kernels_summary
     assert scheme in summary and "kept quantized" in summary
     float32 = LLM(str(default_model_dir), num_kv_blocks=256, max_model_len=1024, kernels="native")
     ours, reference = perplexity(quantized.engine, text, 256).value, perplexity(float32.engine, text, 256).value

@@ -30,7 +30,7 @@ def test_more_threads_than_cores_runs_with_a_warning(tiny_model_dir, caplog) -> 
         with caplog.at_level(logging.WARNING, logger="conveyor"):
             engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, num_threads=usable_cores() + 1,
                                          kernels="torch"))
-        assert torch.get_num_threads() == usable_cores() + 1 and engine.num_threads == usable_cores() + 1
+        assert torch.get_num_threads() == usable_cores() + 1 and engine.runner.num_threads == usable_cores() + 1
         assert f"more than the {usable_cores()} cores this process may use" in caplog.text
     finally:
         torch.set_num_threads(before)

@@ -71,7 +71,7 @@ def test_windowed_groups_match_transformers_far_past_the_window(family, options)
     llm = LLM(str(folder), enable_prefix_caching=False, block_size=4, **{"num_kv_blocks": 1024, **OPTIONS[options]})
     layout = llm.engine.kv_layout
     assert layout is not None and layout.num_groups == GROUPS[name]
-    assert (llm.engine.kernel_width is None) == (options == "torch-ops"), "the native stack runs KV groups"
+    assert (llm.engine.runner.kernel_width is None) == (options == "torch-ops"), "the native stack runs KV groups"
     seen = _spy_on_releases(llm, {g: w for g, w in enumerate(layout.windows) if w is not None})
     outputs = llm.generate(_prompts(), LONG, use_tqdm=False)
     for prompt, output, want in zip(_prompts(), outputs, expected):

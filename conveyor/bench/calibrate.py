@@ -165,8 +165,8 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
         timed.append((probe, samples))
         print(f"{probe.name}: {len(samples)} steps, {sum(s for _, s in samples):.2f} s", flush=True)
     fitted = fit_step_times([sample for _, samples in timed for sample in samples], block_size=config.block_size)
-    threads = engine.num_threads
-    machine = this_machine(threads, str(engine.device) if engine.device.type != "cpu" else "cpu")
+    threads = engine.runner.num_threads
+    machine = this_machine(threads, engine.runner.device)
     profile = new_profile(fitted, swap_price(engine, config.dtype), machine, engine.model_config, config.dtype,
                           config.block_size)
     price = functools.partial(profile.step_time, block_size=profile.block_size)

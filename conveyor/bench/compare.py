@@ -347,7 +347,7 @@ def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | N
         workloads = shrink(workloads, limit, max_output_len)
     engines = {caching: engine if not caching else engine_with(True) for caching in {w.prefix_caching
                                                                                    for w in workloads}}
-    stored = engine.kernel_dtype or dtype  # the weights' format on the native stack ("Q4_1+Q8_0", "float32")
+    stored = engine.runner.kernel_dtype or dtype  # the weights' format on the native stack ("Q4_1+Q8_0", "float32")
     return workloads, run_conveyor(engines, workloads, f"Conveyor in-process ({stored})"), engine.tokenizer.eos_token_id
 
 

@@ -99,7 +99,7 @@ def run_roofline(
     """Bounds at every (batch, context); the engine measured at ``measured_context_len``. With a ``probe``,
     the bandwidth roof is read again around each run of steps measured and that run is held against what was
     read (_measured_point): the machine's bandwidth drifts, and a roof read minutes earlier can be half off."""
-    cost = machine_cost_model(engine.model_config, machine, engine.weight_format, engine.kv_dtype.itemsize)
+    cost = machine_cost_model(engine.model_config, machine, engine.runner.weight_format, engine.runner.kv_itemsize)
     points = []
     for context_len in context_lens:
         for batch_size in batch_sizes:
@@ -129,7 +129,7 @@ def _measured_point(engine: Engine, machine: MachineFigures, point: RooflinePoin
         after = probe.measure()[0]
         bandwidth = (before + after) / 2
         cost = machine_cost_model(engine.model_config, replace(machine, memory_bandwidth=bandwidth),
-                                  engine.weight_format, engine.kv_dtype.itemsize)
+                                  engine.runner.weight_format, engine.runner.kv_itemsize)
         bound = decode_point(cost, point.batch_size, point.context_len).bound_tokens_per_s
         tokens, seconds = tokens + slice_tokens, seconds + slice_seconds
         bound_seconds += slice_tokens / bound

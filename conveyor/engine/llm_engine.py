@@ -14,13 +14,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from conveyor.core.config import EngineConfig, usable_cores
+from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, KVCachePlan, plan_kv_cache
 from conveyor.core.model_config import ModelConfig
 from conveyor.core.request import FinishReason, Request
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.stats import EngineStats
-from conveyor.core.weight_format import WeightFormat
 from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
 from conveyor.engine.request_builder import RequestBuilder, check_logit_bias
 from conveyor.engine.tokenizer import Tokenizer
@@ -29,8 +28,7 @@ from conveyor.observe.trace import Trace, start_trace
 from conveyor.platform.cpu import available_memory_bytes, resident_bytes
 
 if TYPE_CHECKING:
-    from conveyor.model.quant.dot_choice import QuantDotChoice
-    from conveyor.model.quant.kernel_choice import KernelChoice
+    from conveyor.model.runner import RunnerPlan
 
 logger = logging.getLogger("conveyor.engine")
 
@@ -47,71 +45,44 @@ class _SampleGroup:
 
 
 class Engine:
+    runner: RunnerPlan  # how the model runs: device, dtypes, kernels, weight format (conveyor.model.runner)
     _trace: Trace | None = None  # set by start_trace
     _live: LiveRecorder | None = None  # set while a dashboard watches
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        # torch is imported here, not at module level, so that the engine's pure-Python
+        # The model runner (torch) is imported here, not at module level, so that the engine's pure-Python
         # parts stay importable without it.
-        import torch
-
         from conveyor.executor.faults import with_injected_faults
         from conveyor.executor.grammar import LazyGrammarBackend
         from conveyor.executor.torch_executor import TorchExecutor
-        from conveyor.model.attention import kv_cache_dtype
-        from conveyor.model.weights.loader import DTYPES, load_model, resolve_model, weight_file_bytes
+        from conveyor.model import runner
 
         self.config = config
         self.clock = clock
-        self.num_threads = config.num_threads or usable_cores()
-        if self.num_threads > usable_cores():
-            logger.warning("--num-threads %d is more than the %d cores this process may use: threads will share "
-                           "cores, and every parallel loop waits for its slowest (expect slower steps)",
-                           self.num_threads, usable_cores())
-        torch.set_num_threads(self.num_threads)
-        folder = resolve_model(config.model)
+        folder = runner.model_folder(config)
         self.model_path = folder
         self.tokenizer = Tokenizer(folder)
         self.model_config = ModelConfig.from_folder(folder)
-        from conveyor.model.families import family_for
-
-        family_for(self.model_config)  # an architecture the layers lack is refused before anything loads
+        plan = runner.build_runner(config, self.model_config, folder)  # refuses an architecture before loading
         self.tokenizer.check_model_vocabulary(self.model_config.vocab_size)  # before the weights load: at once
-        if config.device == "auto":
-            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        else:
-            device = torch.device(config.device)
-        self.device = device
-        dtype = DTYPES[config.dtype]
-        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)  # uint8: fp8 e5m2 bits
-        self.weight_file_bytes = weight_file_bytes(config.model)
-        self.kv_token_bytes = self.model_config.kv_bytes_per_token * self.kv_dtype.itemsize  # all layers, K and V
-        plan = self._plan_kv_cache()
-        self.kv_layout = plan.layout  # KV groups, where windowed layers give back blocks; None: one group
-        self.kv_block_bytes = plan.block_bytes
-        self.kv_pool_bytes = plan.num_blocks * plan.block_bytes
-        self.max_model_len = plan.max_model_len
-        self._native_refusal = self._native_gaps(dtype, device)
-        num_blocks, num_cpu_blocks = plan.num_blocks, plan.num_cpu_blocks
-        model = load_model(folder, dtype, device, self.max_model_len, self._quantized_kernels(dtype, device),
-                           None if config.quantization == "none" else config.quantization)
-        self.kernel_width: int | None = None  # the native kernels' vector width in bits; None: torch ops
-        self.kernel_dtype: str | None = None  # what the native stack's weights and KV cache are stored in
-        self.kernel_choice: KernelChoice | None = None  # with --kernels auto: what this machine measured
-        self.quant_choice: QuantDotChoice | None = None  # the same for quantized weights' dot products
-        self._use_native_kernels(model, dtype, device)
-        # What a step reads per weight: the cost model's (and the roofline's) weight format.
-        self.weight_format = WeightFormat(self.kernel_dtype or config.dtype, *model.stored_weight_bits())
+        self.weight_file_bytes = plan.weight_file_bytes
+        self.kv_token_bytes = self.model_config.kv_bytes_per_token * plan.kv_itemsize  # all layers, K and V
+        kv = self._plan_kv_cache()
+        self.kv_layout = kv.layout  # KV groups, where windowed layers give back blocks; None: one group
+        self.kv_block_bytes = kv.block_bytes
+        self.kv_pool_bytes = kv.num_blocks * kv.block_bytes
+        self.max_model_len = kv.max_model_len
+        model, self.runner = runner.load(plan, self.max_model_len, config.kernels)
         vocab_size = self.model_config.vocab_size
         self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
         self.executor = TorchExecutor(
-            model, num_blocks, config.block_size, config.seed, num_cpu_blocks,
-            constrain=self.grammars.constrain, forget=self.grammars.forget, kv_layout=plan.layout,
-            kv_dtype=self.kv_dtype,
+            model, kv.num_blocks, config.block_size, config.seed, kv.num_cpu_blocks,
+            constrain=self.grammars.constrain, forget=self.grammars.forget, kv_layout=kv.layout,
+            kv_dtype=runner.kv_torch_dtype(self.runner),
         )
         # The torch-free loop (scheduler, KV manager, trace) that the simulator runs too; the executor it runs
         # fails on purpose only where a test asked for it (see conveyor.executor.faults).
-        self.core = EngineCore(config, plan, with_injected_faults(self.executor), clock)
+        self.core = EngineCore(config, kv, with_injected_faults(self.executor), clock)
         self._text: dict[str, TextState] = {}  # per sequence in the core
         self._logprobs: dict[str, LogprobState] = {}  # per sequence that asked for logprobs or prompt_logprobs
         self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
@@ -149,94 +120,6 @@ class Engine:
     def trace(self) -> Trace | None:
         """The trace ``start_trace`` began, if any."""
         return self._trace
-
-    def _native_kernels(self, dtype, device):
-        """The native kernels where they may run this model: on CPU, float32 or bfloat16, not refused (``--kernels
-        torch``), nothing of the model the stack lacks (a head size its attention is not unrolled for), and
-        built. None: PyTorch ops."""
-        import torch
-
-        from conveyor.model.native.kernels import native_kernels
-
-        if self.config.kernels == "torch" or dtype not in (torch.float32, torch.bfloat16) or device.type != "cpu":
-            return None
-        if self._native_refusal:
-            return None
-        return native_kernels()
-
-    def _native_gaps(self, dtype, device) -> bool:
-        """Whether the native stack lacks what this model needs, said once in a warning where the native kernels
-        would otherwise run it: the model then runs on PyTorch ops, never half on each."""
-        import torch
-
-        from conveyor.model.families import native_gaps
-
-        gaps = native_gaps(self.model_config)
-        wanted = self.config.kernels != "torch" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-        if gaps and wanted:
-            logger.warning("%s runs on PyTorch ops, not the native kernels: the native stack lacks %s",
-                           self.model_config.model_type, ", ".join(gaps))
-        return bool(gaps)
-
-    def _quantized_kernels(self, dtype, device):
-        """The native kernels, where a GGUF file's (or --quantization's) weights can stay quantized: as
-        _native_kernels, with float32 activations. None: weights load dequantized."""
-        import torch
-
-        return self._native_kernels(dtype, device) if dtype == torch.float32 else None
-
-    def _use_native_kernels(self, model, dtype, device) -> None:
-        """Native kernels run on CPU with the head sizes they are unrolled for: float32, or bfloat16 weights and
-        KV cache where the build has the bfloat16 GEMMs (AVX512-BF16); elsewhere (or without a compiler) the
-        torch ops do, and a bfloat16 run that falls back says why (PyTorch ops in bf16 are much slower). With
-        ``--kernels auto``, each projection and batch size runs the GEMM this machine measured fastest."""
-        import torch
-
-        from conveyor.model.native.kernels import bfloat16_unavailable, candidate_widths, kernel_width
-
-        kernels = self._native_kernels(dtype, device)
-        if kernels is None:
-            return
-        width, bfloat16 = kernel_width(kernels), dtype == torch.bfloat16
-        if bfloat16 and (why := bfloat16_unavailable(kernels, width)) is not None:
-            logger.warning("--dtype bfloat16 runs on PyTorch ops, not the native kernels: %s", why)
-            return
-        if model.quantized:
-            from conveyor.model.weights.loader import quantized_kinds
-
-            self.kernel_width, self.kernel_dtype = width, "+".join(sorted(quantized_kinds(model)))
-            dots = None
-            if self.config.kernels == "auto":
-                from conveyor.model.quant.dot_choice import choose_quant_dots
-
-                self.quant_choice = choose_quant_dots(kernels, model.quantized_weights())
-                dots = self.quant_choice.ranges()
-            model.use_native_kernels(kernels, width, quant_dots=dots)
-            logger.info("native kernels: %s", self.native_kernels_summary)
-            return
-        torch_rows, fused_rows = {}, None  # None: the stack's own rule for fusing SwiGLU
-        if self.config.kernels == "auto":
-            from conveyor.model.quant.kernel_choice import choose_kernels
-
-            widths = [width] if bfloat16 else candidate_widths(kernels)
-            self.kernel_choice = choose_kernels(kernels, model.projection_weights(), widths, bfloat16)
-            width, torch_rows = self.kernel_choice.width, self.kernel_choice.torch_rows()
-            fused_rows = self.kernel_choice.fused_rows()
-        self.kernel_width, self.kernel_dtype = width, "bfloat16" if bfloat16 else "float32"
-        logger.info("native kernels: %s", self.native_kernels_summary)
-        model.use_native_kernels(kernels, width, bfloat16, torch_rows, fused_rows)
-
-    @property
-    def native_kernels_summary(self) -> str | None:
-        """The native stack's vector width, for bfloat16 what it stores in bf16, and with ``--kernels auto``
-        where torch's GEMM runs instead; None on torch ops."""
-        if self.kernel_width is None:
-            return None
-        stored = {"bfloat16": ", bfloat16 weights and KV cache", "float32": ""}.get(
-            self.kernel_dtype, f", {self.kernel_dtype} weights kept quantized")
-        choice = self.kernel_choice or self.quant_choice
-        chosen = f"; {choice.summary()}" if choice is not None else ""
-        return f"{self.kernel_width}-bit vectors{stored}{chosen}"
 
     def start_trace(self) -> Trace:
         """Record every step from now on (see :mod:`conveyor.observe.trace`)."""

@@ -25,11 +25,8 @@ from conveyor.engine.output import RequestOutput
 class EngineReplica:
     """The actor's class (Ray wraps it with ``ray.remote``); a restarted replica runs ``__init__`` again."""
 
-    def __init__(self, config: EngineConfig, num_threads: int | None, max_waiting_requests: int) -> None:
-        if num_threads:
-            import torch
-
-            torch.set_num_threads(num_threads)
+    def __init__(self, config: EngineConfig, max_waiting_requests: int) -> None:
+        """``config.num_threads``: the replica's share of the cores (the engine sets its threads from it)."""
         self._engine = Engine(config)
         self._async_engine = AsyncEngine(self._engine, max_waiting_requests)
         self._async_engine.start()

@@ -34,7 +34,7 @@ from conveyor.engine.output import RequestOutput
 from conveyor.engine.replica_actor import EngineReplica
 from conveyor.engine.request_builder import RequestBuilder
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.model.weights.loader import resolve_model
+from conveyor.model.runner import model_folder
 from conveyor.router import NoHealthyReplica, Router
 
 logger = logging.getLogger("conveyor.replicas")
@@ -151,13 +151,13 @@ class ReplicaSet:
             ray.init(**options)
             self._started_ray = True
         # Resolved (a GGUF converted) once, here: replicas starting together would otherwise race to convert it.
-        config = dataclasses.replace(self.config, model=str(resolve_model(self.config.model)))
+        config = dataclasses.replace(self.config, model=str(model_folder(self.config)))
         actor_class = ray.remote(EngineReplica)
         self._actors = [
             actor_class.options(name=f"conveyor-replica-{index}-{os.getpid()}", num_cpus=threads,
                                 max_restarts=self.settings.max_restarts, max_task_retries=0,
                                 max_concurrency=10_000)
-            .remote(dataclasses.replace(config, num_threads=threads), threads, self.settings.max_waiting_requests)
+            .remote(dataclasses.replace(config, num_threads=threads), self.settings.max_waiting_requests)
             for index in range(self.settings.num_replicas)
         ]
         described = ray.get([actor.describe.remote() for actor in self._actors], timeout=START_TIMEOUT_S)

@@ -481,7 +481,7 @@ def _bench_perplexity(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def _kernels_in_use(engine) -> str:
     """What runs the model's layers, as ``bench decode`` and ``roofline`` print it."""
-    summary = engine.native_kernels_summary
+    summary = engine.runner.native_kernels_summary
     return f"native, {summary}" if summary else "torch ops"
 
 
@@ -502,17 +502,17 @@ def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
     config.max_num_seqs = max(config.max_num_seqs, *batch_sizes)
     engine = Engine(config)
     print(f"kernels: {_kernels_in_use(engine)}", flush=True)
-    weights = engine.weight_format
+    weights = engine.runner.weight_format
     print(f"weights: {weights.name}, {weights.layer_bits:.2f} bits a weight in the layers, "
           f"{weights.lm_head_bits:.2f} in the LM head (the bytes each step's bound counts)", flush=True)
-    if engine.kernel_choice is not None:
-        print(format_kernel_choice(engine.kernel_choice), flush=True)
+    if engine.runner.kernel_choice is not None:
+        print(format_kernel_choice(engine.runner.kernel_choice), flush=True)
     points = run_roofline(engine, machine, batch_sizes, context_lens, args.measured_context_len, args.steps, args.seed,
                           probe)
     print(format_roofline(points, machine))
     plot_roofline(points, machine, args.output)
     print(f"picture: {args.output}")
-    choice = engine.kernel_choice and dataclasses.asdict(engine.kernel_choice)
+    choice = engine.runner.kernel_choice and dataclasses.asdict(engine.runner.kernel_choice)
     write_json({"machine": dataclasses.asdict(machine), "points": [dataclasses.asdict(p) for p in points],
                 "kernel_choice": choice, "weights": dataclasses.asdict(weights)}, args.json)
     return 0
