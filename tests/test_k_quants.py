@@ -159,9 +159,9 @@ def assert_first_tokens_agree_with_the_float_path(native: LLM, path) -> None:
 
 
 def test_the_format_registry_states_the_files_bits_and_the_kernels(kernels) -> None:
-    """conveyor.core.weight_format.BLOCK_FORMATS, which the cost model reads, against gguf's block sizes and the
+    """conveyor.core.formats.BLOCK_FORMATS, which the cost model reads, against gguf's block sizes and the
     bytes the kernels' weights really take."""
-    from conveyor.core.weight_format import BLOCK_FORMATS
+    from conveyor.core.formats import BLOCK_FORMATS
     from conveyor.model.quant.formats import SUPPORTED_TYPES, decode
 
     assert set(BLOCK_FORMATS) == set(SUPPORTED_TYPES)

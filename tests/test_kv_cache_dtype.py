@@ -33,8 +33,8 @@ def test_fp8_rounding_is_torch_s_bit_for_bit(kernels):
 
 
 def _cache_of(values: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
-    from conveyor.model.attention import kv_cache_dtype as storage_dtype
     from conveyor.model.attention import to_cache
+    from conveyor.model.dtypes import kv_cache_dtype as storage_dtype
 
     return to_cache(values, storage_dtype(kv_cache_dtype, torch.float32))
 
@@ -123,7 +123,7 @@ def test_the_cost_model_reads_a_quarter_of_the_kv_bytes_in_fp8(machine_cache):
     model, hardware = load_model_config("SmolLM2-135M"), load_hardware("cpu-local")
     plain = CostModel(model, hardware, "float32")
     fp8 = CostModel(model, hardware, "float32", kv_element_bytes=EngineConfig(kv_cache_dtype="fp8")
-                    .kv_cache_element_bytes(4))
+                    .kv_cache_element_bytes())
     assert fp8.kv_bytes_per_token * 4 == plain.kv_bytes_per_token
     assert fp8.decode_time(1, 4000) < plain.decode_time(1, 4000)
     cost, priced_by = step_cost_model(model, hardware, "float32", kv_element_bytes=1)

@@ -43,8 +43,8 @@ def _assert_native_stack_matches(kernels, width, model, positions, row_seq, tabl
     neighbouring value on one side only, so the caches are held to agree but for a few elements, each within
     one step of the format, and the outputs to a tolerance that allows for those."""
     from conveyor.model.attention import AttentionMetadata, from_cache, to_cache
-    from conveyor.model.attention import kv_cache_dtype as storage_dtype
     from conveyor.model.decoder import StepInputs
+    from conveyor.model.dtypes import kv_cache_dtype as storage_dtype
 
     config = model.config
     slots = torch.stack([tables[s, p // block_size] * block_size + p % block_size for s, p in zip(row_seq, positions)])

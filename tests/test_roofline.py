@@ -10,7 +10,7 @@ import pytest
 
 from conveyor.bench.machine import MachineFigures, ReadProbe, fastest_gemm, measure_int8_gemm, measure_native_gemm
 from conveyor.bench.roofline import decode_point, machine_cost_model
-from conveyor.core.weight_format import WeightFormat
+from conveyor.core.formats import WeightFormat
 from conveyor.entrypoints.cli import main
 from conveyor.sim.hardware import load_model_config
 

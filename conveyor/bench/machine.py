@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from conveyor.model.dtypes import DTYPES
 from conveyor.model.quant.kernel_choice import time_candidates
-from conveyor.model.weights.loader import DTYPES
 from conveyor.platform.cache_dir import write_cache_file
 from conveyor.platform.cpu import this_cpu
 from conveyor.sim.hardware import machine_file

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 from conveyor.bench.decode import decode_slices, measure_decode
 from conveyor.bench.machine import MachineFigures, ReadProbe
 from conveyor.bench.report import format_table
+from conveyor.core.formats import WeightFormat
 from conveyor.core.model_config import ModelConfig
-from conveyor.core.weight_format import WeightFormat
 from conveyor.engine import Engine
 from conveyor.model.quant.kernel_choice import KernelChoice
 from conveyor.sim.cost import CostModel

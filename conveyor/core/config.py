@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.core.formats import FLOAT_BYTES, KV_CACHE_BYTES, kv_element_bytes
 from conveyor.core.spec.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -57,12 +58,12 @@ def _option(default: Any, help: str, *, choices: tuple[str, ...] = (), minimum: 
 class EngineConfig:
     model: str | None = _option(None, "HF model folder or .gguf file", unset="SmolLM2-135M-Instruct")
     dtype: str = _option("float32", "dtype of the weights, activations and KV cache",
-                         choices=("float32", "bfloat16", "float16"))
+                         choices=tuple(FLOAT_BYTES))
     kv_cache_dtype: str = _option("auto", "what the KV cache stores: auto (--dtype), bfloat16, or fp8 (fp8_e5m2: "
                                   "one byte an element, as vLLM's CPU backend, so the pool holds four times "
                                   "float32's tokens; attention reads a quarter of the bytes, and greedy output "
                                   "may part from float32's where two tokens are close)",
-                                  choices=("auto", "bfloat16", "fp8", "fp8_e5m2"))
+                                  choices=tuple(KV_CACHE_BYTES))
     device: str = _option("auto", "auto (CUDA when present), cpu, cuda, cuda:1, ...")
     max_num_seqs: int = _option(128, "most requests in one batch", minimum=1)
     max_num_batched_tokens: int = _option(2048, "token budget of one step", minimum=1)
@@ -166,9 +167,9 @@ class EngineConfig:
             raise ValueError("enable_prefix_caching: the contiguous layout cannot share blocks; "
                              "use kv_layout paged, or leave prefix caching off")
 
-    def kv_cache_element_bytes(self, model_dtype_bytes: int) -> int:
+    def kv_cache_element_bytes(self) -> int:
         """Bytes of one K or V element in the cache: the model's own under ``auto``, else ``kv_cache_dtype``'s."""
-        return {"bfloat16": 2, "fp8": 1, "fp8_e5m2": 1}.get(self.kv_cache_dtype, model_dtype_bytes)
+        return kv_element_bytes(self.kv_cache_dtype, self.dtype)
 
     def tenant_weight_map(self) -> dict[str, float]:
         """``tenant_weights`` read: from its JSON text, or from the file it names."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.core.weight_format import WeightFormat, gguf_weights
+from conveyor.core.formats import WeightFormat, gguf_weights
 
 
 @dataclass(frozen=True, slots=True)

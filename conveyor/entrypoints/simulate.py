@@ -23,7 +23,7 @@ from conveyor.core.config import EngineConfig
 from conveyor.entrypoints.args import add_engine_args, engine_config, with_overrides
 from conveyor.router import POLICY_NAMES
 from conveyor.sim.cluster import simulate_cluster
-from conveyor.sim.hardware import DTYPE_BYTES, hardware_names, load_hardware, load_model_config, model_names
+from conveyor.sim.hardware import hardware_names, load_hardware, load_model_config, model_names
 from conveyor.sim.profile import step_cost_model
 from conveyor.sim.simulator import device_kv_cache_memory, simulate
 from conveyor.sim.speculative import AcceptanceProfile
@@ -148,7 +148,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     for spec, config in zip(specs, configs):
         cost, priced_by = step_cost_model(model, hardware, config.dtype, args.tensor_parallel_size,
                                           args.step_profile, config.num_threads,
-                                          config.kv_cache_element_bytes(DTYPE_BYTES[config.dtype]))
+                                          config.kv_cache_element_bytes())
         print(f"steps priced by the {priced_by}", file=sys.stderr, flush=True)
         if kv_auto and not any(option in spec for option in KV_OPTIONS):
             config = dataclasses.replace(config, kv_cache_memory=device_kv_cache_memory(cost,

@@ -39,7 +39,7 @@ class TorchExecutor:
         """``constrain`` masks constrained rows to what their grammars allow; ``forget`` is told which requests
         ended, so whatever keeps per-request state (the grammar matchers) can drop it. ``kv_layout``: the KV
         groups (conveyor.core.kv.groups), each block then holding one group's layers; None: one group.
-        ``kv_dtype``: what the cache stores (conveyor.model.attention.kv_cache_dtype); None: the model's dtype."""
+        ``kv_dtype``: what the cache stores (conveyor.model.dtypes.kv_cache_dtype); None: the model's dtype."""
         config = model.config
         param = model.embed_tokens.weight
         self.model = model

@@ -117,17 +117,6 @@ def _windowed_chunk(chunk: PrefillChunk, window: int, block_size: int) -> Prefil
     return replace(chunk, block_ids=chunk.block_ids[first:], causal_mask=mask, key_start=key_start)
 
 
-# What --kv-cache-dtype names, as the cache tensor's dtype (None: the model's own). fp8 is e5m2, the one fp8
-# format that needs no scale (e4m3 tops out at 448, which K can pass), as vLLM's CPU backend stores it.
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "bfloat16": torch.bfloat16, "fp8": torch.uint8,
-                                                  "fp8_e5m2": torch.uint8}
-
-
-def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache tensor's dtype for ``--kv-cache-dtype name`` (uint8 holds fp8 e5m2 bits)."""
-    return KV_CACHE_DTYPES[name] or model_dtype
-
-
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """``x`` rounded to what a cache of ``cache_dtype`` stores (fp8 e5m2 as its bits)."""
     if cache_dtype == torch.uint8:

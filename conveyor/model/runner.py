@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conveyor.core.config import EngineConfig, usable_cores
+from conveyor.core.formats import WeightFormat
 from conveyor.core.model_config import ModelConfig
-from conveyor.core.weight_format import WeightFormat
-from conveyor.model.attention import kv_cache_dtype
 from conveyor.model.decoder import Decoder
+from conveyor.model.dtypes import DTYPES, kv_cache_dtype
 from conveyor.model.families import family_for, native_gaps
-from conveyor.model.weights.loader import DTYPES, load_model, quantized_kinds, resolve_model, weight_file_bytes
+from conveyor.model.weights.loader import load_model, quantized_kinds, resolve_model, weight_file_bytes
 
 if TYPE_CHECKING:
     from conveyor.model.quant.dot_choice import QuantDotChoice
@@ -57,7 +57,7 @@ class RunnerPlan:
     def summary(self) -> str:
         """One line: how the model runs."""
         kernels = self.native_kernels_summary
-        how = f"native kernels, {kernels}" if kernels is not None else "PyTorch ops"
+        how = f"native kernels: {kernels}" if kernels is not None else "PyTorch ops"
         return f"{self.device}, {self.dtype}, {how}, {self.num_threads} thread(s)"
 
     @property
@@ -113,7 +113,9 @@ def load(plan: RunnerPlan, max_positions: int, kernels_mode: str) -> tuple[Decod
     if kernels is not None:
         plan = _use_native_kernels(plan, model, kernels, kernels_mode == "auto")
     kernel_format = plan.kernel_dtype or plan.dtype
-    return model, dataclasses.replace(plan, weight_format=WeightFormat(kernel_format, *model.stored_weight_bits()))
+    plan = dataclasses.replace(plan, weight_format=WeightFormat(kernel_format, *model.stored_weight_bits()))
+    logger.info("the model runs on %s", plan.summary)
+    return model, plan
 
 
 def kv_torch_dtype(plan: RunnerPlan) -> torch.dtype:
@@ -141,7 +143,6 @@ def _use_native_kernels(plan: RunnerPlan, model: Decoder, kernels: Any, auto: bo
         model.use_native_kernels(kernels, width, quant_dots=dots)
         plan = dataclasses.replace(plan, kernel_width=width, kernel_dtype="+".join(sorted(quantized_kinds(model))),
                                    quant_choice=quant_choice)
-        logger.info("native kernels: %s", plan.native_kernels_summary)
         return plan
     kernel_choice, torch_rows, fused_rows = None, {}, None  # None: the stack's own rule for fusing SwiGLU
     if auto:
@@ -152,7 +153,6 @@ def _use_native_kernels(plan: RunnerPlan, model: Decoder, kernels: Any, auto: bo
         width, torch_rows, fused_rows = kernel_choice.width, kernel_choice.torch_rows(), kernel_choice.fused_rows()
     plan = dataclasses.replace(plan, kernel_width=width, kernel_dtype="bfloat16" if bfloat16 else "float32",
                                kernel_choice=kernel_choice)
-    logger.info("native kernels: %s", plan.native_kernels_summary)
     model.use_native_kernels(kernels, width, bfloat16, torch_rows, fused_rows)
     return plan
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+from conveyor.core.formats import FLOAT_BYTES, WeightFormat
 from conveyor.core.model_config import ModelConfig
 from conveyor.core.scheduler.output import SchedulerOutput
-from conveyor.core.weight_format import WeightFormat
-from conveyor.sim.hardware import DTYPE_BYTES, HardwareSpec
+from conveyor.sim.hardware import HardwareSpec
 
 
 @dataclass(slots=True)
@@ -120,8 +120,8 @@ def total_params(model: ModelConfig) -> int:
 class CostModel:
     def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, tensor_parallel_size: int = 1,
                  weights: WeightFormat | None = None, kv_element_bytes: int | None = None) -> None:
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+        if dtype not in FLOAT_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(FLOAT_BYTES)}, got {dtype!r}")
         tp = tensor_parallel_size
         if tp < 1 or model.num_heads % tp:
             raise ValueError(f"tensor_parallel_size {tp} must be >= 1 and divide the {model.num_heads} attention heads")
@@ -131,7 +131,7 @@ class CostModel:
         self.hardware = hardware
         self.dtype = dtype
         self.tensor_parallel_size = tp
-        b = DTYPE_BYTES[dtype]
+        b = FLOAT_BYTES[dtype]
         h, layers = model.hidden_size, model.num_layers
         kv_heads = max(model.num_kv_heads // tp, 1)  # fewer KV heads than devices: each device keeps a copy
         layer_params = linear_params_per_layer(model)

@@ -24,7 +24,6 @@ from conveyor.core.model_config import ModelConfig
 from conveyor.platform.cache_dir import cache_dir
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,11 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.core.config import usable_cores
+from conveyor.core.formats import FLOAT_BYTES
 from conveyor.core.model_config import ModelConfig
 from conveyor.platform.cache_dir import cache_dir, write_cache_file
 from conveyor.platform.cpu import this_cpu
 from conveyor.sim.cost import CostModel, StepWork
-from conveyor.sim.hardware import DTYPE_BYTES, HardwareSpec
+from conveyor.sim.hardware import HardwareSpec
 
 ENGINE_PACKAGES = ("core", "engine", "executor", "model", "csrc")  # the code a real step runs
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -402,7 +403,7 @@ def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tens
     roofline = CostModel(model, hardware, dtype, tensor_parallel_size, kv_element_bytes=kv_element_bytes)
     if step_profile == "none":
         return roofline, "roofline"
-    if kv_element_bytes not in (None, DTYPE_BYTES[dtype]):
+    if kv_element_bytes not in (None, FLOAT_BYTES[dtype]):
         # A profile times steps over a cache in the model's dtype; another one reads other bytes per token.
         return roofline, "roofline (a step profile is measured with the KV cache in the model's dtype)"
     if step_profile != "auto":

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from conveyor.core.formats import BLOCK_FORMATS
 
 TILE = 16  # output rows per kernel tile: one 64-byte vector holds 4 inputs for each of 16 rows
 
@@ -192,14 +193,14 @@ _FORMATS: dict[str, _Format] = {
     "Q6_K": _Format(_q6_k, 6, 16, 32),
 }
 SUPPORTED_TYPES: frozenset[str] = frozenset(_FORMATS)
+assert set(BLOCK_FORMATS) == SUPPORTED_TYPES, "every format the registry names decodes here, and no other"
 
 
 def _format(type_name: str) -> tuple[_Format, int, int]:
     """The decoder and (weights, bytes) per block of a type, refusing the ones without an exact uniform form."""
     if type_name not in _FORMATS:
         raise ValueError(f"quant: GGUF type {type_name} is not supported; supported: {', '.join(sorted(_FORMATS))}")
-    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
-    return _FORMATS[type_name], block, type_size
+    return _FORMATS[type_name], BLOCK_FORMATS[type_name].block, BLOCK_FORMATS[type_name].file_bytes
 
 
 def decode(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantizedMatrix:

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from conveyor.core.formats import BLOCK_FORMATS
 from conveyor.model.quant.formats import TILE, QuantizedMatrix, decode, k_sub_scales
 
-K_TYPES = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+K_TYPES = frozenset(name for name, f in BLOCK_FORMATS.items() if f.super_block)
 SUPER_BLOCK = 256  # inputs per super-block
 HEADER_BYTES = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 32 + 256}  # per tile and super-block: d (dmin) and sub-scales
 HIGH_BITS = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}  # code bits above the fourth, in their own plane
@@ -43,7 +43,7 @@ class RawBlocks:
     def __post_init__(self) -> None:
         if self.type_name not in K_TYPES:
             raise ValueError(f"quant: {self.type_name} is not a K-quant ({', '.join(sorted(K_TYPES))})")
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[self.type_name]]
+        block, size = BLOCK_FORMATS[self.type_name].block, BLOCK_FORMATS[self.type_name].file_bytes
         if self.k % block or self.raw.dtype != np.uint8 or self.raw.shape != (self.n, self.k // block * size):
             raise ValueError(f"quant: {self.type_name} [{self.n}, {self.k}] takes uint8 [{self.n}, "
                              f"{self.k // block * size}] (k a multiple of {block}); got {self.raw.dtype} "

@@ -26,17 +26,13 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from conveyor.model.dtypes import DTYPES
 from conveyor.model.families import LLAMA, Family, gguf_family
 from conveyor.model.weights.gguf_families import default_chat_template, family_config, is_norm, layer_names
 
 __all__ = ["ROPE_FREQS", "convert_gguf_to_hf", "hf_name", "hf_norm", "rope_heads", "rope_row_order",
            "unpermute_rope_rows"]
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 # GGUF tensor base names (without ".weight"/".bias") that are not per-layer.
 _GLOBAL_NAMES = {
@@ -116,9 +112,9 @@ def _existing_file(path: str | os.PathLike) -> pathlib.Path:
 def _parse_dtype(dtype: str) -> torch.dtype:
     """Map the public string option to a torch dtype, rejecting anything we have not thought about."""
     try:
-        return _DTYPES[dtype]
+        return DTYPES[dtype]
     except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(_DTYPES)}") from None
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}") from None
 
 
 def _check_destination(out: pathlib.Path) -> None:

@@ -1,13 +1,26 @@
-"""How many bits a model's weights take as stored: what a decode step reads, whatever it computes in.
+"""The formats Conveyor runs, in one place: float dtypes, KV cache dtypes and GGUF block types, with the bytes
+a file holds and the bits the engine stores.
 
-The engine reports the format of the weights it runs (a GGUF file's quantized codes, scales and mins), and the
-cost model prices a step's weight reads by it, so that the roofline and the simulator hold for quantized
-models as for float ones.
+The torch and numpy tables (conveyor.model.dtypes, conveyor.model.quant.formats) key into these; the options'
+choices are read from them. The engine reports the format of the weights it runs as a WeightFormat of stored
+bits, and the cost model prices a step's weight reads by it, so that the roofline and the simulator hold for
+quantized models as for float ones.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Float dtypes (--dtype): bytes per element.
+FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# --kv-cache-dtype: bytes per K or V element (None: the model's dtype). fp8 is e5m2, held as its bits.
+KV_CACHE_BYTES: dict[str, int | None] = {"auto": None, "bfloat16": 2, "fp8": 1, "fp8_e5m2": 1}
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
+    """Bytes of one K or V element in the cache: ``kv_cache_dtype``'s, or the model's own under ``auto``."""
+    return KV_CACHE_BYTES[kv_cache_dtype] or FLOAT_BYTES[model_dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +53,11 @@ class BlockFormat:
     @property
     def file_bits(self) -> float:
         return 8.0 * self.file_bytes / self.block
+
+    @property
+    def super_block(self) -> bool:
+        """A K-quant: 256-weight super-blocks, run from their own layout (conveyor/model/quant/k_quants.py)."""
+        return self.block == 256
 
 
 # The one table of the formats Conveyor runs. Stored bits equal the file's but for Q5_0 and Q5_1, whose 5-bit codes
