@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from conveyor.bench.interleave import gemm_ab, interleaved
+from conveyor.benchmarks.interleave import gemm_ab, interleaved
 from conveyor.model.native.kernels import BF16_FEATURE, native_kernels
 
 # (name, K, N): SmolLM2-135M's projections (qkv and gate/up fused as the engine packs them) and its LM head.
@@ -75,7 +75,7 @@ def build_engines() -> dict:
 
 
 def speed(engines: dict, rounds: int) -> None:
-    from conveyor.bench.decode import measure_decode
+    from conveyor.benchmarks.decode import measure_decode
 
     torch.set_num_threads(os.cpu_count() or 1)
     print(f"\nSmolLM2-135M, medians of {rounds} interleaved rounds: float32 | bfloat16 | ratio")
@@ -94,8 +94,8 @@ def speed(engines: dict, rounds: int) -> None:
 def agreement(engines: dict) -> None:
     """W1's greedy outputs of the bf16 engine, and of PyTorch ops in bfloat16 (what ``--dtype bfloat16`` runs
     on a CPU without avx512_bf16) for comparison, against the float32 engine's."""
-    from conveyor.bench.throughput import run_all_at_once
-    from conveyor.bench.workload import w1_requests
+    from conveyor.benchmarks.throughput import run_all_at_once
+    from conveyor.benchmarks.workload import w1_requests
     from conveyor.core.config import EngineConfig
     from conveyor.engine import Engine
 

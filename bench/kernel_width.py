@@ -17,7 +17,7 @@ from functools import partial
 
 import torch
 
-from conveyor.bench.interleave import gemm_ab, interleaved
+from conveyor.benchmarks.interleave import gemm_ab, interleaved
 from conveyor.model.native.kernels import WIDTH_ENV, native_kernels
 
 # (name, K, N): SmolLM2-135M's projections (qkv and gate/up fused as the engine packs them) and its LM head.
@@ -63,7 +63,7 @@ def attention(kernels, samples: int, min_s: float) -> None:
 def engines(batch_sizes: list[int], rounds: int, steps: int) -> None:
     """Decode tokens/s of an engine per width (the engine reads the width when it packs the model), both on
     ``--kernels native``: the packed kernels everywhere, so that only the width differs."""
-    from conveyor.bench.decode import measure_decode
+    from conveyor.benchmarks.decode import measure_decode
     from conveyor.core.config import EngineConfig
     from conveyor.engine import Engine
 

@@ -20,8 +20,8 @@ import argparse
 import random
 import time
 
-from conveyor.bench.decode import measure_decode
-from conveyor.bench.workload import W1_OUTPUT_LEN, w1_requests
+from conveyor.benchmarks.decode import measure_decode
+from conveyor.benchmarks.workload import W1_OUTPUT_LEN, w1_requests
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine

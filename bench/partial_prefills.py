@@ -22,9 +22,9 @@ import time
 
 import httpx
 
-from conveyor.bench.local_server import local_server, save_results, server_script_parser
-from conveyor.bench.serve import RequestTiming, stream_request
-from conveyor.bench.workload import SyntheticRequest
+from conveyor.benchmarks.local_server import local_server, save_results, server_script_parser
+from conveyor.benchmarks.serve import RequestTiming, stream_request
+from conveyor.benchmarks.workload import SyntheticRequest
 from conveyor.observe.figures import percentile
 
 CONFIGURATIONS = {

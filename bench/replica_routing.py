@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from conveyor.bench.local_server import local_server
-from conveyor.bench.report import format_table
-from conveyor.bench.serve import bench_serve
+from conveyor.benchmarks.local_server import local_server
+from conveyor.benchmarks.report import format_table
+from conveyor.benchmarks.serve import bench_serve
 
 
 def warm_up(base: str, num_requests: int) -> None:

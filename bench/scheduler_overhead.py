@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from conveyor.bench.workload import long_tail_workload
+from conveyor.benchmarks.workload import long_tail_workload
 from conveyor.core.kv import PagedKVCacheManager, PrefixCachingKVCacheManager
 from conveyor.core.request import Request
 from conveyor.core.sampling import SamplingParams

@@ -23,10 +23,10 @@ import time
 
 import httpx
 
-from conveyor.bench.decode import decode_slices
-from conveyor.bench.local_server import local_server, save_results, server_script_parser
-from conveyor.bench.throughput import run_all_at_once
-from conveyor.bench.workload import SyntheticRequest
+from conveyor.benchmarks.decode import decode_slices
+from conveyor.benchmarks.local_server import local_server, save_results, server_script_parser
+from conveyor.benchmarks.throughput import run_all_at_once
+from conveyor.benchmarks.workload import SyntheticRequest
 from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
 

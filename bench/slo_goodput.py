@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import sys
 
-from conveyor.bench.local_server import local_server, save_results, server_script_parser
-from conveyor.bench.report import format_table
-from conveyor.bench.serve import bench_serve
+from conveyor.benchmarks.local_server import local_server, save_results, server_script_parser
+from conveyor.benchmarks.report import format_table
+from conveyor.benchmarks.serve import bench_serve
 
 CONFIGURATIONS = {"fcfs": ["--scheduling-policy", "fcfs"],
                   "slo+admission": ["--scheduling-policy", "slo", "--admission-control"]}

@@ -43,9 +43,9 @@ from collections.abc import AsyncIterator
 
 import httpx
 
-from conveyor.bench.local_server import local_server, save_results, server_script_parser
-from conveyor.bench.serve import stream_request
-from conveyor.bench.workload import SyntheticRequest
+from conveyor.benchmarks.local_server import local_server, save_results, server_script_parser
+from conveyor.benchmarks.serve import stream_request
+from conveyor.benchmarks.workload import SyntheticRequest
 from conveyor.observe.figures import percentile
 
 WARM_REQUESTS = 8  # each server's first requests, before anything is measured

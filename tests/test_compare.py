@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conveyor.bench.compare import (
+from conveyor.benchmarks.compare import (
     ROOT,
     Comparison,
     EngineResult,
@@ -26,7 +26,7 @@ from conveyor.bench.compare import (
     run_peers,
     shrink,
 )
-from conveyor.bench.workload import (
+from conveyor.benchmarks.workload import (
     AT_ONCE,
     ONE_AT_A_TIME,
     SyntheticRequest,
@@ -255,7 +255,7 @@ def test_conveyor_is_timed_through_its_own_server_as_the_peers_are():
 
 
 def test_on_a_gguf_file_the_llamacpp_peers_run_that_file():
-    from conveyor.bench.compare import on_the_file, select_peers
+    from conveyor.benchmarks.compare import on_the_file, select_peers
 
     peers = select_peers(["llamacpp-q4_1", "ik-llamacpp", "openvino"])
     followed = on_the_file(peers, "/models/x.gguf")
@@ -313,7 +313,7 @@ def test_compare_refuses_unknown_peers_and_bad_sizes_before_running_anything():
 
 
 def test_conveyor_runs_the_comparison_in_the_dtype_asked_and_says_so():
-    from conveyor.bench.compare import conveyor_on_workloads
+    from conveyor.benchmarks.compare import conveyor_on_workloads
 
     workloads, result, _ = conveyor_on_workloads(("W1@1",), w1_single=1, limit=1, max_output_len=4, threads=1,
                                                  dtype="bfloat16")

@@ -112,7 +112,7 @@ def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, 
     10.909 float32 (1.9% over float32 for both engines' int8 activations); on a Zen 5 (vnni512), 10.947."""
     from pathlib import Path
 
-    from conveyor.bench.perplexity import perplexity
+    from conveyor.benchmarks.perplexity import perplexity
     from tests.test_quantized import LLAMA_PERPLEXITY, llama_cpp_perplexity
 
     assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set(quantized_llm.engine.runner.kernel_dtype.split("+"))
@@ -163,7 +163,7 @@ def test_serve_answers_the_openai_client(gemma_file):
 def test_the_comparison_prompts_are_41_tokens_on_gemmas_tokenizer_too(gemma_file):
     """`conveyor bench compare --model gemma3-270m` builds W1 from Gemma's tokenizer, which needs the filler
     twice to reach 41 tokens; each prompt still holds its question whole and opens the model's turn."""
-    from conveyor.bench.workload import w1_requests
+    from conveyor.benchmarks.workload import w1_requests
     from conveyor.engine.tokenizer import Tokenizer
     from conveyor.model.weights.loader import resolve_model
 

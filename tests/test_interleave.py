@@ -6,7 +6,7 @@ import itertools
 import time
 from functools import partial
 
-from conveyor.bench.interleave import gemm_ab, interleaved, timed
+from conveyor.benchmarks.interleave import gemm_ab, interleaved, timed
 
 
 def test_timed_fills_the_time_asked_and_divides_by_the_calls():

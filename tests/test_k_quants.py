@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.compare import ROOT
+from conveyor.benchmarks.compare import ROOT
 from conveyor.model.quant.formats import TILE, dequantize, permute_rows, reference_linear
 from conveyor.model.quant.k_quants import K_TYPES, JoinedRows, RawBlocks, block_bytes, concat_blocks
 from conveyor.model.quant.linear import native_weight

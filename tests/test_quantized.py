@@ -281,7 +281,7 @@ def test_perplexity_is_within_1_percent_of_llama_cpp_on_the_same_file(quantized_
     """The same protocol (bench/perplexity.py: chunks of 256 tokens, BOS first where the tokenizer adds one, the
     second half of each scored) on the default model's Q4_1 file: a wrong dequantization, a wrong row order or
     a kernel bug moves perplexity by far more than 1%."""
-    from conveyor.bench.perplexity import perplexity
+    from conveyor.benchmarks.perplexity import perplexity
     from conveyor.model.weights.loader import default_model_path
 
     if not LLAMA_PERPLEXITY.is_file():
@@ -325,7 +325,7 @@ def test_a_float_checkpoint_quantized_at_load_keeps_its_perplexity(kernels, defa
     """The default model's float32 folder with --quantization: perplexity within 1% (int8) and 3% (int4) of the
     float32 run's (measured: 0.01% and 0.12%; its weights are Q4_1's values already, so int4 of them loses
     little)."""
-    from conveyor.bench.perplexity import perplexity
+    from conveyor.benchmarks.perplexity import perplexity
     from conveyor.entrypoints.llm import LLM
 
     text = TEXT.read_text(encoding="utf-8")

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench.compare import ROOT
+from conveyor.benchmarks.compare import ROOT
 
 BENCH = ROOT / "bench"
 

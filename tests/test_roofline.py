@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from conveyor.bench.machine import MachineFigures, ReadProbe, fastest_gemm, measure_int8_gemm, measure_native_gemm
-from conveyor.bench.roofline import decode_point, machine_cost_model
+from conveyor.benchmarks.machine import MachineFigures, ReadProbe, fastest_gemm, measure_int8_gemm, measure_native_gemm
+from conveyor.benchmarks.roofline import decode_point, machine_cost_model
 from conveyor.core.formats import WeightFormat
 from conveyor.entrypoints.cli import main
 from conveyor.sim.hardware import load_model_config
@@ -44,7 +44,7 @@ def test_intensity_grows_with_the_batch_until_compute_bound():
 
 def test_roofline_command_on_the_tiny_model(tiny_model_dir, tmp_path, monkeypatch, capsys):
     machine_json = tmp_path / "machine.json"
-    monkeypatch.setattr("conveyor.bench.machine.machine_file", lambda: machine_json)
+    monkeypatch.setattr("conveyor.benchmarks.machine.machine_file", lambda: machine_json)
     picture, table = tmp_path / "roof.png", tmp_path / "roof.json"
     argv = ["roofline", "--model", str(tiny_model_dir), "--batch-sizes", "1,3", "--context-lens", "64",
             "--measured-context-len", "16", "--steps", "2", "-o", str(picture), "--json", str(table),
@@ -83,13 +83,13 @@ def test_the_compute_roof_is_the_fastest_gemm_the_machine_has(monkeypatch):
     if native is None:
         pytest.skip("the native kernels cannot be built here (no C++ compiler)")
     assert native[0] > 0 and native[1].startswith("native ")
-    monkeypatch.setattr("conveyor.bench.machine.measure_gemm", lambda dtype: 50e9)
-    monkeypatch.setattr("conveyor.bench.machine.measure_native_gemm",
+    monkeypatch.setattr("conveyor.benchmarks.machine.measure_gemm", lambda dtype: 50e9)
+    monkeypatch.setattr("conveyor.benchmarks.machine.measure_native_gemm",
                         lambda bfloat16: (160e9, "native 512-bit bf16") if bfloat16 else (80e9, "native 512-bit"))
     assert fastest_gemm("float32") == (80e9, "native 512-bit")
     assert fastest_gemm("bfloat16") == (160e9, "native 512-bit bf16")
     assert fastest_gemm("float16") == (50e9, "torch")  # no native float16 GEMM
-    monkeypatch.setattr("conveyor.bench.machine.measure_gemm", lambda dtype: 90e9)
+    monkeypatch.setattr("conveyor.benchmarks.machine.measure_gemm", lambda dtype: 90e9)
     assert fastest_gemm("float32") == (90e9, "torch")
 
 

@@ -6,8 +6,8 @@ import json
 import math
 import re
 
-from conveyor.bench.calibrate import Probe, calibrate, profiling_grid, time_probe
-from conveyor.bench.sim_validation import print_errors, run_pace, validate_suite
+from conveyor.benchmarks.calibrate import Probe, calibrate, profiling_grid, time_probe
+from conveyor.benchmarks.sim_validation import print_errors, run_pace, validate_suite
 from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.sim.cost import StepWork

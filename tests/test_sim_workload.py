@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from conveyor.bench.workload import multi_turn_workload
+from conveyor.benchmarks.workload import multi_turn_workload
 from conveyor.sim.workload import (
     LENGTH_PRESETS,
     WorkloadRequest,

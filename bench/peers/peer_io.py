@@ -2,7 +2,7 @@
 
 Standard library only: each runner runs in its peer's own virtual environment,
 where Conveyor is not installed. A workload file is what
-``conveyor.bench.workload.Workload.to_json`` writes: ``{"name", "mode",
+``conveyor.benchmarks.workload.Workload.to_json`` writes: ``{"name", "mode",
 "requests": [{"prompt_token_ids", "output_len"}]}`` with mode ``at-once`` or
 ``one-at-a-time``. The result file holds, per workload, each request's output
 token ids, time to first token (None where the engine does not report it) and

@@ -25,8 +25,8 @@ import http_client
 import httpx
 import run_llamacpp
 
-from conveyor.bench.speculative import DEFAULT_SPEC, REWRITE_MAX_TOKENS, rewrite_prompts
-from conveyor.bench.throughput import run_together
+from conveyor.benchmarks.speculative import DEFAULT_SPEC, REWRITE_MAX_TOKENS, rewrite_prompts
+from conveyor.benchmarks.throughput import run_together
 from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine

@@ -11,7 +11,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from conveyor.bench.workload import WORKLOADS
+from conveyor.benchmarks.workload import WORKLOADS
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "bench", None) == "serve":
             return _bench_serve(args)
         if getattr(args, "bench", None) == "compare":
-            from conveyor.bench.compare import compare
+            from conveyor.benchmarks.compare import compare
 
             return compare(args.workloads.split(","), args.peers.split(",") if args.peers else [], args.w1_single,
                            args.limit, args.max_output_len, args.output, args.num_threads, args.dtype, args.model,
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace, config: EngineConfig) -> int:
-    from conveyor.bench.report import format_table
+    from conveyor.benchmarks.report import format_table
     from conveyor.entrypoints.llm import LLM
 
     params = SamplingParams(
@@ -349,7 +349,13 @@ def _generate(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace, config: EngineConfig) -> int:
-    from conveyor.bench.throughput import WorkloadSpec, print_comparison, print_throughput, run_throughput, write_json
+    from conveyor.benchmarks.throughput import (
+        WorkloadSpec,
+        print_comparison,
+        print_throughput,
+        run_throughput,
+        write_json,
+    )
     from conveyor.engine import Engine
 
     spec = WorkloadSpec(args.workload, args.num_prompts, args.workload_seed, int_pair(args.output_len, "--output-len"),
@@ -410,8 +416,8 @@ def _plot_timeline(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from conveyor.bench.serve import bench_serve, parse_extra_body, print_serve
-    from conveyor.bench.throughput import write_json
+    from conveyor.benchmarks.serve import bench_serve, parse_extra_body, print_serve
+    from conveyor.benchmarks.throughput import write_json
 
     if args.request_rate <= 0 or args.num_prompts < 1:
         raise ValueError("--request-rate must be > 0 and --num-prompts >= 1")
@@ -425,14 +431,14 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from conveyor.bench.export import export_hf
+    from conveyor.benchmarks.export import export_hf
 
     print(f"wrote {export_hf(args.model, args.output)}")
     return 0
 
 
 def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
-    from conveyor.bench.decode import print_decode, run_decode
+    from conveyor.benchmarks.decode import print_decode, run_decode
     from conveyor.engine import Engine
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -445,7 +451,12 @@ def _bench_decode(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def _bench_speculative(args: argparse.Namespace, config: EngineConfig) -> int:
     """Two engines of ``config``, without drafts and with ``--speculative-config`` (default: ngram, auto)."""
-    from conveyor.bench.speculative import DEFAULT_SPEC, predicted_speedups, print_speculative, run_speculative_bench
+    from conveyor.benchmarks.speculative import (
+        DEFAULT_SPEC,
+        predicted_speedups,
+        print_speculative,
+        run_speculative_bench,
+    )
     from conveyor.engine import Engine
 
     config.max_num_seqs = max(config.max_num_seqs, args.batch)
@@ -466,7 +477,7 @@ def _bench_speculative(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def _bench_perplexity(args: argparse.Namespace, config: EngineConfig) -> int:
-    from conveyor.bench.perplexity import perplexity
+    from conveyor.benchmarks.perplexity import perplexity
     from conveyor.engine import Engine
 
     text = Path(args.text).read_text(encoding="utf-8")
@@ -486,9 +497,9 @@ def _kernels_in_use(engine) -> str:
 
 
 def _roofline(args: argparse.Namespace, config: EngineConfig) -> int:
-    from conveyor.bench.machine import ReadProbe, measure_machine
-    from conveyor.bench.roofline import format_kernel_choice, format_roofline, run_roofline
-    from conveyor.bench.throughput import write_json
+    from conveyor.benchmarks.machine import ReadProbe, measure_machine
+    from conveyor.benchmarks.roofline import format_kernel_choice, format_roofline, run_roofline
+    from conveyor.benchmarks.throughput import write_json
     from conveyor.engine import Engine
     from conveyor.viz.roofline import plot_roofline
 

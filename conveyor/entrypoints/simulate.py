@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conveyor.bench.report import format_table
+from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.entrypoints.args import add_engine_args, engine_config, with_overrides
 from conveyor.router import POLICY_NAMES
@@ -295,7 +295,7 @@ CLUSTER_COLUMNS = {
 
 def _report(args: argparse.Namespace, rates: list[float], results: dict[str, list[dict[str, Any]]],
             several: bool) -> None:
-    from conveyor.bench.throughput import print_throughput, write_json
+    from conveyor.benchmarks.throughput import print_throughput, write_json
 
     columns = CLUSTER_COLUMNS if args.num_replicas > 1 else TABLE_COLUMNS
     if not several:
@@ -338,8 +338,8 @@ def _sweep(args: argparse.Namespace, rates: list[float], results: dict[str, list
 
 def _calibrate(args: argparse.Namespace) -> int:
     """``calibrate``: fit and save the profile, then validate unless told not to; ``validate``: validate."""
-    from conveyor.bench.calibrate import calibrate
-    from conveyor.bench.sim_validation import validate_suite
+    from conveyor.benchmarks.calibrate import calibrate
+    from conveyor.benchmarks.sim_validation import validate_suite
 
     config = engine_config(args)
     names = tuple(name.strip() for name in args.workloads.split(","))

@@ -236,7 +236,7 @@ def with_serving_overhead(cost: CostModel, seconds_per_token: float, seconds_per
 def with_pace(cost: CostModel, pace: float) -> CostModel:
     """A copy of ``cost`` whose steps take ``pace`` times their price: the machine as fast, or as slow, as it was
     measured to be when the run being predicted ran (``conveyor simulate validate`` holds each real run's own
-    steps against the profile's prices: conveyor/bench/sim_validation.py run_pace)."""
+    steps against the profile's prices: conveyor/benchmarks/sim_validation.py run_pace)."""
     if not pace > 0:
         raise ValueError(f"the pace must be > 0, got {pace}")
     paced = copy.copy(cost)

@@ -114,7 +114,7 @@ def _machine_figures() -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(
             f"hardware cpu-local: no measurement of this machine at {path}; create it with `conveyor roofline`, "
-            'or: python -c "from conveyor.bench.machine import measure_machine; measure_machine().save()"'
+            'or: python -c "from conveyor.benchmarks.machine import measure_machine; measure_machine().save()"'
         )
     machine = json.loads(path.read_text())
     bandwidth = float(machine["memory_bandwidth"])

@@ -5,7 +5,7 @@ requests all at once (W2's shape, smaller); Poisson arrivals at half and at nine
 engine sustained on the first; requests over shared prefixes, with prefix caching; priorities arriving
 faster than they are served in a small KV pool, so that important requests preempt others; and long
 outputs all at once in a pool too small for them, preempting by swap. ``conveyor simulate validate``
-(:mod:`conveyor.bench.sim_validation`) runs each through the real engine and through the simulator.
+(:mod:`conveyor.benchmarks.sim_validation`) runs each through the real engine and through the simulator.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from conveyor.bench.machine import MachineFigures
-from conveyor.bench.roofline import RooflinePoint
+from conveyor.benchmarks.machine import MachineFigures
+from conveyor.benchmarks.roofline import RooflinePoint
 
 
 def plot_roofline(points: list[RooflinePoint], machine: MachineFigures, out: str | Path) -> None:

@@ -20,9 +20,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from conveyor.bench.report import format_table
-from conveyor.bench.throughput import run_all_at_once, run_together
-from conveyor.bench.workload import W2_NUM_REQUESTS, W2_SEED, long_tail_workload
+from conveyor.benchmarks.report import format_table
+from conveyor.benchmarks.throughput import run_all_at_once, run_together
+from conveyor.benchmarks.workload import W2_NUM_REQUESTS, W2_SEED, long_tail_workload
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.core.spec import SpecDecodeStats

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from conveyor.bench.throughput import run_together
+from conveyor.benchmarks.throughput import run_together
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 

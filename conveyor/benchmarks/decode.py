@@ -10,7 +10,7 @@ import random
 import time
 from collections.abc import Iterator
 
-from conveyor.bench.report import format_table
+from conveyor.benchmarks.report import format_table
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from conveyor.bench.report import format_table
+from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
@@ -140,7 +140,7 @@ def ensure_machine_figures() -> None:
     """Measure this machine's bandwidth and GEMM throughput if ``conveyor roofline`` has not yet."""
     if machine_file().is_file():
         return
-    from conveyor.bench.machine import measure_machine
+    from conveyor.benchmarks.machine import measure_machine
 
     print("measuring this machine's memory bandwidth and GEMM FLOP/s ...", flush=True)
     measure_machine().save()

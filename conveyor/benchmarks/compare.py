@@ -26,9 +26,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from conveyor.bench.report import format_table
-from conveyor.bench.throughput import run_all_at_once
-from conveyor.bench.workload import AT_ONCE, ONE_AT_A_TIME, SyntheticRequest, Workload
+from conveyor.benchmarks.report import format_table
+from conveyor.benchmarks.throughput import run_all_at_once
+from conveyor.benchmarks.workload import AT_ONCE, ONE_AT_A_TIME, SyntheticRequest, Workload
 from conveyor.engine import Engine
 from conveyor.observe.figures import percentile
 
@@ -319,7 +319,7 @@ class Comparison:
 def machine_info(threads: int) -> dict[str, Any]:
     import torch
 
-    from conveyor.bench.machine import _cpu_name
+    from conveyor.benchmarks.machine import _cpu_name
 
     return {"cpu": _cpu_name(), "cores": os.cpu_count(), "threads (every engine)": threads, "torch": torch.__version__,
             "python": platform.python_version()}
@@ -335,7 +335,7 @@ def conveyor_on_workloads(names: tuple[str, ...], w1_single: int, limit: int | N
     """Conveyor with its default configuration (in ``dtype``) on ``model`` (None: the default model, as its
     GGUF file: weights kept quantized); the workloads come from its tokenizer unless given. Returns them, its
     result and the model's EOS id. The engine is dropped on return: its memory is free before the peers start."""
-    from conveyor.bench.workload import comparison_workloads
+    from conveyor.benchmarks.workload import comparison_workloads
     from conveyor.core.config import EngineConfig
 
     def engine_with(caching: bool) -> Engine:  # prefix caching off as every peer runs W1 and W2; on for SP
@@ -385,7 +385,7 @@ def on_the_file(peers: list[Peer], model: str | None) -> list[Peer]:
 def model_workloads(model: str | None, names: tuple[str, ...], w1_single: int, limit: int | None,
                     max_output_len: int | None) -> tuple[list[Workload], int | None]:
     """The workloads in ``model``'s token ids (its tokenizer alone: no weights are loaded) and its EOS id."""
-    from conveyor.bench.workload import comparison_workloads
+    from conveyor.benchmarks.workload import comparison_workloads
     from conveyor.core.model_config import ModelConfig
     from conveyor.engine.tokenizer import Tokenizer
     from conveyor.model.weights.loader import resolve_model

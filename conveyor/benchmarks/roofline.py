@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from conveyor.bench.decode import decode_slices, measure_decode
-from conveyor.bench.machine import MachineFigures, ReadProbe
-from conveyor.bench.report import format_table
+from conveyor.benchmarks.decode import decode_slices, measure_decode
+from conveyor.benchmarks.machine import MachineFigures, ReadProbe
+from conveyor.benchmarks.report import format_table
 from conveyor.core.formats import WeightFormat
 from conveyor.core.model_config import ModelConfig
 from conveyor.engine import Engine

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.bench.report import format_table
-from conveyor.bench.workload import (
+from conveyor.benchmarks.report import format_table
+from conveyor.benchmarks.workload import (
     WORKLOADS,
     Conversation,
     SyntheticRequest,

@@ -14,8 +14,8 @@ import statistics
 import time
 from typing import Any
 
-from conveyor.bench.calibrate import Probe, time_probe, timed_step
-from conveyor.bench.report import format_table
+from conveyor.benchmarks.calibrate import Probe, time_probe, timed_step
+from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from conveyor.bench.report import format_table
-from conveyor.bench.workload import (
+from conveyor.benchmarks.report import format_table
+from conveyor.benchmarks.workload import (
     Conversation,
     SyntheticRequest,
     long_tail_workload,

@@ -1,1 +1,0 @@
-"""Benchmarks: seeded workloads, and the figures they print."""
