@@ -8,6 +8,7 @@ TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: install run demo test test-slow soak lint docs docs-check bench-decode bench-throughput bench-roofline bench-peers \
+	kernel-check \
 	dashboard-screenshot clean
 
 install: $(STAMP)
@@ -86,6 +87,15 @@ bench-throughput: install
 
 bench-roofline: install
 	$(BIN)/conveyor roofline --kv-cache-memory 4GiB -o docs/roofline.png
+
+# The kernels as a plain C++ library, no Python or torch: their test, then their microbenchmark (GB/s of weights
+# per layout and dot-product kind). Profile with `perf record build/kernel_check bench`.
+KERNEL_CHECK := build/kernel_check
+kernel-check:
+	mkdir -p build
+	$${CXX:-c++} -std=c++17 -O3 -march=native -fopenmp conveyor/model/native/csrc/kernel_check.cpp -o $(KERNEL_CHECK)
+	$(KERNEL_CHECK) test
+	$(KERNEL_CHECK) bench
 
 # Optional: other engines on the same workloads. Each peer is set up once, in its own virtual environment
 # under .peers/ (downloads of several hundred MB; llama.cpp builds for 10-20 minutes); a set-up that fails

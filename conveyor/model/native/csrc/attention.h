@@ -4,9 +4,6 @@
 
 #pragma once
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "parallel.h"
 #include "gemm.h"
 #include "vec.h"
 
@@ -486,8 +484,8 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
                     const int64_t* row_seq, const int64_t* context_lens, float scale, int64_t window, float* out,
                     int64_t units) {
   const AttendFn<C> attend = attend_fn<V, C>(shape.dim);
-  TORCH_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96, 128 or 256)");
-  const int64_t group = heads / shape.kv_heads, threads = at::get_num_threads(), out_size = heads * shape.dim;
+  CONVEYOR_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96, 128 or 256)");
+  const int64_t group = heads / shape.kv_heads, threads = num_threads(), out_size = heads * shape.dim;
   const std::vector<RowRun> runs = row_runs(rows, row_seq, context_lens, kRowsPerBlock);
   // A whole run per work item when there are units enough to share out; otherwise each run's context in one
   // span of whole blocks per thread, merged after (one row, 2 threads: each reads half the K and V, in order;
@@ -501,7 +499,7 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
   // Items are dealt out in turn rather than in halves: a prompt's later rows see longer contexts, and
   // halves would leave one thread all the long ones.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, count));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     TileScratch scratch;
     for (int64_t worker = begin; worker < end; ++worker) {

@@ -5,11 +5,10 @@
 
 #pragma once
 
-#include <ATen/Parallel.h>
-
 #include <cmath>
 #include <cstdint>
 
+#include "parallel.h"
 #include "rows.h"
 #include "vec.h"
 
@@ -21,7 +20,7 @@ template <typename V>
 void head_norm_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, int64_t dim, const float* weight,
                     float eps) {
   constexpr int64_t lanes = kLanesOf<V>;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < heads; ++h) {
         float* head = x + t * row_stride + h * dim;

@@ -10,10 +10,6 @@
 
 #pragma once
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -25,6 +21,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace conveyor {
@@ -181,7 +178,7 @@ struct TileKernel<PathBf16, Rows> {
 // even: once per GEMM, so that no tile pass converts the same rows again.
 inline void round_rows_bf16(const float* x, int64_t m, int64_t k, uint16_t* out) {
   const int64_t ld = (k + 1) / 2 * 2;
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* in = x + row * k;
       uint16_t* o = out + row * ld;
@@ -243,7 +240,7 @@ template <typename Pass>
 void for_each_tile_pass(int64_t m, int64_t tiles, int max_rows, const Pass& pass) {
   const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t block_rows = (m + row_blocks - 1) / row_blocks;
-  at::parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / tiles, tile = item % tiles;
       const int64_t row_end = std::min(m, (block + 1) * block_rows);
@@ -323,7 +320,7 @@ void with_path(int64_t width, const F& f) {
 #if defined(__AVX512F__)
   if (width == 512) return f(Path512{});
 #endif
-  TORCH_CHECK(false, "no ", width, "-bit kernels in this build (",
+  CONVEYOR_CHECK(false, "no ", width, "-bit kernels in this build (",
               width == 512 ? "the CPU lacks avx512f" : "widths are 256 or 512", ")");
 }
 
@@ -342,10 +339,10 @@ template <typename F>
 void with_gemm_path(int64_t width, bool bf16, const F& f) {
   if (!bf16) return with_path(width, f);
 #if defined(__AVX512BF16__)
-  TORCH_CHECK(width == 512, "the bfloat16 kernels are 512-bit, not ", width);
+  CONVEYOR_CHECK(width == 512, "the bfloat16 kernels are 512-bit, not ", width);
   return f(PathBf16{});
 #else
-  TORCH_CHECK(false, "no bfloat16 kernels in this build (the CPU lacks avx512_bf16)");
+  CONVEYOR_CHECK(false, "no bfloat16 kernels in this build (the CPU lacks avx512_bf16)");
 #endif
 }
 

@@ -14,7 +14,13 @@
 //
 // Every kernel comes in two widths, 256 bits (the portable path) and, where the target has AVX-512F, 512; the
 // caller picks one per call or per stack (with_path), and a weight is packed for one width. Threads: ATen's
-// parallel_for (OpenMP), which each kernel calls itself on raw rows.
+// parallel_for (OpenMP), which each kernel calls itself on raw rows (parallel.h).
+//
+// Only this file, tensors.h and native_decoder.h know torch: the kernels themselves take plain pointers and
+// shapes, and kernel_check.cpp builds them with g++ alone (their test and microbenchmark, `make kernel-check`).
+
+// The kernels share ATen's thread pool and raise its errors here (parallel.h); elsewhere they need no torch.
+#define CONVEYOR_ATEN 1
 
 #include <torch/extension.h>
 

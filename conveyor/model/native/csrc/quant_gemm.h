@@ -22,14 +22,11 @@
 
 #pragma once
 
-#include <torch/extension.h>
-
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -41,6 +38,7 @@
 
 #include "gemm.h"
 #include "kquant_tiles.h"
+#include "parallel.h"
 #include "quant_tiles.h"
 #include "vec.h"
 
@@ -79,8 +77,10 @@ inline QuantDot parse_quant_dot(const std::string& name) {
       }
     }
   }
-  TORCH_CHECK(false, "no quantized dot product '", name, "' in this build (it has ",
-              c10::Join(", ", quant_dots()), ")");
+  std::string have;
+  for (const auto& kind : quant_dots()) have += (have.empty() ? "" : ", ") + kind;
+  CONVEYOR_CHECK(false, "no quantized dot product '", name, "' in this build (it has ", have, ")");
+  return QuantDot::kPortable;
 }
 
 // The best kind for a stack of `width` bits: 512 runs vnni512 where the build has it; 256 the widest 256-bit kind.
@@ -98,94 +98,92 @@ inline QuantDot default_quant_dot(int64_t width) {
 #endif
 }
 
-// A quantized weight as the kernels take it: the uniform tiles' packed codes, scales and mins (mins empty: the
-// zero point), or a K layout's blocks (codes [tiles, super-blocks, block bytes]; scales and mins empty), or the
+// A quantized weight as the kernels take it: the uniform tiles' packed codes, scales and mins (no mins: the
+// zero point), or a K layout's blocks (codes [tiles, super-blocks, block bytes]; no scales or mins), or the
 // concatenation along the outputs of `parts`, each its own format (a Q4_K_M file's q/k/v: Q4_K beside Q6_K).
+// Plain pointers: whoever made it keeps the memory alive through `owner` (the torch module: its tensors).
 struct QuantWeight {
-  torch::Tensor codes, scales, mins;
-  int64_t n = 0, k = 0, group = 32, storage_bits = 4, code_bits = 4, zero_point = 0;
-  QuantLayout layout = QuantLayout::kTiles;
-  std::vector<QuantWeight> parts;
-  // The tensors' data, read once: a GEMM looks them up per tile, and Tensor::data_ptr is no plain load.
   const uint8_t* codes_data = nullptr;
   const uint8_t* scales_data = nullptr;
   const uint8_t* mins_data = nullptr;
+  int64_t n = 0, k = 0, group = 32, storage_bits = 4, code_bits = 4, zero_point = 0;
+  bool scales_f16 = true;  // scales and mins in float16 (else float32)
+  int64_t own_bytes = 0;   // this weight's codes, scales and mins (its parts' are theirs)
+  QuantLayout layout = QuantLayout::kTiles;
+  std::vector<QuantWeight> parts;
+  std::shared_ptr<const void> owner;
 
   int64_t tiles() const { return (n + kQuantTile - 1) / kQuantTile; }
   int64_t groups() const { return k / group; }
   int64_t group_bytes() const { return kQuantTile * group * storage_bits / 8; }
-  bool f16() const { return scales.scalar_type() == torch::kHalf; }
-  bool has_mins() const { return mins.numel() > 0; }
+  bool f16() const { return scales_f16; }
+  bool has_mins() const { return mins_data != nullptr; }
   int64_t bytes() const {
-    int64_t total = 0;
+    int64_t total = own_bytes;
     for (const QuantWeight& part : parts) total += part.bytes();
-    if (!codes.defined()) return total;
-    return total + codes.numel() + (scales.numel() + mins.numel()) * static_cast<int64_t>(scales.element_size());
+    return total;
   }
 };
 
-inline QuantWeight make_quant_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t n,
-                                     int64_t k, int64_t group, int64_t storage_bits, int64_t code_bits,
-                                     int64_t zero_point) {
-  TORCH_CHECK(group == 16 || group == 32, "a quantized weight's group is 16 or 32 inputs, not ", group);
-  TORCH_CHECK(storage_bits == 4 || storage_bits == 8, "codes are stored in 4 or 8 bits, not ", storage_bits);
-  TORCH_CHECK(storage_bits == 8 || group == 32, "4-bit codes come in groups of 32");
-  TORCH_CHECK(code_bits >= 1 && code_bits <= storage_bits, "codes of ", code_bits, " bits do not fit ", storage_bits);
-  TORCH_CHECK(n > 0 && k > 0 && k % group == 0, "a [", n, ", ", k, "] weight is no whole number of groups of ", group);
-  QuantWeight w{codes.contiguous(), scales.contiguous(), mins.contiguous(), n, k, group, storage_bits, code_bits,
-                zero_point};
-  TORCH_CHECK(w.codes.scalar_type() == torch::kUInt8 && w.codes.dim() == 3 && w.codes.size(0) == w.tiles() &&
-                  w.codes.size(1) == w.groups() && w.codes.size(2) == w.group_bytes(),
-              "codes must be uint8 [", w.tiles(), ", ", w.groups(), ", ", w.group_bytes(), "]");
-  const auto dtype = w.scales.scalar_type();
-  TORCH_CHECK((dtype == torch::kHalf || dtype == torch::kFloat32) && w.scales.dim() == 3 &&
-                  w.scales.size(0) == w.tiles() && w.scales.size(1) == w.groups() && w.scales.size(2) == kQuantTile,
-              "scales must be float16 or float32 [", w.tiles(), ", ", w.groups(), ", 16]");
-  TORCH_CHECK(w.mins.numel() == 0 || (w.mins.scalar_type() == dtype && w.mins.sizes() == w.scales.sizes()),
-              "mins must be empty or shaped and typed as the scales");
-  TORCH_CHECK(w.has_mins() || (zero_point >= 0 && zero_point < (int64_t{1} << code_bits)),
-              "zero point ", zero_point, " outside the codes' range");
-  w.codes_data = w.codes.data_ptr<uint8_t>();
-  w.scales_data = static_cast<const uint8_t*>(w.scales.data_ptr());
-  w.mins_data = w.has_mins() ? static_cast<const uint8_t*>(w.mins.data_ptr()) : nullptr;
+// A uniform-tile weight [n, k] over packed memory: codes uint8 [tiles, groups, group bytes], scales (and mins,
+// or nullptr for a zero point) [tiles, groups, 16] in float16 or float32.
+inline QuantWeight quant_weight(const uint8_t* codes, const void* scales, const void* mins, bool f16, int64_t n,
+                                int64_t k, int64_t group, int64_t storage_bits, int64_t code_bits,
+                                int64_t zero_point) {
+  CONVEYOR_CHECK(group == 16 || group == 32, "a quantized weight's group is 16 or 32 inputs, not ", group);
+  CONVEYOR_CHECK(storage_bits == 4 || storage_bits == 8, "codes are stored in 4 or 8 bits, not ", storage_bits);
+  CONVEYOR_CHECK(storage_bits == 8 || group == 32, "4-bit codes come in groups of 32");
+  CONVEYOR_CHECK(code_bits >= 1 && code_bits <= storage_bits, "codes of ", code_bits, " bits do not fit ",
+                 storage_bits);
+  CONVEYOR_CHECK(n > 0 && k > 0 && k % group == 0, "a [", n, ", ", k, "] weight is no whole number of groups of ",
+                 group);
+  CONVEYOR_CHECK(mins != nullptr || (zero_point >= 0 && zero_point < (int64_t{1} << code_bits)), "zero point ",
+                 zero_point, " outside the codes' range");
+  QuantWeight w;
+  w.codes_data = codes;
+  w.scales_data = static_cast<const uint8_t*>(scales);
+  w.mins_data = static_cast<const uint8_t*>(mins);
+  w.n = n, w.k = k, w.group = group, w.storage_bits = storage_bits, w.code_bits = code_bits;
+  w.zero_point = zero_point;
+  w.scales_f16 = f16;
+  const int64_t scale_bytes = w.tiles() * w.groups() * kQuantTile * (f16 ? 2 : 4);
+  w.own_bytes = w.tiles() * w.groups() * w.group_bytes() + scale_bytes * (mins != nullptr ? 2 : 1);
   return w;
 }
 
-// A K-quant weight [n, k] from its blocks in kquant_tiles.h's layout: uint8 [tiles, k / 256, block bytes].
-inline QuantWeight make_k_quant_weight(torch::Tensor blocks, const std::string& type, int64_t n, int64_t k) {
+// The K layout of a GGUF type name; a clear error for any other.
+inline QuantLayout k_layout(const std::string& type) {
+  if (type == "Q4_K") return QuantLayout::kQ4K;
+  if (type == "Q5_K") return QuantLayout::kQ5K;
+  if (type == "Q6_K") return QuantLayout::kQ6K;
+  CONVEYOR_CHECK(false, "no K layout for ", type, " (Q4_K, Q5_K, Q6_K)");
+  return QuantLayout::kTiles;
+}
+
+// A K-quant weight [n, k] over its blocks in kquant_tiles.h's layout: uint8 [tiles, k / 256, block bytes].
+inline QuantWeight k_quant_weight(const uint8_t* blocks, const std::string& type, int64_t n, int64_t k) {
   QuantWeight w;
-  if (type == "Q4_K") {
-    w.layout = QuantLayout::kQ4K;
-  } else if (type == "Q5_K") {
-    w.layout = QuantLayout::kQ5K;
-  } else if (type == "Q6_K") {
-    w.layout = QuantLayout::kQ6K;
-  } else {
-    TORCH_CHECK(false, "no K layout for ", type, " (Q4_K, Q5_K, Q6_K)");
-  }
-  TORCH_CHECK(n > 0 && k > 0 && k % kSuperBlock == 0, "a [", n, ", ", k, "] ", type, " weight is no whole number of ",
-              kSuperBlock, "-input super-blocks");
+  w.layout = k_layout(type);
+  CONVEYOR_CHECK(n > 0 && k > 0 && k % kSuperBlock == 0, "a [", n, ", ", k, "] ", type,
+                 " weight is no whole number of ", kSuperBlock, "-input super-blocks");
   w.n = n;
   w.k = k;
   w.group = w.layout == QuantLayout::kQ6K ? 16 : 32;
   w.code_bits = w.storage_bits = w.layout == QuantLayout::kQ4K ? 4 : w.layout == QuantLayout::kQ5K ? 5 : 6;
-  w.codes = blocks.contiguous();
-  TORCH_CHECK(w.codes.scalar_type() == torch::kUInt8 && w.codes.dim() == 3 && w.codes.size(0) == w.tiles() &&
-                  w.codes.size(1) == k / kSuperBlock && w.codes.size(2) == k_block_bytes(w.layout),
-              type, " blocks must be uint8 [", w.tiles(), ", ", k / kSuperBlock, ", ", k_block_bytes(w.layout), "]");
-  w.scales = w.mins = torch::empty({0}, torch::kFloat32);
-  w.codes_data = w.codes.data_ptr<uint8_t>();
+  w.scales_f16 = false;
+  w.codes_data = blocks;
+  w.own_bytes = w.tiles() * (k / kSuperBlock) * k_block_bytes(w.layout);
   return w;
 }
 
 // Weights of one input width stacked along their outputs, each run by its own format's kernel.
 inline QuantWeight join_quant_weights(const std::vector<QuantWeight>& parts) {
-  TORCH_CHECK(!parts.empty(), "nothing to join");
+  CONVEYOR_CHECK(!parts.empty(), "nothing to join");
   QuantWeight w;
   w.k = parts.front().k;
   for (const QuantWeight& part : parts) {
-    TORCH_CHECK(part.k == w.k, "parts of ", part.k, " and ", w.k, " inputs cannot be joined");
-    TORCH_CHECK(part.parts.empty(), "a joined weight's parts are not joined weights themselves");
+    CONVEYOR_CHECK(part.k == w.k, "parts of ", part.k, " and ", w.k, " inputs cannot be joined");
+    CONVEYOR_CHECK(part.parts.empty(), "a joined weight's parts are not joined weights themselves");
     w.n += part.n;
   }
   w.parts = parts;
@@ -250,7 +248,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t
   int8_t* qp = q.data();
   float* dp = d.data();
   int32_t* sp = sums.data();
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = row * groups + g;
@@ -300,7 +298,7 @@ void with_quant_dot(QuantDot dot, const Fn& f) {
     case QuantDot::kAvx2: return f(std::integral_constant<QuantDot, QuantDot::kAvx2>{});
 #endif
     case QuantDot::kPortable: return f(std::integral_constant<QuantDot, QuantDot::kPortable>{});
-    default: TORCH_CHECK(false, "no quantized dot product ", quant_dot_name(dot), " in this build");
+    default: CONVEYOR_CHECK(false, "no quantized dot product ", quant_dot_name(dot), " in this build");
   }
 }
 

@@ -4,13 +4,12 @@
 
 #pragma once
 
-#include <ATen/Parallel.h>
-
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "parallel.h"
 #include "vec.h"
 
 namespace conveyor {
@@ -31,7 +30,7 @@ template <typename V>
 void rms_norm_rows(float* x, const float* residual, const float* weight, int64_t rows, int64_t size, float eps,
                    float* out) {
   constexpr int64_t lanes = sizeof(V) / sizeof(float);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       float* in = x + row * size;
       V lane_squares{};
@@ -58,7 +57,7 @@ void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, in
                  const float* sin) {
   constexpr int64_t lanes = sizeof(V) / sizeof(float);
   const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + t * dim;
       const float* s = sin + t * dim;
@@ -85,7 +84,7 @@ void rotary_rows(float* x, int64_t tokens, int64_t row_stride, int64_t heads, in
 template <typename V, typename Act>
 void gated_rows(const float* gate_up, int64_t rows, int64_t size, float* out, Act act) {
   constexpr int64_t lanes = sizeof(V) / sizeof(float);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* gate = gate_up + row * 2 * size;
       const float* up = gate + size;
@@ -148,7 +147,7 @@ int64_t argmax_row(const float* x, int64_t n) {
 template <typename V>
 std::vector<int64_t> argmax_rows(const float* x, int64_t rows, int64_t n) {
   std::vector<int64_t> out(rows);
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) out[row] = argmax_row<V>(x + row * n, n);
   });
   return out;

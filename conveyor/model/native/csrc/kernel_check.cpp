@@ -1,0 +1,235 @@
+// The kernels' own test and microbenchmark, built with a C++ compiler alone (no Python, no torch), so that the
+// kernels can be checked and profiled (`perf record ./kernel_check bench`) as a plain library:
+//
+//   c++ -std=c++17 -O3 -march=native -fopenmp kernel_check.cpp -o kernel_check     (`make kernel-check`)
+//   ./kernel_check test      every quantized layout, every dot-product kind this CPU has, 1 to 100 rows:
+//                            against a double-precision reference, and each row bit-equal to its run alone
+//   ./kernel_check bench [N K]   one quantized GEMV and 16-row GEMM per layout and kind: GB/s and weights/s
+//
+// The weights are random bytes in each layout (scales kept finite), which the kernels read like any other.
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "quant_gemm.h"
+#include "rows.h"
+
+namespace {
+
+using conveyor::QuantDot;
+using conveyor::QuantLayout;
+using conveyor::QuantWeight;
+
+// float -> IEEE half, for normal values (all the scales made here are).
+uint16_t to_half(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  const uint32_t sign = (bits >> 16) & 0x8000u, exponent = (bits >> 23) & 0xffu, mantissa = bits & 0x7fffffu;
+  return static_cast<uint16_t>(sign | ((exponent - 127 + 15) << 10) | (mantissa >> 13));
+}
+
+// A layout under test: how to make a random weight of it, and its name.
+struct Layout {
+  std::string name;
+  QuantLayout layout;
+  int64_t group, storage_bits, code_bits, zero_point;  // the uniform tiles' parameters
+  bool mins;
+};
+
+const std::vector<Layout>& layouts() {
+  static const std::vector<Layout> all = {
+      {"Q8_0", QuantLayout::kTiles, 32, 8, 8, 128, false}, {"Q4_0", QuantLayout::kTiles, 32, 4, 4, 8, false},
+      {"Q4_1", QuantLayout::kTiles, 32, 4, 4, 0, true},    {"Q4_K", QuantLayout::kQ4K, 0, 0, 0, 0, false},
+      {"Q5_K", QuantLayout::kQ5K, 0, 0, 0, 0, false},      {"Q6_K", QuantLayout::kQ6K, 0, 0, 0, 0, false},
+  };
+  return all;
+}
+
+// Random memory in `layout` for [n, k], and the weight over it (the memory lives in `bytes`).
+QuantWeight random_weight(const Layout& layout, int64_t n, int64_t k, std::mt19937& rng, std::vector<uint8_t>& bytes) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> scale(0.002f, 0.02f);
+  const int64_t tiles = (n + conveyor::kQuantTile - 1) / conveyor::kQuantTile;
+  if (layout.layout == QuantLayout::kTiles) {
+    const int64_t groups = k / layout.group, group_bytes = conveyor::kQuantTile * layout.group * layout.storage_bits / 8;
+    const int64_t codes = tiles * groups * group_bytes, scales = tiles * groups * conveyor::kQuantTile;
+    bytes.assign(codes + 2 * scales * 2, 0);
+    for (int64_t i = 0; i < codes; ++i) bytes[i] = static_cast<uint8_t>(byte(rng));
+    auto* halves = reinterpret_cast<uint16_t*>(bytes.data() + codes);
+    for (int64_t i = 0; i < 2 * scales; ++i) halves[i] = to_half(i < scales ? scale(rng) : -4 * scale(rng));
+    return conveyor::quant_weight(bytes.data(), halves, layout.mins ? halves + scales : nullptr, true, n, k,
+                                  layout.group, layout.storage_bits, layout.code_bits, layout.zero_point);
+  }
+  const int64_t block_bytes = conveyor::k_block_bytes(layout.layout), blocks = k / conveyor::kSuperBlock;
+  bytes.assign(tiles * blocks * block_bytes, 0);
+  for (auto& b : bytes) b = static_cast<uint8_t>(byte(rng));
+  const int halves = layout.layout == QuantLayout::kQ6K ? 16 : 32;  // d (and dmin) per row of the tile
+  for (int64_t block = 0; block < tiles * blocks; ++block) {
+    auto* head = reinterpret_cast<uint16_t*>(bytes.data() + block * block_bytes);
+    for (int i = 0; i < halves; ++i) head[i] = to_half(scale(rng) * (layout.layout == QuantLayout::kQ6K ? 0.1f : 0.5f));
+  }
+  return conveyor::k_quant_weight(bytes.data(), layout.name, n, k);
+}
+
+std::vector<float> random_rows(int64_t m, int64_t k, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> x(m * k);
+  for (auto& v : x) v = normal(rng);
+  return x;
+}
+
+// What the kernels compute, in double: each row quantized to int8 per group as the kernels quantize it, times
+// the weight's rows as dequantize_rows gives them.
+std::vector<double> reference(const std::vector<float>& x, int64_t m, const QuantWeight& w, double* magnitude) {
+  const conveyor::QuantizedRows xq = conveyor::quantize_rows(x.data(), m, w.k, w.group);
+  std::vector<float> row(w.k);
+  std::vector<double> y(m * w.n);
+  *magnitude = 0;
+  for (int64_t j = 0; j < w.n; ++j) {
+    const int64_t id = j;
+    conveyor::dequantize_rows(w, &id, 1, row.data());
+    for (int64_t r = 0; r < m; ++r) {
+      double sum = 0, size = 0;
+      for (int64_t i = 0; i < w.k; ++i) {
+        const double term = double(xq.d[r * xq.groups + i / w.group]) * xq.q[r * w.k + i] * row[i];
+        sum += term;
+        size += std::fabs(term);
+      }
+      y[r * w.n + j] = sum;
+      *magnitude = std::max(*magnitude, size);
+    }
+  }
+  return y;
+}
+
+int failures = 0;
+
+void expect(bool ok, const std::string& what) {
+  if (!ok) {
+    ++failures;
+    std::printf("FAILED: %s\n", what.c_str());
+  }
+}
+
+void test_layout(const Layout& layout, QuantDot dot, std::mt19937& rng) {
+  const int64_t n = 40, k = 512;  // a ragged last tile; two super-blocks
+  std::vector<uint8_t> bytes;
+  const QuantWeight w = random_weight(layout, n, k, rng, bytes);
+  const std::string label = layout.name + " on " + conveyor::quant_dot_name(dot);
+  for (int64_t m : {1, 3, 16, 17, 64, 100}) {
+    const std::vector<float> x = random_rows(m, k, rng);
+    std::vector<float> y(m * n), alone(n);
+    conveyor::quant_linear_rows(x.data(), m, w, nullptr, y.data(), dot);
+    double magnitude = 0;
+    const std::vector<double> want = reference(x, m, w, &magnitude);
+    double worst = 0;
+    for (int64_t i = 0; i < m * n; ++i) worst = std::max(worst, std::fabs(y[i] - want[i]));
+    expect(worst <= 1e-5 * magnitude, label + ", " + std::to_string(m) + " rows: off the reference by " +
+                                          std::to_string(worst) + " (scale " + std::to_string(magnitude) + ")");
+    for (int64_t r = 0; r < m; r += std::max<int64_t>(1, m / 5)) {
+      conveyor::quant_linear_rows(x.data() + r * k, 1, w, nullptr, alone.data(), dot);
+      expect(std::memcmp(alone.data(), y.data() + r * n, n * sizeof(float)) == 0,
+             label + ": row " + std::to_string(r) + " of " + std::to_string(m) + " differs from its run alone");
+    }
+  }
+}
+
+void test_rows(std::mt19937& rng) {
+  const int64_t rows = 5, size = 200;
+  std::vector<float> x = random_rows(rows, size, rng), residual = random_rows(rows, size, rng);
+  std::vector<float> weight = random_rows(1, size, rng), want(rows * size);
+  for (int64_t r = 0; r < rows; ++r) {
+    double squares = 0;
+    for (int64_t i = 0; i < size; ++i) {
+      const double v = double(x[r * size + i]) + residual[r * size + i];
+      squares += v * v;
+    }
+    const double inv = 1.0 / std::sqrt(squares / size + 1e-6);
+    for (int64_t i = 0; i < size; ++i) {
+      want[r * size + i] = static_cast<float>((double(x[r * size + i]) + residual[r * size + i]) * inv * weight[i]);
+    }
+  }
+  std::vector<float> residual_out = residual;
+  conveyor::rms_norm_rows<conveyor::v8>(x.data(), residual_out.data(), weight.data(), rows, size, 1e-6f,
+                                        x.data());
+  double worst = 0;
+  for (int64_t i = 0; i < rows * size; ++i) worst = std::max(worst, double(std::fabs(x[i] - want[i])));
+  expect(worst < 1e-4, "rms_norm_rows off the reference by " + std::to_string(worst));
+  std::vector<float> logits = random_rows(3, 1000, rng);
+  logits[1 * 1000 + 777] = 100.f;
+  expect(conveyor::argmax_rows<conveyor::v8>(logits.data(), 3, 1000)[1] == 777, "argmax_rows");
+}
+
+int run_tests() {
+  std::mt19937 rng(7);
+  int cases = 0;
+  for (const std::string& name : conveyor::quant_dots()) {
+    const QuantDot dot = conveyor::parse_quant_dot(name);
+    for (const Layout& layout : layouts()) {
+      test_layout(layout, dot, rng);
+      ++cases;
+    }
+  }
+  test_rows(rng);
+  std::printf("%d layout x kind cases (kinds: ", cases);
+  for (const std::string& name : conveyor::quant_dots()) std::printf("%s ", name.c_str());
+  std::printf("), threads %lld: %s\n", static_cast<long long>(conveyor::num_threads()),
+              failures == 0 ? "passed" : "FAILED");
+  return failures == 0 ? 0 : 1;
+}
+
+int run_bench(int64_t n, int64_t k) {
+  std::mt19937 rng(11);
+  std::printf("[%lld, %lld] weights, %lld threads\n", static_cast<long long>(n), static_cast<long long>(k),
+              static_cast<long long>(conveyor::num_threads()));
+  for (const Layout& layout : layouts()) {
+    std::vector<uint8_t> bytes;
+    const QuantWeight w = random_weight(layout, n, k, rng, bytes);
+    for (const std::string& name : conveyor::quant_dots()) {
+      const QuantDot dot = conveyor::parse_quant_dot(name);
+      for (int64_t m : {1, 16}) {
+        const std::vector<float> x = random_rows(m, k, rng);
+        std::vector<float> y(m * n);
+        conveyor::quant_linear_rows(x.data(), m, w, nullptr, y.data(), dot);  // warm
+        int reps = 0;
+        const auto start = std::chrono::steady_clock::now();
+        double seconds = 0;
+        while (seconds < 0.5) {
+          conveyor::quant_linear_rows(x.data(), m, w, nullptr, y.data(), dot);
+          ++reps;
+          seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        }
+        const double per_call = seconds / reps;
+        std::printf("%-5s %-8s %2lld rows: %8.1f us  %6.1f GB/s of weights  %6.1f G weight-rows/s\n",
+                    layout.name.c_str(), name.c_str(), static_cast<long long>(m), per_call * 1e6,
+                    w.bytes() / per_call / 1e9, double(n) * k * m / per_call / 1e9);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "test";
+  try {
+    if (mode == "test") return run_tests();
+    if (mode == "bench") {
+      const int64_t n = argc > 2 ? std::atoll(argv[2]) : 4096, k = argc > 3 ? std::atoll(argv[3]) : 4096;
+      return run_bench(n, k);
+    }
+  } catch (const std::exception& error) {
+    std::printf("error: %s\n", error.what());
+    return 2;
+  }
+  std::printf("usage: kernel_check [test | bench [N K]]\n");
+  return 2;
+}
