@@ -147,9 +147,10 @@ def test_paged_attention_of_a_few_long_rows_matches_reference(kernels, width, ro
 @pytest.mark.parametrize("run", [2, 5, 8, 11])
 def test_paged_attention_of_a_decode_and_its_drafts_matches_reference(kernels, width, lens, run):
     """Speculative decoding's verify rows: a decode and its drafts, ``run`` rows of one sequence at consecutive
-    positions, read each block once for all of them (attend_rows), in one part per thread when the runs are
-    few: parts that end inside the run (some rows see the part to its end, others stop short), parts past a
-    short run's end, runs longer than the kernel takes at once (8), with 1 to 5 threads."""
+    positions, read each block once for all of them (attend_rows), span by span: spans that end inside the run
+    (some rows see the span to its end, others stop short), runs longer than the kernel takes at once (8), with
+    1 to 5 threads; and each row the same bits as the row alone (a request's attention does not depend on the
+    rows beside it)."""
     torch.manual_seed(run + lens[0])
     block_size, heads, kv_heads, head_dim, num_blocks = 16, 9, 3, 64, 200
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
@@ -162,11 +163,12 @@ def test_paged_attention_of_a_decode_and_its_drafts_matches_reference(kernels, w
     try:
         for count in (1, 2, 3, 5):
             torch.set_num_threads(count)
-            for units in (len(lens), -1):  # split as the decodes alone would be, and as this many rows would
-                got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, row_lens, 0.125, width,
-                                              units)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5,
-                                           msg=lambda m, n=count, u=units: f"{n} threads, units {u}: {m}")
+            got = kernels.paged_attention(query, cache[0], cache[1], tables, row_seq, row_lens, 0.125, width)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, n=count: f"{n} threads: {m}")
+            for row in (0, len(row_seq) - 1):
+                alone = kernels.paged_attention(query[row:row + 1], cache[0], cache[1], tables, row_seq[row:row + 1],
+                                                row_lens[row:row + 1], 0.125, width)
+                assert torch.equal(alone[0], got[row]), f"row {row} differs from its run alone, {count} threads"
     finally:
         torch.set_num_threads(threads)
 
@@ -177,7 +179,7 @@ def test_paged_attention_over_a_window_matches_reference(kernels, width, window,
     """Sliding-window layers: each row sees the last ``window`` positions of its context. Decode rows of contexts
     shorter and longer than the window, a decode with drafts, and a 300-row prompt chunk after a cached prefix
     (the tiled kernel: chunks behind every row's window skipped, a window's first chunk cut inside), with 1 to 3
-    threads (a lone decode's window split in parts). Entries of the tables behind every row's window point
+    threads (a lone decode's window attended in spans). Entries of the tables behind every row's window point
     at a block the kernel must never read (its values NaN)."""
     torch.manual_seed(window + block_size)
     num_blocks, heads, kv_heads = 400, 4, 1

@@ -224,7 +224,8 @@ inline void merge_parts(const float* part_out, const float* part_stats, int64_t 
       const float* po = part_out + p * part_size + h * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] += weight * po[d];
     }
-    for (int64_t d = 0; d < dim; ++d) o[d] /= total;
+    const float inv_total = 1.f / total;  // one division a head, as softmax's own normalisation
+    for (int64_t d = 0; d < dim; ++d) o[d] *= inv_total;
   }
 }
 
@@ -459,43 +460,53 @@ inline std::vector<RowRun> row_runs(int64_t rows, const int64_t* row_seq, const 
   return items;
 }
 
-// Each run that goes row by row split into `parts` parts of its context, one item each (a tile stays whole).
-inline std::vector<RowRun> in_parts(const std::vector<RowRun>& runs, int64_t parts) {
-  std::vector<RowRun> items;
-  for (const RowRun& run : runs) {
-    for (int64_t part = 0; part < (run.tile ? 1 : parts); ++part) items.push_back({run.row, run.rows, part, run.tile});
-  }
-  return items;
+// A row's context is attended in spans of this many positions at fixed places ([0, 64), [64, 128), ...),
+// each span's weighted values and softmax statistics merged after in span order (merge_parts). The spans
+// depend on the row's own context alone, never on the batch or the threads: a request's attention is the same
+// bits alone or beside any others, and the spans are the work threads share (a long decode alone keeps both
+// cores busy). A span need not start at a block's start: attend_rows reads only the positions it holds.
+constexpr int64_t kSpanPositions = 64;
+
+// A run that goes row by row, one item per span of the context its rows see (a tile stays whole): spans from
+// the first any row's window reaches to the last any row sees.
+inline void add_span_items(const RowRun& run, const int64_t* context_lens, int64_t window,
+                           std::vector<RowRun>& items) {
+  const int64_t ctx_first = context_lens[run.row], ctx_last = context_lens[run.row + run.rows - 1];
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, ctx_first - window) : 0;
+  const int64_t first_span = lo / kSpanPositions, end_span = (ctx_last + kSpanPositions - 1) / kSpanPositions;
+  for (int64_t span = first_span; span < end_span; ++span) items.push_back({run.row, run.rows, span, false});
 }
 
 // Attention of every query row over the paged cache: row r belongs to the sequence whose block table is
 // tables[row_seq[r]] and sees positions [0, context_lens[r]). A decode row is one query at the end of its
 // context; the rows of a prompt chunk (or of a decode and its drafts) each see the context up to themselves,
 // which makes the mask causal. Query rows are row_stride apart, heads contiguous within a row; out is
-// [rows, heads * dim]. Runs row by row go on vectors V (attend_rows), prompt tiles on the float32 GEMM path P
-// (attend_prompt_tile). `units`: what the rows amount to in work to share between threads, as a step without
-// drafts would count it (native_decoder.h: a decode and its drafts count as the decode alone), so that drafts
-// never change how a row's context is split, nor therefore its sums; the rows themselves where none are drafts.
-// `window` > 0: each row sees only the last `window` positions of its context (itself included), and reads
+// [rows, heads * dim]. Runs row by row go on vectors V (attend_rows) in spans of kSpanPositions, the same for a
+// row whatever else the call holds, prompt tiles on the float32 GEMM path P (attend_prompt_tile). `window` > 0: each row sees only the last `window` positions of its context (itself included), and reads
 // no block wholly behind them (a windowed KV group may have given those back).
 template <typename V, typename P, typename C>
 void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_t heads, const C* k_cache,
                     const C* v_cache, const CacheShape& shape, const int64_t* tables, int64_t table_width,
-                    const int64_t* row_seq, const int64_t* context_lens, float scale, int64_t window, float* out,
-                    int64_t units) {
+                    const int64_t* row_seq, const int64_t* context_lens, float scale, int64_t window, float* out) {
   const AttendFn<C> attend = attend_fn<V, C>(shape.dim);
   CONVEYOR_CHECK(attend != nullptr, "no attention kernel for head size ", shape.dim, " (8, 16, 32, 64, 96, 128 or 256)");
   const int64_t group = heads / shape.kv_heads, threads = num_threads(), out_size = heads * shape.dim;
-  const std::vector<RowRun> runs = row_runs(rows, row_seq, context_lens, kRowsPerBlock);
-  // A whole run per work item when there are units enough to share out; otherwise each run's context in one
-  // span of whole blocks per thread, merged after (one row, 2 threads: each reads half the K and V, in order;
-  // split by KV head instead, 3 of them took 1.5x as long, each thread reading every block's slices).
-  const int64_t parts = units >= 2 * threads ? 1 : threads;
-  const int64_t part_size = out_size + 2 * heads;
-  const std::vector<RowRun> items = parts > 1 ? in_parts(runs, parts) : runs;
+  const int64_t part_size = out_size + 2 * heads;  // a span's weighted values, then each head's max and sum
+  std::vector<RowRun> items;
+  std::vector<int64_t> first_part(rows + 1, 0);  // row r's spans are parts first_part[r] .. first_part[r + 1]
+  for (const RowRun& run : row_runs(rows, row_seq, context_lens, kRowsPerBlock)) {
+    const size_t before = items.size();
+    if (run.tile) {
+      items.push_back(run);
+    } else {
+      add_span_items(run, context_lens, window, items);
+    }
+    const int64_t spans = run.tile ? 0 : static_cast<int64_t>(items.size() - before);
+    for (int64_t r = run.row; r < run.row + run.rows; ++r) first_part[r + 1] = spans;
+  }
+  for (int64_t r = 0; r < rows; ++r) first_part[r + 1] += first_part[r];
   const int64_t count = static_cast<int64_t>(items.size());
-  // With parts: row r's parts side by side (its part p at (r * parts + p) * part_size), as merge_parts reads them.
-  std::vector<float> partials(parts > 1 ? rows * parts * part_size : 0);
+  std::vector<float> partials(first_part[rows] * part_size);
   // Items are dealt out in turn rather than in halves: a prompt's later rows see longer contexts, and
   // halves would leave one thread all the long ones.
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, count));
@@ -512,30 +523,30 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
                                 shape, group, scale, window, out + row * out_size, out_size, scratch);
           continue;
         }
-        // Each row's context (its window's part of it) in `parts` spans of whole blocks, as it would be split
-        // alone; this item takes one.
+        // Span run.part of each row's context (its window's part of it); empty where the row does not reach it.
+        const int64_t span_begin = run.part * kSpanPositions, span_end = span_begin + kSpanPositions;
         Span spans[kMaxRunRows];
         int64_t width = 0;
         for (int64_t r = 0; r < run.rows; ++r) {
           const int64_t row_ctx = ctx + r, lo = window > 0 ? std::max<int64_t>(0, row_ctx - window) : 0;
-          const int64_t bs = shape.block_size, first_block = lo / bs, blocks = (row_ctx + bs - 1) / bs - first_block;
-          spans[r] = {std::max(lo, (first_block + run.part * blocks / parts) * bs),
-                      std::min(row_ctx, (first_block + (run.part + 1) * blocks / parts) * bs)};
+          spans[r] = {std::max(lo, span_begin), std::min(row_ctx, span_end)};
           width = std::max(width, spans[r].end - spans[r].begin);
         }
-        float* part_out = parts > 1 ? partials.data() + (row * parts + run.part) * part_size : out + row * out_size;
-        const int64_t stride = parts > 1 ? parts * part_size : out_size;
-        scores.resize(run.rows * heads * width);
+        // This span's slot among each row's parts: rows of a run have the same spans (items in span order).
+        const int64_t slot = run.part - (window > 0 ? std::max<int64_t>(0, ctx - window) : 0) / kSpanPositions;
+        float* part_out = partials.data() + (first_part[row] + slot) * part_size;
+        const int64_t stride = (first_part[row + 1] - first_part[row]) * part_size;  // row r + 1's same span
+        scores.resize(run.rows * heads * std::max<int64_t>(width, 1));
         attend(query + row * row_stride, row_stride, run.rows, k_cache, v_cache, table, spans, shape, group, scale,
-               scores.data(), part_out, stride, parts > 1 ? part_out + out_size : nullptr);
+               scores.data(), part_out, stride, part_out + out_size);
       }
     }
   });
-  for (const RowRun& run : runs) {  // a tile wrote its rows' attention itself
-    for (int64_t row = run.row; parts > 1 && !run.tile && row < run.row + run.rows; ++row) {
-      const float* first = partials.data() + row * parts * part_size;
-      merge_parts(first, first + out_size, parts, heads, shape.dim, out + row * out_size);
-    }
+  for (int64_t row = 0; row < rows; ++row) {  // a tile wrote its rows' attention itself
+    const int64_t parts = first_part[row + 1] - first_part[row];
+    if (parts == 0) continue;
+    const float* first = partials.data() + first_part[row] * part_size;
+    merge_parts(first, first + out_size, parts, heads, shape.dim, out + row * out_size);
   }
 }
 

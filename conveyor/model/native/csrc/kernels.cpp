@@ -176,12 +176,11 @@ torch::Tensor packed_swiglu(const torch::Tensor& x, const torch::Tensor& packed,
 
 // query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D] of one dtype: float32, bfloat16 or uint8 of
 // fp8 e5m2 bits (widened to float32 as they are read); block_tables [S, max_blocks]; row_seq [T] (which table each row uses);
-// context_lens [T]; units: what the rows count as when threads share them (attention_rows; -1: the rows);
+// context_lens [T];
 // window > 0: each row sees the last `window` positions of its context only. Returns [T, H, D] float32.
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& row_seq,
-                              const torch::Tensor& context_lens, double scale, int64_t width, int64_t units,
-                              int64_t window) {
+                              const torch::Tensor& context_lens, double scale, int64_t width, int64_t window) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k_cache and v_cache must have one dtype");
@@ -201,7 +200,7 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
       attention_rows<typename P::Vec, P>(q.data_ptr<float>(), rows, heads * dim, heads, k, v, shape,
                                          tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
                                          lens.data_ptr<int64_t>(), static_cast<float>(scale), window,
-                                         out.data_ptr<float>(), units < 0 ? rows : units);
+                                         out.data_ptr<float>());
     });
   });
   return out;
@@ -336,7 +335,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", arg("gate_up"), arg("width") = 256, release_gil());
   m.def("paged_attention", &paged_attention, "attention of query rows over a paged KV cache", arg("query"),
         arg("k_cache"), arg("v_cache"), arg("block_tables"), arg("row_seq"), arg("context_lens"), arg("scale"),
-        arg("width") = 256, arg("units") = -1, arg("window") = 0, release_gil());
+        arg("width") = 256, arg("window") = 0, release_gil());
   m.def("quant_dots", &quant_dots, "the quantized dot-product kinds this build has (portable, avx2, vnni256, vnni512)");
   pybind11::class_<QuantWeight>(m, "QuantizedWeight", pybind11::module_local())
       .def(pybind11::init(&make_quant_weight), arg("codes"), arg("scales"), arg("mins"), arg("n"), arg("k"),

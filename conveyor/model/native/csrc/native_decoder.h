@@ -299,8 +299,7 @@ class NativeDecoder {
     const Step step{tokens, x.data_ptr<float>(), {cos.data_ptr<float>(), sin.data_ptr<float>()},
                     {local_cos.defined() ? local_cos.data_ptr<float>() : nullptr,
                      local_sin.defined() ? local_sin.data_ptr<float>() : nullptr},
-                    &kv_cache, shape, std::move(groups), row_seq.data(), context_lens.data(),
-                    attention_units(tokens, row_seq, logit_rows)};
+                    &kv_cache, shape, std::move(groups), row_seq.data(), context_lens.data()};
     auto out = torch::empty({tokens, hidden_}, x.options());
     torch::Tensor logits;
     std::vector<int64_t> greedy;
@@ -340,23 +339,10 @@ class NativeDecoder {
     CacheShape shape;
     std::vector<GroupInputs> groups;
     const int64_t *row_seq, *context_lens;
-    int64_t attention_units;  // see attention_units()
   };
 
   static void check_slots(const std::vector<int64_t>& slots, int64_t num_slots) {
     for (const int64_t slot : slots) TORCH_CHECK(slot >= 0 && slot < num_slots, "slot ", slot, " outside the cache");
-  }
-
-  // The step's rows as work for attention to share between threads (attention_rows' `units`), counted as if no
-  // row were a draft: the rows without logits, and one per sequence with logits. A decode and its drafts
-  // (speculative decoding: a logit row each) count as the decode alone; a prompt chunk's rows count one each.
-  static int64_t attention_units(int64_t tokens, const std::vector<int64_t>& row_seq,
-                                 const std::vector<int64_t>& logit_rows) {
-    std::vector<int64_t> sequences;
-    for (const int64_t row : logit_rows) sequences.push_back(row_seq[row]);
-    std::sort(sequences.begin(), sequences.end());
-    const auto distinct = std::unique(sequences.begin(), sequences.end()) - sequences.begin();
-    return tokens - static_cast<int64_t>(logit_rows.size()) + distinct;
   }
 
   static StepTables step_tables(const std::vector<std::vector<int64_t>>& tables, int64_t num_blocks) {
@@ -453,7 +439,7 @@ class NativeDecoder {
       // Rows one at a time on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
       attention_rows<v8, typename FloatPath<P>::type>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape,
                                                       group.tables.ids.data(), group.tables.width, step.row_seq,
-                                                      step.context_lens, scale, w.window, ap, step.attention_units);
+                                                      step.context_lens, scale, w.window, ap);
       project<P>(w, kO, ap, tokens, q_width, dp);
       if (w.attn_out_norm.numel() != 0) {  // a norm over attention's output before it joins the stream
         rms_norm_rows<V>(dp, nullptr, w.attn_out_norm.data_ptr<float>(), tokens, hidden_, eps_, dp);
