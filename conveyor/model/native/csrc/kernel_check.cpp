@@ -3,11 +3,13 @@
 //
 //   c++ -std=c++17 -O3 -march=native -fopenmp kernel_check.cpp -o kernel_check     (`make kernel-check`)
 //   ./kernel_check test      every quantized layout, every dot-product kind this CPU has, 1 to 100 rows:
-//                            against a double-precision reference, and each row bit-equal to its run alone
+//                            against a double-precision reference, and each row bit-equal to its run alone;
+//                            attention over a paged cache likewise (decodes, drafts, windows; 1 and 2 threads)
 //   ./kernel_check bench [N K]   one quantized GEMV and 16-row GEMM per layout and kind: GB/s and weights/s
 //
 // The weights are random bytes in each layout (scales kept finite), which the kernels read like any other.
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -18,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "attention.h"
 #include "quant_gemm.h"
 #include "rows.h"
 
@@ -167,6 +170,89 @@ void test_rows(std::mt19937& rng) {
   expect(conveyor::argmax_rows<conveyor::v8>(logits.data(), 3, 1000)[1] == 777, "argmax_rows");
 }
 
+// Attention of one row in double: softmax(q . k * scale) . v over positions [lo, ctx) of its table.
+std::vector<double> attention_reference(const float* q, int64_t heads, const float* k_cache, const float* v_cache,
+                                        const conveyor::CacheShape& shape, const int64_t* table, int64_t ctx,
+                                        int64_t window, float scale) {
+  const int64_t dim = shape.dim, group = heads / shape.kv_heads, lo = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+  std::vector<double> out(heads * dim, 0.0);
+  for (int64_t h = 0; h < heads; ++h) {
+    std::vector<double> weights;
+    double top = -1e300, total = 0;
+    const auto at = [&](const float* cache, int64_t pos) {
+      return cache + (table[pos / shape.block_size] * shape.block_size + pos % shape.block_size) * shape.token_stride() +
+             (h / group) * dim;
+    };
+    for (int64_t pos = lo; pos < ctx; ++pos) {
+      double dot = 0;
+      for (int64_t d = 0; d < dim; ++d) dot += double(q[h * dim + d]) * at(k_cache, pos)[d];
+      weights.push_back(dot * scale);
+      top = std::max(top, weights.back());
+    }
+    for (double& w : weights) total += (w = std::exp(w - top));
+    for (int64_t pos = lo; pos < ctx; ++pos) {
+      for (int64_t d = 0; d < dim; ++d) out[h * dim + d] += weights[pos - lo] / total * at(v_cache, pos)[d];
+    }
+  }
+  return out;
+}
+
+// Rows of several sequences (decodes of short and long contexts, a decode and its drafts, a short prompt's
+// rows), against the reference, and each row the same bits alone, in the whole call, and on 1 or 2 threads.
+void test_attention(std::mt19937& rng) {
+  const int64_t block_size = 16, kv_heads = 2, heads = 6, dim = 64, blocks = 80;
+  const conveyor::CacheShape shape{block_size, kv_heads, dim};
+  const std::vector<float> k_cache = random_rows(blocks * block_size, kv_heads * dim, rng);
+  const std::vector<float> v_cache = random_rows(blocks * block_size, kv_heads * dim, rng);
+  const std::vector<std::vector<int64_t>> contexts = {{1}, {63, 64, 65}, {200}, {700, 701, 702, 703, 704}, {30}};
+  const int64_t table_width = 50;
+  std::vector<int64_t> tables, row_seq, lens;
+  std::vector<int64_t> ids(blocks);
+  for (int64_t i = 0; i < blocks; ++i) ids[i] = i;
+  for (size_t seq = 0; seq < contexts.size(); ++seq) {
+    std::shuffle(ids.begin(), ids.end(), rng);
+    tables.insert(tables.end(), ids.begin(), ids.begin() + table_width);
+    for (const int64_t ctx : contexts[seq]) row_seq.push_back(seq), lens.push_back(ctx);
+  }
+  for (int64_t i = 0; i < 20; ++i) row_seq.push_back(4), lens.push_back(11 + i);  // a short prompt's rows
+  const int64_t rows = static_cast<int64_t>(row_seq.size());
+  const std::vector<float> q = random_rows(rows, heads * dim, rng);
+  const float scale = 0.125f;
+  for (const int64_t window : {int64_t{0}, int64_t{100}}) {
+    const std::string label = "attention" + std::string(window > 0 ? " over a window of 100" : "");
+    std::vector<float> all(rows * heads * dim), alone(heads * dim);
+    conveyor::with_path(256, [&](auto path) {
+      using P = decltype(path);
+      const auto attend = [&](int64_t first, int64_t count, float* out) {
+        conveyor::attention_rows<conveyor::v8, P>(q.data() + first * heads * dim, count, heads * dim, heads,
+                                                  k_cache.data(), v_cache.data(), shape, tables.data(), table_width,
+                                                  row_seq.data() + first, lens.data() + first, scale, window, out);
+      };
+      attend(0, rows, all.data());
+      double worst = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const std::vector<double> want = attention_reference(q.data() + r * heads * dim, heads, k_cache.data(),
+                                                             v_cache.data(), shape, tables.data() + row_seq[r] * table_width,
+                                                             lens[r], window, scale);
+        for (int64_t i = 0; i < heads * dim; ++i) worst = std::max(worst, std::fabs(all[r * heads * dim + i] - want[i]));
+        attend(r, 1, alone.data());
+        expect(std::memcmp(alone.data(), all.data() + r * heads * dim, alone.size() * sizeof(float)) == 0,
+               label + ": row " + std::to_string(r) + " (context " + std::to_string(lens[r]) +
+                   ") differs from its run alone");
+      }
+      expect(worst < 1e-4, label + " off the reference by " + std::to_string(worst));
+#if defined(_OPENMP)
+      const int threads = omp_get_max_threads();
+      omp_set_num_threads(1);
+      std::vector<float> one(rows * heads * dim);
+      attend(0, rows, one.data());
+      omp_set_num_threads(threads);
+      expect(one == all, label + ": one thread and " + std::to_string(threads) + " give other bits");
+#endif
+    });
+  }
+}
+
 int run_tests() {
   std::mt19937 rng(7);
   int cases = 0;
@@ -178,6 +264,7 @@ int run_tests() {
     }
   }
   test_rows(rng);
+  test_attention(rng);
   std::printf("%d layout x kind cases (kinds: ", cases);
   for (const std::string& name : conveyor::quant_dots()) std::printf("%s ", name.c_str());
   std::printf("), threads %lld: %s\n", static_cast<long long>(conveyor::num_threads()),
