@@ -53,6 +53,7 @@ class StepWatcher(Protocol):
 
 
 W = TypeVar("W", bound=StepWatcher)
+
 MAX_CONSECUTIVE_FAILED_STEPS = 3
 
 
@@ -231,8 +232,9 @@ class EngineCore:
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request wherever it is (its blocks return at once); False if it is not in the engine."""
         found = self.scheduler.abort_request(request_id, reason) is not None
-        for watcher in self.watchers if found else ():
-            watcher.on_abort(request_id)
+        if found:
+            for watcher in self.watchers:
+                watcher.on_abort(request_id)
         return found
 
     def finish_request(self, request_id: str, reason: FinishReason, stop_reason: str | int | None = None,

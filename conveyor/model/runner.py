@@ -43,10 +43,9 @@ class RunnerPlan:
     model_path: Path  # the model folder (for a GGUF file, the folder that describes it)
     weight_file_bytes: int  # the weights as they lie on disk
     num_threads: int  # compute threads (torch's and the native kernels')
-    native: bool  # the native kernels may run the model (else PyTorch ops; ``native_refusal`` says why not)
+    native: bool  # the native kernels may run the model (else PyTorch ops)
     keep_quantized: bool  # a GGUF file's (or --quantization's) weights stay quantized
     quantization: str | None  # --quantization's scheme for a float checkpoint; None: the file's own formats
-    native_refusal: str | None = None  # what the native stack lacks for this model, where it would otherwise run
     kernel_width: int | None = None  # the native kernels' vector width in bits; None: PyTorch ops
     kernel_dtype: str | None = None  # what the native stack stores weights in: float32, bfloat16, "Q4_1+Q8_0"
     kernel_choice: KernelChoice | None = None  # --kernels auto on float weights: what this machine measured
@@ -93,11 +92,10 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, folder: Path) 
     native = wanted and not gaps
     return RunnerPlan(
         device=str(device), dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-        kv_itemsize=kv_cache_dtype(config.kv_cache_dtype, dtype).itemsize, model_path=folder,
+        kv_itemsize=config.kv_cache_element_bytes(), model_path=folder,
         weight_file_bytes=weight_file_bytes(config.model), num_threads=_num_threads(config), native=native,
         keep_quantized=native and dtype == torch.float32,
         quantization=None if config.quantization == "none" else config.quantization,
-        native_refusal=", ".join(gaps) or None,
     )
 
 

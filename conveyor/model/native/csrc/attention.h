@@ -4,15 +4,14 @@
 
 #pragma once
 
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
-#include "parallel.h"
 #include "gemm.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace conveyor {
@@ -78,16 +77,6 @@ inline v8 dot8(const float* q, const C* keys, int64_t token_stride) {
   return sums8(folded);
 }
 
-// s = softmax(s), in place.
-template <typename V>
-inline void softmax(float* s, int64_t n) {
-  constexpr int lanes = kLanesOf<V>;
-  const float inv = 1.f / softmax_numerators<V>(s, n, *std::max_element(s, s + n));
-  int64_t i = 0;
-  for (; i + lanes <= n; i += lanes) storev(s + i, loadv<V>(s + i) * inv);
-  for (; i < n; ++i) s[i] *= inv;
-}
-
 // Asks for one slice of the next block (of `bytes` bytes) per head worked on in the current one: blocks lie
 // anywhere in the cache, so the hardware prefetcher cannot guess the next, and a step's KV is cold (the
 // whole model's weights streamed through since it was last read). Spread over the heads, the requests
@@ -101,7 +90,7 @@ inline void prefetch_slice(const void* next, int64_t bytes, int64_t slice, int64
   }
 }
 
-// Positions [begin, end) of a query row's context; begin is the first of a block.
+// Positions [begin, end) of a query row's context: one span of it (attention_rows), cut by the row's window.
 struct Span {
   int64_t begin, end;
 };
@@ -111,10 +100,9 @@ struct Span {
 // position's K (and V) for all KV heads is one contiguous run in the cache, so each block is read from memory
 // once, in order, and then serves every head of every row that sees it from L1. Each row's arithmetic is
 // that of the row alone over its span, in the same order. q and out point at row 0's head 0, q_stride and
-// out_stride apart; scores holds rows * heads * (the longest span) floats. With stats == nullptr, out is the
-// attention (each span is its row's whole context); otherwise it is one part of it: out the sum of V weighted
-// by exp(score - max) and stats[2h], stats[2h + 1] head h's max and sum of those weights (row r's at
-// stats + r * out_stride), which merge_parts combines. A head is NV vectors V; the cache holds C (float, or
+// out_stride apart; scores holds rows * heads * (the longest span) floats. out is the span's part of the
+// attention: the sum of V weighted by exp(score - max), with stats[2h], stats[2h + 1] head h's max and sum of
+// those weights (row r's at stats + r * out_stride), which merge_parts combines. A head is NV vectors V; the cache holds C (float, or
 // bf16 bits).
 template <typename V, int NV, typename C>
 void attend_rows(const float* q, int64_t q_stride, int64_t rows, const C* k_cache, const C* v_cache,
@@ -160,17 +148,13 @@ void attend_rows(const float* q, int64_t q_stride, int64_t rows, const C* k_cach
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t len = spans[r].end - spans[r].begin;
+    float* row_stats = stats + r * out_stride;
     for (int64_t h = 0; h < heads; ++h) {
+      if (len <= 0) {  // a span with no position of the row's (merge_parts skips a sum of 0)
+        row_stats[2 * h] = row_stats[2 * h + 1] = 0.f;
+        continue;
+      }
       float* s = scores_of(r, h);
-      if (len <= 0) {  // a part with no position of the row's (merge_parts skips a sum of 0)
-        stats[r * out_stride + 2 * h] = stats[r * out_stride + 2 * h + 1] = 0.f;
-        continue;
-      }
-      if (stats == nullptr) {
-        softmax<V>(s, len);
-        continue;
-      }
-      float* row_stats = stats + r * out_stride;
       row_stats[2 * h] = *std::max_element(s, s + len);
       row_stats[2 * h + 1] = softmax_numerators<V>(s, len, row_stats[2 * h]);
     }

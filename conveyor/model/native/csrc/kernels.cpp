@@ -175,9 +175,9 @@ torch::Tensor packed_swiglu(const torch::Tensor& x, const torch::Tensor& packed,
 }
 
 // query [T, H, D]; k_cache / v_cache [blocks, block_size, KVH, D] of one dtype: float32, bfloat16 or uint8 of
-// fp8 e5m2 bits (widened to float32 as they are read); block_tables [S, max_blocks]; row_seq [T] (which table each row uses);
-// context_lens [T];
-// window > 0: each row sees the last `window` positions of its context only. Returns [T, H, D] float32.
+// fp8 e5m2 bits (widened to float32 as they are read); block_tables [S, max_blocks]; row_seq [T] (which table
+// each row uses); context_lens [T]; window > 0: each row sees the last `window` positions of its context only.
+// Returns [T, H, D] float32.
 torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& block_tables, const torch::Tensor& row_seq,
                               const torch::Tensor& context_lens, double scale, int64_t width, int64_t window) {
