@@ -134,7 +134,7 @@ def main() -> None:
     parser.add_argument("--hold", type=int, default=8, help="requests the pool holds without window-aware freeing")
     parser.add_argument("--simulate-only", action="store_true", help="the simulator alone (no model is loaded)")
     args = parser.parse_args()
-    from conveyor.model.weights.loader import resolve_model
+    from conveyor.model.weights.paths import resolve_model
 
     model = ModelConfig.from_folder(resolve_model(args.model))
     pool = pool_bytes(args, model, EngineConfig().block_size)

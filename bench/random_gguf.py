@@ -60,7 +60,7 @@ SHAPES = {
 
 
 def default_tokenizer() -> gguf.GGUFReader:
-    from conveyor.model.weights.loader import default_model_path
+    from conveyor.model.weights.paths import default_model_path
 
     return gguf.GGUFReader(str(default_model_path()))
 

@@ -181,7 +181,7 @@ class Simulated:
     def __init__(self, args: argparse.Namespace) -> None:
         from conveyor.entrypoints.args import engine_config
         from conveyor.entrypoints.cli import build_parser
-        from conveyor.model.weights.loader import resolve_model
+        from conveyor.model.weights.paths import resolve_model
         from conveyor.sim.hardware import load_hardware, load_model_config
         from conveyor.sim.profile import step_cost_model
 

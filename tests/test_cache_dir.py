@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conveyor.model.quant.kernel_choice import choose_kernels
-from conveyor.model.weights.loader import resolve_model
+from conveyor.model.weights.paths import resolve_model
 from conveyor.platform.cache_dir import CACHE_ENV, CacheDirError, make_cache_folder
 
 

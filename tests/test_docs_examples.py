@@ -49,7 +49,7 @@ def test_the_pages_examples_are_all_found() -> None:
 def default_server():
     """The default model under the name `conveyor serve` gives it when no --model is named (as `make run`)."""
     from conveyor.entrypoints.serve import DEFAULT_MODEL_NAME
-    from conveyor.model.weights.loader import default_model_path
+    from conveyor.model.weights.paths import default_model_path
 
     with running_server(default_model_path(), "--num-kv-blocks", "512", "--served-model-name",
                         DEFAULT_MODEL_NAME) as server:

@@ -137,8 +137,8 @@ def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, 
 def test_the_named_model_and_its_chat_template(gemma_file):
     """``--model gemma3-270m`` names the packaged file; the file carries no chat template, so Gemma's own
     turns are used (as llama.cpp's built-in one)."""
-    from conveyor.model.weights.loader import resolve_model
     from conveyor.model.weights.packaged import packaged_model_path
+    from conveyor.model.weights.paths import resolve_model
 
     assert packaged_model_path("gemma3-270m") == gemma_file
     folder = resolve_model("gemma3-270m")
@@ -169,7 +169,7 @@ def test_the_comparison_prompts_are_41_tokens_on_gemmas_tokenizer_too(gemma_file
     twice to reach 41 tokens; each prompt still holds its question whole and opens the model's turn."""
     from conveyor.benchmarks.workload import w1_requests
     from conveyor.engine.tokenizer import Tokenizer
-    from conveyor.model.weights.loader import resolve_model
+    from conveyor.model.weights.paths import resolve_model
 
     tokenizer = Tokenizer(resolve_model("gemma3-270m"))
     requests = w1_requests(tokenizer)

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor.model.weights.gguf import STALE_PARTIAL_S, _remove_stale_partials, convert_gguf_to_hf, unpermute_rope_rows
-from conveyor.model.weights.loader import conversion_key, default_model_path
+from conveyor.model.weights.gguf import STALE_PARTIAL_S, _remove_stale_partials, unpermute_rope_rows
+from conveyor.model.weights.gguf_export import export_gguf_to_hf
+from conveyor.model.weights.paths import conversion_key, default_model_path
 from tests.harness import write_gpt2_gguf
 
 # transformers (imported lazily, inside the tests) and huggingface_hub read these once, on import.
@@ -32,7 +33,7 @@ MODEL_DIR = default_model_path().parent
 def converted(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """Convert once for the whole module; conversion takes ~20 s on CPU."""
     out = tmp_path_factory.mktemp("gguf") / "smollm2"
-    result = convert_gguf_to_hf(MODEL_DIR / GGUF_NAME, out)
+    result = export_gguf_to_hf(MODEL_DIR / GGUF_NAME, out)
     assert result == out
     return out
 
@@ -113,7 +114,7 @@ def test_tokenizer_round_trip_and_chat_template(converted: pathlib.Path) -> None
 def test_missing_file_names_path(tmp_path: pathlib.Path) -> None:
     missing = tmp_path / "nope.gguf"
     with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
-        convert_gguf_to_hf(missing, tmp_path / "out")
+        export_gguf_to_hf(missing, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -121,7 +122,7 @@ def test_non_llama_architecture_is_rejected(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "tiny-gpt2.gguf"
     write_gpt2_gguf(path)
     with pytest.raises(ValueError, match="gpt2"):
-        convert_gguf_to_hf(path, tmp_path / "out")
+        export_gguf_to_hf(path, tmp_path / "out")
     assert list(tmp_path.iterdir()) == [path], "nothing may be written for a rejected file"
 
 
@@ -130,7 +131,7 @@ def test_existing_output_folder_is_not_overwritten(tmp_path: pathlib.Path) -> No
     out.mkdir()
     (out / "keep.txt").write_text("precious")
     with pytest.raises(FileExistsError):
-        convert_gguf_to_hf(__file__, out)
+        export_gguf_to_hf(__file__, out)
     assert (out / "keep.txt").read_text() == "precious"
 
 
@@ -182,7 +183,7 @@ def test_a_killed_conversions_staging_folder_is_removed_and_a_live_ones_kept(tmp
 
 def test_a_second_process_converting_the_same_file_uses_the_first_ones_folder(tmp_path, monkeypatch) -> None:
     import conveyor.model.weights.gguf as converter
-    from conveyor.model.weights.loader import resolve_model
+    from conveyor.model.weights.paths import resolve_model
 
     monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))
 

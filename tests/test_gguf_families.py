@@ -20,7 +20,8 @@ import pytest
 
 from conveyor import LLM, SamplingParams
 from conveyor.entrypoints import cli
-from conveyor.model.weights.loader import default_model_path, float32_folder
+from conveyor.model.weights.loader import float32_folder
+from conveyor.model.weights.paths import default_model_path
 from tests.harness import hf_greedy, write_gpt2_gguf
 from tests.test_families import SHAPE, _randomise_norms_and_biases
 

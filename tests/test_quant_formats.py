@@ -165,7 +165,7 @@ def test_hand_built_blocks() -> None:
 
 @pytest.fixture(scope="module")
 def default_reader() -> GGUFReader:
-    from conveyor.model.weights.loader import default_model_path
+    from conveyor.model.weights.paths import default_model_path
 
     try:
         path = default_model_path()

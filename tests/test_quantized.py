@@ -212,7 +212,7 @@ import resource
 import torch, transformers, numpy, gguf, fastapi  # what an engine process imports, without a model
 from conveyor.model.native.kernels import native_kernels
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.model.weights.loader import resolve_model
+from conveyor.model.weights.paths import resolve_model
 native_kernels(); Tokenizer(resolve_model(None))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
@@ -225,7 +225,7 @@ def test_resident_memory_is_the_files_size_plus_a_stated_overhead(kernels) -> No
     the KV pool (64 blocks, written through when it is made) and the executor's buffers. The
     load itself peaks no higher than that (the file is read tensor by tensor, not mapped). In float32 the same
     difference is over 5x the file."""
-    from conveyor.model.weights.loader import default_model_path
+    from conveyor.model.weights.paths import default_model_path
 
     def peak(script: str) -> int:
         env = {**os.environ, "OMP_NUM_THREADS": "2"}
@@ -244,7 +244,7 @@ def test_the_tensor_directory_is_the_one_ggufs_reader_finds() -> None:
     import gguf
 
     from conveyor.model.weights.gguf_weights import tensor_index
-    from conveyor.model.weights.loader import default_model_path
+    from conveyor.model.weights.paths import default_model_path
 
     ours = tensor_index(default_model_path())
     theirs = gguf.GGUFReader(default_model_path()).tensors
@@ -274,7 +274,7 @@ def test_perplexity_is_within_1_percent_of_llama_cpp_on_the_same_file(quantized_
     second half of each scored) on the default model's Q4_1 file: a wrong dequantization, a wrong row order or
     a kernel bug moves perplexity by far more than 1%."""
     from conveyor.benchmarks.perplexity import perplexity
-    from conveyor.model.weights.loader import default_model_path
+    from conveyor.model.weights.paths import default_model_path
 
     if not LLAMA_PERPLEXITY.is_file():
         pytest.skip("llama.cpp is not set up (bash bench/peers/setup_llamacpp.sh builds llama-perplexity)")

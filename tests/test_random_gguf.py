@@ -29,7 +29,7 @@ def harness():
 @pytest.mark.parametrize("shape", ["tiny", "tiny-qwen3"])
 def test_the_float16_file_has_the_shape_and_the_default_models_tokenizer(harness, shape, tmp_path):
     from conveyor.core.model_config import ModelConfig
-    from conveyor.model.weights.loader import resolve_model
+    from conveyor.model.weights.paths import resolve_model
 
     assert harness.make(shape, [], tmp_path, threads=1, keep_f16=True) == []
     (f16,) = tmp_path.glob("*-F16.gguf")

@@ -83,7 +83,7 @@ def server_version(server: Path = SERVER) -> str:
 def gguf_file(kind: str) -> str:
     """The GGUF file of a ``--gguf`` kind (set up by setup_llamacpp.sh; Q4_1 is the file the model ships as)."""
     if kind == "q4_1":
-        from conveyor.model.weights.loader import default_model_path
+        from conveyor.model.weights.paths import default_model_path
 
         return str(default_model_path())
     if kind == "gemma3-270m":

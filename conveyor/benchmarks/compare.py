@@ -388,7 +388,7 @@ def model_workloads(model: str | None, names: tuple[str, ...], w1_single: int, l
     from conveyor.benchmarks.workload import comparison_workloads
     from conveyor.core.model_config import ModelConfig
     from conveyor.engine.tokenizer import Tokenizer
-    from conveyor.model.weights.loader import resolve_model
+    from conveyor.model.weights.paths import resolve_model
 
     folder = resolve_model(model)
     tokenizer = Tokenizer(folder)

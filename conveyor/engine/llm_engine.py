@@ -23,6 +23,7 @@ from conveyor.core.stats import EngineStats
 from conveyor.engine.output import LogprobState, RequestMetrics, RequestOutput, TextState
 from conveyor.engine.request_builder import RequestBuilder, check_logit_bias
 from conveyor.engine.tokenizer import Tokenizer
+from conveyor.model.weights.paths import resolve_model
 from conveyor.observe.live import LiveRecorder, start_live
 from conveyor.observe.trace import Trace, start_trace
 from conveyor.platform.cpu import available_memory_bytes, resident_bytes
@@ -59,7 +60,7 @@ class Engine:
 
         self.config = config
         self.clock = clock
-        folder = runner.model_folder(config)
+        folder = resolve_model(config.model)
         self.model_path = folder
         self.tokenizer = Tokenizer(folder)
         self.model_config = ModelConfig.from_folder(folder)

@@ -34,7 +34,7 @@ from conveyor.engine.output import RequestOutput
 from conveyor.engine.replica_actor import EngineReplica
 from conveyor.engine.request_builder import RequestBuilder
 from conveyor.engine.tokenizer import Tokenizer
-from conveyor.model.runner import model_folder
+from conveyor.model.weights.paths import resolve_model
 from conveyor.router import NoHealthyReplica, Router
 
 logger = logging.getLogger("conveyor.replicas")
@@ -151,7 +151,7 @@ class ReplicaSet:
             ray.init(**options)
             self._started_ray = True
         # Resolved (a GGUF converted) once, here: replicas starting together would otherwise race to convert it.
-        config = dataclasses.replace(self.config, model=str(model_folder(self.config)))
+        config = dataclasses.replace(self.config, model=str(resolve_model(self.config.model)))
         actor_class = ray.remote(EngineReplica)
         self._actors = [
             actor_class.options(name=f"conveyor-replica-{index}-{os.getpid()}", num_cpus=threads,

@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_decode(bench)
     _add_bench_speculative(bench)
     _add_bench_perplexity(bench)
+    _add_bench_agreement(bench)
     _add_bench_compare(bench)
     _add_bench_serve(bench)
     _add_export_hf(commands)
@@ -96,6 +97,19 @@ def _add_bench_perplexity(bench: Commands) -> None:
     ppl.add_argument("text", help="a UTF-8 text file")
     ppl.add_argument("--context", type=int, default=512, help="tokens per chunk (llama-perplexity's -c)")
     add_engine_args(ppl)
+
+
+def _add_bench_agreement(bench: Commands) -> None:
+    agree = bench.add_parser("agreement", help="greedy answers and perplexity of a quantized file against its "
+                             "float32 weights, for Conveyor and llama.cpp where it is set up")
+    agree.add_argument("text", help="a UTF-8 text file: the prompts are windows of it, perplexity is over it")
+    agree.add_argument("--prompts", type=int, default=32, help="windows of the text continued greedily")
+    agree.add_argument("--prompt-len", type=int, default=48, help="tokens per window")
+    agree.add_argument("--tokens", type=int, default=32, help="tokens each window is continued by")
+    agree.add_argument("--context", type=int, default=256, help="perplexity's tokens per chunk")
+    agree.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out")
+    agree.add_argument("--json", default=None, help="also write every engine's answers and perplexity here")
+    add_engine_args(agree)
 
 
 def _add_bench_decode(bench: Commands) -> None:
@@ -316,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_throughput(args, config)
         if args.bench == "perplexity":
             return _bench_perplexity(args, config)
+        if args.bench == "agreement":
+            return _bench_agreement(args, config)
         if args.bench == "speculative":
             return _bench_speculative(args, config)
         return _bench_decode(args, config)
@@ -487,6 +503,19 @@ def _bench_perplexity(args: argparse.Namespace, config: EngineConfig) -> int:
     result = perplexity(engine, text, args.context)
     print(f"perplexity {result.value:.4f} over {result.scored_tokens} tokens ({result.chunks} chunks of "
           f"{args.context}; the text is {result.text_tokens} tokens)")
+    return 0
+
+
+def _bench_agreement(args: argparse.Namespace, config: EngineConfig) -> int:
+    from dataclasses import asdict
+
+    from conveyor.benchmarks.agreement import bench_agreement
+
+    table, answers = bench_agreement(config, Path(args.text), args.prompts, args.prompt_len, args.tokens,
+                                     args.context, not args.no_llamacpp)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(a) for a in answers]) + "\n")
     return 0
 
 

@@ -18,8 +18,9 @@ from torch import nn
 
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.attention import AttentionMetadata
-from conveyor.model.families import family_for, native_gaps
+from conveyor.model.families import family_for
 from conveyor.model.layers import LAYER_PROJECTIONS, DecoderLayer, Linear, RotaryEmbedding, make_norm
+from conveyor.model.native.kernels import native_gaps
 
 __all__ = ["LAYER_PROJECTIONS", "PROJECTIONS", "Decoder", "Linear", "StepInputs"]
 

@@ -21,8 +21,10 @@ from conveyor.core.formats import WeightFormat
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.decoder import Decoder
 from conveyor.model.dtypes import DTYPES, kv_cache_dtype
-from conveyor.model.families import family_for, native_gaps
-from conveyor.model.weights.loader import load_model, quantized_kinds, resolve_model, weight_file_bytes
+from conveyor.model.families import family_for
+from conveyor.model.native.kernels import native_gaps
+from conveyor.model.weights.loader import load_model, quantized_kinds
+from conveyor.model.weights.paths import weight_file_bytes
 
 if TYPE_CHECKING:
     from conveyor.model.quant.dot_choice import QuantDotChoice
@@ -70,11 +72,6 @@ class RunnerPlan:
         choice = self.kernel_choice or self.quant_choice
         chosen = f"; {choice.summary()}" if choice is not None else ""
         return f"{self.kernel_width}-bit vectors{stored}{chosen}"
-
-
-def model_folder(config: EngineConfig) -> Path:
-    """The model folder ``config.model`` names (a GGUF file's description, written on first use)."""
-    return resolve_model(config.model)
 
 
 def build_runner(config: EngineConfig, model_config: ModelConfig, folder: Path) -> RunnerPlan:

@@ -1,8 +1,7 @@
 """The model families Conveyor runs, by the names a config.json or a GGUF file gives them.
 
 ``family_for`` is where a model is refused before anything loads: an unknown architecture, an activation
-or a rope scaling the shared layers lack. ``native_gaps`` says what of a model the native stack
-(model/native/csrc/native_decoder.h) lacks, so the engine runs such a model on the PyTorch ops instead, saying why.
+or a rope scaling the shared layers lack.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from conveyor.model.families.llama import LLAMA, MISTRAL
 from conveyor.model.families.phi import PHI3
 from conveyor.model.families.qwen import QWEN2, QWEN3
 
-__all__ = ["FAMILIES", "ROPE_SCALINGS", "Family", "family_for", "gguf_family", "native_gaps"]
+__all__ = ["FAMILIES", "ROPE_SCALINGS", "Family", "family_for", "gguf_family"]
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3)
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
@@ -49,16 +48,3 @@ def gguf_family(architecture: str | None) -> Family:
         raise ValueError(f"model: GGUF architecture {architecture!r} is not supported (supported: "
                          f"{', '.join(sorted(_BY_GGUF))})")
     return family
-
-
-def native_gaps(config: ModelConfig) -> list[str]:
-    """What the native stack (native_decoder.h) lacks to run ``config`` (empty: it runs it). It has every
-    family's layers here (set_family, set_layer_traits: QK-norm, (1 + w) and sandwich norms, GeGLU, the
-    embedding and attention scales, a rope per layer kind, windows and KV groups); its attention is unrolled
-    for some head sizes only."""
-    from conveyor.model.native.kernels import NATIVE_HEAD_SIZES
-
-    family_for(config)
-    if config.head_dim not in NATIVE_HEAD_SIZES:
-        return [f"attention over heads of {config.head_dim} (it has {', '.join(map(str, NATIVE_HEAD_SIZES))})"]
-    return []

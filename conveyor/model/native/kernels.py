@@ -33,10 +33,25 @@ import time
 from pathlib import Path
 from types import ModuleType
 
+from conveyor.core.model_config import ModelConfig
+from conveyor.model.families import family_for
 from conveyor.platform.cache_dir import cache_dir, make_cache_folder
 
 logger = logging.getLogger("conveyor")
 NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128, 256)  # attention is unrolled for these (csrc/attention.h, attend_fn)
+
+
+def native_gaps(config: ModelConfig) -> list[str]:
+    """What the native stack (native_decoder.h) lacks to run ``config`` (empty: it runs it). It has every
+    family's layers here (set_family, set_layer_traits: QK-norm, (1 + w) and sandwich norms, GeGLU, the
+    embedding and attention scales, a rope per layer kind, windows and KV groups); its attention is unrolled
+    for some head sizes only."""
+    family_for(config)
+    if config.head_dim not in NATIVE_HEAD_SIZES:
+        return [f"attention over heads of {config.head_dim} (it has {', '.join(map(str, NATIVE_HEAD_SIZES))})"]
+    return []
+
+
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.cpp"  # the one translation unit
 TARGET_ENV = "CONVEYOR_KERNEL_TARGET"  # -march value to build for instead of this CPU (e.g. x86-64-v3: AVX2 only)
 LOCK_NAME = "lock"  # torch.utils.cpp_extension's build lock, in the build folder

