@@ -20,7 +20,7 @@ cmake -S "$DIR/src/vendor/llama.cpp" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE
 cmake --build "$DIR/build" --target llama-server llama-quantize llama-batched-bench llama-perplexity -j "$(nproc)"
 
 # The same weights every other engine gets: the shipped Q4_1 file dequantized to float32.
-Q4_1="$("$PROJECT_PYTHON" -c 'from conveyor.model.weights.loader import default_model_path; print(default_model_path())')"
+Q4_1="$("$PROJECT_PYTHON" -c 'from conveyor.model.weights.paths import default_model_path; print(default_model_path())')"
 if [ ! -f "$DIR/model-f32.gguf" ]; then
     "$DIR/build/bin/llama-quantize" --allow-requantize "$Q4_1" "$DIR/model-f32.gguf.tmp" F32
     mv "$DIR/model-f32.gguf.tmp" "$DIR/model-f32.gguf"
