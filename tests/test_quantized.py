@@ -341,7 +341,7 @@ def test_quantization_is_refused_where_it_cannot_apply(kernels, default_model_di
         LLM(str(default_model_dir), num_kv_blocks=16, quantization="int3")
 
 
-# ----- --kernels auto: the dot-product kind per projection and row class -----
+# ----- --kernels auto: the dot-product kind per projection -----
 
 
 def test_the_dot_product_choice_is_measured_once_then_read_from_the_cache(kernels, tmp_path) -> None:
@@ -354,8 +354,23 @@ def test_the_dot_product_choice_is_measured_once_then_read_from_the_cache(kernel
     assert not first.cached and set(first.dots) == {"o", "lm_head"}
     assert all(dot in candidates(kernels) for by_class in first.dots.values() for dot in by_class.values())
     assert [(lo, hi) for _, lo, hi in first.ranges()["o"]] == [(1, 1), (2, 8), (9, 64), (65, 2**62)]
+    assert all(len(set(by_class.values())) == 1 for by_class in first.dots.values()), "one kind per projection"
     again = choose_quant_dots(kernels, weights, cache)
     assert again.cached and again.dots == first.dots and "from the cache" in again.summary()
+
+
+def test_one_dot_product_kind_runs_a_projection_at_every_row_count() -> None:
+    """A kind per row class would round a request's rows one way alone and another in a batch: the kind least
+    behind the fastest over all row classes runs them all, and the summary says what that costs."""
+    from conveyor.model.quant.dot_choice import QuantDotChoice, one_kind
+
+    seconds = {"qkv": {"1": {"vnni512": 1.0, "avx2": 1.1}, "65+": {"vnni512": 2.0, "avx2": 1.0}}}
+    assert one_kind(seconds["qkv"]) == "avx2"  # 1.1 + 1.0 against 1.0 + 2.0, relative to the fastest
+    choice = QuantDotChoice({"qkv": {"1": "avx2", "65+": "avx2"}}, seconds, 1.0)
+    assert "avx2 everywhere" in choice.summary() and "at most 10% slower than the fastest kind, qkv at 1 rows" in (
+        choice.summary())
+    even = {"qkv": {"1": {"vnni512": 1.0, "avx2": 1.5}, "65+": {"vnni512": 1.0, "avx2": 1.2}}}
+    assert QuantDotChoice({"qkv": dict.fromkeys(even["qkv"], one_kind(even["qkv"]))}, even, 1.0).cost() is None
 
 
 def test_every_dot_product_kind_on_one_projection_gives_the_same_tokens(quantized_llm) -> None:

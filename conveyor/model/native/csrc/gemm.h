@@ -194,19 +194,6 @@ inline void round_rows_bf16(const float* x, int64_t m, int64_t k, uint16_t* out)
 }
 #endif
 
-// The float32 GEMM path of a stack on path P (what its attention's prompt tiles run on): P itself, or the
-// 512-bit one for bf16 weights.
-template <typename P>
-struct FloatPath {
-  using type = P;
-};
-#if defined(__AVX512BF16__)
-template <>
-struct FloatPath<PathBf16> {
-  using type = Path512;
-};
-#endif
-
 // What a path's micro-kernel reads as x: the float32 rows themselves, or (PathBf16) the rows rounded to bf16
 // into a buffer of this thread's, reused by every GEMM it runs (a step runs over a hundred).
 template <typename P>

@@ -204,7 +204,7 @@ void test_attention(std::mt19937& rng) {
   const conveyor::CacheShape shape{block_size, kv_heads, dim};
   const std::vector<float> k_cache = random_rows(blocks * block_size, kv_heads * dim, rng);
   const std::vector<float> v_cache = random_rows(blocks * block_size, kv_heads * dim, rng);
-  const std::vector<std::vector<int64_t>> contexts = {{1}, {63, 64, 65}, {200}, {700, 701, 702, 703, 704}, {30}};
+  const std::vector<std::vector<int64_t>> contexts = {{1}, {63, 64, 65}, {200}, {700, 701, 702, 703, 704}, {30}, {}};
   const int64_t table_width = 50;
   std::vector<int64_t> tables, row_seq, lens;
   std::vector<int64_t> ids(blocks);
@@ -215,41 +215,40 @@ void test_attention(std::mt19937& rng) {
     for (const int64_t ctx : contexts[seq]) row_seq.push_back(seq), lens.push_back(ctx);
   }
   for (int64_t i = 0; i < 20; ++i) row_seq.push_back(4), lens.push_back(11 + i);  // a short prompt's rows
+  // A long prompt's rows: enough runs that threads take whole runs in the call, where a row alone is split by span.
+  for (int64_t i = 0; i < 300; ++i) row_seq.push_back(5), lens.push_back(1 + i);
   const int64_t rows = static_cast<int64_t>(row_seq.size());
   const std::vector<float> q = random_rows(rows, heads * dim, rng);
   const float scale = 0.125f;
   for (const int64_t window : {int64_t{0}, int64_t{100}}) {
     const std::string label = "attention" + std::string(window > 0 ? " over a window of 100" : "");
     std::vector<float> all(rows * heads * dim), alone(heads * dim);
-    conveyor::with_path(256, [&](auto path) {
-      using P = decltype(path);
-      const auto attend = [&](int64_t first, int64_t count, float* out) {
-        conveyor::attention_rows<conveyor::v8, P>(q.data() + first * heads * dim, count, heads * dim, heads,
-                                                  k_cache.data(), v_cache.data(), shape, tables.data(), table_width,
-                                                  row_seq.data() + first, lens.data() + first, scale, window, out);
-      };
-      attend(0, rows, all.data());
-      double worst = 0;
-      for (int64_t r = 0; r < rows; ++r) {
-        const std::vector<double> want = attention_reference(q.data() + r * heads * dim, heads, k_cache.data(),
-                                                             v_cache.data(), shape, tables.data() + row_seq[r] * table_width,
-                                                             lens[r], window, scale);
-        for (int64_t i = 0; i < heads * dim; ++i) worst = std::max(worst, std::fabs(all[r * heads * dim + i] - want[i]));
-        attend(r, 1, alone.data());
-        expect(std::memcmp(alone.data(), all.data() + r * heads * dim, alone.size() * sizeof(float)) == 0,
-               label + ": row " + std::to_string(r) + " (context " + std::to_string(lens[r]) +
-                   ") differs from its run alone");
-      }
-      expect(worst < 1e-4, label + " off the reference by " + std::to_string(worst));
+    const auto attend = [&](int64_t first, int64_t count, float* out) {
+      conveyor::attention_rows<conveyor::v8>(q.data() + first * heads * dim, count, heads * dim, heads,
+                                             k_cache.data(), v_cache.data(), shape, tables.data(), table_width,
+                                             row_seq.data() + first, lens.data() + first, scale, window, out);
+    };
+    attend(0, rows, all.data());
+    double worst = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const std::vector<double> want = attention_reference(q.data() + r * heads * dim, heads, k_cache.data(),
+                                                           v_cache.data(), shape, tables.data() + row_seq[r] * table_width,
+                                                           lens[r], window, scale);
+      for (int64_t i = 0; i < heads * dim; ++i) worst = std::max(worst, std::fabs(all[r * heads * dim + i] - want[i]));
+      attend(r, 1, alone.data());
+      expect(std::memcmp(alone.data(), all.data() + r * heads * dim, alone.size() * sizeof(float)) == 0,
+             label + ": row " + std::to_string(r) + " (context " + std::to_string(lens[r]) +
+                 ") differs from its run alone");
+    }
+    expect(worst < 1e-4, label + " off the reference by " + std::to_string(worst));
 #if defined(_OPENMP)
-      const int threads = omp_get_max_threads();
-      omp_set_num_threads(1);
-      std::vector<float> one(rows * heads * dim);
-      attend(0, rows, one.data());
-      omp_set_num_threads(threads);
-      expect(one == all, label + ": one thread and " + std::to_string(threads) + " give other bits");
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    std::vector<float> one(rows * heads * dim);
+    attend(0, rows, one.data());
+    omp_set_num_threads(threads);
+    expect(one == all, label + ": one thread and " + std::to_string(threads) + " give other bits");
 #endif
-    });
   }
 }
 

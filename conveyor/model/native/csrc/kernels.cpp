@@ -197,10 +197,10 @@ torch::Tensor paged_attention(const torch::Tensor& query, const torch::Tensor& k
     with_cache_data(k_cache, [&](auto* k) {
       using P = decltype(path);
       const auto* v = static_cast<const std::remove_pointer_t<decltype(k)>*>(v_cache.data_ptr());
-      attention_rows<typename P::Vec, P>(q.data_ptr<float>(), rows, heads * dim, heads, k, v, shape,
-                                         tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
-                                         lens.data_ptr<int64_t>(), static_cast<float>(scale), window,
-                                         out.data_ptr<float>());
+      attention_rows<typename P::Vec>(q.data_ptr<float>(), rows, heads * dim, heads, k, v, shape,
+                                      tables.data_ptr<int64_t>(), table_width, seqs.data_ptr<int64_t>(),
+                                      lens.data_ptr<int64_t>(), static_cast<float>(scale), window,
+                                      out.data_ptr<float>());
     });
   });
   return out;

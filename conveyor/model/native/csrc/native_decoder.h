@@ -437,9 +437,8 @@ class NativeDecoder {
       write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, group.slots, step.shape,
                     k_cache, v_cache);
       // Rows one at a time on 8 lanes on either path: 16 measured no faster (reading K and V bounds it).
-      attention_rows<v8, typename FloatPath<P>::type>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape,
-                                                      group.tables.ids.data(), group.tables.width, step.row_seq,
-                                                      step.context_lens, scale, w.window, ap);
+      attention_rows<v8>(qkvp, tokens, qkv_width, heads_, k_cache, v_cache, step.shape, group.tables.ids.data(),
+                         group.tables.width, step.row_seq, step.context_lens, scale, w.window, ap);
       project<P>(w, kO, ap, tokens, q_width, dp);
       if (w.attn_out_norm.numel() != 0) {  // a norm over attention's output before it joins the stream
         rms_norm_rows<V>(dp, nullptr, w.attn_out_norm.data_ptr<float>(), tokens, hidden_, eps_, dp);
