@@ -5,8 +5,10 @@
 - **alone**: one request at a time, to its end;
 - **batch**: all 64 at once, with chunked prefill (``--max-num-batched-tokens``, small, so that prompts are cut
   into chunks beside other requests' decodes);
-- the same two with prefix caching on and a shared system prompt (``--shared``), where every request after the
-  first finds the system prompt's blocks in the cache.
+- the same two with prefix caching on and a shared system prompt, where every request after the first finds the
+  system prompt's blocks in the cache;
+- the same two with a long document before each question (about 600 tokens, prefix caching off), so that every
+  prompt is attended over hundreds of positions in chunks that fall elsewhere alone than in the batch.
 
 Prints, per case, how many requests got the same tokens as alone (bit-identical logits would give 64/64), and
 for the others where they first part. A benchmark of correctness, not speed: machine noise does not move it,
@@ -33,11 +35,14 @@ SYSTEM = ("You are a patient teacher who answers in plain words, gives one examp
 OUTPUT_LEN = 48
 
 
-def prompts(engine: Engine, system: bool) -> list[list[int]]:
-    """The 64 prompts as token ids in the model's chat template (with the shared system prompt if asked)."""
+def prompts(engine: Engine, system: bool, document: bool = False) -> list[list[int]]:
+    """The 64 prompts as token ids in the model's chat template (with the shared system prompt, or after a long
+    document made of every question, if asked)."""
     head = [{"role": "system", "content": SYSTEM}] if system else []
     texts = [form.format(topic) for topic in TOPICS for form in FORMS]
-    return [engine.tokenizer.apply_chat_template([*head, {"role": "user", "content": text}]) for text in texts]
+    before = "Questions asked so far: " + " ".join(texts) + "\n\nNow answer this one. " if document else ""
+    return [engine.tokenizer.apply_chat_template([*head, {"role": "user", "content": before + text}])
+            for text in texts]
 
 
 def run(engine: Engine, batch: list[list[int]], tag: str) -> list[list[int]]:
@@ -62,10 +67,10 @@ def compare(alone: list[list[int]], together: list[list[int]]) -> str:
     return f"{same}/{len(alone)} identical{where}"
 
 
-def case(options: dict, shared: bool) -> tuple[str, str]:
+def case(options: dict, shared: bool, document: bool = False) -> tuple[str, str]:
     """How the engine runs, and how many of the 64 requests got the same tokens alone as together."""
     engine = Engine(EngineConfig(**options, enable_prefix_caching=shared))
-    batch = prompts(engine, system=shared)
+    batch = prompts(engine, system=shared, document=document)
     alone = [run(engine, [prompt], f"alone{i}")[0] for i, prompt in enumerate(batch)]
     together = run(engine, batch, "batch")
     return engine.runner.summary, compare(alone, together)
@@ -84,6 +89,7 @@ def main() -> None:
     print(f"{summary}; 64 prompts, {OUTPUT_LEN} greedy tokens each, chunks of {args.max_num_batched_tokens} tokens")
     print(f"alone vs one batch of 64:                       {plain}", flush=True)
     print(f"the same with a shared system prompt, caching on: {case(options, shared=True)[1]}", flush=True)
+    print(f"the same after a long document, caching off:      {case(options, False, document=True)[1]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ def test_engine_config_round_trips_through_the_flags() -> None:
             "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2",
             "--long-prefill-token-threshold", "300", "--swap-space", "512MB",
             "--kv-layout", "contiguous", "--no-enable-prefix-caching", "--kernels", "torch", "--quantization", "int8",
-            "--num-threads", "3", "--speculative-config", '{"method": "suffix"}']
+            "--num-threads", "3", "--speculative-config", '{"method": "suffix"}',
+            "--chat-template", "{{ messages[0].content }}"]
     assert len(argv) == 2 * len(engine_options()) - 3  # the three switches take no value
     assert engine_config(parse(argv)) == EngineConfig(
         model="m.gguf", dtype="bfloat16", kv_cache_dtype="fp8", device="cpu", max_num_seqs=7,
@@ -149,7 +150,7 @@ def test_engine_config_round_trips_through_the_flags() -> None:
         max_num_partial_prefills=4, max_long_partial_prefills=2, long_prefill_token_threshold=300,
         swap_space=512 * 10**6, kv_layout="contiguous",
         enable_prefix_caching=False, kernels="torch", quantization="int8", num_threads=3,
-        speculative_config='{"method": "suffix"}',
+        speculative_config='{"method": "suffix"}', chat_template="{{ messages[0].content }}",
     )
 
 

@@ -58,7 +58,8 @@ def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_chat_template(reader.fields["tokenizer.chat_template"].contents())
 
 
-def _write_gguf(path, arch: str, model) -> None:
+def _write_gguf(path, arch: str, model, metadata=None) -> None:
+    """``metadata``: writes keys of its own too (test_rope_scaling: YaRN's)."""
     config = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -73,6 +74,8 @@ def _write_gguf(path, arch: str, model) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
+    if metadata is not None:
+        metadata(writer)
     _copy_tokenizer(writer)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:

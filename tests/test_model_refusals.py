@@ -32,14 +32,11 @@ def _folder(tmp_path: Path, tokenizer_dir: Path, **changes) -> Path:
 CASES = {
     "architecture": (dict(model_type="gpt2"), ["model_type 'gpt2' is not supported", "gemma3", "qwen3", "llama"]),
     "missing-key": (dict(num_attention_heads=None), ["lacks 'num_attention_heads'", "num_hidden_layers"]),
-    "rope-scaling": (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-                     ["rope_scaling type 'yarn' is not supported", "linear", "llama3"]),
+    "rope-scaling": (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+                     ["rope_scaling type 'dynamic' is not supported", "linear", "llama3", "yarn", "longrope"]),
     "activation": (dict(hidden_act="gelu"), ["hidden_act 'gelu' is not supported for llama", "silu"]),
     "gemma-activation": (dict(model_type="gemma3_text", hidden_activation="silu", head_dim=16),
                          ["hidden_act 'silu' is not supported for gemma3", "gelu_pytorch_tanh"]),
-    "phi3-longrope": (dict(model_type="phi3", rope_scaling={"type": "longrope", "short_factor": [1.0] * 8,
-                                                             "long_factor": [1.0] * 8}),
-                      ["rope_scaling type 'longrope' is not supported", "llama3"]),
     "partial-rotary": (dict(model_type="phi3", partial_rotary_factor=0.75),
                        ["partial_rotary_factor 0.75 is not supported", "1.0"]),
 }

@@ -56,7 +56,8 @@ def _option(default: Any, help: str, *, choices: tuple[str, ...] = (), minimum: 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = _option(None, "HF model folder or .gguf file", unset="SmolLM2-135M-Instruct")
+    model: str | None = _option(None, "HF model folder, .gguf file, or a name: packaged (gemma3-270m), NAME in "
+                                "$CONVEYOR_MODELS, ORG/NAME in the Hugging Face cache", unset="SmolLM2-135M-Instruct")
     dtype: str = _option("float32", "dtype of the weights, activations and KV cache",
                          choices=tuple(FLOAT_BYTES))
     kv_cache_dtype: str = _option("auto", "what the KV cache stores: auto (--dtype), bfloat16, or fp8 (fp8_e5m2: "
@@ -145,6 +146,9 @@ class EngineConfig:
         "recent requests' outputs); \"draft_length\": auto (the default: each step carries the drafts expected to "
         "pay, from acceptance so far and measured step costs, none where the batch makes them dear) or fixed",
         unset="off")
+    chat_template: str | None = _option(None, "the chat template of chat requests, in place of the model's own "
+                                        "(vLLM's): the path of a Jinja file, or the template itself (a one-line "
+                                        "template's \\n escapes read as newlines)", unset="the model's own")
 
     def __post_init__(self) -> None:
         for option in engine_options():
@@ -159,6 +163,7 @@ class EngineConfig:
             raise ValueError("scheduling_policy: slo orders continuous admission by deadline; static batches form in "
                              "arrival order (use fcfs or priority with scheduler static)")
         self.tenant_weight_map()  # a ValueError now rather than at the first request
+        self.chat_template_text()
         if self.speculative() is not None and self.scheduler == "static":
             raise ValueError("speculative_config: drafts are verified in continuous steps; static batches do not "
                              "take them (use scheduler continuous)")
@@ -174,6 +179,10 @@ class EngineConfig:
     def tenant_weight_map(self) -> dict[str, float]:
         """``tenant_weights`` read: from its JSON text, or from the file it names."""
         return parse_tenant_weights(self.tenant_weights)
+
+    def chat_template_text(self) -> str | None:
+        """``chat_template`` read: the template in the file it names, or the template itself (None: the model's)."""
+        return read_chat_template(self.chat_template)
 
     def speculative(self) -> SpeculativeConfig | None:
         """``speculative_config`` read (None: off); ValueError naming the key that is wrong."""
@@ -216,6 +225,25 @@ def parse_tenant_weights(text: str | None) -> dict[str, float]:
         if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf:
             raise ValueError(f"tenant_weights: {tenant!r} must weigh a positive number, got {weight!r}")
     return {tenant: float(weight) for tenant, weight in weights.items()}
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """vLLM's reading of ``--chat-template``: the file it names, else, where it holds a brace or a line break, the
+    template itself (one written on a single line has its ``\\n`` and other escapes read, as a shell passes them
+    on); a value that looks like a path but opens no file is refused, naming the flag."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the text
+        if not any(mark in value for mark in "{}\n"):
+            raise ValueError(f"chat_template: {value!r} looks like a file's path, but it cannot be read: "
+                             f"{error.strerror if isinstance(error, OSError) else error}") from None
+    if "\n" in value:
+        return value
+    # latin-1 with backslashreplace keeps any non-Latin text intact through unicode_escape.
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 @dataclass(frozen=True, slots=True)

@@ -83,7 +83,7 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            rope_scaling=_scaling(global_rope),
+            rope_scaling=_scaling(global_rope, raw, model_type),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
             attention_bias=raw.get("attention_bias", False),
@@ -93,7 +93,7 @@ class ModelConfig:
             hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
             layer_windows=_layer_windows(raw, model_type),
             local_rope_theta=None if local_theta is None else float(local_theta),
-            local_rope_scaling=_scaling(local_rope or {}),
+            local_rope_scaling=_scaling(local_rope or {}, raw, model_type),
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
             partial_rotary_factor=float(raw.get("partial_rotary_factor")
                                         or (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)),
@@ -142,7 +142,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "sliding_window_pattern": 6, "head_dim": 256, "rms_norm_eps": 1e-6},
 }
 _FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
-_FAMILY_DEFAULTS["phi3"] = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
+_FAMILY_DEFAULTS["phi3"] = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+                            "original_max_position_embeddings": 4096}
 
 
 def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -164,10 +165,23 @@ def _rope_by_layer_kind(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return dict(params), None if local_theta is None else {"rope_theta": local_theta}
 
 
-def _scaling(rope: dict[str, Any]) -> dict[str, Any]:
-    """A rope dict without its base: empty for plain rope."""
+def _scaling(rope: dict[str, Any], raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """A rope dict without its base, its kind under ``rope_type``: empty for plain rope. As transformers reads
+    it: Phi-3's older ``su`` and ``yarn`` are its longrope, and the scalings that stretch a trained context
+    take its length from the config's top-level ``original_max_position_embeddings`` where there is one (Phi-3
+    keeps it there, 4096 by default), else from the rope dict, else max_position_embeddings."""
     rope = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {} if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+    kind = rope.pop("type", None)
+    kind = rope.setdefault("rope_type", kind or "default")
+    if kind == "default":
+        return {}
+    if model_type == "phi3" and kind in ("su", "yarn"):
+        rope["rope_type"] = kind = "longrope"
+    if kind in ("llama3", "yarn", "longrope"):
+        rope["original_max_position_embeddings"] = (raw.get("original_max_position_embeddings")
+                                                     or rope.get("original_max_position_embeddings")
+                                                     or raw.get("max_position_embeddings", 2048))
+    return rope
 
 
 def _layer_windows(raw: dict[str, Any], model_type: str) -> tuple[int | None, ...]:

@@ -62,7 +62,7 @@ class Engine:
         self.clock = clock
         folder = resolve_model(config.model)
         self.model_path = folder
-        self.tokenizer = Tokenizer(folder)
+        self.tokenizer = Tokenizer(folder, config.chat_template_text())
         self.model_config = ModelConfig.from_folder(folder)
         plan = runner.build_runner(config, self.model_config, folder)  # refuses an architecture before loading
         self.tokenizer.check_model_vocabulary(self.model_config.vocab_size)  # before the weights load: at once

@@ -162,7 +162,8 @@ class ReplicaSet:
         ]
         described = ray.get([actor.describe.remote() for actor in self._actors], timeout=START_TIMEOUT_S)
         first = described[0]
-        self.requests = RequestBuilder(Tokenizer(first["model_path"]), first["vocab_size"], first["max_model_len"])
+        tokenizer = Tokenizer(first["model_path"], self.config.chat_template_text())  # the server templates here
+        self.requests = RequestBuilder(tokenizer, first["vocab_size"], first["max_model_len"])
         for index, (health, info) in enumerate(zip(self.health, described)):
             health.healthy, health.pid, health.host = True, info["pid"], info["host"]
             self._report(index)

@@ -42,6 +42,9 @@ def _hf_tokenizer(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(folder))
 
 
+NO_TEMPLATE = ("this model has no chat template: give one (the server's --chat-template FILE|TEMPLATE, offline "
+               "LLM(chat_template=...)), or send a plain prompt (/v1/completions)")
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npy")
 
 
@@ -65,7 +68,9 @@ def _loaded_tokenizer(folder: Path, files: tuple[tuple[str, int, int], ...]) -> 
 
 
 class Tokenizer:
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path, chat_template: str | None = None) -> None:
+        """``chat_template``: a template's source, used in place of the model's own (``--chat-template``); one
+        that does not compile is refused here, at start, naming its line."""
         try:
             resolved = Path(folder).resolve()
             self._tok = _loaded_tokenizer(resolved, _tokenizer_files(resolved))
@@ -76,6 +81,13 @@ class Tokenizer:
         self.folder = folder
         self.eos_token_id: int | None = self._tok.eos_token_id
         self.vocab_size = len(self._tok)
+        self._template_override = chat_template
+        if chat_template is not None:
+            try:
+                _compiled(chat_template)
+            except Exception as error:  # jinja2's TemplateSyntaxError, with the line it stopped at
+                raise ValueError(f"chat_template: the template does not compile{_template_line(error)}: "
+                                 f"{_first_line(error)}") from None
 
     def check_model_vocabulary(self, model_vocab_size: int) -> None:
         """Refuse at start, in one line, a tokenizer that cannot serve this model: one that makes no tokens of
@@ -96,7 +108,9 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        """The chat template's source (None: the tokenizer has none)."""
+        """The chat template's source: the one given in place of the model's, else the model's (None: none)."""
+        if self._template_override is not None:
+            return self._template_override
         template = self._tok.chat_template
         return template if isinstance(template, str) or template is None else str(template)
 
@@ -115,13 +129,16 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
                             template_kwargs: Mapping[str, Any] | None = None,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            chat_template: str | None = None) -> list[int]:
         """The messages rendered by the model's chat template and tokenized: ending with the header of the
         assistant's answer, or with the final message left open for the model to continue; ``template_kwargs``
         are further variables the template may read, ``tools`` OpenAI's tool definitions (a template that
-        knows tools shows them to the model; others leave them out)."""
-        if not self._tok.chat_template:
-            raise FieldError("messages", "messages: this model has no chat template; send a plain prompt instead")
+        knows tools shows them to the model; others leave them out); ``chat_template`` a template's source for
+        this call, in place of the tokenizer's."""
+        template = chat_template or self._template_override
+        if not (template or self.chat_template):
+            raise FieldError("messages", f"messages: {NO_TEMPLATE}")
         from jinja2 import TemplateError
 
         taken = sorted(set(template_kwargs or ()) & self._template_arguments)
@@ -131,15 +148,17 @@ class Tokenizer:
         try:
             ids = self._tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
                                                 continue_final_message=continue_final_message, tokenize=True,
-                                                **(template_kwargs or {}))
+                                                chat_template=template, **(template_kwargs or {}))
         except TemplateError as error:  # the template refused these messages (roles, order, ...)
-            raise FieldError("messages", f"messages: the chat template refused them: {error}") from None
+            raise FieldError("messages", f"messages: the chat template refused them{_template_line(error)}: "
+                             f"{_first_line(error)}") from None
         except ValueError as error:  # e.g. a final message the template's output does not end with
             raise FieldError("messages", f"messages: {error}") from None
         except Exception as error:  # the template's own code failed on what the client sent (a TypeError when
             # a chat_template_kwargs value has a type the template does not expect, a RecursionError, ...)
             raise FieldError("messages", f"messages: the chat template failed on these messages, tools and "
-                             f"chat_template_kwargs ({type(error).__name__}: {_first_line(error)})") from None
+                             f"chat_template_kwargs{_template_line(error)} ({type(error).__name__}: "
+                             f"{_first_line(error)})") from None
         # Newer transformers return a BatchEncoding here, older ones a plain list.
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -149,6 +168,29 @@ class Tokenizer:
         signature is not free, and every chat request asks)."""
         names = inspect.signature(self._tok.apply_chat_template).parameters
         return frozenset(name for name in names if name != "kwargs") | {"messages"}
+
+
+def _compiled(template: str) -> Any:
+    """The template compiled as transformers renders it (its sandbox and extensions; cached there by source)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers that moved it: jinja2's sandbox, which parses the same syntax
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        return ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string(template)
+    return _compile_jinja_template(template)
+
+
+def _template_line(error: BaseException) -> str:
+    """Where in the template an error arose, as " at line N of the template" (empty where unknown): jinja2 gives
+    a syntax error its line, and a failure while rendering a traceback frame of the template's own lines."""
+    line = getattr(error, "lineno", None)
+    traceback = error.__traceback__
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename == "<template>":
+            line = traceback.tb_lineno
+        traceback = traceback.tb_next
+    return f" at line {line} of the template" if line else ""
 
 
 def _first_line(error: BaseException) -> str:

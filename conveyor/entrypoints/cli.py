@@ -15,6 +15,7 @@ from conveyor.benchmarks.workload import WORKLOADS
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
+from conveyor.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
 from conveyor.entrypoints.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from conveyor.platform.cache_dir import CacheDirError
 from conveyor.router import POLICY_NAMES
@@ -194,7 +195,8 @@ def _add_bench_serve(bench: Commands) -> None:
 def _add_export_hf(commands: Commands) -> None:
     export = commands.add_parser("export-hf", help="write the model as a float32 Hugging Face folder for other engines")
     export.add_argument("output", help="the folder to write (new, or empty)")
-    export.add_argument("--model", default=None, help="HF model folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    export.add_argument("--model", default=None, help="HF model folder, .gguf file or a model's name (default: "
+                        "SmolLM2-135M-Instruct)")
 
 
 def _add_serve(commands: Commands) -> None:
@@ -207,7 +209,8 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--metrics-without-auth", action="store_true",
                        help="with --api-key, leave /metrics open to anyone who can reach the port (a scraper "
                        "without the key)")
-    serve.add_argument("--served-model-name", default=None, help="the model name clients use")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model names clients may send (each is accepted; responses report the first)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body")
     serve.add_argument("--max-waiting-requests", type=int, default=1024, help="503 beyond this many waiting")
     serve.add_argument("--default-max-tokens", type=int, default=None,
@@ -220,6 +223,11 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--dashboard-show-text", action="store_true",
                        help="show prompt text on /dashboard (default: request ids and lengths only)")
     _add_tool_args(serve)
+    serve.add_argument("--reasoning-parser", default=None, choices=tuple(REASONING_PARSERS),
+                       help="split the model's <think> reasoning from its answer, into reasoning_content (chat) and "
+                       "a reasoning item (the Responses API): deepseek_r1 (reasoning up to </think>, opened in the "
+                       "prompt or not) or qwen3 (only a <think>...</think> block the reply writes) (default: none, "
+                       "the reasoning stays in the content)")
     add_engine_args(serve)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from conveyor.core.config import EngineConfig
+from conveyor.core.config import EngineConfig, read_chat_template
 from conveyor.core.errors import RequestRefused
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
@@ -71,15 +71,18 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}``) or a list of them, rendered by the model's chat
         template as vLLM's ``LLM.chat`` does: ending with the assistant's header, or, with
         ``continue_final_message`` (and ``add_generation_prompt=False``), leaving the final message open for the
         model to continue; ``chat_template_kwargs`` are further variables for the template, ``tools`` OpenAI's
-        tool definitions for a template that shows them."""
+        tool definitions for a template that shows them; ``chat_template`` a template (its text, or a Jinja file's
+        path) for this call, in place of the engine's (``LLM(chat_template=...)``, else the model's own)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = read_chat_template(chat_template)
         prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt, continue_final_message,
-                                                      chat_template_kwargs, tools) for c in conversations]
+                                                      chat_template_kwargs, tools, template) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests: list[tuple[str, int]], use_tqdm: bool) -> list[RequestOutput]:

@@ -21,15 +21,16 @@ from conveyor.engine.replicas import ReplicaSet, ReplicaSettings
 from conveyor.entrypoints.metrics import EngineMetrics, ServerMetrics
 from conveyor.entrypoints.openai.api_server import ServerSettings, build_app
 from conveyor.entrypoints.replica_metrics import ReplicaMetrics
+from conveyor.model.weights.paths import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger("conveyor.server")
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 EXIT_ENGINE_DEAD = 1
 FATAL_EXIT_GRACE_S = 10.0  # time the error events get to reach their clients before the process ends anyway
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    name = args.served_model_name or (Path(config.model).stem if config.model else DEFAULT_MODEL_NAME)
+    names = served_model_names(args.served_model_name, config.model)
+    name = names[0]  # what responses and metrics report
     # Checked before the model loads: an empty key is refused at once, with a clear error.
     if args.tool_call_parser and not args.enable_auto_tool_choice:
         raise ValueError("--tool-call-parser: reads tool_choice auto's replies, which --enable-auto-tool-choice "
@@ -39,7 +40,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         max_sequences_per_request=args.max_sequences_per_request, body_read_timeout=args.body_read_timeout,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allowed_hosts=args.allowed_hosts, tenant_header=config.tenant_header,
-        tool_call_parser=(args.tool_call_parser or "template") if args.enable_auto_tool_choice else None)
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=(args.tool_call_parser or "template") if args.enable_auto_tool_choice else None,
+        model_aliases=tuple(names[1:]))
     _check_replica_args(args)
     engine: EngineClient
     metrics: ServerMetrics
@@ -63,8 +66,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     if single is not None:  # a replica that dies is restarted by Ray; this process's own engine is not
         single.on_fatal = lambda error: _exit_after_fatal(server)
         single.start()
-    print(f"Serving {name} on http://{args.host}:{args.port}  (try: curl http://{args.host}:{args.port}/v1/models;"
-          f" the batch, live: http://{args.host}:{args.port}/dashboard)", flush=True)
+    url = f"http://{args.host}:{args.port}"
+    print(f"Serving {', '.join(names)} on {url}  (try: curl {url}/v1/models; the batch, live: {url}/dashboard)",
+          flush=True)
     try:
         server.run()  # returns after SIGTERM/SIGINT, once in-flight requests finished or timed out
     finally:
@@ -74,6 +78,19 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                      type(engine.error).__name__)
         return EXIT_ENGINE_DEAD
     return 0
+
+
+def served_model_names(given: list[str] | None, model: str | None) -> list[str]:
+    """The names clients may send, the first reported (vLLM's --served-model-name). Without any: a file's or a
+    folder's name without its suffix, a name as given (``ORG/NAME``, as vLLM serves --model), or the default
+    model's name."""
+    if given:
+        if any(not name.strip() for name in given):
+            raise ValueError(f"--served-model-name: an empty name in {given}")
+        return list(dict.fromkeys(given))
+    if model is None:
+        return [DEFAULT_MODEL_NAME]
+    return [Path(model).stem if Path(model).expanduser().exists() else model]
 
 
 def _check_replica_args(args: argparse.Namespace) -> None:

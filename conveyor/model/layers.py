@@ -94,17 +94,32 @@ def make_norm(family: Family, size: int, eps: float) -> RMSNorm:
     return RMSNorm(size, eps, one_plus=family.norm == "rms_one_plus")
 
 
-def _rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+def _rope_kind(scaling: dict[str, Any]) -> str:
+    """A rope_scaling dict's kind (transformers 5's ``rope_type``, or the older ``type``)."""
+    return scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+
+
+def _rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any], trained_positions: int,
+                   max_model_len: int) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies and the factor cos and sin are scaled by (YaRN's and longrope's attention factor;
+    1 for the others), as transformers' modeling_rope_utils computes them; longrope's by the set of factors
+    ``max_model_len`` picks (_longrope_factors). ``trained_positions``: the config's max_position_embeddings."""
     # float32 throughout, as the reference implementation computes it, so angles agree bit for bit.
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
-    if kind is None:
-        return inv_freq
+    kind = _rope_kind(scaling)
+    if kind == "default":
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
     if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"model: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling, trained_positions)
+    if kind == "longrope":
+        factors = _longrope_factors(scaling, max_model_len)
+        return _longrope_inv_freq(dim, theta, factors), _longrope_attention_factor(scaling, trained_positions)
+    raise ValueError(f"model: rope_scaling type {kind!r} is not supported (supported: default, linear, llama3, "
+                     "yarn, longrope)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -119,20 +134,85 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(wavelen < original / high, inv_freq, out)
 
 
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict, trained_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN (Qwen2.5, Qwen3): frequencies interpolated by ``factor`` below the band the original context turns
+    fewer than ``beta_slow`` times, kept above the one it turns more than ``beta_fast`` times, blended linearly
+    between; cos and sin scaled by 0.1 ln(factor) + 1 (or the ratio of two such with ``mscale`` and
+    ``mscale_all_dim``, or ``attention_factor`` as given)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or trained_positions / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def band_edge(rotations: float) -> float:  # the dimension whose wavelength fits ``rotations`` in the context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = band_edge(beta_fast), band_edge(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as the reference: no division by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    kept = 1 - ramp  # the share of each frequency extrapolated (kept as it was trained)
+    return (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept, float(attention_factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _longrope_factors(scaling: dict, max_model_len: int) -> list[float]:
+    """longrope's one set of factors for an engine, by vLLM's rule (Phi3LongRoPEScaledRotaryEmbedding): the long
+    ones where the engine's max_model_len exceeds the original context, else the short ones, at every position
+    of every sequence. transformers picks per forward pass instead, by the sequence's length, and Phi-3's
+    generation computes its cache again when a sequence grows past the original context; one table keeps what
+    a cached key means fixed, so steps stay the scheduler's and blocks stay shareable (docs/models.md)."""
+    long = max_model_len > scaling["original_max_position_embeddings"]
+    return scaling["long_factor"] if long else scaling["short_factor"]
+
+
+def _longrope_inv_freq(dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE (Phi-3 128k, Phi-3.5): each frequency divided by its own factor."""
+    ext = torch.tensor(factors, dtype=torch.float32)
+    return 1.0 / (ext * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _longrope_attention_factor(scaling: dict, trained_positions: int) -> float:
+    """sqrt(1 + ln(scale) / ln(original)), scale being max_position_embeddings / original (or ``factor``),
+    unless the config gives ``attention_factor``."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling["original_max_position_embeddings"]
+    scale = scaling.get("factor") or trained_positions / original
+    return 1.0 if scale <= 1.0 else math.sqrt(1 + math.log(scale) / math.log(original))
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, looked up once per step: the global layers' rope, or with
-    ``local`` the windowed layers' own (Gemma 3's base 10000 beside the global 1e6)."""
+    ``local`` the windowed layers' own (Gemma 3's base 10000 beside the global 1e6). ``max_positions`` is the
+    engine's max_model_len (runner.load hands it down): the positions the tables hold, and for longrope which
+    of its two sets of factors they are made of (_longrope_factors)."""
 
     def __init__(self, config: ModelConfig, max_positions: int, local: bool = False) -> None:
         super().__init__()
         theta, scaling = config.rope_theta, config.rope_scaling
         if local:
             theta, scaling = config.local_rope_theta, config.local_rope_scaling
-        inv_freq = _rope_inv_freq(config.head_dim, theta, scaling)
+        inv_freq, attention_factor = _rope_inv_freq(config.head_dim, theta, scaling, config.max_position_embeddings,
+                                                    max_positions)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        # Times the attention factor as the reference scales them (times 1.0: unchanged, bit for bit).
+        self.register_buffer("cos", angles.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin", angles.sin() * attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)

@@ -56,6 +56,7 @@ from conveyor.entrypoints.openai.protocol import (
     TokenizeRequest,
     message_dicts,
 )
+from conveyor.entrypoints.openai.reasoning import ReasoningParser, reasoning_parser
 from conveyor.entrypoints.openai.response_shapes import ChatShape, CompletionShape, ResponseShape, usage
 from conveyor.entrypoints.openai.responses_api import (
     MAX_STORED_RESPONSES,
@@ -116,6 +117,13 @@ class ServerSettings:
     # tool_choice auto (--enable-auto-tool-choice): the parser of the model's tool-call format, or "template"
     # for the one its chat template shows (tool_parsers.parser_for_template); None: auto is refused.
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # --reasoning-parser: reasoning.py's parser of <think> blocks; None: none
+    # Further names the model answers to (--served-model-name a b c: b and c); responses report model_name.
+    model_aliases: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -241,6 +249,11 @@ class _Serving:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.tool_parser = _tool_parser(settings.tool_call_parser, self.tokenizer.chat_template)
+        if settings.reasoning_parser is not None:
+            reasoning_parser(settings.reasoning_parser)  # an unknown name: refused at start
+        if not self.tokenizer.chat_template:
+            logger.warning("this model has no chat template: chat requests (and the Responses API) are refused "
+                           "until one is given with --chat-template FILE|TEMPLATE; /v1/completions works")
         self._pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="conveyor-tokenize")
         # Grammar compiles wait here, not in the tokenizer's pool: a schema that takes seconds to compile must not
         # hold up a plain request's tokenizing. The threads only wait (the compile runs in a compiler process);
@@ -272,8 +285,9 @@ class _Serving:
                                 f"server's --max-sequences-per-request of {limit}", "invalid_request_error", "n")
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.settings.model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {self.settings.model_name!r}",
+        if name is not None and name not in self.settings.model_names:
+            served = ", ".join(repr(n) for n in self.settings.model_names)
+            raise APIError(404, f"model {name!r} does not exist; this server serves {served}",
                            "not_found_error", "model", "model_not_found")
 
     def make_request(self, body: SamplingRequest, prompt: str | list[int], kind: str) -> EngineRequest:
@@ -285,6 +299,14 @@ class _Serving:
                                               priority=body.priority, max_tokens=self.max_tokens)
         except ValueError as error:
             raise _refusal(body, error) from None
+
+    def reasoning(self, body: ChatCompletionRequest) -> Callable[[], ReasoningParser] | None:
+        """What makes the parser that splits the reply's reasoning off (--reasoning-parser), or None: without
+        one, or where tool_choice forces calls (a grammar holds the reply to them from its first token)."""
+        name = self.settings.reasoning_parser
+        if name is None or body.forced_tool_calls() is not None:
+            return None
+        return reasoning_parser(name, constrained=body.structured_output() is not None)
 
     def make_chat_request(self, body: ChatCompletionRequest) -> EngineRequest:
         """Template, tokenize and check a chat request (call through ``off_loop``)."""
@@ -382,18 +404,18 @@ def _add_info_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) ->
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
-    def card() -> dict:
-        return {"id": serving.settings.model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "conveyor", "max_model_len": serving.max_model_len}
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "conveyor",
+                "max_model_len": serving.max_model_len}
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [card()]}
+    async def models() -> dict:  # every served name, the reported one first (as vLLM lists them)
+        return {"object": "list", "data": [card(name) for name in serving.settings.model_names]}
 
     @app.get("/v1/models/{model:path}")  # OpenAI's client.models.retrieve; a served name may hold a "/"
     async def model(model: str) -> dict:
         serving.check_model(model)
-        return card()
+        return card(model)
 
 
 def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
@@ -452,7 +474,8 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
         request = await serving.off_loop(serving.make_chat_request, body)
         fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
                         body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None,
-                        auto_tools=auto_tools, return_token_ids=body.return_token_ids)
+                        auto_tools=auto_tools, return_token_ids=body.return_token_ids,
+                        reasoning=serving.reasoning(body))
         return await serving.respond(body, [request], fmt, raw)
 
 
@@ -484,7 +507,7 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
         except ValueError as error:  # errors that name a field are in the Responses API's names already
             raise _refusal(chat, error) from None
         shape = ResponsesShape(body, serving.settings.model_name, chat.forced_tool_calls(),
-                               LogprobFormatter(serving.tokenizer), auto_tools)
+                               LogprobFormatter(serving.tokenizer), auto_tools, serving.reasoning(chat))
         conversation = [*history, *body.input_messages()]
 
         def keep(response: dict[str, Any]) -> None:

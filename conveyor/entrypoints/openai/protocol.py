@@ -407,7 +407,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateOptions):
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as the chat template expects them: content parts of type text joined; an assistant's earlier
-    tool calls and a tool message's call id and name passed on, for templates that show them."""
+    tool calls and reasoning_content, and a tool message's call id and name passed on, for templates that show
+    them."""
     out = []
     for message in messages:
         content = message.content
@@ -416,7 +417,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 raise FieldError("messages", "messages: only text content parts are supported")
             content = "".join(str(part.get("text", "")) for part in content)
         extra = {key: value for key, value in (message.model_extra or {}).items()
-                 if key in ("name", "tool_call_id") or (key == "tool_calls" and isinstance(value, list))}
+                 if key in ("name", "tool_call_id") or (key == "tool_calls" and isinstance(value, list))
+                 or (key == "reasoning_content" and isinstance(value, str))}
         if "tool_calls" in extra:
             extra["tool_calls"] = [_with_parsed_arguments(call) for call in extra["tool_calls"]]
         out.append({"role": message.role, "content": content or ""} | extra)

@@ -4,10 +4,12 @@ usage they report; vLLM's echo (the prompt, or the assistant's final message, ah
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
+from conveyor.entrypoints.openai.reasoning import ReasoningParser, count_reasoning_tokens, split
 from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, ToolCallStream, call_delta, whole_call
 from conveyor.entrypoints.openai.tool_calls import finish_reason as tool_finish_reason
 from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, parse
@@ -109,8 +111,11 @@ class ResponseShape:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}
 
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        return usage(outputs)
+
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, []) | {"usage": usage(outputs)}
+        return self._envelope(self.object_chunk, []) | {"usage": self.usage(outputs)}
 
 
 class CompletionShape(ResponseShape):
@@ -141,11 +146,14 @@ class ChatShape(ResponseShape):
 
     def __init__(self, request_id: str, model: str, logprobs: LogprobFormatter, echoed: str | None = None,
                  tools: ForcedToolCalls | None = None, prompt_logprobs: bool = False,
-                 auto_tools: str | None = None, return_token_ids: bool = False) -> None:
+                 auto_tools: str | None = None, return_token_ids: bool = False,
+                 reasoning: Callable[[], ReasoningParser] | None = None) -> None:
         """``echoed``: the text every choice starts with (vLLM's echo: the assistant's final message), if any;
         ``tools``: the calls tool_choice forces, which the choices' text is read back as; ``auto_tools``: the
-        parser (tool_parsers.py) that reads the calls the model chose to make out of its text. prompt_logprobs
-        go at the top, as vLLM puts them (the choices share the prompt)."""
+        parser (tool_parsers.py) that reads the calls the model chose to make out of its text; ``reasoning``:
+        what makes the parser (reasoning.py) that splits the reasoning off, ahead of the tool-call parser, which
+        sees only the content. prompt_logprobs go at the top, as vLLM puts them (the choices share the
+        prompt)."""
         super().__init__(request_id, model, logprobs, echo=echoed is not None, prompt_logprobs=prompt_logprobs,
                          return_token_ids=return_token_ids)
         self._echoed_text = echoed or ""
@@ -153,6 +161,8 @@ class ChatShape(ResponseShape):
         self.auto_tools = auto_tools
         self._tool_streams: dict[int, ToolCallStream] = {}  # per streamed choice, with tools
         self._auto_streams: dict[int, AutoToolStream] = {}  # per streamed choice, with auto_tools
+        self.reasoning = reasoning
+        self._reasoning_streams: dict[int, ReasoningParser] = {}  # per streamed choice, with reasoning
 
     def echo_of(self, output: RequestOutput) -> str:
         return self._echoed_text
@@ -162,17 +172,37 @@ class ChatShape(ResponseShape):
                     "logprobs": None if o.logprobs is None else self.logprobs.chat(o.logprobs)} | self.token_part(o)
                    for o in outputs]
         return (self._envelope(self.object_full, choices) | self.prompt_part(outputs[0])
-                | self.prompt_ids_part(outputs[0]) | {"usage": usage(outputs)} | timings(outputs))
+                | self.prompt_ids_part(outputs[0]) | {"usage": self.usage(outputs)} | timings(outputs))
+
+    def usage(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        """With a reasoning parser, OpenAI's completion_tokens_details.reasoning_tokens too."""
+        if self.reasoning is None:
+            return usage(outputs)
+        spent = sum(count_reasoning_tokens(self.reasoning, o.token_ids, self.logprobs.tokenizer_decode)
+                    for o in outputs)
+        return usage(outputs) | {"completion_tokens_details": {"reasoning_tokens": spent}}
 
     def _message(self, output: RequestOutput) -> dict[str, Any]:
-        """A whole choice's message and finish_reason: its text, or the tool calls it made."""
+        """A whole choice's message and finish_reason: its text (its reasoning apart, with a reasoning parser),
+        or the tool calls it made."""
+        if self.reasoning is not None and self.tools is None:
+            reasoning, text = split(self.reasoning, output.text)
+            message = self._text_message(output, text or "")
+            message["message"] = message["message"] | {"reasoning_content": reasoning}
+            return message
+        return self._text_message(output, output.text)
+
+    def _text_message(self, output: RequestOutput, text: str) -> dict[str, Any]:
+        """The message of a reply's text (its content, where a reasoning parser took the reasoning)."""
         if self.auto_tools is not None:
-            content, parsed = parse(self.auto_tools, output.text)
+            content, parsed = parse(self.auto_tools, text)
             calls = [whole_call(call.name, call.arguments) for call in parsed]
+            content = content or None if self.reasoning else content
             message = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
             return {"message": message, "finish_reason": tool_finish_reason(bool(calls), output.finish_reason)}
         if self.tools is None:
-            return {"message": {"role": "assistant", "content": self.echoed_text(output, output.text)},
+            content = self.echoed_text(output, text)
+            return {"message": {"role": "assistant", "content": content or None if self.reasoning else content},
                     "finish_reason": output.finish_reason}
         calls = self.tools.calls(output.text)
         message = {"role": "assistant", "content": None} | ({"tool_calls": calls} if calls else {})
@@ -180,11 +210,14 @@ class ChatShape(ResponseShape):
 
     def chunk(self, output: RequestOutput, is_first: bool) -> dict[str, Any]:
         finish_reason = output.finish_reason
+        reasoning, text = self._reasoning_delta(output)
         if self.auto_tools is not None:
-            delta, finish_reason = self._auto_delta(output, is_first)
+            delta, finish_reason = self._auto_delta(output, text, is_first)
         elif self.tools is None:
-            content = self.echoed_text(output, output.delta_text)
-            delta = {"role": "assistant", "content": content} if is_first else {"content": content}
+            content = self.echoed_text(output, text)
+            delta = {"role": "assistant"} if is_first else {}
+            if content or self.reasoning is None:
+                delta["content"] = content
         else:
             stream = self._tool_streams.setdefault(output.index, self.tools.stream())
             calls = stream.feed(output.delta_text)
@@ -192,15 +225,31 @@ class ChatShape(ResponseShape):
             if calls:
                 delta["tool_calls"] = calls
             finish_reason = tool_finish_reason(stream.num_calls > 0, finish_reason)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
         choice = {"index": output.index, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": self.logprobs.chat_delta(output)} | self.token_part(output, streamed=True)
         return self._envelope(self.object_chunk, [choice]) | self.prompt_part(output, streamed=True)
 
-    def _auto_delta(self, output: RequestOutput, is_first: bool) -> tuple[dict[str, Any], str | None]:
+    def _reasoning_delta(self, output: RequestOutput) -> tuple[str, str]:
+        """A streamed chunk's (reasoning, rest of the text): ("", its text) without a reasoning parser, or where
+        tool_choice forces calls; what the parser held back goes in the last chunk."""
+        if self.reasoning is None or self.tools is not None:
+            return "", output.delta_text
+        parser = self._reasoning_streams.get(output.index)
+        if parser is None:
+            parser = self._reasoning_streams[output.index] = self.reasoning()
+        reasoning, text = parser.feed(output.delta_text)
+        if output.finish_reason is not None:
+            more_reasoning, more_text = parser.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+        return reasoning, text
+
+    def _auto_delta(self, output: RequestOutput, text: str, is_first: bool) -> tuple[dict[str, Any], str | None]:
         """A streamed chunk's delta where the model may call tools: the content read so far that cannot begin a
         call, and each call once complete; what was held back goes in the last chunk."""
         stream = self._auto_streams.setdefault(output.index, AutoToolStream(self.auto_tools))
-        content, parsed = stream.feed(output.delta_text)
+        content, parsed = stream.feed(text)
         if output.finish_reason is not None:
             more, last = stream.finish()
             content, parsed = content + more, parsed + last

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) over the chat path: a request becomes a chat request (its
 input items as messages, ``instructions`` as the system message, ``text.format`` as ``response_format``, the
 tools and tool_choice as chat's), and the chat request's output comes back as a Response: a message item, or
-function_call items; streamed as the Responses events (``response.created`` ... ``response.completed``).
+function_call items, after a reasoning item where a reasoning parser read the reply's reasoning; streamed as the
+Responses events (``response.created`` ... ``response.completed``).
 
 ``store`` (OpenAI's default: true) keeps a response in this process's memory, the newest
 ``MAX_STORED_RESPONSES``, so that ``GET /v1/responses/{id}`` returns it and ``previous_response_id`` carries on
@@ -25,6 +26,7 @@ from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
 from conveyor.entrypoints.openai.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
+from conveyor.entrypoints.openai.reasoning import Phase, ReasoningParser, count_reasoning_tokens
 from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, whole_call
 from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, ParsedCall, parse
 
@@ -180,13 +182,24 @@ class ResponsesShape:
     """One response as the Responses API shows it: whole, or as its stream of events."""
 
     def __init__(self, body: ResponsesRequest, model: str, forced: ForcedToolCalls | None,
-                 logprobs: LogprobFormatter, auto_tools: str | None = None) -> None:
+                 logprobs: LogprobFormatter, auto_tools: str | None = None,
+                 reasoning: Callable[[], ReasoningParser] | None = None) -> None:
         """``forced``: the calls tool_choice forces; ``auto_tools``: the parser that reads the calls the model
-        chose to make (tool_choice auto with --enable-auto-tool-choice), else None."""
+        chose to make (tool_choice auto with --enable-auto-tool-choice), else None; ``reasoning``: what makes the
+        parser that splits the reasoning off (--reasoning-parser), ahead of the rest, else None."""
         self.body, self.model, self.forced, self.logprobs = body, model, forced, logprobs
         self.auto_tools = auto_tools
+        self.reasoning = reasoning if forced is None else None  # forced calls hold the reply from its first token
         self._auto = AutoToolStream(auto_tools) if auto_tools is not None else None
-        self._auto_items: list[dict[str, Any]] = []  # streamed with auto_tools: the message and calls, in order
+        # Streamed with auto_tools or a reasoning parser, items open as their text comes: the reasoning, the
+        # message and calls, in order.
+        self._ordered = auto_tools is not None or self.reasoning is not None
+        self._auto_items: list[dict[str, Any]] = []
+        self._thinking = self.reasoning() if self.reasoning is not None else None  # the streamed reply's parser
+        self._reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self._reasoning_text = ""
+        self._reasoning_at: int | None = None  # the reasoning item's place among _auto_items, once it began
+        self._reasoning_done = False
         self._auto_text = ""  # the message's text streamed so far
         self._auto_message_at: int | None = None  # the message's place among _auto_items, once its text began
         self.id = f"resp_{uuid.uuid4().hex}"
@@ -215,9 +228,11 @@ class ResponsesShape:
         }
         if final is not None:
             prompt, out = len(final.prompt_token_ids), len(final.token_ids)
+            reasoning = 0 if self.reasoning is None else count_reasoning_tokens(
+                self.reasoning, final.token_ids, self.logprobs.tokenizer_decode)
             response["usage"] = {"input_tokens": prompt, "output_tokens": out, "total_tokens": prompt + out,
                                  "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                                 "output_tokens_details": {"reasoning_tokens": 0}}
+                                 "output_tokens_details": {"reasoning_tokens": reasoning}}
         return response
 
     def full(self, final: RequestOutput) -> dict[str, Any]:
@@ -227,15 +242,31 @@ class ResponsesShape:
         return "incomplete" if final.finish_reason == "length" else "completed"
 
     def output_items(self, final: RequestOutput) -> list[dict[str, Any]]:
-        """The output: the function calls the text makes (tool_choice required or named), or one message."""
+        """The output: the function calls the text makes (tool_choice required or named), or one message; with a
+        reasoning parser, the reasoning first (its item), and a message only where there is content after it."""
         status = self.status(final)
         if self.forced is not None:
             return [_function_call_item(call, self._call_status(status)) for call in self.forced.calls(final.text)]
+        thought, text, content_first = [], final.text, False
+        if self.reasoning is not None:
+            parser = self.reasoning()
+            reasoning, content = (a + b for a, b in zip(parser.feed(final.text), parser.finish(), strict=True))
+            thought, text = ([self._reasoning_item(reasoning, "completed")] if reasoning else []), content
+            content_first = parser.content_before > 0  # items in the order a stream opens them
         if self.auto_tools is not None:
-            content, calls = parse(self.auto_tools, final.text)
+            content, calls = parse(self.auto_tools, text)
             message = [self._message(content, status, self._logprobs(final))] if content else []
-            return message + [_function_call_item(whole_call(c.name, c.arguments), "completed") for c in calls]
-        return [self._message(final.text, status, self._logprobs(final))]
+            items = message + thought if content_first and message else thought + message
+            return items + [_function_call_item(whole_call(c.name, c.arguments), "completed") for c in calls]
+        if self.reasoning is not None and not text:
+            return thought
+        message = [self._message(text, status, self._logprobs(final))]
+        return message + thought if content_first else thought + message
+
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        """The reasoning item: no content while in progress, then its one reasoning_text part."""
+        content = [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]
+        return {"type": "reasoning", "id": self._reasoning_id, "summary": [], "content": content, "status": status}
 
     def _logprobs(self, output: RequestOutput, streamed: bool = False) -> list[dict[str, Any]]:
         """The output_text's logprobs (chat's entries): all of them, or those a stream has not sent yet."""
@@ -258,6 +289,8 @@ class ResponsesShape:
         """A response's output as chat messages, for the next response's history."""
         messages = []
         for item in response["output"]:
+            if item["type"] == "reasoning":  # chat templates leave earlier turns' reasoning out
+                continue
             if item["type"] == "message":
                 messages.append({"role": "assistant", "content": "".join(p["text"] for p in item["content"])})
             else:
@@ -277,8 +310,8 @@ class ResponsesShape:
 
     def deltas(self, output: RequestOutput) -> list[dict[str, Any]]:
         """The events one step's output makes: text deltas, or function calls as they are read."""
-        if self._auto is not None:
-            return self._auto_events(*self._auto.feed(output.delta_text))
+        if self._ordered:
+            return self._ordered_events(output.delta_text, ending=False)
         if self._tool_stream is not None:
             return [e for call in self._tool_stream.feed(output.delta_text) for e in self._call_events(call)]
         events = []
@@ -294,9 +327,54 @@ class ResponsesShape:
                                      content_index=0, delta=output.delta_text, logprobs=logprobs))
         return events
 
+    def _ordered_events(self, text: str, ending: bool) -> list[dict[str, Any]]:
+        """With auto_tools or a reasoning parser: the events of the reply's next piece of text (``ending``: its
+        last, with what the parsers held back), the reasoning read first, the rest as content and calls."""
+        reasoning = ""
+        if self._thinking is not None:
+            reasoning, text = self._thinking.feed(text)
+            if ending:
+                more_reasoning, more_text = self._thinking.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        events = self._reasoning_events(reasoning, ending)
+        if self._auto is None:
+            return events + self._auto_events(text, [])
+        content, calls = self._auto.feed(text)
+        if ending:
+            more, last = self._auto.finish()
+            content, calls = content + more, calls + last
+        return events + self._auto_events(content, calls)
+
+    def _reasoning_events(self, reasoning: str, ending: bool) -> list[dict[str, Any]]:
+        """The reasoning item's events: opened at its first text, its deltas, and closed once the reasoning ends
+        (at its closing tag, or with the reply)."""
+        events = []
+        if reasoning:
+            if self._reasoning_at is None:
+                index = self._reasoning_at = len(self._auto_items)
+                self._auto_items.append(self._reasoning_item("", "in_progress"))
+                events += [self.event("response.output_item.added", output_index=index,
+                                      item=self._reasoning_item("", "in_progress")),
+                           self.event("response.content_part.added", item_id=self._reasoning_id, output_index=index,
+                                      content_index=0, part={"type": "reasoning_text", "text": ""})]
+            self._reasoning_text += reasoning
+            events.append(self.event("response.reasoning_text.delta", item_id=self._reasoning_id,
+                                     output_index=self._reasoning_at, content_index=0, delta=reasoning))
+        ended = ending or self._thinking is None or self._thinking.phase is Phase.AFTER
+        if ended and self._reasoning_at is not None and not self._reasoning_done:
+            self._reasoning_done = True
+            index = self._reasoning_at
+            item = self._auto_items[index] = self._reasoning_item(self._reasoning_text, "completed")
+            events += [self.event("response.reasoning_text.done", item_id=self._reasoning_id, output_index=index,
+                                  content_index=0, text=self._reasoning_text),
+                       self.event("response.content_part.done", item_id=self._reasoning_id, output_index=index,
+                                  content_index=0, part=item["content"][0]),
+                       self.event("response.output_item.done", output_index=index, item=item)]
+        return events
+
     def _auto_events(self, content: str, calls: list[ParsedCall]) -> list[dict[str, Any]]:
-        """With auto_tools: the message's text as it is read (its item opened at its first text), and each call
-        read, whole, as an item of its own after what came before it."""
+        """With auto_tools or a reasoning parser: the message's text as it is read (its item opened at its first
+        text), and each call read, whole, as an item of its own after what came before it."""
         events = []
         if content:
             if self._auto_message_at is None:
@@ -323,9 +401,10 @@ class ResponsesShape:
                        self.event("response.output_item.done", output_index=index, item=dict(item))]
         return events
 
-    def _auto_closing(self, final: RequestOutput, status: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """With auto_tools: the last piece, what was held back, and the message's closing events; the output."""
-        events = self.deltas(final) + self._auto_events(*self._auto.finish())
+    def _ordered_closing(self, final: RequestOutput, status: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """With auto_tools or a reasoning parser: the last piece, what was held back, and the message's closing
+        events; the output."""
+        events = self._ordered_events(final.delta_text, ending=True)
         if self._auto_message_at is not None:
             index = self._auto_message_at
             item = self._auto_items[index] = self._message(self._auto_text, status, self._logprobs(final))
@@ -365,8 +444,8 @@ class ResponsesShape:
     def closing(self, final: RequestOutput) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """The events that end the stream, and the response they end with (what a store keeps)."""
         status = self.status(final)
-        if self._auto is not None:
-            events, output = self._auto_closing(final, status)
+        if self._ordered:
+            events, output = self._ordered_closing(final, status)
             response = self.envelope(status, output, final)
             kind = "response.incomplete" if status == "incomplete" else "response.completed"
             return [*events, self.event(kind, response=response)], response

@@ -18,7 +18,7 @@ __all__ = ["FAMILIES", "ROPE_SCALINGS", "Family", "family_for", "gguf_family"]
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3)
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 _BY_GGUF = {family.gguf_architecture: family for family in FAMILIES if family.gguf_architecture}
-ROPE_SCALINGS = ("default", "linear", "llama3")  # what RotaryEmbedding computes
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # what RotaryEmbedding computes
 
 
 def family_for(config: ModelConfig) -> Family:

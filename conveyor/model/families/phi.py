@@ -1,6 +1,7 @@
 """Phi-3: Llama's layers, its checkpoints storing Q, K and V as one ``qkv_proj`` and gate and up as one
 ``gate_up_proj``; a ``sliding_window`` in its config applies to every layer (Phi-3-mini-4k: 2047). Its 128k
-variants' ``longrope`` scaling and Phi-4-mini's partial rotary are refused by name (families/__init__.py)."""
+variants' ``longrope`` scaling is the shared rope's (conveyor.model.layers.RotaryEmbedding); Phi-4-mini's
+partial rotary is refused by name (families/__init__.py)."""
 
 from __future__ import annotations
 

@@ -317,8 +317,11 @@ def _rope_parameters(
         return {"rope_type": "default", "rope_theta": theta}
     if kind == "linear":
         return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
-    if kind == "yarn":
+    if kind == "yarn":  # llama.cpp's YaRN is transformers': its band edges rounded out, cos and sin scaled alike
         params = {"rope_type": "yarn", "rope_theta": theta, "factor": factor}
+        betas = {"beta_fast": _meta(reader, f"{arch}.rope.scaling.yarn_beta_fast"),
+                 "beta_slow": _meta(reader, f"{arch}.rope.scaling.yarn_beta_slow")}
+        params |= {key: value for key, value in betas.items() if value is not None}
         return params | ({"original_max_position_embeddings": original} if original else {})
     raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF metadata")
 

