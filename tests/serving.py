@@ -5,13 +5,16 @@
 * ``metric``: one figure from ``/metrics``; ``wait_until_idle``: until nothing is open, running or holding KV;
 * ``rss_bytes``: a process's resident memory, from /proc;
 * ``openai_client``: the official client on a server; ``offline_text``: what the offline engine answers, which
-  a server's answer must equal (the ``offline`` fixture in conftest.py is that engine).
+  a server's answer must equal (the ``offline`` fixture in conftest.py is that engine);
+* ``with_chat_template``: a copy of a model folder with another chat template, or none.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 
@@ -197,3 +201,14 @@ def plain_probe(base: str, api_key: str, stop_file: str, out_file: str, every: f
             sent.append([at, time.perf_counter() - start, response.status_code])
             time.sleep(every)
     Path(out_file).write_text(json.dumps(sent))
+
+
+def with_chat_template(model_dir: Path, folder: Path, template: str | None) -> Path:
+    """``folder``: the HF model folder ``model_dir`` with ``template`` as its chat template (None: without one)."""
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        shutil.copy(model_dir / name, folder / name)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | ({} if template is None else
+                                                                       {"chat_template": template})))
+    return folder

@@ -11,13 +11,12 @@ template), and the official client: the tiny model's random weights would never 
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
 
 from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, ParsedCall, parse, parser_for_template
-from tests.serving import running_server
+from tests.serving import running_server, with_chat_template
 
 QWEN_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for tool in tools %}\n{{ tool | tojson }}"
@@ -86,12 +85,7 @@ def test_the_parser_is_chosen_from_the_template():
 @pytest.fixture(scope="module")
 def qwen_style_model(tiny_model_dir, tmp_path_factory):
     """The tiny model with a template that shows tools and asks for <tool_call> blocks."""
-    folder = tmp_path_factory.mktemp("tiny-tools")
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        shutil.copy(tiny_model_dir / name, folder / name)
-    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": QWEN_TEMPLATE}))
-    return folder
+    return with_chat_template(tiny_model_dir, tmp_path_factory.mktemp("tiny-tools"), QWEN_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

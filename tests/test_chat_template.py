@@ -6,9 +6,6 @@ from a string, and a template failing on some requests, are in test_reasoning.py
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import httpx
 import pytest
 
@@ -17,7 +14,7 @@ from conveyor.core.config import EngineConfig, read_chat_template
 from conveyor.core.errors import FieldError
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine.tokenizer import Tokenizer
-from tests.serving import openai_client, running_server
+from tests.serving import openai_client, running_server, with_chat_template
 
 TEMPLATE = "{% for message in messages %}[{{ message.role }}] {{ message.content }}\n{% endfor %}[assistant]"
 MESSAGES = [{"role": "user", "content": "Hello there"}]
@@ -64,13 +61,7 @@ def test_offline_chat_renders_the_template_given(tiny_model_dir):
 @pytest.fixture(scope="module")
 def untemplated_model(tiny_model_dir, tmp_path_factory):
     """The tiny model with no chat template."""
-    folder = tmp_path_factory.mktemp("tiny-untemplated")
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        shutil.copy(tiny_model_dir / name, folder / name)
-    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return with_chat_template(tiny_model_dir, tmp_path_factory.mktemp("tiny-untemplated"), None)
 
 
 def test_offline_chat_without_a_template_says_how_to_give_one(untemplated_model):
