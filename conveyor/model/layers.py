@@ -17,7 +17,7 @@ from torch import nn
 
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.attention import AttentionMetadata, paged_attention
-from conveyor.model.families import Family
+from conveyor.model.families import Family, rope_kind
 
 # A layer's projections under our names and the HF ones each stands for (the fused ones join theirs in this
 # order, weights and biases alike): what every loader maps a checkpoint's layer through.
@@ -94,11 +94,6 @@ def make_norm(family: Family, size: int, eps: float) -> RMSNorm:
     return RMSNorm(size, eps, one_plus=family.norm == "rms_one_plus")
 
 
-def _rope_kind(scaling: dict[str, Any]) -> str:
-    """A rope_scaling dict's kind (transformers 5's ``rope_type``, or the older ``type``)."""
-    return scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-
-
 def _rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any], trained_positions: int,
                    max_model_len: int) -> tuple[torch.Tensor, float]:
     """The inverse frequencies and the factor cos and sin are scaled by (YaRN's and longrope's attention factor;
@@ -106,7 +101,7 @@ def _rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any], trained_posi
     ``max_model_len`` picks (_longrope_factors). ``trained_positions``: the config's max_position_embeddings."""
     # float32 throughout, as the reference implementation computes it, so angles agree bit for bit.
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    kind = _rope_kind(scaling)
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":

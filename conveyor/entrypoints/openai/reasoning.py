@@ -48,7 +48,7 @@ class _ThinkBlock:
 
     def __init__(self, opened: bool, undecided: bool = False) -> None:
         self.phase = Phase.REASONING if opened else Phase.BEFORE
-        self._opened = not opened  # the opening tag was read (a deepseek_r1 reply may still write it: dropped)
+        self._opened = False  # the opening tag was read (a deepseek_r1 reply may still write it: dropped)
         self._pending = ""  # text not yet returned: what may begin a tag
         self._undecided = undecided  # reasoning held until a tag shows it is that (else content, at the end)
         self._held = ""
@@ -132,12 +132,20 @@ def reasoning_parser(name: str, constrained: bool = False) -> Callable[[], Reaso
     return PARSERS[name]
 
 
+def read(parser: ReasoningParser, text: str, ending: bool = False) -> tuple[str, str]:
+    """The (reasoning, content) the next piece of a reply adds; ``ending``: its last piece, with what the
+    parser held back."""
+    reasoning, content = parser.feed(text)
+    if not ending:
+        return reasoning, content
+    more_reasoning, more_content = parser.finish()
+    return reasoning + more_reasoning, content + more_content
+
+
 def split(make: Callable[[], ReasoningParser], text: str) -> tuple[str | None, str | None]:
     """A whole reply as (reasoning, content), each None where empty (vLLM's shape)."""
-    parser = make()
-    reasoning, content = parser.feed(text)
-    more_reasoning, more_content = parser.finish()
-    return (reasoning + more_reasoning) or None, (content + more_content) or None
+    reasoning, content = read(make(), text, ending=True)
+    return reasoning or None, content or None
 
 
 def count_reasoning_tokens(make: Callable[[], ReasoningParser], token_ids: Sequence[int],

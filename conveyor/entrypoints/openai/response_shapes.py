@@ -9,7 +9,7 @@ from typing import Any
 
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
-from conveyor.entrypoints.openai.reasoning import ReasoningParser, count_reasoning_tokens, split
+from conveyor.entrypoints.openai.reasoning import ReasoningParser, count_reasoning_tokens, read, split
 from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, ToolCallStream, call_delta, whole_call
 from conveyor.entrypoints.openai.tool_calls import finish_reason as tool_finish_reason
 from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, parse
@@ -239,11 +239,7 @@ class ChatShape(ResponseShape):
         parser = self._reasoning_streams.get(output.index)
         if parser is None:
             parser = self._reasoning_streams[output.index] = self.reasoning()
-        reasoning, text = parser.feed(output.delta_text)
-        if output.finish_reason is not None:
-            more_reasoning, more_text = parser.finish()
-            reasoning, text = reasoning + more_reasoning, text + more_text
-        return reasoning, text
+        return read(parser, output.delta_text, ending=output.finish_reason is not None)
 
     def _auto_delta(self, output: RequestOutput, text: str, is_first: bool) -> tuple[dict[str, Any], str | None]:
         """A streamed chunk's delta where the model may call tools: the content read so far that cannot begin a

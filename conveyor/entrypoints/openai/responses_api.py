@@ -26,7 +26,7 @@ from conveyor.core.sampling import MAX_LOGPROBS
 from conveyor.engine import RequestOutput
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
 from conveyor.entrypoints.openai.protocol import MAX_TOOLS, Body, FunctionDefinition, JsonSchemaFormat
-from conveyor.entrypoints.openai.reasoning import Phase, ReasoningParser, count_reasoning_tokens
+from conveyor.entrypoints.openai.reasoning import Phase, ReasoningParser, count_reasoning_tokens, read
 from conveyor.entrypoints.openai.tool_calls import ForcedToolCalls, whole_call
 from conveyor.entrypoints.openai.tool_parsers import AutoToolStream, ParsedCall, parse
 
@@ -250,7 +250,7 @@ class ResponsesShape:
         thought, text, content_first = [], final.text, False
         if self.reasoning is not None:
             parser = self.reasoning()
-            reasoning, content = (a + b for a, b in zip(parser.feed(final.text), parser.finish(), strict=True))
+            reasoning, content = read(parser, final.text, ending=True)
             thought, text = ([self._reasoning_item(reasoning, "completed")] if reasoning else []), content
             content_first = parser.content_before > 0  # items in the order a stream opens them
         if self.auto_tools is not None:
@@ -332,10 +332,7 @@ class ResponsesShape:
         last, with what the parsers held back), the reasoning read first, the rest as content and calls."""
         reasoning = ""
         if self._thinking is not None:
-            reasoning, text = self._thinking.feed(text)
-            if ending:
-                more_reasoning, more_text = self._thinking.finish()
-                reasoning, text = reasoning + more_reasoning, text + more_text
+            reasoning, text = read(self._thinking, text, ending)
         events = self._reasoning_events(reasoning, ending)
         if self._auto is None:
             return events + self._auto_events(text, [])
@@ -351,12 +348,8 @@ class ResponsesShape:
         events = []
         if reasoning:
             if self._reasoning_at is None:
-                index = self._reasoning_at = len(self._auto_items)
-                self._auto_items.append(self._reasoning_item("", "in_progress"))
-                events += [self.event("response.output_item.added", output_index=index,
-                                      item=self._reasoning_item("", "in_progress")),
-                           self.event("response.content_part.added", item_id=self._reasoning_id, output_index=index,
-                                      content_index=0, part={"type": "reasoning_text", "text": ""})]
+                self._reasoning_at, events = self._open_text_item(self._reasoning_item("", "in_progress"),
+                                                                  {"type": "reasoning_text", "text": ""})
             self._reasoning_text += reasoning
             events.append(self.event("response.reasoning_text.delta", item_id=self._reasoning_id,
                                      output_index=self._reasoning_at, content_index=0, delta=reasoning))
@@ -372,18 +365,23 @@ class ResponsesShape:
                        self.event("response.output_item.done", output_index=index, item=item)]
         return events
 
+    def _open_text_item(self, item: dict[str, Any], part: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
+        """An item whose text streams (the reasoning, the message), opened in place among the ordered items with
+        its one empty part: its index, and the events that open it."""
+        index = len(self._auto_items)
+        self._auto_items.append(item)
+        return index, [self.event("response.output_item.added", output_index=index, item=dict(item)),
+                       self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part)]
+
     def _auto_events(self, content: str, calls: list[ParsedCall]) -> list[dict[str, Any]]:
         """With auto_tools or a reasoning parser: the message's text as it is read (its item opened at its first
         text), and each call read, whole, as an item of its own after what came before it."""
         events = []
         if content:
             if self._auto_message_at is None:
-                index = self._auto_message_at = len(self._auto_items)
-                self._auto_items.append(self._message("", "in_progress"))
-                events += [self.event("response.output_item.added", output_index=index,
-                                      item=self._message("", "in_progress")),
-                           self.event("response.content_part.added", item_id=self._message_id, output_index=index,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []})]
+                self._auto_message_at, events = self._open_text_item(
+                    self._message("", "in_progress"), {"type": "output_text", "text": "", "annotations": []})
             self._auto_text += content
             events.append(self.event("response.output_text.delta", item_id=self._message_id,
                                      output_index=self._auto_message_at, content_index=0, delta=content,

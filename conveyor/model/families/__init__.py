@@ -6,6 +6,8 @@ or a rope scaling the shared layers lack.
 
 from __future__ import annotations
 
+from typing import Any
+
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.families.base import Family
 from conveyor.model.families.gemma import GEMMA3
@@ -13,12 +15,17 @@ from conveyor.model.families.llama import LLAMA, MISTRAL
 from conveyor.model.families.phi import PHI3
 from conveyor.model.families.qwen import QWEN2, QWEN3
 
-__all__ = ["FAMILIES", "ROPE_SCALINGS", "Family", "family_for", "gguf_family"]
+__all__ = ["FAMILIES", "ROPE_SCALINGS", "Family", "family_for", "gguf_family", "rope_kind"]
 
 FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, PHI3)
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 _BY_GGUF = {family.gguf_architecture: family for family in FAMILIES if family.gguf_architecture}
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # what RotaryEmbedding computes
+
+
+def rope_kind(scaling: dict[str, Any]) -> str:
+    """A rope_scaling dict's kind (transformers 5's ``rope_type``, or the older ``type``)."""
+    return scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
 
 
 def family_for(config: ModelConfig) -> Family:
@@ -34,7 +41,7 @@ def family_for(config: ModelConfig) -> Family:
         raise ValueError(f"model: partial_rotary_factor {config.partial_rotary_factor} is not supported (supported: "
                          "1.0, rope over the whole head)")
     for scaling in (config.rope_scaling, config.local_rope_scaling):
-        kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        kind = rope_kind(scaling)
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"model: rope_scaling type {kind!r} is not supported (supported: "
                              f"{', '.join(ROPE_SCALINGS)})")
