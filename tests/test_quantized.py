@@ -161,18 +161,25 @@ def test_the_default_model_runs_kept_quantized(quantized_llm) -> None:
 
 def test_greedy_tokens_agree_with_the_float32_weights_of_the_same_file(quantized_llm, default_model_dir) -> None:
     """The float32 run reads the same file dequantized; the quantized one also quantizes activations, so they part
-    where two candidates are close. The first tokens agree on most prompts, and most tokens overall."""
+    where two candidates are close. Counted teacher-forced: the quantized weights read the float32 run's greedy
+    text and rank, at each of its positions, the token float32 chose. Counting free-running tokens up to the first
+    difference instead let one early near-tie decide a prompt (per prompt 5, 6, 1, 24, 16, 24, 6, 24 of 24 on a
+    Zen 4's vnni512 kernels, where this count is 185 of 192, every other one second)."""
+    from conveyor.core.sampling import SamplingParams
     from conveyor.entrypoints.llm import LLM
 
+    float32 = LLM(str(default_model_dir), num_kv_blocks=256, max_model_len=1024).generate(
+        PROMPTS, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     quantized = greedy(quantized_llm, PROMPTS)
-    float32 = greedy(LLM(str(default_model_dir), num_kv_blocks=256, max_model_len=1024), PROMPTS)
-    first_four = sum(q[:4] == f[:4] for q, f in zip(quantized, float32, strict=True))
-    agreeing = sum(next((i for i, (a, b) in enumerate(zip(q, f)) if a != b), len(q))
-                   for q, f in zip(quantized, float32, strict=True))
-    print(f"greedy agreement with float32: {first_four}/{len(PROMPTS)} prompts agree on 4 tokens; "
-          f"{agreeing}/{sum(map(len, quantized))} tokens before the first difference")
+    first_four = sum(q[:4] == list(f.token_ids)[:4] for q, f in zip(quantized, float32, strict=True))
+    forced = quantized_llm.generate([[*f.prompt_token_ids, *f.token_ids] for f in float32],
+                                    SamplingParams(max_tokens=1, prompt_logprobs=0))
+    ranks = [entry.rank for out, f in zip(forced, float32, strict=True)
+             for entry in out.prompt_logprobs[len(f.prompt_token_ids):]]
+    print(f"greedy agreement with float32: {first_four}/{len(PROMPTS)} prompts agree on 4 tokens; float32's token "
+          f"ranked first at {ranks.count(1)}/{len(ranks)} positions, worst rank {max(ranks)}")
     assert first_four >= len(PROMPTS) - 2
-    assert agreeing >= 0.6 * sum(map(len, quantized))
+    assert ranks.count(1) >= 0.9 * len(ranks) and max(ranks) <= 3
 
 
 def test_a_requests_tokens_are_the_same_in_a_batch_of_8_and_of_64(quantized_llm) -> None:

@@ -26,7 +26,9 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -285,28 +287,163 @@ void k_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* 
 }
 #endif
 
+#if defined(CONVEYOR_VNNI512)
+// A block's sub-block scales and mins of all 16 outputs, as float32 [group][16]: k_scales_256's numbers, both
+// halves at once.
+template <typename K>
+inline void k_scales_512(const uint8_t* block, float* scales, float* mins) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+  if constexpr (K::kSix) {
+#pragma GCC unroll 16
+    for (int g = 0; g < K::kGroups; ++g) {
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * g));
+      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const auto load = [&](int64_t offset) { return _mm512_loadu_si512(block + offset); };
+    const __m512i sc_lo = load(64), m_lo = load(128), hi = load(192);
+    // Bytes [sub-block][row]: rows 0-7 from the low nibbles (top bits at 0-1, mins' at 4-5), rows 8-15 from the
+    // high ones (top bits at 2-3, 6-7), each top pair moved to bits 4-5.
+    const __m512i sc_a = _mm512_or_si512(_mm512_and_si512(sc_lo, low), _mm512_and_si512(_mm512_slli_epi16(hi, 4), top));
+    const __m512i sc_b = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(sc_lo, 4), low),
+                                         _mm512_and_si512(_mm512_slli_epi16(hi, 2), top));
+    const __m512i m_a = _mm512_or_si512(_mm512_and_si512(m_lo, low), _mm512_and_si512(hi, top));
+    const __m512i m_b = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(m_lo, 4), low),
+                                        _mm512_and_si512(_mm512_srli_epi16(hi, 2), top));
+    // Sub-block g's 16 rows side by side: the even sub-blocks in one vector's 128-bit lanes, the odd in another.
+    alignas(64) uint8_t sc[128], m[128];
+    _mm512_store_si512(sc, _mm512_unpacklo_epi64(sc_a, sc_b));
+    _mm512_store_si512(sc + 64, _mm512_unpackhi_epi64(sc_a, sc_b));
+    _mm512_store_si512(m, _mm512_unpacklo_epi64(m_a, m_b));
+    _mm512_store_si512(m + 64, _mm512_unpackhi_epi64(m_a, m_b));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
+    const __m512 negative_dmin = _mm512_sub_ps(_mm512_setzero_ps(), dmin);
+#pragma GCC unroll 8
+    for (int g = 0; g < K::kGroups; ++g) {
+      const int at = 64 * (g % 2) + 16 * (g / 2);
+      const __m512i s8 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + at)));
+      const __m512i m8 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(m + at)));
+      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s8)));
+      _mm512_store_ps(mins + 16 * g, _mm512_mul_ps(negative_dmin, _mm512_cvtepi32_ps(m8)));
+    }
+  }
+}
+
+// One group's codes of all 16 outputs as vpdpbusd operands: operand t holds inputs 4t .. 4t + 3, low nibbles
+// or'ed with the bits above the fourth.
+template <typename K>
+inline void k_operands_512(const uint8_t* block, int g, __m512i* operand) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  const uint8_t* codes = block + K::kHeader + g * K::kGroupLowBytes;
+#pragma GCC unroll 4
+  for (int o = 0; o < K::kGroup / 8; ++o) {
+    const __m512i v = _mm512_loadu_si512(codes + 64 * o);
+    operand[2 * o] = _mm512_and_si512(v, low);
+    operand[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  }
+  if constexpr (K::kLayout == QuantLayout::kQ4K) return;
+  const __m512i high = _mm512_loadu_si512(block + K::kHeader + K::kLowBytes + g * K::kGroupHighBytes);
+  if constexpr (K::kSix) {  // bits 2t, 2t + 1 to bits 4-5
+    const __m512i top = _mm512_set1_epi8(0x30);
+    operand[0] = _mm512_or_si512(operand[0], _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
+    operand[1] = _mm512_or_si512(operand[1], _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
+    operand[2] = _mm512_or_si512(operand[2], _mm512_and_si512(high, top));
+    operand[3] = _mm512_or_si512(operand[3], _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
+  } else {  // Q5_K: bit t to bit 4
+    const __m512i bit = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i moved = t < 4 ? _mm512_slli_epi16(high, 4 - t) : _mm512_srli_epi16(high, t - 4);
+      operand[t] = _mm512_or_si512(operand[t], _mm512_and_si512(moved, bit));
+    }
+  }
+}
+
+// 512 bits: one zmm holds a row's 16 outputs, so the tile takes one pass. As quant_tile_vnni512, a few rows
+// sum each group in two chains (even and odd operands) that the core overlaps; the scaling is that kernel's,
+// so a K layout and its uniform form give the same bits.
+template <typename K, int Rows>
+void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
+  constexpr int split = Rows <= 4 ? 2 : 1;
+  __m512 acc[Rows];
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) float scales[K::kGroups * 16], mins[K::kGroups * 16];
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* block = t.data + b * K::kBlockBytes;
+    k_scales_512<K>(block, scales, mins);
+#pragma GCC unroll 2
+    for (int g = 0; g < K::kGroups; ++g) {
+      const int64_t group = b * K::kGroups + g;
+      constexpr int64_t share = K::kBlockBytes / K::kGroups;  // as k_half_tile_256 asks ahead
+      if constexpr (Rows <= 4) {
+#pragma GCC unroll 8
+        for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kQuantAhead + g * share + line, 0, 3);
+      }
+      __m512i operand[K::kGroup / 4];
+      k_operands_512<K>(block, g, operand);
+      __m512i sums[split][Rows];
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        const int8_t* xq = x.q + (row + r) * x.k + group * K::kGroup;
+        for (int part = 0; part < split; ++part) sums[part][r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int q = 0; q < K::kGroup / 4; ++q) {
+          __m512i& sum = sums[q % split][r];
+          sum = _mm512_dpbusd_epi32(sum, operand[q], _mm512_set1_epi32(load_i32(xq + 4 * q)));
+        }
+      }
+      const __m512 s = _mm512_load_ps(scales + 16 * g);
+      const __m512 m = K::kMins ? _mm512_load_ps(mins + 16 * g) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        const __m512i sum = split == 2 ? _mm512_add_epi32(sums[0][r], sums[split - 1][r]) : sums[0][r];
+        const int64_t at = (row + r) * x.groups + group;
+        const float d = x.d[at];
+        if constexpr (K::kMins) {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(d * static_cast<float>(x.sums[at])), acc[r]);
+        } else {
+          const __m512i centred = _mm512_sub_epi32(sum, _mm512_set1_epi32(K::kZero * x.sums[at]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
+        }
+      }
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+#pragma GCC unroll 8
+  for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
+}
+#endif
+
 using KTileFn = void (*)(const QuantizedRows&, int64_t, const KTileView&, float*, int64_t, int64_t);
 
-// A kind's K micro-kernels by rows (1 to 4). The 512-bit kind runs the 256-bit VNNI kernel on K layouts.
+// A kind's K micro-kernels by rows (1 to its most, quant_tiles.h's QuantKernels' heights).
 template <typename K, QuantDot Dot>
 struct KQuantKernels {
-  static constexpr int kMaxRows = 4;
+  static constexpr int kMaxRows = Dot == QuantDot::kVnni512 ? 8 : 4;
 
   template <int Rows>
   static void tile(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
+#if defined(CONVEYOR_VNNI512)
+    if constexpr (Dot == QuantDot::kVnni512) return k_tile_vnni512<K, Rows>(x, row, t, y, ldy, cols);
+#endif
 #if defined(CONVEYOR_AVX2)
 #if defined(CONVEYOR_VNNI256)
-    if constexpr (Dot == QuantDot::kVnni256 || Dot == QuantDot::kVnni512) {
-      return k_tile_256<K, Rows, true>(x, row, t, y, ldy, cols);
-    }
+    if constexpr (Dot == QuantDot::kVnni256) return k_tile_256<K, Rows, true>(x, row, t, y, ldy, cols);
 #endif
     if constexpr (Dot == QuantDot::kAvx2) return k_tile_256<K, Rows, false>(x, row, t, y, ldy, cols);
 #endif
     k_tile_portable<K, Rows>(x, row, t, y, ldy, cols);
   }
 
+  template <int... Rows>
+  static constexpr std::array<KTileFn, sizeof...(Rows) + 1> table(std::integer_sequence<int, Rows...>) {
+    return {nullptr, &tile<Rows + 1>...};
+  }
   static KTileFn at(int rows) {
-    static constexpr KTileFn fns[] = {nullptr, &tile<1>, &tile<2>, &tile<3>, &tile<4>};
+    static constexpr auto fns = table(std::make_integer_sequence<int, kMaxRows>{});
     return fns[rows];
   }
 };
