@@ -360,14 +360,13 @@ inline void k_operands_512(const uint8_t* block, int g, __m512i* operand) {
   }
 }
 
-// 512 bits: one zmm holds a row's 16 outputs, so the tile takes one pass. As quant_tile_vnni512, a few rows
+// 512 bits: one zmm holds a row's 16 outputs, so the tile takes one pass. As quant_tile_vnni512, the rows
 // sum each group in two chains (even and odd operands) that the core overlaps; the scaling is that kernel's,
 // so a K layout and its uniform form give the same bits.
 template <typename K, int Rows>
 void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
-  constexpr int split = Rows <= 4 ? 2 : 1;
   __m512 acc[Rows];
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   alignas(64) float scales[K::kGroups * 16], mins[K::kGroups * 16];
   for (int64_t b = 0; b < t.blocks; ++b) {
@@ -377,28 +376,26 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
       constexpr int64_t share = K::kBlockBytes / K::kGroups;  // as k_half_tile_256 asks ahead
-      if constexpr (Rows <= 4) {
 #pragma GCC unroll 8
-        for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kQuantAhead + g * share + line, 0, 3);
-      }
+      for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kQuantAhead + g * share + line, 0, 3);
       __m512i operand[K::kGroup / 4];
       k_operands_512<K>(block, g, operand);
-      __m512i sums[split][Rows];
-#pragma GCC unroll 8
+      __m512i sums[2][Rows];
+#pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
         const int8_t* xq = x.q + (row + r) * x.k + group * K::kGroup;
-        for (int part = 0; part < split; ++part) sums[part][r] = _mm512_setzero_si512();
+        sums[0][r] = sums[1][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int q = 0; q < K::kGroup / 4; ++q) {
-          __m512i& sum = sums[q % split][r];
+          __m512i& sum = sums[q % 2][r];
           sum = _mm512_dpbusd_epi32(sum, operand[q], _mm512_set1_epi32(load_i32(xq + 4 * q)));
         }
       }
       const __m512 s = _mm512_load_ps(scales + 16 * g);
       const __m512 m = K::kMins ? _mm512_load_ps(mins + 16 * g) : _mm512_setzero_ps();
-#pragma GCC unroll 8
+#pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
-        const __m512i sum = split == 2 ? _mm512_add_epi32(sums[0][r], sums[split - 1][r]) : sums[0][r];
+        const __m512i sum = _mm512_add_epi32(sums[0][r], sums[1][r]);
         const int64_t at = (row + r) * x.groups + group;
         const float d = x.d[at];
         if constexpr (K::kMins) {
@@ -412,17 +409,20 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 #endif
 
 using KTileFn = void (*)(const QuantizedRows&, int64_t, const KTileView&, float*, int64_t, int64_t);
 
-// A kind's K micro-kernels by rows (1 to its most, quant_tiles.h's QuantKernels' heights).
+// A kind's K micro-kernels by rows (1 to 4, on every kind). A K group's operands are all unpacked before the rows
+// run (8 registers for Q4_K and Q5_K), so 8 rows in one vnni512 tile ran out of registers: on a Zen 4, 8 rows of
+// one 4,096 x 14,336 Q6_K weight took 4.0 ms in one tile where two tiles of 4 take 2.4 (Q4_K: 2.4 and 1.9 ms),
+// and 64 rows the same either way.
 template <typename K, QuantDot Dot>
 struct KQuantKernels {
-  static constexpr int kMaxRows = Dot == QuantDot::kVnni512 ? 8 : 4;
+  static constexpr int kMaxRows = 4;
 
   template <int Rows>
   static void tile(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
