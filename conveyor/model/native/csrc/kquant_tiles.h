@@ -400,7 +400,7 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
         const float d = x.d[at];
         if constexpr (K::kMins) {
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
-          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(d * static_cast<float>(x.sums[at])), acc[r]);
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.d_sums[at]), acc[r]);
         } else {
           const __m512i centred = _mm512_sub_epi32(sum, _mm512_set1_epi32(K::kZero * x.sums[at]));
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);

@@ -239,24 +239,28 @@ inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
   thread_local std::vector<int32_t> sums;
+  thread_local std::vector<float> d_sums;
   const int64_t groups = k / group;
   if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
   if (static_cast<int64_t>(d.size()) < m * groups) {
     d.resize(m * groups);
     sums.resize(m * groups);
+    d_sums.resize(m * groups);
   }
   int8_t* qp = q.data();
   float* dp = d.data();
   int32_t* sp = sums.data();
+  float* dsp = d_sums.data();
   parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = row * groups + g;
         quantize_group(x + row * k + g * group, group, qp + row * k + g * group, dp + at, sp + at);
+        dsp[at] = dp[at] * static_cast<float>(sp[at]);
       }
     }
   });
-  return {qp, dp, sp, k, groups};
+  return {qp, dp, sp, dsp, k, groups};
 }
 
 template <typename F>

@@ -31,11 +31,13 @@ constexpr int64_t kQuantTile = 16;  // outputs per tile, on every kernel
 
 enum class QuantDot : int { kPortable = 0, kAvx2 = 1, kVnni256 = 2, kVnni512 = 3 };
 
-// m rows of k activations as int8 codes q [m, k], each group's step d [m, groups] and code sum [m, groups].
+// m rows of k activations as int8 codes q [m, k], each group's step d [m, groups] and code sum [m, groups], and
+// d * sum as a float (what a group's min multiplies: computed once per group, not once per tile it meets).
 struct QuantizedRows {
   const int8_t* q;
   const float* d;
   const int32_t* sums;
+  const float* d_sums;
   int64_t k, groups;
 };
 
@@ -106,7 +108,7 @@ template <bool Mins>
 inline float scale_group(float acc, int32_t sum, float s, float min, const QuantizedRows& x, int64_t at,
                          int32_t zero) {
   const float d = x.d[at];
-  if constexpr (Mins) return acc + (static_cast<float>(sum) * (s * d) + min * (d * x.sums[at]));
+  if constexpr (Mins) return acc + (static_cast<float>(sum) * (s * d) + min * x.d_sums[at]);
   return acc + static_cast<float>(sum - zero * x.sums[at]) * (s * d);
 }
 
@@ -237,7 +239,7 @@ void quant_tile_vnni512(const QuantizedRows& x, int64_t row, const QuantTileView
       const float d = x.d[at];
       if constexpr (F::kMins) {
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
-        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(d * static_cast<float>(x.sums[at])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(x.d_sums[at]), acc[r]);
       } else {
         const __m512i centred = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(t.zero * x.sums[at]));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(s, _mm512_set1_ps(d)), acc[r]);
@@ -350,7 +352,7 @@ inline __m256 scale_group_256(__m256 acc, __m256i sum, __m256 s, __m256 mins, co
   const float d = x.d[at];
   if constexpr (Mins) {
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
-    return _mm256_fmadd_ps(mins, _mm256_set1_ps(d * static_cast<float>(x.sums[at])), acc);
+    return _mm256_fmadd_ps(mins, _mm256_set1_ps(x.d_sums[at]), acc);
   }
   const __m256i centred = _mm256_sub_epi32(sum, _mm256_set1_epi32(zero * x.sums[at]));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(centred), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
