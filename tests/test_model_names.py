@@ -4,7 +4,9 @@ served names."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -188,6 +190,22 @@ def test_the_command_prints_where_it_looked_not_a_traceback(clean_env, tmp_path:
     assert err.startswith("conveyor: error: model: found no model 'nobody/nothing'")
     assert f"Hugging Face cache {tmp_path / 'hub'} ($HF_HUB_CACHE): no models--nobody--nothing" in err
     assert "Traceback" not in err
+
+
+def test_the_simulator_takes_the_model_by_its_name_or_file(hub, clean_env, tiny_model_dir: Path) -> None:
+    """``conveyor simulate --model`` prices the model it names as the engine finds it (a name in the hub cache,
+    a GGUF file by its description's config), a catalog name as before, and --model-config first of all."""
+    from conveyor.entrypoints.simulate import _model_config
+
+    clean_env.setenv("HF_HUB_CACHE", str(hub["cache"]))
+    tiny = json.loads((tiny_model_dir / "config.json").read_text())
+    for model, model_config, layers in [(TINY_REPO, None, tiny["num_hidden_layers"]),
+                                        (str(default_model_path()), None, 30), ("llama-2-13b", None, 40),
+                                        (TINY_REPO, "Llama-2-7B", 32)]:
+        args = argparse.Namespace(model=model, model_config=model_config)
+        assert _model_config(args).num_layers == layers, (model, model_config)
+    with pytest.raises(ModelNotFoundError, match="nobody/nothing"):
+        _model_config(argparse.Namespace(model="nobody/nothing", model_config=None))
 
 
 def test_paths_and_packaged_names_keep_working(tiny_model_dir: Path, clean_env) -> None:

@@ -20,7 +20,9 @@ from typing import Any
 
 from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
+from conveyor.core.model_config import ModelConfig
 from conveyor.entrypoints.args import add_engine_args, engine_config, with_overrides
+from conveyor.model.weights.paths import resolve_model
 from conveyor.router import POLICY_NAMES
 from conveyor.sim.cluster import simulate_cluster
 from conveyor.sim.hardware import hardware_names, load_hardware, load_model_config, model_names
@@ -126,11 +128,22 @@ def _add_calibration_parsers(sim: argparse.ArgumentParser) -> None:
         parser.set_defaults(max_num_seqs=32)
 
 
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    """--model-config; else --model's own config, found as the engine finds the model (a folder, a GGUF file's
+    description, a packaged name, a name in the models directory or the Hugging Face cache), where it is not a
+    catalog name; else the default model's."""
+    if args.model_config is not None or args.model is None:
+        return load_model_config(args.model_config or DEFAULT_MODEL_CONFIG)
+    if args.model.lower() in {name.lower() for name in model_names()}:
+        return load_model_config(args.model)
+    return load_model_config(str(resolve_model(args.model)))
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     if args.simulate_command in ("calibrate", "validate"):
         return _calibrate(args)
     hardware = load_hardware(args.hardware)
-    model = load_model_config(args.model_config or args.model or DEFAULT_MODEL_CONFIG)
+    model = _model_config(args)
     args.dtype = args.dtype or hardware.default_dtype
     kv_auto = args.kv_cache_memory is None and args.num_kv_blocks is None
     args.kv_cache_memory = args.kv_cache_memory or "2GiB"  # replaced below when kv_auto
