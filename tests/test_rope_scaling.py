@@ -279,6 +279,62 @@ def test_a_gguf_file_with_yarn_runs_as_transformers_runs_its_export(tmp_path):
     _assert_matches(("qwen2-yarn.gguf", folder, reference, cache), outputs, "GGUF")
 
 
+def test_a_gguf_file_with_longrope_runs_as_transformers_runs_its_export(tmp_path):
+    """Phi-3's longrope as llama.cpp writes it (the factors as rope_factors_long/short tensors, the original context
+    and its attention factor as metadata) becomes the same rope parameters, the factors no weight, and the file
+    runs as transformers runs the float32 folder Conveyor exports of it: prompts past the original context on an
+    engine whose max_model_len picks the long factors."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
+
+    from conveyor.model.weights.loader import float32_folder
+    from tests.test_gguf_families import _write_gguf
+
+    name, (_, extra) = "phi3-longrope", MODELS["phi3-longrope"]
+    scaling = {key: [float(np.float32(f)) for f in value] if key.endswith("factor") else value
+               for key, value in extra["rope_scaling"].items()}  # as a float32 tensor holds the factors
+    attention_factor = float(np.float32(math.sqrt(1 + math.log(4) / math.log(ORIGINAL))))  # llama.cpp's, stored
+    torch.manual_seed(0)
+    built = transformers.AutoModelForCausalLM.from_config(transformers.Phi3Config(
+        **STRETCHED, **dict(extra, rope_scaling=dict(scaling, attention_factor=attention_factor)))).eval()
+    _randomise_norms_and_biases(built)
+    path = tmp_path / "tiny-phi3-longrope.gguf"
+
+    def longrope_keys(writer: gguf.GGUFWriter) -> None:
+        writer.add_rope_scaling_orig_ctx_len(ORIGINAL)
+        writer.add_rope_scaling_attn_factors(attention_factor)
+        writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+
+    _write_gguf(path, "phi3", built, metadata=longrope_keys)
+    folder = float32_folder(path)
+    written = json.loads((folder / "config.json").read_text())
+    assert written["original_max_position_embeddings"] == ORIGINAL
+    assert {key: written["rope_parameters"][key] for key in ("long_factor", "short_factor",
+                                                             "original_max_position_embeddings")} == {
+        "long_factor": scaling["long_factor"], "short_factor": scaling["short_factor"],
+        "original_max_position_embeddings": ORIGINAL}
+    assert written["rope_parameters"]["attention_factor"] == pytest.approx(attention_factor, rel=1e-7)  # its float32
+    assert ModelConfig.from_folder(folder).rope_scaling["rope_type"] == "longrope"
+    assert not any("rope_factors" in key for key in _safetensors_keys(folder))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(path), num_kv_blocks=256, kernels="torch")  # the file's weights dequantized: exact
+    outputs = llm.generate(_long_engine_prompts(name), GREEDY, use_tqdm=False)
+    _assert_matches((f"{name}.gguf", folder, reference, {}), outputs, "GGUF")
+
+
+def _safetensors_keys(folder) -> list[str]:
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as tensors:
+            keys += list(tensors.keys())
+    return keys
+
+
 def test_phi3_reads_its_older_names_and_top_level_context():
     """Phi-3's first 128k checkpoints said ``su`` (transformers reads it, and Phi-3's ``yarn``, as longrope);
     its top-level original context wins over the rope dict's, and the attention factor follows from the

@@ -31,8 +31,8 @@ from conveyor.core.formats import FLOAT_BYTES
 from conveyor.model.families import LLAMA, Family, gguf_family
 from conveyor.model.weights.gguf_families import default_chat_template, family_config, is_norm, layer_names
 
-__all__ = ["ROPE_FREQS", "WeightWriter", "convert_gguf_to_hf", "dequantize", "hf_name", "hf_norm", "rope_heads",
-           "rope_row_order", "unpermute_rope_rows"]
+__all__ = ["ROPE_FREQS", "ROPE_TENSORS", "WeightWriter", "convert_gguf_to_hf", "dequantize", "hf_name", "hf_norm",
+           "rope_heads", "rope_row_order", "unpermute_rope_rows"]
 
 # Writes a folder's weights into the folder being assembled, from the open file, its family and hyperparameters.
 WeightWriter = Callable[["gguf.GGUFReader", Family, dict[str, Any], pathlib.Path], None]
@@ -47,6 +47,9 @@ _GLOBAL_NAMES = {
 
 # llama.cpp stores Llama-3 RoPE scaling as a precomputed per-frequency tensor instead of config values.
 ROPE_FREQS = "rope_freqs.weight"
+# Phi-3's longrope: its two sets of per-frequency factors, which llama.cpp writes as tensors.
+ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
+ROPE_TENSORS = frozenset({ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT})  # config held as tensors, no weights
 
 # The Llama-3.x scaling constants; llama.cpp does not record them, so we assume them and verify (see below).
 _LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -78,7 +81,7 @@ def convert_gguf_to_hf(
     reader = gguf.GGUFReader(src)
     arch, family = _architecture(reader, src)
     hparams = _hyperparameters(reader, arch)
-    config = _build_config(reader, (arch, family), hparams, _tensor_shapes(reader, family), _rope_freqs(reader),
+    config = _build_config(reader, (arch, family), hparams, _tensor_shapes(reader, family), _rope_tensors(reader),
                            dtype)
     if write_weights is None:  # the weights stay in the file, in its formats: say which (ModelConfig.stored_as)
         config["quantization_config"] = _quantization_config(reader, family)
@@ -195,25 +198,23 @@ def rope_row_order(rows: int, n_heads: int) -> np.ndarray:
 def _tensor_shapes(reader: gguf.GGUFReader, family: Family) -> dict[str, tuple[int, ...]]:
     """Every weight's HF name and shape, without reading its values."""
     return {hf_name(t.name, family): tuple(int(dim) for dim in reversed(t.shape)) for t in reader.tensors
-            if t.name != ROPE_FREQS}
+            if t.name not in ROPE_TENSORS}
 
 
 def _quantization_config(reader: gguf.GGUFReader, family: Family) -> dict[str, str]:
     """The file's storage types: the most common among the layers' projections, and the LM head's (the
     embedding's when tied), as HF's quantization_config records a quantized checkpoint's method."""
-    types = {hf_name(t.name, family): t.tensor_type.name for t in reader.tensors if t.name != ROPE_FREQS}
+    types = {hf_name(t.name, family): t.tensor_type.name for t in reader.tensors if t.name not in ROPE_TENSORS}
     layers = [kind for name, kind in types.items() if name.startswith("model.layers.") and name.endswith("proj.weight")]
     head = types.get("lm_head.weight", types["model.embed_tokens.weight"])
     return {"quant_method": "gguf", "layer_type": max(set(layers), key=layers.count) if layers else head,
             "lm_head_type": head}
 
 
-def _rope_freqs(reader: gguf.GGUFReader) -> np.ndarray | None:
-    """llama.cpp's Llama-3 frequency tensor, the one tensor the config needs the values of."""
-    for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
-            return dequantize(tensor)
-    return None
+def _rope_tensors(reader: gguf.GGUFReader) -> dict[str, np.ndarray]:
+    """The tensors the config needs the values of: llama.cpp's Llama-3 frequency divisors, Phi-3's longrope
+    factors."""
+    return {tensor.name: dequantize(tensor) for tensor in reader.tensors if tensor.name in ROPE_TENSORS}
 
 
 def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
@@ -265,7 +266,7 @@ def _build_config(
     arch_family: tuple[str, Family],
     hparams: dict[str, Any],
     shapes: dict[str, tuple[int, ...]],
-    rope_freqs: np.ndarray | None,
+    rope_tensors: dict[str, np.ndarray],
     dtype: str,
 ) -> dict[str, Any]:
     """Assemble the config dict of the file's family (Llama's keys, and the family's own: gguf_families).
@@ -285,7 +286,7 @@ def _build_config(
         "rms_norm_eps": _meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
         "max_position_embeddings": context,
         "rope_theta": theta,
-        "rope_parameters": _rope_parameters(reader, arch, theta, hparams["head_dim"], rope_freqs),
+        "rope_parameters": _rope_parameters(reader, arch, theta, hparams["head_dim"], rope_tensors),
         "vocab_size": _meta(reader, f"{arch}.vocab_size", vocab),
         "tie_word_embeddings": "lm_head.weight" not in shapes,
         "attention_bias": any(name.endswith("q_proj.bias") for name in shapes),
@@ -303,14 +304,17 @@ def _build_config(
 
 
 def _rope_parameters(
-    reader: gguf.GGUFReader, arch: str, theta: float, head_dim: int, rope_freqs: np.ndarray | None
+    reader: gguf.GGUFReader, arch: str, theta: float, head_dim: int, rope_tensors: dict[str, np.ndarray]
 ) -> dict[str, Any]:
-    """Express GGUF's RoPE settings (scaling metadata or a rope_freqs tensor) as HF ``rope_parameters``."""
-    if rope_freqs is not None:
-        return _llama3_rope(rope_freqs, theta, head_dim)
+    """Express GGUF's RoPE settings (scaling metadata, or tensors: rope_freqs, Phi-3's longrope factors) as HF
+    ``rope_parameters``."""
+    if ROPE_FREQS in rope_tensors:
+        return _llama3_rope(rope_tensors[ROPE_FREQS], theta, head_dim)
+    original = _meta(reader, f"{arch}.rope.scaling.original_context_length")
+    if ROPE_FACTORS_LONG in rope_tensors or ROPE_FACTORS_SHORT in rope_tensors:
+        return _longrope(reader, arch, theta, original, rope_tensors)
     kind = _meta(reader, f"{arch}.rope.scaling.type", "none")
     factor = _meta(reader, f"{arch}.rope.scaling.factor") or _meta(reader, f"{arch}.rope.scale_linear")
-    original = _meta(reader, f"{arch}.rope.scaling.original_context_length")
     if kind == "none" and factor and factor != 1.0:
         kind = "linear"  # old files only record rope.scale_linear
     if kind == "none":
@@ -324,6 +328,21 @@ def _rope_parameters(
         params |= {key: value for key, value in betas.items() if value is not None}
         return params | ({"original_max_position_embeddings": original} if original else {})
     raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF metadata")
+
+
+def _longrope(reader: gguf.GGUFReader, arch: str, theta: float, original: int | None,
+              rope_tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Phi-3's longrope as llama.cpp writes it: both sets of factors as tensors, the original context and the
+    attention factor (which it computed from them) as metadata."""
+    missing = [name for name in (ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT) if name not in rope_tensors]
+    if missing or not original:
+        absent = missing + ([] if original else [f"{arch}.rope.scaling.original_context_length"])
+        raise ValueError(f"GGUF longrope scaling without {' and '.join(absent)}")
+    params = {"rope_type": "longrope", "rope_theta": theta,
+              "long_factor": rope_tensors[ROPE_FACTORS_LONG].tolist(),
+              "short_factor": rope_tensors[ROPE_FACTORS_SHORT].tolist(), "original_max_position_embeddings": original}
+    attention_factor = _meta(reader, f"{arch}.rope.scaling.attn_factor")
+    return params | ({"attention_factor": attention_factor} if attention_factor is not None else {})
 
 
 def _llama3_rope(rope_freqs: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from conveyor.model.dtypes import DTYPES
 from conveyor.model.families import Family
 from conveyor.model.weights.gguf import (
-    ROPE_FREQS,
+    ROPE_TENSORS,
     convert_gguf_to_hf,
     dequantize,
     hf_name,
@@ -41,10 +41,10 @@ def export_gguf_to_hf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
 
 def float_tensors(reader: gguf.GGUFReader, family: Family, hparams: dict[str, Any],
                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every weight dequantized, under its HF name and in HF's layout (rope_freqs is config, not a weight)."""
+    """Every weight dequantized, under its HF name and in HF's layout (the rope tensors are config, not weights)."""
     tensors: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:
+        if tensor.name in ROPE_TENSORS:
             continue
         values = dequantize(tensor)
         name = hf_name(tensor.name, family)

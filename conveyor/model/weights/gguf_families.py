@@ -76,7 +76,10 @@ def family_config(family: Family, meta: Callable[[str, Any], Any], hparams: dict
     config: dict[str, Any] = {"architectures": [family.hf_architecture],
                               "model_type": family.model_types[0]}
     if family.name == "phi3":  # llama.cpp writes Phi-3-mini-4k's window (2047) of every layer
-        return config | {"sliding_window": meta("attention.sliding_window", None)}
+        config["sliding_window"] = meta("attention.sliding_window", None)
+        if "original_max_position_embeddings" in global_rope:  # longrope: where Phi-3's own configs hold it
+            config["original_max_position_embeddings"] = global_rope["original_max_position_embeddings"]
+        return config
     if family.name != "gemma3":
         return config
     layers = hparams["num_hidden_layers"]

@@ -26,7 +26,7 @@ from conveyor.model.families import Family, family_for
 from conveyor.model.layers import checkpoint_projections
 from conveyor.model.quant.formats import SUPPORTED_TYPES, QuantizedMatrix, concat_rows, decode, dequantize, permute_rows
 from conveyor.model.quant.k_quants import K_TYPES, JoinedRows, RawBlocks, concat_blocks
-from conveyor.model.weights.gguf import ROPE_FREQS, hf_name, hf_norm, rope_heads, rope_row_order
+from conveyor.model.weights.gguf import ROPE_TENSORS, hf_name, hf_norm, rope_heads, rope_row_order
 
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
@@ -41,7 +41,8 @@ def read_gguf_weights(path: Path, config: ModelConfig,
     there), so that only one weight at a time is held decoded (a decoded code takes a byte, twice a 4-bit one's
     packed size)."""
     family = family_for(config)
-    tensors = {hf_name(t.name, family).removeprefix("model."): t for t in tensor_index(path) if t.name != ROPE_FREQS}
+    tensors = {hf_name(t.name, family).removeprefix("model."): t for t in tensor_index(path)
+               if t.name not in ROPE_TENSORS}
     with path.open("rb") as file:
         return _our_names(lambda name: _read_tensor(tensors[name], file.fileno()), set(tensors), config,
                           convert or _same)
