@@ -26,7 +26,7 @@ from conveyor.engine.tokenizer import Tokenizer
 from conveyor.model.weights.paths import resolve_model
 from conveyor.observe.live import LiveRecorder, start_live
 from conveyor.observe.trace import Trace, start_trace
-from conveyor.platform.cpu import available_memory_bytes, resident_bytes
+from conveyor.platform.cpu import available_memory_bytes, release_freed_memory, resident_bytes
 
 if TYPE_CHECKING:
     from conveyor.model.runner import RunnerPlan
@@ -89,6 +89,7 @@ class Engine:
         self._caller: dict[str, tuple[str, int]] = {}  # sequence id -> (the caller's request id, index)
         self._sample_groups: dict[str, _SampleGroup] = {}  # requests with n > 1, by the caller's id
         self.requests = RequestBuilder(self.tokenizer, self.model_config.vocab_size, self.max_model_len, clock)
+        release_freed_memory()  # what reading, packing and the first steps freed goes back to the system
 
     def _plan_kv_cache(self) -> KVCachePlan:
         """The pools, sized in the cache's own dtype, and the KV groups where windowed layers have their own."""

@@ -6,6 +6,7 @@ Torch-free, so that the simulator reads the same identity as the engine.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,3 +57,15 @@ def resident_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's freed pages back to the system (glibc's ``malloc_trim``). Loading a model frees its read
+    buffers and packing temporaries, and glibc keeps such pages as the process's own unless asked: 59 of the 395
+    MiB a Llama 3.2 1B-shaped Q4_K_M file's engine held beside its weights and KV pool (Zen 4). Nothing where the
+    C library has no ``malloc_trim``."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
