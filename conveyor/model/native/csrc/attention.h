@@ -349,12 +349,15 @@ void attention_rows(const float* query, int64_t rows, int64_t row_stride, int64_
   const bool whole = static_cast<int64_t>(runs.size()) >= kWholeRunsPerThread * threads;
   const std::vector<WorkItem> items = work_items(runs, whole);
   // Items split by span leave their parts here: row r's parts from first_part[r], one per span of its run.
-  std::vector<int64_t> first_part(rows + 1, 0);
-  for (const RowRun& run : runs) {
-    for (int64_t r = run.row; r < run.row + run.rows; ++r) first_part[r + 1] = whole ? 0 : run.span_end - run.span;
+  std::vector<int64_t> first_part;
+  if (!whole) {
+    first_part.assign(rows + 1, 0);
+    for (const RowRun& run : runs) {
+      for (int64_t r = run.row; r < run.row + run.rows; ++r) first_part[r + 1] = run.span_end - run.span;
+    }
+    for (int64_t r = 0; r < rows; ++r) first_part[r + 1] += first_part[r];
   }
-  for (int64_t r = 0; r < rows; ++r) first_part[r + 1] += first_part[r];
-  std::vector<float> partials(first_part[rows] * part_size);
+  std::vector<float> partials(whole ? 0 : first_part[rows] * part_size);
   const int64_t count = static_cast<int64_t>(items.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(threads, count));
   std::atomic<int64_t> next{0};
