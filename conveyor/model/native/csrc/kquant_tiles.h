@@ -137,6 +137,15 @@ void k_tile_portable(const QuantizedRows& x, int64_t row, const KTileView& t, fl
   }
 }
 
+// Asks for the bytes kQuantAhead further on (see prefetch_group_ahead), group g's share of the block at a time:
+// the whole block's lines asked for at once left the stream as slow as not asking.
+template <typename K>
+inline void k_prefetch_group_ahead(const uint8_t* block, int g) {
+  constexpr int64_t share = K::kBlockBytes / K::kGroups;
+#pragma GCC unroll 8
+  for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kQuantAhead + g * share + line, 0, 3);
+}
+
 #if defined(CONVEYOR_AVX2)
 // A block's sub-block scales (and mins) of one half of the tile (outputs 8 * half ..), as float32 [group][8].
 template <typename K>
@@ -259,13 +268,7 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, in
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      // The bytes kQuantAhead further on (see prefetch_group_ahead), a group's share of the block at a time: the
-      // whole block's lines asked for at once left the stream as slow as not asking.
-      constexpr int64_t share = K::kBlockBytes / K::kGroups;
-      if (Rows <= 4 && half == 0) {
-#pragma GCC unroll 8
-        for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kQuantAhead + g * share + line, 0, 3);
-      }
+      if (half == 0) k_prefetch_group_ahead<K>(block, g);  // the second half finds the tile in L1
       __m256i sum[Rows];
       k_group_sums_256<K, Rows, Vnni>(x, row, group, block, g, half, sum);
       const __m256 s = _mm256_load_ps(scales + 8 * g);
@@ -375,9 +378,7 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      constexpr int64_t share = K::kBlockBytes / K::kGroups;  // as k_half_tile_256 asks ahead
-#pragma GCC unroll 8
-      for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kQuantAhead + g * share + line, 0, 3);
+      k_prefetch_group_ahead<K>(block, g);
       __m512i operand[K::kGroup / 4];
       k_operands_512<K>(block, g, operand);
       __m512i sums[2][Rows];
