@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from conveyor.benchmarks.workload import WORKLOADS
-from conveyor.core.config import EngineConfig
+from conveyor.core.config import EngineConfig, parse_bytes
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
 from conveyor.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
@@ -228,7 +228,17 @@ def _add_serve(commands: Commands) -> None:
                        "a reasoning item (the Responses API): deepseek_r1 (reasoning up to </think>, opened in the "
                        "prompt or not) or qwen3 (only a <think>...</think> block the reply writes) (default: none, "
                        "the reasoning stays in the content)")
-    add_engine_args(serve)
+    _add_model_budget_args(serve)
+    add_engine_args(serve, several_models=True)
+
+
+def _add_model_budget_args(parser: argparse.ArgumentParser) -> None:
+    """Several --model: how many are kept loaded; the least recently used idle one is stopped for another."""
+    g = parser.add_argument_group("several models")
+    g.add_argument("--max-loaded-models", type=int, default=None,
+                   help="most models loaded at once (Ollama's OLLAMA_MAX_LOADED_MODELS) (default: no cap)")
+    g.add_argument("--max-loaded-bytes", type=parse_bytes, default=None,
+                   help="most bytes of loaded models (weights' files and KV pools), e.g. 2GiB (default: no cap)")
 
 
 def _add_tool_args(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,8 @@ stream is server-sent events, one JSON delta per event (see
 :mod:`conveyor.observe.live`). Both routes want the server's API key, as every
 route does; since a browser cannot send a header when it opens a page, the
 key may also come as ``?api_key=`` (the page then sends it as a header).
+With several models, ``?model=NAME`` picks the one watched (the first by
+default), and every event names it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 
-from conveyor.engine import EngineClient, LiveViewUnavailable
+from conveyor.engine import LiveViewUnavailable
+from conveyor.engine.model_pool import ModelPool
 from conveyor.observe.live import delta_as_json_ready
 from conveyor.viz.dashboard import dashboard_page
 
@@ -27,7 +30,7 @@ TRACE_ROUTE = "/dashboard/trace.jsonl"
 DASHBOARD_PATHS = ("/dashboard", "/debug/stream")  # they check the API key themselves (header or query)
 
 
-def add_dashboard_routes(app: FastAPI, engine: EngineClient, api_key: str | None) -> None:
+def add_dashboard_routes(app: FastAPI, models: ModelPool, api_key: str | None) -> None:
     """``GET /dashboard`` (the page, live) and ``GET /debug/stream`` (its events), behind ``api_key``."""
 
     @app.get("/dashboard", include_in_schema=False)
@@ -39,18 +42,32 @@ def add_dashboard_routes(app: FastAPI, engine: EngineClient, api_key: str | None
         refused = _refusal(request, api_key)
         if refused is not None:
             return refused
+        asked = request.query_params.get("model") or models.default_name()
+        name = models.reported_name(asked)
+        if name is None:
+            served = ", ".join(repr(n) for n in models.served_names)
+            return _error(404, f"model {asked!r} does not exist; this server serves {served}", "model_not_found")
+        engine = models.loaded().get(name)
+        if engine is None:  # watching does not load a model: its first request does
+            return _error(503, f"model {name!r} is not loaded now; it loads on its next request", "model_not_loaded")
         try:
             deltas = engine.watch()
         except LiveViewUnavailable as why:  # replicas (--data-parallel-size > 1): no one scheduler to show
-            error = {"message": str(why), "type": "invalid_request_error", "param": None, "code": "not_supported"}
-            return JSONResponse({"error": error}, status_code=501)
+            return _error(501, str(why), "not_supported")
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(_events(deltas), media_type="text/event-stream", headers=headers)
+        label = {"model": name} if models.several else {}  # one model: the events are what they always were
+        return StreamingResponse(_events(deltas, label), media_type="text/event-stream", headers=headers)
 
 
-async def _events(deltas: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status)
+
+
+async def _events(deltas: AsyncIterator[dict[str, Any]], label: dict[str, str]) -> AsyncIterator[str]:
     async for delta in deltas:
-        yield f"data: {json.dumps(delta_as_json_ready(delta), separators=(',', ':'))}\n\n"
+        yield f"data: {json.dumps(delta_as_json_ready(delta) | label, separators=(',', ':'))}\n\n"
 
 
 def _refusal(request: Request, api_key: str | None) -> Response | None:

@@ -10,9 +10,11 @@ a million requests, disconnects included.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from conveyor.core.stats import EngineStats
 from conveyor.engine import EngineClient, RequestCounts, RequestOutput
@@ -59,6 +61,10 @@ class RequestLedgerMetrics:
     def _advance(self, counter: Counter, name: str, total: int) -> None:
         counter.inc(total - self._counted.get(name, 0))
         self._counted[name] = total
+
+    def engine_replaced(self) -> None:
+        """The model's engine was stopped and another will count from 0: the counters go on from where they are."""
+        self._counted.clear()
 
 
 class EngineMetrics:
@@ -111,6 +117,12 @@ class EngineMetrics:
         self._model = model_name
         self._counted: dict[str, int] = {}  # the engine's running totals, as last added to the counters
         self._tenants: set[str] = set()  # tenants with gauges
+
+    def engine_replaced(self) -> None:
+        """The model's engine was stopped (several models under a budget) and the next one counts from 0: the
+        counters go on from where they are rather than run backwards."""
+        self._counted.clear()
+        self.ledger.engine_replaced()
 
     def on_step(self, stats: EngineStats, outputs: list[RequestOutput]) -> None:
         """Called by the engine thread after each step: the finished requests' latencies."""
@@ -186,3 +198,63 @@ class EngineMetrics:
         n = len(output.token_ids)
         if n > 1 and metrics.finish_time is not None and metrics.first_token_time is not None:
             self.tpot.labels(m).observe((metrics.finish_time - metrics.first_token_time) / (n - 1))
+
+
+class ModelsMetrics:
+    """Several models' figures on one ``/metrics``: each model keeps its own metrics object (its samples
+    labelled with its ``model_name``), and one registry shows them merged, a family's samples together, with
+    whether each model is loaded and how often it was stopped for another. With one model it is that model's
+    own registry, so the page is what it always was."""
+
+    def __init__(self, by_model: dict[str, ServerMetrics]) -> None:
+        self.by_model = by_model
+        self.loaded: Gauge | None = None
+        self.unloads: Counter | None = None
+        if len(by_model) == 1:
+            self.registry = next(iter(by_model.values())).registry
+            return
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Merged([m.registry for m in by_model.values()]))
+        self.loaded = Gauge("conveyor:model_loaded", "1 while the model is loaded, 0 while it is not",
+                            ["model_name"], registry=self.registry)
+        self.unloads = Counter("conveyor:model_unloads", "Times the model was stopped to make room for another",
+                               ["model_name"], registry=self.registry)
+        for name in by_model:
+            self.unloads.labels(name)
+
+    def on_scrape(self, loaded: dict[str, EngineClient]) -> None:
+        """Read each running engine's figures (a model not loaded keeps its counters, and its gauges as its
+        engine last left them)."""
+        for name, engine in loaded.items():
+            self.by_model[name].on_scrape(engine)
+        if self.loaded is not None:
+            for name in self.by_model:
+                self.loaded.labels(name).set(name in loaded)
+
+    def on_unload(self, name: str, engine: EngineClient) -> None:
+        """A model's engine is about to stop: count what it did last, then let its next engine count from 0."""
+        metrics = self.by_model[name]
+        metrics.on_scrape(engine)
+        if isinstance(metrics, EngineMetrics):
+            metrics.engine_replaced()
+        if self.unloads is not None:
+            self.unloads.labels(name).inc()
+
+
+class _Merged:
+    """A Prometheus collector over several registries: a family that more than one holds is shown once, with
+    every registry's samples (the text format allows one HELP and TYPE line per family)."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self._registries = registries
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for registry in self._registries:
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                                            family.unit)
+                merged.samples.extend(family.samples)
+        return families.values()

@@ -11,13 +11,14 @@ but ``/health`` (and ``/metrics`` where the operator says so) needs it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -42,9 +43,11 @@ from conveyor.engine import (
     RequestFailed,
     RequestOutput,
 )
+from conveyor.engine.model_pool import ModelPool
 from conveyor.engine.request_builder import MaxTokensRule
+from conveyor.engine.tokenizer import Tokenizer
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
-from conveyor.entrypoints.metrics import ServerMetrics
+from conveyor.entrypoints.metrics import ModelsMetrics, ServerMetrics
 from conveyor.entrypoints.openai.choices import open_streams
 from conveyor.entrypoints.openai.logprob_format import LogprobFormatter
 from conveyor.entrypoints.openai.middleware import APIKeyAuth, BodyLimit, HostAllowList, carries_key, error_body
@@ -131,8 +134,15 @@ class ServerSettings:
                              "give a key, or unset it to serve without authentication")
 
 
-def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMetrics) -> FastAPI:
-    """The FastAPI app: error shapes, auth, and the routes, each group added by its own function."""
+def build_app(engine: EngineClient | ModelPool, settings: ServerSettings,
+              metrics: ServerMetrics | ModelsMetrics) -> FastAPI:
+    """The FastAPI app: error shapes, auth, and the routes, each group added by its own function.
+
+    ``engine`` is one engine (served as ``settings.model_names``) or a pool of several models, and ``metrics``
+    that engine's figures or every model's."""
+    models = engine if isinstance(engine, ModelPool) else ModelPool.single(settings.model_names, engine)
+    if not isinstance(metrics, ModelsMetrics):
+        metrics = ModelsMetrics({models.default_name(): metrics})
     app = FastAPI(title="Conveyor", version=conveyor.__version__)
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes, read_timeout=settings.body_read_timeout)
     if settings.api_key is not None:
@@ -143,12 +153,14 @@ def build_app(engine: EngineClient, settings: ServerSettings, metrics: ServerMet
                            drain_limit=settings.max_request_bytes)
     _add_outer_layers(app, settings)
     _add_error_handlers(app)
-    serving = _Serving(engine, settings)
+    serving = _Serving(models, settings)
+    models.on_unload.append(serving.forget)
+    models.on_unload.append(metrics.on_unload)
     _add_info_routes(app, serving, metrics)
     _add_token_routes(app, serving)
     _add_generation_routes(app, serving)
     _add_responses_routes(app, serving)
-    add_dashboard_routes(app, engine, settings.api_key)
+    add_dashboard_routes(app, models, settings.api_key)
     return app
 
 
@@ -233,27 +245,43 @@ def _tool_parser(asked: str | None, template: str | None) -> str | None:
     return found
 
 
+@dataclass(frozen=True, slots=True)
+class _Model:
+    """One served model as a request sees it: its engine, and what the server reads of that engine (tokenizer,
+    limits, the parser of its tool calls), which differ from one model to another."""
+
+    name: str  # what its responses and metrics report
+    engine: EngineClient
+    tool_parser: str | None
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
 class _Serving:
-    """What the routes share: the engine's public face, the settings, and turning a body into a request.
+    """What the routes share: the served models, the settings, and turning a body into a request.
 
     Tokenizing and chat templating run in a small thread pool, never on the event loop: a 1 MiB prompt
     would otherwise hold up every open stream while it is tokenized.
     """
 
-    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
-        self.engine = engine
+    def __init__(self, models: ModelPool, settings: ServerSettings) -> None:
+        self.models = models
         self.settings = settings
         # The server's rule, as OpenAI's: a request without max_tokens gets --default-max-tokens (or the rest of
         # the context), and one asking past the context is refused.
         self.max_tokens = MaxTokensRule(settings.default_max_tokens, fit_context=True)
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.tool_parser = _tool_parser(settings.tool_call_parser, self.tokenizer.chat_template)
         if settings.reasoning_parser is not None:
             reasoning_parser(settings.reasoning_parser)  # an unknown name: refused at start
-        if not self.tokenizer.chat_template:
-            logger.warning("this model has no chat template: chat requests (and the Responses API) are refused "
-                           "until one is given with --chat-template FILE|TEMPLATE; /v1/completions works")
+        self._views: dict[str, _Model] = {}  # the running models' views, dropped when a model is stopped
+        self._max_model_lens: dict[str, int] = {}  # each model's, once loaded: /v1/models shows it after
+        for name, engine in models.loaded().items():
+            self._view(name, engine, at_start=True)  # what the flags ask of a model loaded at start: checked now
         self._pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="conveyor-tokenize")
         # Grammar compiles wait here, not in the tokenizer's pool: a schema that takes seconds to compile must not
         # hold up a plain request's tokenizing. The threads only wait (the compile runs in a compiler process);
@@ -261,19 +289,55 @@ class _Serving:
         # conveyor.executor.grammar_compilers).
         self._grammar_pool = ThreadPoolExecutor(GRAMMAR_WAITERS, thread_name_prefix="conveyor-grammar")
 
+    @contextlib.asynccontextmanager
+    async def model(self, requested: str | None) -> AsyncIterator[_Model]:
+        """The model a body names (the first served where it names none), loaded first if it is not; it stays
+        loaded while the block builds and submits the request (then the engine's open request holds it)."""
+        name = self.check_model(requested)
+        async with self.models.use(name) as engine:
+            yield self._view(name, engine)
+
+    def _view(self, name: str, engine: EngineClient, at_start: bool = False) -> _Model:
+        view = self._views.get(name)
+        if view is not None and view.engine is engine:
+            return view
+        template = engine.tokenizer.chat_template
+        try:
+            tool_parser = _tool_parser(self.settings.tool_call_parser, template)
+        except ValueError:
+            if at_start:
+                raise
+            logger.warning("model %s: its chat template shows no tool-call format; tool_choice auto is refused for "
+                           "it (name one with --tool-call-parser)", name)
+            tool_parser = None
+        if not template:
+            which = f"model {name}" if self.models.several else "this model"
+            logger.warning("%s has no chat template: chat requests (and the Responses API) are refused "
+                           "until one is given with --chat-template FILE|TEMPLATE; /v1/completions works", which)
+        self._views[name] = view = _Model(name, engine, tool_parser)
+        self._max_model_lens[name] = engine.max_model_len
+        return view
+
+    def forget(self, name: str, engine: EngineClient) -> None:
+        """A model's engine is stopping: hold no reference that would keep its memory."""
+        self._views.pop(name, None)
+
+    def max_model_len_of(self, name: str) -> int | None:
+        """A model's context length, known once it has loaded (None before)."""
+        return self._max_model_lens.get(name)
+
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the tokenizer pool; the event loop serves others meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
-    async def compile_grammar(self, body: SamplingRequest) -> None:
+    async def compile_grammar(self, model: _Model, body: SamplingRequest) -> None:
         """Compile the body's constraint, if it has one, in the grammar pool (into the engine's cache, where
         ``make_request`` finds it); a 400 naming the client's field if it cannot be compiled."""
-        self.check_model(body.model)
         try:
             structured = body.structured_output()
             if structured is not None:
                 loop = asyncio.get_running_loop()
-                await loop.run_in_executor(self._grammar_pool, self.engine.compile_grammar, structured[1])
+                await loop.run_in_executor(self._grammar_pool, model.engine.compile_grammar, structured[1])
         except ValueError as error:
             raise _refusal(body, error) from None
 
@@ -284,18 +348,20 @@ class _Serving:
             raise APIError(400, f"n: {num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences, over the "
                                 f"server's --max-sequences-per-request of {limit}", "invalid_request_error", "n")
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.settings.model_names:
-            served = ", ".join(repr(n) for n in self.settings.model_names)
+    def check_model(self, name: str | None) -> str:
+        """The reported name of the model ``name`` names (None: the first model's); a 404 where none is served."""
+        reported = self.models.default_name() if name is None else self.models.reported_name(name)
+        if reported is None:
+            served = ", ".join(repr(n) for n in self.models.served_names)
             raise APIError(404, f"model {name!r} does not exist; this server serves {served}",
                            "not_found_error", "model", "model_not_found")
+        return reported
 
-    def make_request(self, body: SamplingRequest, prompt: str | list[int], kind: str) -> EngineRequest:
+    def make_request(self, model: _Model, body: SamplingRequest, prompt: str | list[int], kind: str) -> EngineRequest:
         """Check and tokenize (call through ``off_loop``)."""
-        self.check_model(body.model)
         try:
             body.check_supported()
-            return self.engine.requests.build(prompt, body.sampling_params(), f"{kind}-{uuid.uuid4().hex}",
+            return model.engine.requests.build(prompt, body.sampling_params(), f"{kind}-{uuid.uuid4().hex}",
                                               priority=body.priority, max_tokens=self.max_tokens)
         except ValueError as error:
             raise _refusal(body, error) from None
@@ -308,19 +374,19 @@ class _Serving:
             return None
         return reasoning_parser(name, constrained=body.structured_output() is not None)
 
-    def make_chat_request(self, body: ChatCompletionRequest) -> EngineRequest:
+    def make_chat_request(self, model: _Model, body: ChatCompletionRequest) -> EngineRequest:
         """Template, tokenize and check a chat request (call through ``off_loop``)."""
-        self.check_model(body.model)
         try:
-            prompt = self.tokenizer.apply_chat_template(body.message_dicts(), **body.template_options())
+            prompt = model.tokenizer.apply_chat_template(body.message_dicts(), **body.template_options())
         except ValueError as error:
             raise _refusal(body, error) from None
         if not prompt:  # a template may show only some roles: nothing to compute, no logits to sample from
             raise _refusal(body, FieldError("messages", "messages: the chat template renders these messages as "
                                                         "no tokens"))
-        return self.make_request(body, prompt, "chatcmpl")
+        return self.make_request(model, body, prompt, "chatcmpl")
 
-    async def respond(self, body: SamplingRequest, requests: list[EngineRequest], fmt: ResponseShape, raw: Request):
+    async def respond(self, model: _Model, body: SamplingRequest, requests: list[EngineRequest], fmt: ResponseShape,
+                      raw: Request):
         """Stream the requests' outputs as server-sent events, or wait for the last and answer it whole.
 
         Either way a client that disconnects aborts its requests at once, queued or running: their queue
@@ -328,7 +394,7 @@ class _Serving:
         """
         self.assign_service(requests, body, raw)
         try:  # refused (429), overloaded or dead (503): at once, from the handlers above
-            stream = open_streams(self.engine, requests, final_only=not body.stream)
+            stream = open_streams(model.engine, requests, final_only=not body.stream)
         except FieldError as error:  # more tokens than the queue cap could ever hold
             raise _refusal(body, error) from None
         if body.stream:  # the headers go out now; the tokens follow, and a disconnect cancels the stream
@@ -386,10 +452,10 @@ def public_health(report: dict) -> dict:
 def _add_info_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
-        replicas = serving.engine.health_report()  # None for one engine; each replica's state behind a router
+        replicas = serving.models.health_report()  # None for one engine; each replica's state behind a router
         if replicas is not None and not carries_key(request.scope.get("headers"), serving.settings.api_key):
             replicas = public_health(replicas)
-        if serving.engine.error is not None:
+        if serving.models.error is not None:
             body = error_body("engine stopped", "internal_server_error") | (replicas or {})
             return JSONResponse(body, status_code=503)
         return Response(status_code=200) if replicas is None else JSONResponse(replicas)
@@ -400,28 +466,33 @@ def _add_info_routes(app: FastAPI, serving: _Serving, metrics: ServerMetrics) ->
 
     @app.get("/metrics")
     async def prometheus_metrics() -> PlainTextResponse:
-        metrics.on_scrape(serving.engine)
+        metrics.on_scrape(serving.models.loaded())
         return PlainTextResponse(generate_latest(metrics.registry).decode(),
                                  media_type="text/plain; version=0.0.4")
 
     def card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "conveyor",
-                "max_model_len": serving.max_model_len}
+        """A served name's entry; with several models it says whether its model is loaded now (an extra field,
+        which OpenAI's clients keep), and its context length once it has loaded."""
+        reported = serving.check_model(name)
+        card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "conveyor"}
+        max_model_len = serving.max_model_len_of(reported)
+        if max_model_len is not None:
+            card["max_model_len"] = max_model_len
+        if serving.models.several:
+            card["loaded"] = reported in serving.models.loaded()
+        return card
 
     @app.get("/v1/models")
-    async def models() -> dict:  # every served name, the reported one first (as vLLM lists them)
-        return {"object": "list", "data": [card(name) for name in serving.settings.model_names]}
+    async def models() -> dict:  # every served name, loaded or not, each model's reported one first (as vLLM)
+        return {"object": "list", "data": [card(name) for name in serving.models.served_names]}
 
     @app.get("/v1/models/{model:path}")  # OpenAI's client.models.retrieve; a served name may hold a "/"
     async def model(model: str) -> dict:
-        serving.check_model(model)
         return card(model)
 
 
 def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
-    tokenizer = serving.tokenizer
-
-    def tokens_of(body: TokenizeRequest) -> list[int]:
+    def tokens_of(tokenizer: Tokenizer, body: TokenizeRequest) -> list[int]:
         try:
             if body.prompt is not None:
                 return tokenizer.encode(body.prompt)
@@ -434,21 +505,20 @@ def _add_token_routes(app: FastAPI, serving: _Serving) -> None:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "invalid_request_error", "prompt")
-        tokens = await serving.off_loop(tokens_of, body)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+        async with serving.model(body.model) as model:
+            tokens = await serving.off_loop(tokens_of, model.tokenizer, body)
+            return {"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        serving.check_model(body.model)
-        vocab = serving.engine.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise APIError(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
-        return {"prompt": await serving.off_loop(tokenizer.decode, body.tokens, False)}
+        async with serving.model(body.model) as model:
+            vocab = model.engine.vocab_size
+            if any(not 0 <= t < vocab for t in body.tokens):
+                raise APIError(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
+            return {"prompt": await serving.off_loop(model.tokenizer.decode, body.tokens, False)}
 
 
 def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
-    model_name = serving.settings.model_name
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         try:
@@ -456,27 +526,30 @@ def _add_generation_routes(app: FastAPI, serving: _Serving) -> None:
         except FieldError as error:
             raise _bad_field(error) from None
         serving.check_sequences(len(prompts), body.n)
-        await serving.compile_grammar(body)
-        requests = [await serving.off_loop(serving.make_request, body, prompt, "cmpl") for prompt in prompts]
-        fmt = CompletionShape(requests[0].request_id, model_name, LogprobFormatter(serving.tokenizer), body.echo,
-                              prompt_logprobs=body.prompt_logprobs is not None,
-                              return_token_ids=body.return_token_ids)
-        return await serving.respond(body, requests, fmt, raw)
+        async with serving.model(body.model) as model:
+            await serving.compile_grammar(model, body)
+            requests = [await serving.off_loop(serving.make_request, model, body, prompt, "cmpl")
+                        for prompt in prompts]
+            fmt = CompletionShape(requests[0].request_id, model.name, LogprobFormatter(model.tokenizer), body.echo,
+                                  prompt_logprobs=body.prompt_logprobs is not None,
+                                  return_token_ids=body.return_token_ids)
+            return await serving.respond(model, body, requests, fmt, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         serving.check_sequences(1, body.n)
-        try:
-            auto_tools = body.auto_tool_parser(serving.tool_parser)
-        except FieldError as error:
-            raise _refusal(body, error) from None
-        await serving.compile_grammar(body)
-        request = await serving.off_loop(serving.make_chat_request, body)
-        fmt = ChatShape(request.request_id, model_name, LogprobFormatter(serving.tokenizer), body.echoed(),
-                        body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None,
-                        auto_tools=auto_tools, return_token_ids=body.return_token_ids,
-                        reasoning=serving.reasoning(body))
-        return await serving.respond(body, [request], fmt, raw)
+        async with serving.model(body.model) as model:
+            try:
+                auto_tools = body.auto_tool_parser(model.tool_parser)
+            except FieldError as error:
+                raise _refusal(body, error) from None
+            await serving.compile_grammar(model, body)
+            request = await serving.off_loop(serving.make_chat_request, model, body)
+            fmt = ChatShape(request.request_id, model.name, LogprobFormatter(model.tokenizer), body.echoed(),
+                            body.forced_tool_calls(), prompt_logprobs=body.prompt_logprobs is not None,
+                            auto_tools=auto_tools, return_token_ids=body.return_token_ids,
+                            reasoning=serving.reasoning(body))
+            return await serving.respond(model, body, [request], fmt, raw)
 
 
 def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
@@ -500,30 +573,8 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
             raise _bad_field(invalid.renamed(responses_field(invalid.field))) from None
         except ValueError as error:  # the input itself (named as the Responses API names it)
             raise _bad_field(error) from None
-        try:
-            auto_tools = chat.auto_tool_parser(serving.tool_parser)
-            await serving.compile_grammar(chat)
-            request = await serving.off_loop(serving.make_chat_request, chat)
-        except ValueError as error:  # errors that name a field are in the Responses API's names already
-            raise _refusal(chat, error) from None
-        shape = ResponsesShape(body, serving.settings.model_name, chat.forced_tool_calls(),
-                               LogprobFormatter(serving.tokenizer), auto_tools, serving.reasoning(chat))
-        conversation = [*history, *body.input_messages()]
-
-        def keep(response: dict[str, Any]) -> None:
-            if body.store:
-                store.put(response, [*conversation, *ResponsesShape.conversation_of(response)])
-
-        serving.assign_tenant([request], body.user, raw)
-        stream = open_streams(serving.engine, [request], final_only=not body.stream)
-        if body.stream:
-            return StreamingResponse(_responses_sse(shape, stream, keep), media_type="text/event-stream")
-        outputs = await serving.finals(stream, raw, 1)
-        if outputs is None:
-            return Response(status_code=499)
-        response = shape.full(outputs[0])
-        keep(response)
-        return response
+        async with serving.model(chat.model) as model:
+            return await _create_response(serving, model, body, chat, history, store, raw)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict:
@@ -538,6 +589,35 @@ def _add_responses_routes(app: FastAPI, serving: _Serving) -> None:
         if not store.delete(response_id):
             raise APIError(404, f"no stored response {response_id!r}", "not_found_error", "response_id")
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+async def _create_response(serving: _Serving, model: _Model, body: ResponsesRequest, chat: ChatCompletionRequest,
+                           history: list[dict[str, Any]], store: ResponseStore, raw: Request):
+    """A Responses API request on ``model``, its chat body checked: answered whole, or streamed as events."""
+    try:
+        auto_tools = chat.auto_tool_parser(model.tool_parser)
+        await serving.compile_grammar(model, chat)
+        request = await serving.off_loop(serving.make_chat_request, model, chat)
+    except ValueError as error:  # errors that name a field are in the Responses API's names already
+        raise _refusal(chat, error) from None
+    shape = ResponsesShape(body, model.name, chat.forced_tool_calls(), LogprobFormatter(model.tokenizer),
+                           auto_tools, serving.reasoning(chat))
+    conversation = [*history, *body.input_messages()]
+
+    def keep(response: dict[str, Any]) -> None:
+        if body.store:
+            store.put(response, [*conversation, *ResponsesShape.conversation_of(response)])
+
+    serving.assign_tenant([request], body.user, raw)
+    stream = open_streams(model.engine, [request], final_only=not body.stream)
+    if body.stream:
+        return StreamingResponse(_responses_sse(shape, stream, keep), media_type="text/event-stream")
+    outputs = await serving.finals(stream, raw, 1)
+    if outputs is None:
+        return Response(status_code=499)
+    response = shape.full(outputs[0])
+    keep(response)
+    return response
 
 
 def _first_field_error(error: ValidationError) -> FieldError:

@@ -4,6 +4,7 @@
 
 const params = new URLSearchParams(location.search);
 const apiKey = params.get("api_key");
+const watchedModel = params.get("model");  // several models: which one to follow (the server's first by default)
 
 function setStatus(text, badge, badgeClass) {
   $("status").textContent = text;
@@ -15,11 +16,15 @@ async function followLive() {
   const headers = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
   for (;;) {
     try {
-      const response = await fetch("/debug/stream", { headers, cache: "no-store" });
+      const query = watchedModel ? `?model=${encodeURIComponent(watchedModel)}` : "";
+      const response = await fetch(`/debug/stream${query}`, { headers, cache: "no-store" });
       if (response.status === 401) { setStatus("the API key is missing or wrong: add ?api_key=KEY to the address", "no access", "down"); return; }
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       setStatus("", "live", "live");
-      await readEvents(response.body, (delta) => { ui.session.apply(delta); markDirty(); });
+      await readEvents(response.body, (delta) => {
+        if (delta.model) $("model-name").textContent = delta.model;  // sent where a server has several models
+        ui.session.apply(delta); markDirty();
+      });
     } catch (error) {
       ui.error = String(error);
     }
