@@ -63,17 +63,21 @@ def default_model_dir() -> Path:
     return float32_folder(None)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+def write_tiny_llama(folder: Path, seed: int, tokenizer_from: Path) -> Path:
+    """A tiny random Llama (TINY_CONFIG, weights from ``seed``) with the tokenizer of ``tokenizer_from``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir / name, folder / name)
+        shutil.copy(tokenizer_from / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), 0, default_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 
 from conveyor.entrypoints.cli import main
 from conveyor.entrypoints.serve import served_names_per_model
-from tests.conftest import TINY_CONFIG
+from tests.conftest import write_tiny_llama
 from tests.serving import offline_text, openai_client, running_server
 
 PROMPTS = ("The river", "Once upon a time", "1, 2, 3,", "Paris is")
@@ -28,15 +27,7 @@ NAMES = ("alpha", "beta")
 @pytest.fixture(scope="module")
 def second_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
     """Another tiny random Llama (other weights, the same tokenizer): its greedy text differs from the first's."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-llama-2")
-    torch.manual_seed(1)
-    LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, folder / name)
-    return folder
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2"), 1, tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
