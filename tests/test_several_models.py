@@ -123,3 +123,9 @@ def test_several_models_with_replicas_are_refused_before_anything_starts(capsys,
     assert main(["serve", "--model", model, "--model", model, "--served-model-name", "a", "b",
                  "--data-parallel-size", "2"]) == 2
     assert "replicas (--data-parallel-size > 1, --ray-address) serve one model" in capsys.readouterr().err
+
+
+def test_a_model_whose_weights_are_over_the_byte_budget_is_refused_at_start(capsys, tiny_model_dir: Path) -> None:
+    assert main(["serve", "--model", str(tiny_model_dir), "--max-loaded-bytes", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-loaded-bytes: the model" in err and "over the budget of 1,024" in err

@@ -117,6 +117,10 @@ class ModelPool:
         model = self._by_name.get(name)
         return None if model is None else model.name
 
+    def not_served(self, name: str) -> str:
+        """What a client is told of a name no model answers to: every name that does."""
+        return f"model {name!r} does not exist; this server serves {', '.join(map(repr, self.served_names))}"
+
     def default_name(self) -> str:
         """The model of a request that names none: the first given."""
         return self._models[0].name

@@ -45,8 +45,7 @@ def add_dashboard_routes(app: FastAPI, models: ModelPool, api_key: str | None) -
         asked = request.query_params.get("model") or models.default_name()
         name = models.reported_name(asked)
         if name is None:
-            served = ", ".join(repr(n) for n in models.served_names)
-            return _error(404, f"model {asked!r} does not exist; this server serves {served}", "model_not_found")
+            return _error(404, models.not_served(asked), "model_not_found")
         engine = models.loaded().get(name)
         if engine is None:  # watching does not load a model: its first request does
             return _error(503, f"model {name!r} is not loaded now; it loads on its next request", "model_not_loaded")

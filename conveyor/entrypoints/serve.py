@@ -45,7 +45,11 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                          "turns on; give both")
     settings = _settings(args, config, names_per_model[0])
     _check_replica_args(args, len(models))
-    budget = _budget(args, models)
+    budget = Budget(args.max_loaded_models, args.max_loaded_bytes)
+    # Every model found and its weight files sized now, once (a name found nowhere is refused at start, not at
+    # its first request): the byte budget refuses a model over it now, and counts one not loaded yet by them.
+    weights = [weight_file_bytes(model.model) for model in models]
+    _check_weights_fit(budget, models, weights)
     single: AsyncEngine | None = None  # this process's own first engine; replicas run in processes of Ray's
     if args.data_parallel_size > 1 or args.ray_address:
         engine, replica_metrics = _replicas(args, config, settings.model_name)
@@ -53,7 +57,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         pool = ModelPool.single(settings.model_names, engine)
         metrics = ModelsMetrics({settings.model_name: replica_metrics})
     else:
-        pool, metrics, single = _local_pool(args, models, names_per_model, budget,
+        pool, metrics, single = _local_pool(args, models, weights, names_per_model, budget,
                                             on_fatal=lambda error: _exit_after_fatal(server))
     app = build_app(pool, settings, metrics)
     server = _GracefulServer(uvicorn.Config(
@@ -91,15 +95,15 @@ def _settings(args: argparse.Namespace, config: EngineConfig, names: tuple[str, 
         model_aliases=tuple(names[1:]))
 
 
-def _local_pool(args: argparse.Namespace, models: list[EngineConfig], names_per_model: list[tuple[str, ...]],
-                budget: Budget, on_fatal: Callable[[BaseException], None],
+def _local_pool(args: argparse.Namespace, models: list[EngineConfig], weights: list[int],
+                names_per_model: list[tuple[str, ...]], budget: Budget, on_fatal: Callable[[BaseException], None],
                 ) -> tuple[ModelPool, ModelsMetrics, AsyncEngine]:
     """The models in this process: the first built now (not started: the caller starts it from this thread),
-    the others by the pool on their first request; each its own metrics, labelled with its name."""
+    the others by the pool on their first request; each its own metrics, labelled with its name. A model not
+    loaded yet counts, for the budget, as its weight files (``weights``) and the KV pool --kv-cache-memory asks
+    for."""
     per_model = {names[0]: EngineMetrics(names[0]) for names in names_per_model}
-    # Every model is found now (a name found nowhere is refused at start, not at its first request), and sized
-    # as the budget counts a model not loaded yet: its weight files, and the KV pool --kv-cache-memory asks for.
-    estimates = [weight_file_bytes(model.model) + int(model.kv_cache_memory or 0) for model in models[1:]]
+    estimates = [size + int(model.kv_cache_memory or 0) for model, size in zip(models[1:], weights[1:], strict=True)]
     first = _build_engine(models[0], args, per_model[names_per_model[0][0]])
     print(f"memory: {first.memory_report}", flush=True)
     configs = {names[0]: model for names, model in zip(names_per_model, models, strict=True)}
@@ -121,12 +125,16 @@ def served_model_names(given: list[str] | None, model: str | None) -> list[str]:
     folder's name without its suffix, a name as given (``ORG/NAME``, as vLLM serves --model), or the default
     model's name."""
     if given:
-        if any(not name.strip() for name in given):
-            raise ValueError(f"--served-model-name: an empty name in {given}")
+        _check_not_empty(given)
         return list(dict.fromkeys(given))
     if model is None:
         return [DEFAULT_MODEL_NAME]
     return [Path(model).stem if Path(model).expanduser().exists() else model]
+
+
+def _check_not_empty(given: list[str]) -> None:
+    if any(not name.strip() for name in given):
+        raise ValueError(f"--served-model-name: an empty name in {given}")
 
 
 def served_names_per_model(given: list[str] | None, models: list[str | None]) -> list[tuple[str, ...]]:
@@ -138,8 +146,8 @@ def served_names_per_model(given: list[str] | None, models: list[str | None]) ->
     if given and len(given) != len(models):
         raise ValueError(f"--served-model-name: {len(given)} names for {len(models)} --model; with several --model "
                          "give one name per model, in the same order (the i-th names the i-th), or none")
-    if given and any(not name.strip() for name in given):
-        raise ValueError(f"--served-model-name: an empty name in {given}")
+    if given:
+        _check_not_empty(given)
     names = list(given) if given else [served_model_names(None, model)[0] for model in models]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
@@ -148,17 +156,14 @@ def served_names_per_model(given: list[str] | None, models: list[str | None]) ->
     return [(n,) for n in names]
 
 
-def _budget(args: argparse.Namespace, models: list[EngineConfig]) -> Budget:
-    """The loaded models' budget; a model whose weights alone are over the bytes is refused now, not at its
-    first request."""
-    budget = Budget(args.max_loaded_models, args.max_loaded_bytes)
-    if budget.max_loaded_bytes is not None:
-        for model in models:
-            size = weight_file_bytes(model.model)
-            if size > budget.max_loaded_bytes:
-                raise ValueError(f"--max-loaded-bytes: the model {model.model or DEFAULT_MODEL_NAME}'s weights are "
-                                 f"{size:,} bytes, over the budget of {budget.max_loaded_bytes:,}")
-    return budget
+def _check_weights_fit(budget: Budget, models: list[EngineConfig], weights: list[int]) -> None:
+    """A model whose weights alone are over the byte budget is refused now, not at its first request."""
+    if budget.max_loaded_bytes is None:
+        return
+    for model, size in zip(models, weights, strict=True):
+        if size > budget.max_loaded_bytes:
+            raise ValueError(f"--max-loaded-bytes: the model {model.model or DEFAULT_MODEL_NAME}'s weights are "
+                             f"{size:,} bytes, over the budget of {budget.max_loaded_bytes:,}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -352,9 +352,7 @@ class _Serving:
         """The reported name of the model ``name`` names (None: the first model's); a 404 where none is served."""
         reported = self.models.default_name() if name is None else self.models.reported_name(name)
         if reported is None:
-            served = ", ".join(repr(n) for n in self.models.served_names)
-            raise APIError(404, f"model {name!r} does not exist; this server serves {served}",
-                           "not_found_error", "model", "model_not_found")
+            raise APIError(404, self.models.not_served(name), "not_found_error", "model", "model_not_found")
         return reported
 
     def make_request(self, model: _Model, body: SamplingRequest, prompt: str | list[int], kind: str) -> EngineRequest:
