@@ -17,7 +17,8 @@ from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.entrypoints.metrics import EngineMetrics
-from conveyor.entrypoints.openai.api_server import ServerSettings, build_app
+from conveyor.entrypoints.openai.api_server import build_app
+from conveyor.entrypoints.openai.serving import ServerSettings
 
 
 @pytest.fixture(scope="module")

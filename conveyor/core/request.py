@@ -13,14 +13,19 @@ import enum
 from dataclasses import dataclass, field
 
 from conveyor.core.errors import FieldError
+from conveyor.core.pooling import PoolingParams
 from conveyor.core.sampling import SamplingParams
 
 
-def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
-    """FieldError (``prompt``) unless a prompt of that length leaves room for at least one output token."""
-    if num_prompt_tokens >= max_model_len:
-        raise FieldError("prompt", f"prompt: {num_prompt_tokens} tokens, but max_model_len is {max_model_len}, "
-                                   "which leaves no room for output")
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int, pooled: bool = False,
+                        param: str = "prompt") -> None:
+    """FieldError (naming ``param``) unless a prompt of that length leaves room for at least one output token
+    (a ``pooled`` prompt, which draws none, may fill the context)."""
+    if pooled and num_prompt_tokens > max_model_len:
+        raise FieldError(param, f"{param}: {num_prompt_tokens} tokens, but max_model_len is {max_model_len}")
+    if not pooled and num_prompt_tokens >= max_model_len:
+        raise FieldError(param, f"{param}: {num_prompt_tokens} tokens, but max_model_len is {max_model_len}, "
+                                "which leaves no room for output")
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +66,9 @@ class Request:
     # preemption, so prefix caching indexes such blocks only then (conveyor.core.kv.prefix_cache). None: any
     # block may be found by any request (the real engine's requests).
     private_after: int | None = None
+    # A pooled request (an embedding): its prompt only, no token drawn; the scheduler ends it once the prompt
+    # is computed, and the executor pools its hidden states (conveyor.core.pooling).
+    pooling: PoolingParams | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when first admitted (OpenAI's cached_tokens)

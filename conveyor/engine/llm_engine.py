@@ -353,5 +353,6 @@ class Engine:
             index=index,
             logprobs=None if logprobs is None or logprobs.sampled is None else list(logprobs.sampled),
             prompt_logprobs=None if logprobs is None else logprobs.prompt_list(request.num_prompt_tokens),
+            embedding=self.executor.last_embeddings.get(request.request_id) if request.pooling else None,
         )
 

@@ -50,6 +50,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # finish_reason "error": what failed, in words a client may see (never a trace)
+    embedding: list[float] | None = None  # a pooled request's vector, on its one (final) output
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from conveyor.core.errors import FieldError
+from conveyor.core.pooling import PoolingParams
 from conveyor.core.request import Request, check_prompt_length
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine.tokenizer import Tokenizer
@@ -34,6 +35,8 @@ class MaxTokensRule:
 
 
 CUT_AT_CONTEXT = MaxTokensRule()  # the offline rule: the room left by default, the context's end stops the rest
+# A pooled request's sampling parameters: it draws nothing, but the scheduler's policies read max_tokens (one).
+POOLED_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 class RequestBuilder:
@@ -71,15 +74,31 @@ class RequestBuilder:
             prompt_text=prompt if isinstance(prompt, str) else None,
         )
 
-    def prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+    def build_pooled(self, prompt: str | list[int], pooling: PoolingParams, request_id: str | None = None,
+                     priority: int = 0) -> Request:
+        """A prompt-only request whose result is one vector (an embedding: conveyor.core.pooling); its prompt
+        may fill the context, since it draws no token. FieldError naming ``input`` for a bad prompt."""
+        token_ids = self.prompt_token_ids(prompt, pooled=True, field="input")
+        return Request(
+            request_id=request_id if request_id is not None else f"embd-{next(self._ids)}",
+            prompt_token_ids=token_ids,
+            sampling_params=POOLED_PARAMS,
+            arrival_time=self._clock(),
+            priority=priority,
+            prompt_text=prompt if isinstance(prompt, str) else None,
+            pooling=pooling,
+        )
+
+    def prompt_token_ids(self, prompt: str | list[int], pooled: bool = False, field: str = "prompt") -> list[int]:
         """Text tokenized, or ids checked against the vocabulary (an overlong list refused before each id is
-        looked at); either way with room left for one output token."""
+        looked at); either way with room left for one output token, unless ``pooled`` (no token drawn).
+        FieldError naming ``field``, the name the caller's API gives the prompt."""
         if isinstance(prompt, str):
-            token_ids = _tokenize(prompt, self.tokenizer)
+            token_ids = _tokenize(prompt, self.tokenizer, field)
         else:
-            check_prompt_length(len(prompt), self.max_model_len)
-            token_ids = _checked_ids(prompt, self.vocab_size)
-        check_prompt_length(len(token_ids), self.max_model_len)
+            check_prompt_length(len(prompt), self.max_model_len, pooled, field)
+            token_ids = _checked_ids(prompt, self.vocab_size, field)
+        check_prompt_length(len(token_ids), self.max_model_len, pooled, field)
         return token_ids
 
     def _settle_max_tokens(self, params: SamplingParams, num_prompt_tokens: int, rule: MaxTokensRule) -> SamplingParams:
@@ -104,20 +123,20 @@ def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
                          f"logit_bias: token ids must be below the vocabulary size {vocab_size}, got {bad[:5]}")
 
 
-def _tokenize(prompt: str, tokenizer: Tokenizer) -> list[int]:
+def _tokenize(prompt: str, tokenizer: Tokenizer, field: str) -> list[int]:
     if not prompt:
-        raise FieldError("prompt", "prompt: empty prompt")
+        raise FieldError(field, f"{field}: empty prompt")
     token_ids = tokenizer.encode(prompt)
     if not token_ids:  # a request of no tokens has no logits to sample from: it would fail its step
-        raise FieldError("prompt", "prompt: the text tokenizes to no tokens")
+        raise FieldError(field, f"{field}: the text tokenizes to no tokens")
     return token_ids
 
 
-def _checked_ids(prompt: list[int], vocab_size: int) -> list[int]:
+def _checked_ids(prompt: list[int], vocab_size: int, field: str) -> list[int]:
     token_ids = list(prompt)
     if not token_ids:
-        raise FieldError("prompt", "prompt: empty list of token ids")
+        raise FieldError(field, f"{field}: empty list of token ids")
     bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
-        raise FieldError("prompt", f"prompt: token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
+        raise FieldError(field, f"{field}: token ids must be integers in [0, {vocab_size}), got {bad[:5]}")
     return token_ids

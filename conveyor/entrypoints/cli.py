@@ -13,6 +13,7 @@ from pathlib import Path
 
 from conveyor.benchmarks.workload import WORKLOADS
 from conveyor.core.config import EngineConfig, parse_bytes
+from conveyor.core.pooling import PoolingMethod
 from conveyor.core.sampling import SamplingParams
 from conveyor.entrypoints.args import add_engine_args, as_options, engine_config, int_pair, with_overrides
 from conveyor.entrypoints.openai.reasoning import PARSERS as REASONING_PARSERS
@@ -228,6 +229,10 @@ def _add_serve(commands: Commands) -> None:
                        "a reasoning item (the Responses API): deepseek_r1 (reasoning up to </think>, opened in the "
                        "prompt or not) or qwen3 (only a <think>...</think> block the reply writes) (default: none, "
                        "the reasoning stays in the content)")
+    serve.add_argument("--pooling", default=PoolingMethod.LAST.value, choices=[m.value for m in PoolingMethod],
+                       help="how /v1/embeddings makes a prompt one vector (llama.cpp's name): the last position's "
+                       "final hidden state, which has attended to the whole prompt, or the mean over every "
+                       "position; either scaled to unit length (default: last)")
     _add_model_budget_args(serve)
     add_engine_args(serve, several_models=True)
 

@@ -10,6 +10,8 @@ from tqdm import tqdm
 
 from conveyor.core.config import EngineConfig, read_chat_template
 from conveyor.core.errors import RequestRefused
+from conveyor.core.pooling import DEFAULT_POOLING, PoolingParams
+from conveyor.core.request import Request
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
 from conveyor.engine.tokenizer import Tokenizer
@@ -51,16 +53,29 @@ class LLM:
         requests = [
             self.engine.make_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, params, priorities)
         ]
+        self._add_all(requests)
+        return self._run([(r.request_id, r.sampling_params.n) for r in requests], use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams = DEFAULT_POOLING,
+              use_tqdm: bool = True) -> list[RequestOutput]:
+        """One vector per prompt, in order (``output.embedding``): the prompt's final hidden states pooled as
+        ``pooling`` says (the last position by default, scaled to unit length), as vLLM's ``LLM.embed``. The
+        prompts run as prompt-only requests through the same scheduler as generation."""
+        requests = [self.engine.requests.build_pooled(prompt, pooling) for prompt in _as_prompt_list(prompts)]
+        self._add_all(requests)
+        return self._run([(r.request_id, 1) for r in requests], use_tqdm)
+
+    def _add_all(self, requests: list[Request]) -> None:
+        """Queue every request, or none: a queue cap or a deadline refuses the call whole, as a bad prompt does."""
         added: list[str] = []
         try:
             for request in requests:
                 self.engine.add_request(request)
                 added.append(request.request_id)
-        except (RequestRefused, ValueError):  # a queue cap or a deadline: the call is refused whole, as a bad prompt
+        except (RequestRefused, ValueError):
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise
-        return self._run([(r.request_id, r.sampling_params.n) for r in requests], use_tqdm)
 
     def chat(
         self,

@@ -22,11 +22,13 @@ from pathlib import Path
 import uvicorn
 
 from conveyor.core.config import EngineConfig
+from conveyor.core.pooling import PoolingMethod, PoolingParams
 from conveyor.engine import AsyncEngine, Engine, EngineClient
 from conveyor.engine.model_pool import Budget, ModelPool, PooledModel
 from conveyor.engine.replicas import ReplicaSet, ReplicaSettings
 from conveyor.entrypoints.metrics import EngineMetrics, ModelsMetrics
-from conveyor.entrypoints.openai.api_server import ServerSettings, build_app
+from conveyor.entrypoints.openai.api_server import build_app
+from conveyor.entrypoints.openai.serving import ServerSettings
 from conveyor.entrypoints.replica_metrics import ReplicaMetrics
 from conveyor.model.weights.paths import DEFAULT_MODEL_NAME, weight_file_bytes
 
@@ -90,7 +92,7 @@ def _settings(args: argparse.Namespace, config: EngineConfig, names: tuple[str, 
         max_sequences_per_request=args.max_sequences_per_request, body_read_timeout=args.body_read_timeout,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allowed_hosts=args.allowed_hosts, tenant_header=config.tenant_header,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, pooling=PoolingParams(PoolingMethod(args.pooling)),
         tool_call_parser=(args.tool_call_parser or "template") if args.enable_auto_tool_choice else None,
         model_aliases=tuple(names[1:]))
 

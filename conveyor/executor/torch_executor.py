@@ -70,6 +70,10 @@ class TorchExecutor:
         self.last_logprobs: dict[str, TokenLogprob] = {}
         self.last_prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = {}
         self.accepted_drafts: dict[str, int] = {}  # the latest step's: drafts accepted, by request (see Executor)
+        # Pooled requests (embeddings): the latest step's vectors, by request, for the engine to read; and each
+        # unfinished mean-pooled request's running sum of the hidden states its chunks so far computed.
+        self.last_embeddings: dict[str, list[float]] = {}
+        self._pool_sums: dict[str, torch.Tensor] = {}
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
         """Run one step; return the token sampled for each request whose chunk ended at its last token. (No
@@ -77,6 +81,9 @@ class TorchExecutor:
         inference_mode took 40 us of a batch-1 step, its code cold after the weights streamed through.)"""
         self._swap(output)
         self.last_logprobs, self.last_prompt_logprobs, self.accepted_drafts = {}, {}, {}
+        self.last_embeddings = {}
+        for request_id in output.finished_request_ids:  # aborted while pooling
+            self._pool_sums.pop(request_id, None)
         if self._forget is not None and output.finished_request_ids:
             self._forget(output.finished_request_ids)
         if output.is_empty:
@@ -89,7 +96,8 @@ class TorchExecutor:
         else:
             hidden, logits = self._run_torch(batch, inputs)
         self._prompt_logprobs(batch, hidden)
-        sampled = [item for item in batch if item.samples_token]
+        self._pool(batch, hidden)
+        sampled = [item for item in batch if item.samples_token and item.pooling is None]
         if not sampled:
             return {}
         if output.num_draft_tokens:
@@ -141,6 +149,33 @@ class TorchExecutor:
                 self.last_prompt_logprobs[item.request_id] = (start + 1, found)
             first_row += item.num_scheduled_tokens
 
+    def _pool(self, batch: list[ScheduledRequest], hidden: torch.Tensor) -> None:
+        """Pooled requests (embeddings): the mean's running sum grows by each chunk's rows, in float64 so a long
+        prompt's sum loses nothing; at the prompt's last position the vector is made (mean or last row), scaled
+        to unit length if asked. A chunk from position 0 starts the sum again: a request preempted and
+        recomputed (mean-pooled ones never start from a cached prefix) computes every position again."""
+        first_row = 0
+        for item in batch:
+            pooling, rows = item.pooling, item.num_scheduled_tokens
+            if pooling is not None:
+                chunk = hidden[first_row:first_row + rows]
+                if pooling.reads_every_position:
+                    chunk_sum = chunk.sum(dim=0, dtype=torch.float64)
+                    so_far = None if item.start_position == 0 else self._pool_sums.get(item.request_id)
+                    self._pool_sums[item.request_id] = chunk_sum if so_far is None else so_far + chunk_sum
+                if item.samples_token:
+                    self.last_embeddings[item.request_id] = self._pooled(item, chunk)
+            first_row += rows
+
+    def _pooled(self, item: ScheduledRequest, chunk: torch.Tensor) -> list[float]:
+        if item.pooling.reads_every_position:
+            vector = self._pool_sums.pop(item.request_id) / item.context_len
+        else:
+            vector = chunk[-1].to(torch.float64)
+        if item.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.to(torch.float32).tolist()
+
     def _swap(self, output: SchedulerOutput) -> None:
         """Copy swapped blocks, all layers at once; swap-ins first (see SchedulerOutput)."""
         if output.blocks_to_swap_in:
@@ -162,7 +197,7 @@ class TorchExecutor:
             table = item.block_ids
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             inputs.row_seq.extend([seq] * (end - start))
-            if item.samples_token:  # its last row; with drafts, also the row before each draft
+            if item.samples_token and item.pooling is None:  # its last row; with drafts, the row before each draft
                 num_rows = len(inputs.token_ids)
                 inputs.logit_rows.extend(range(num_rows - 1 - item.num_draft_tokens, num_rows))
         for group in range(1, self.num_groups):  # with KV groups, each later group's own tables and slots

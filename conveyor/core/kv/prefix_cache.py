@@ -215,7 +215,8 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
 
     - Admission asks :meth:`cached_prefix` for the request's longest run of cached leading blocks, at most
       up to its last token (which is always computed, so that there are logits to sample from); the
-      request starts with those blocks and ``num_computed_tokens`` at their end.
+      request starts with those blocks and ``num_computed_tokens`` at their end. A request pooled by the
+      mean (an embedding: conveyor.core.pooling) finds none, since it needs every position's hidden state.
     - After each step, :meth:`commit_computed` indexes the blocks the request has just filled.
     - A finished or preempted request gives its blocks back tail first: they stay cached, and the tail of a
       sequence is the first to be evicted. Re-admitted after preemption by recompute, a request finds its
@@ -269,7 +270,7 @@ class PrefixCachingKVCacheManager(PagedKVCacheManager):
     def cached_prefix(self, request: Request) -> CachedPrefix:
         bs = self.block_size
         limit = (request.num_tokens - 1) // bs  # whole blocks, and never the last token
-        if limit <= 0:
+        if limit <= 0 or (request.pooling is not None and request.pooling.reads_every_position):
             return NO_PREFIX
         tokens = request.token_ids(0, limit * bs)
         parent, block_ids, keys = self._root(request), [], []

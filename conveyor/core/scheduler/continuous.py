@@ -138,7 +138,7 @@ class Scheduler:
         server does before handing it over, or it belongs to a request already admitted)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in the engine")
-        check_prompt_length(request.num_tokens, self.config.max_model_len)
+        check_prompt_length(request.num_tokens, self.config.max_model_len, request.pooling is not None)
         self.admission.prepare(request)
         if check_admission and self.admission.active and (refused := self.refusal(request)) is not None:
             raise refused
@@ -598,8 +598,12 @@ class Scheduler:
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.num_prompt_tokens += len(request.prompt_token_ids)
-            self.num_generation_tokens += 1
             updated.append(request)
+            if request.pooling is not None:  # its prompt is computed: the executor pooled it, nothing is drawn
+                self.running.remove(request)
+                self._finish(request, FinishReason.STOP)
+                continue
+            self.num_generation_tokens += 1
             token = sampled_token_ids[item.request_id]
             request.output_token_ids.append(token)
             reason, stop_reason = self._check_stop(request, token)

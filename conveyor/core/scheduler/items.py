@@ -35,7 +35,7 @@ def scheduled_request(request: Request, num_new: int, block_ids: list[int]) -> S
     # Positional arguments, in field order.
     return ScheduledRequest(
         request.request_id, start, token_ids, block_ids, request.sampling_params, samples_token, num_output,
-        request.prompt_token_ids, output_ids, request.eos_token_id,
+        request.prompt_token_ids, output_ids, request.eos_token_id, pooling=request.pooling,
     )
 
 

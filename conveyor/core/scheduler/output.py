@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from conveyor.core.kv import MemoryReport
+from conveyor.core.pooling import PoolingParams
 from conveyor.core.sampling import SamplingParams
 
 
@@ -34,6 +35,9 @@ class ScheduledRequest:
     # request's last one), verified in this step: the executor draws a token at each of them and at the row
     # before, and reports how many drafts matched (see conveyor.core.spec).
     num_draft_tokens: int = 0
+    # A pooled request's (Request.pooling): the executor pools its hidden states and, at its last prompt
+    # position, reports the vector instead of drawing a token.
+    pooling: PoolingParams | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
