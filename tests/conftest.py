@@ -43,7 +43,7 @@ LONGEST_FIRST = (
     "test_gemma3.py", "test_quantized.py", "test_speculative.py", "test_server.py", "test_gguf.py",
     "test_correctness.py", "test_hostile_input.py", "test_grammar_bombs.py", "test_soak.py", "test_replicas.py",
     "test_policy_properties.py", "test_families.py", "test_auto_tool_choice.py", "test_structured_output.py",
-    "test_dashboard.py", "test_faults.py", "test_gguf_families.py", "test_load_shedding_server.py",
+    "test_dashboard.py", "test_chat_page.py", "test_faults.py", "test_gguf_families.py", "test_load_shedding_server.py",
     "test_replica_exposure.py", "test_responsiveness.py", "test_sim_calibrate.py", "test_server_sampling.py",
     "test_api_fuzz.py", "test_fair_property.py",
 )

@@ -205,8 +205,8 @@ def _add_serve(commands: Commands) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on every route but /health "
-                       "(default: $CONVEYOR_API_KEY; an empty key is refused)")
+                       help="require 'Authorization: Bearer KEY' on every route but /health and the chat page at / "
+                       "(whose calls need the key) (default: $CONVEYOR_API_KEY; an empty key is refused)")
     serve.add_argument("--metrics-without-auth", action="store_true",
                        help="with --api-key, leave /metrics open to anyone who can reach the port (a scraper "
                        "without the key)")

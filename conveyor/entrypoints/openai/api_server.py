@@ -5,7 +5,8 @@ Every error leaves in OpenAI's shape, ``{"error": {"message", "type", "param",
 events: chunks ending with ``data: [DONE]``, or the Responses API's named
 events; a client that disconnects aborts its
 request, streamed or not, queued or running. With an API key, every route
-but ``/health`` (and ``/metrics`` where the operator says so) needs it.
+but ``/health``, the chat page at ``/`` (whose own calls carry the key) and
+``/metrics`` where the operator says so needs it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from conveyor.engine import (
 )
 from conveyor.engine.model_pool import ModelPool
 from conveyor.engine.tokenizer import Tokenizer
+from conveyor.entrypoints.chat_page import CHAT_PAGE_PATHS, add_chat_page_route
 from conveyor.entrypoints.dashboard import DASHBOARD_PATHS, add_dashboard_routes
 from conveyor.entrypoints.metrics import ModelsMetrics, ServerMetrics
 from conveyor.entrypoints.openai.choices import open_streams
@@ -89,8 +91,10 @@ def build_app(engine: EngineClient | ModelPool, settings: ServerSettings,
     app.add_middleware(BodyLimit, limit=settings.max_request_bytes, read_timeout=settings.body_read_timeout)
     if settings.api_key is not None:
         # The dashboard's two routes check the key themselves: also from ``?api_key=``, since a browser that
-        # opens a page cannot send a header (see conveyor.entrypoints.dashboard).
-        open_paths = frozenset({"/health", *DASHBOARD_PATHS, *(("/metrics",) if settings.metrics_without_auth else ())})
+        # opens a page cannot send a header (see conveyor.entrypoints.dashboard). The chat page holds nothing of
+        # the server's, and its calls carry the key (see conveyor.entrypoints.chat_page).
+        open_paths = frozenset({"/health", *DASHBOARD_PATHS, *CHAT_PAGE_PATHS,
+                                *(("/metrics",) if settings.metrics_without_auth else ())})
         app.add_middleware(APIKeyAuth, api_key=settings.api_key, open_paths=open_paths,
                            drain_limit=settings.max_request_bytes)
     _add_outer_layers(app, settings)
@@ -104,6 +108,7 @@ def build_app(engine: EngineClient | ModelPool, settings: ServerSettings,
     _add_responses_routes(app, serving)
     _add_embedding_routes(app, serving)
     add_dashboard_routes(app, models, settings.api_key)
+    add_chat_page_route(app)
     return app
 
 
