@@ -47,6 +47,15 @@ class ModelConfig:
     local_rope_scaling: dict[str, Any] = field(default_factory=dict)
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
     partial_rotary_factor: float = 1.0  # the share of each head that rope rotates (Phi-4-mini: 0.75)
+    # A mixture of experts (none: a dense model): in each of its MoE layers a router picks ``num_experts_per_tok``
+    # of ``num_experts`` experts per token, each a gated MLP of ``moe_intermediate_size``, their outputs summed
+    # by the router's probabilities (scaled to sum to 1 with ``norm_topk_prob``); ``dense_layers`` have a
+    # plain MLP of ``intermediate_size`` instead (Qwen3-MoE's mlp_only_layers and decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -97,6 +106,7 @@ class ModelConfig:
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
             partial_rotary_factor=float(raw.get("partial_rotary_factor")
                                         or (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)),
+            **_experts(raw),
         )
 
     @classmethod
@@ -115,6 +125,10 @@ class ModelConfig:
         layers, _, head = self.stored_as.partition("/")
         return gguf_weights(layers, head)
 
+    def layer_has_experts(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
     def layer_window(self, layer: int) -> int | None:
         """The window layer ``layer`` attends to, None for the whole context."""
         return self.layer_windows[layer] if self.layer_windows else None
@@ -123,6 +137,19 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers, per byte of element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config (Qwen3-MoE's names, or Mixtral's ``num_local_experts``, whose
+    experts are as wide as its ``intermediate_size`` and whose router always scales the picked to sum to 1)."""
+    experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    step, dense = raw.get("decoder_sparse_step") or 1, set(raw.get("mlp_only_layers") or ())
+    return {"num_experts": experts, "num_experts_per_tok": raw["num_experts_per_tok"],
+            "moe_intermediate_size": raw.get("moe_intermediate_size") or raw["intermediate_size"],
+            "norm_topk_prob": raw.get("norm_topk_prob", False),
+            "dense_layers": tuple(i for i in range(raw["num_hidden_layers"]) if i in dense or (i + 1) % step)}
 
 
 def _stored_as(quantization: dict[str, Any] | None) -> str | None:
@@ -142,6 +169,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     "sliding_window_pattern": 6, "head_dim": 256, "rms_norm_eps": 1e-6},
 }
 _FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
+_FAMILY_DEFAULTS["mixtral"] = {"norm_topk_prob": True, "rope_theta": 1e6}
 _FAMILY_DEFAULTS["phi3"] = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
                             "original_max_position_embeddings": 4096}
 
@@ -198,7 +226,7 @@ def _layer_windows(raw: dict[str, Any], model_type: str) -> tuple[int | None, ..
 
 
 def _default_layer_kind(raw: dict[str, Any], model_type: str, layer: int) -> str:
-    if model_type in ("mistral", "phi3"):
+    if model_type in ("mistral", "mixtral", "phi3"):
         return "sliding_attention"
     if model_type.startswith("qwen"):
         windowed = raw.get("use_sliding_window", False) and layer >= raw.get("max_window_layers", 0)

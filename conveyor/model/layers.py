@@ -268,6 +268,53 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class ExpertLinears(nn.Module):
+    """One projection of every expert, stacked: weight [experts, out, in]. ``in_features`` and ``out_features``
+    count all experts' outputs, so the weight counts of a model's projections (stored bits, the roofline) hold."""
+
+    packed = None  # never packed: a mixture of experts runs on PyTorch ops
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, num_experts * out_features
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+
+class SparseMoE(nn.Module):
+    """A mixture of experts in place of the MLP: the router's softmax picks each token's top-k experts (their
+    probabilities scaled to sum to 1 where the config says), each expert is a gated MLP, and a token's output is
+    its experts' outputs weighted by those probabilities. The plain reference: a loop over the experts some
+    token picked, each run on the rows that picked it, in the order and dtypes transformers runs them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts, hidden, width = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.top_k, self.normalize, self.width = config.num_experts_per_tok, config.norm_topk_prob, width
+        self.act = ACTIVATION_FNS[config.hidden_act]
+        self.router = Linear(hidden, experts, bias=False)
+        self.gate_up_proj = ExpertLinears(experts, hidden, 2 * width)
+        self.down_proj = ExpertLinears(experts, width, hidden)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's experts [rows, k] and their weights [rows, k] (in x's dtype)."""
+        logits = F.linear(x, self.router.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():
+            rows, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[rows], self.gate_up_proj.weight[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj.weight[expert])
+            out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        return out
+
+
 class DecoderLayer(nn.Module):
     """Attention and MLP, each in a residual branch with a norm before it (and, for sandwich-norm families,
     one after it too). The norms keep their HF names: in Llama ``post_attention_layernorm`` is the MLP's
@@ -281,7 +328,7 @@ class DecoderLayer(nn.Module):
             if "." not in name:
                 setattr(self, name, make_norm(family, config.hidden_size, config.rms_norm_eps))
         self.self_attn = Attention(config, family, config.layer_window(layer))
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config) if config.layer_has_experts(layer) else MLP(config)
 
     def forward(self, x: torch.Tensor, ropes: tuple[Rope, Rope | None], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -40,6 +40,10 @@ class Family:
     # Its checkpoints (and llama.cpp's files of it) store Q, K and V as one projection and gate and up as one, as
     # Conveyor's layers hold them (Phi-3's qkv_proj and gate_up_proj), instead of one tensor each.
     fused_projections: bool = False
+    # Where a mixture-of-experts layer's checkpoint tensors lie: the block (its router is ``BLOCK.gate``, expert e's
+    # projections ``BLOCK.experts.e.NAME``) and the names of each expert's gate, up and down projections.
+    moe_block: str = "mlp"
+    expert_projections: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
     @property
     def layer_norms(self) -> tuple[str, ...]:

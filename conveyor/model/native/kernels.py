@@ -47,6 +47,8 @@ def native_gaps(config: ModelConfig) -> list[str]:
     embedding and attention scales, a rope per layer kind, windows and KV groups); its attention is unrolled
     for some head sizes only."""
     family_for(config)
+    if config.num_experts:
+        return ["mixtures of experts (they run on PyTorch ops: a loop over the experts a step's tokens picked)"]
     if config.head_dim not in NATIVE_HEAD_SIZES:
         return [f"attention over heads of {config.head_dim} (it has {', '.join(map(str, NATIVE_HEAD_SIZES))})"]
     return []

@@ -50,18 +50,38 @@ def _our_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     """HF parameter names -> ours, fusing q/k/v and gate/up into one matrix each (unless the family's checkpoints
     store them fused)."""
     hf = {name.removeprefix("model."): t for name, t in hf.items()}
-    projections = checkpoint_projections(family_for(config))
+    family = family_for(config)
+    projections = checkpoint_projections(family)
     state = {"embed_tokens.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
     state["lm_head.weight"] = hf["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
     for i in range(config.num_layers):
         p = f"layers.{i}."
         for ours, parts in projections.items():
+            if ours.startswith("mlp.") and config.layer_has_experts(i):
+                continue
             state[f"{p}{ours}.weight"] = torch.cat([hf[f"{p}{part}.weight"] for part in parts])
             if f"{p}{parts[0]}.bias" in hf:
                 state[f"{p}{ours}.bias"] = torch.cat([hf[f"{p}{part}.bias"] for part in parts])
-        for norm in family_for(config).layer_norms:
+        if config.layer_has_experts(i):
+            state.update(_experts_state(hf, f"{p}{family.moe_block}.", family.expert_projections,
+                                        config.num_experts, f"{p}mlp."))
+        for norm in family.layer_norms:
             state[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return state
+
+
+def _experts_state(hf: dict[str, torch.Tensor], block: str, names: tuple[str, str, str], num_experts: int,
+                   ours: str) -> dict[str, torch.Tensor]:
+    """A mixture of experts' checkpoint tensors (the router ``BLOCK.gate``, each expert's gate, up and down under
+    ``BLOCK.experts.E.``) as SparseMoE holds them: the router, and every expert's gate+up and down stacked."""
+    gate, up, down = names
+    expert = [f"{block}experts.{e}." for e in range(num_experts)]
+    return {
+        f"{ours}router.weight": hf[f"{block}gate.weight"],
+        f"{ours}gate_up_proj.weight": torch.stack([torch.cat([hf[f"{e}{gate}.weight"], hf[f"{e}{up}.weight"]])
+                                                   for e in expert]),
+        f"{ours}down_proj.weight": torch.stack([hf[f"{e}{down}.weight"] for e in expert]),
+    }
 
 
 def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_positions: int,
