@@ -9,7 +9,8 @@ that arrive for it meanwhile wait for its next load, so a model waiting for room
 Loading runs in a thread of its own, never on the event loop, and all requests that arrive for a model while it
 loads wait for that one load. Every decision is made on the event loop, so the pool needs no lock of its own
 beyond the one that lets one load or eviction happen at a time. It imports no torch: what builds an engine is
-the ``load`` function it is given.
+the ``load`` function it is given, and what reads a model's files for its facts (an API's listing of models)
+the ``describe`` function.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.core.model_facts import ModelFacts
 from conveyor.engine.client import EngineClient, EngineOverloaded, RequestFailed
 
 logger = logging.getLogger("conveyor.engine.model_pool")
@@ -31,6 +33,7 @@ DRAIN_POLL_S = 0.05  # how often a model being drained is looked at: its request
 
 Loader = Callable[[str], tuple[EngineClient, int]]  # a model's reported name -> its started engine, its bytes
 UnloadHook = Callable[[str, EngineClient], None]
+Describer = Callable[[str], ModelFacts]  # a model's reported name -> what its files say of it
 
 
 @dataclass(slots=True)
@@ -79,7 +82,7 @@ class ModelPool:
     """The served models by name (see the module's docstring). Call everything but ``stop`` from the event loop."""
 
     def __init__(self, models: Sequence[PooledModel], load: Loader | None = None,
-                 budget: Budget | None = None) -> None:
+                 budget: Budget | None = None, describe: Describer | None = None) -> None:
         self._models = list(models)
         if not self._models:
             raise ValueError("a server needs at least one model")
@@ -95,11 +98,13 @@ class ModelPool:
         self._one_at_a_time = asyncio.Lock()  # loads and evictions, so the budget is judged on settled facts
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="conveyor-model-load")
         self._closing = False
+        self._describe = describe
+        self._facts: dict[str, ModelFacts] = {}  # each model's, read once
 
     @classmethod
-    def single(cls, names: Sequence[str], engine: EngineClient) -> ModelPool:
+    def single(cls, names: Sequence[str], engine: EngineClient, describe: Describer | None = None) -> ModelPool:
         """One model, already loaded, never stopped by the pool: a server as it was before there were several."""
-        return cls([PooledModel(tuple(names), engine=engine)])
+        return cls([PooledModel(tuple(names), engine=engine)], describe=describe)
 
     # ----- what the server reads ---------------------------------------------
 
@@ -128,6 +133,24 @@ class ModelPool:
     def loaded(self) -> dict[str, EngineClient]:
         """The engines running now, by reported name."""
         return {m.name: m.engine for m in self._models if m.engine is not None}
+
+    def held_bytes(self) -> dict[str, int | None]:
+        """What each running model holds, by reported name, as the budget counts it (its weights' file and its KV
+        pool); None where the pool was handed an engine without its size."""
+        return {m.name: m.size_bytes or None for m in self._models if m.engine is not None}
+
+    def facts(self, name: str) -> ModelFacts:
+        """What the files of the model ``name`` (a reported name) say of it, read on the first call (seconds for
+        a large GGUF file: call it off the event loop); empty where the pool was given no way to read them."""
+        facts = self._facts.get(name)
+        if facts is not None or self._describe is None:
+            return facts or ModelFacts()
+        try:
+            facts = self._facts[name] = self._describe(name)
+        except Exception:  # a listing shows the model without its facts; the next call reads again
+            logger.exception("model %s: its files could not be read for its facts", name)
+            return ModelFacts()
+        return facts
 
     @property
     def error(self) -> BaseException | None:

@@ -30,6 +30,7 @@ from conveyor.entrypoints.metrics import EngineMetrics, ModelsMetrics
 from conveyor.entrypoints.openai.api_server import build_app
 from conveyor.entrypoints.openai.serving import ServerSettings
 from conveyor.entrypoints.replica_metrics import ReplicaMetrics
+from conveyor.model.weights.facts import describe_model
 from conveyor.model.weights.paths import DEFAULT_MODEL_NAME, weight_file_bytes
 
 logger = logging.getLogger("conveyor.server")
@@ -56,7 +57,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.data_parallel_size > 1 or args.ray_address:
         engine, replica_metrics = _replicas(args, config, settings.model_name)
         engine.start()  # Ray starts the replicas here; they report the tokenizer and limits the app needs
-        pool = ModelPool.single(settings.model_names, engine)
+        pool = ModelPool.single(settings.model_names, engine, describe=lambda _: describe_model(config.model))
         metrics = ModelsMetrics({settings.model_name: replica_metrics})
     else:
         pool, metrics, single = _local_pool(args, models, weights, names_per_model, budget,
@@ -119,7 +120,8 @@ def _local_pool(args: argparse.Namespace, models: list[EngineConfig], weights: l
 
     pooled = [PooledModel(names_per_model[0], first.size_bytes, engine=first.engine),
               *(PooledModel(names, size) for names, size in zip(names_per_model[1:], estimates, strict=True))]
-    return ModelPool(pooled, load, budget), ModelsMetrics(dict(per_model)), first.engine
+    pool = ModelPool(pooled, load, budget, describe=lambda name: describe_model(configs[name].model))
+    return pool, ModelsMetrics(dict(per_model)), first.engine
 
 
 def served_model_names(given: list[str] | None, model: str | None) -> list[str]:

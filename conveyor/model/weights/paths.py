@@ -82,10 +82,14 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
 
 def weight_file_bytes(model: str | os.PathLike | None) -> int:
     """The bytes of ``model``'s weights as they lie on disk: its GGUF file, or its folder's weight files."""
-    path = model_source(model)
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
+    return sum(p.stat().st_size for p in weight_files(model_source(model)))
+
+
+def weight_files(source: Path) -> list[Path]:
+    """The files holding the weights of a model source (model_source's answer): the GGUF file, or the folder's."""
+    if source.is_file():
+        return [source]
+    return sorted(p for p in source.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf"))
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -103,8 +107,14 @@ def conversion_key(path: Path) -> str:
     """What a GGUF file's conversion depends on: the file's contents (SHA-256) and the converters' own source.
     Not where the file lies or when it was written: a fresh virtual environment, or a reinstall of the same
     wheel, finds the conversion already made (a key of path and mtime made each of them another half-gigabyte
-    copy). Hashing reads the whole file (0.07 s for the default model's 98 MB, seconds for a large model), so
-    the digest is remembered per file location, size and mtime, and read once."""
+    copy)."""
+    sources = b"".join(converter.read_bytes() for converter in CONVERTERS)
+    return hashlib.sha256(sources + file_digest(path).encode()).hexdigest()[:12]
+
+
+def file_digest(path: Path) -> str:
+    """A file's SHA-256 (hex). Hashing reads the whole file (0.07 s for the default model's 98 MB, seconds for a
+    large model), so the digest is remembered per file location, size and mtime, and read once."""
     stat = path.stat()
     where = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
     memo = cache_dir() / "models" / ".digests" / hashlib.sha256(where.encode()).hexdigest()[:16]
@@ -115,8 +125,7 @@ def conversion_key(path: Path) -> str:
             digest = hashlib.file_digest(file, "sha256").hexdigest()
         with contextlib.suppress(OSError):  # a cache that cannot be written costs the next start the hash again
             write_cache_file(memo, digest)
-    sources = b"".join(converter.read_bytes() for converter in CONVERTERS)
-    return hashlib.sha256(sources + digest.encode()).hexdigest()[:12]
+    return digest
 
 
 def cached_conversion(path: Path, suffix: str, convert: Callable[[Path, Path], object]) -> Path:
