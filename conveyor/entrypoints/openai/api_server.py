@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,6 +48,7 @@ from conveyor.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    field_error_of,
     message_dicts,
 )
 from conveyor.entrypoints.openai.response_shapes import ChatShape, CompletionShape
@@ -62,7 +63,7 @@ from conveyor.entrypoints.openai.responses_api import (
 )
 from conveyor.entrypoints.openai.serving import (
     APIError,
-    ServedModel,
+    ModelView,
     ServerSettings,
     Serving,
     bad_field,
@@ -71,6 +72,7 @@ from conveyor.entrypoints.openai.serving import (
 )
 
 logger = logging.getLogger("conveyor.server")
+AddRoutes = Callable[[FastAPI, Serving], None]  # adds an API family's routes over the served models
 
 
 def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -79,11 +81,13 @@ def _error_response(error: APIError, headers: dict[str, str] | None = None) -> J
 
 
 def build_app(engine: EngineClient | ModelPool, settings: ServerSettings,
-              metrics: ServerMetrics | ModelsMetrics) -> FastAPI:
+              metrics: ServerMetrics | ModelsMetrics, more_apis: Sequence[AddRoutes] = ()) -> FastAPI:
     """The FastAPI app: error shapes, auth, and the routes, each group added by its own function.
 
     ``engine`` is one engine (served as ``settings.model_names``) or a pool of several models, and ``metrics``
-    that engine's figures or every model's."""
+    that engine's figures or every model's. ``more_apis``: further API families over the same models, each
+    adding its routes (Ollama's: conveyor.entrypoints.ollama.add_ollama_routes); a package of its own, beside
+    this one, which it builds on."""
     models = engine if isinstance(engine, ModelPool) else ModelPool.single(settings.model_names, engine)
     if not isinstance(metrics, ModelsMetrics):
         metrics = ModelsMetrics({models.default_name(): metrics})
@@ -107,6 +111,8 @@ def build_app(engine: EngineClient | ModelPool, settings: ServerSettings,
     _add_generation_routes(app, serving)
     _add_responses_routes(app, serving)
     _add_embedding_routes(app, serving)
+    for add_routes in more_apis:
+        add_routes(app, serving)
     add_dashboard_routes(app, models, settings.api_key)
     add_chat_page_route(app)
     return app
@@ -124,54 +130,57 @@ def _add_outer_layers(app: FastAPI, settings: ServerSettings) -> None:
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in OpenAI's shape; an unexpected one is logged and answered without its trace."""
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, error: APIError) -> JSONResponse:
-        return _error_response(error)
+    async def answer(_: Request, error: Exception) -> JSONResponse:
+        return _error_response(*as_api_error(error))
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0] if error.errors() else {}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(location) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+    for kind in (APIError, RequestValidationError, StarletteHTTPException, EngineOverloaded, RequestRefused,
+                 EngineDead, RequestFailed, Exception):
+        app.add_exception_handler(kind, answer)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+
+def as_api_error(error: Exception) -> tuple[APIError, dict[str, str]]:
+    """What an error raised while serving a request is answered with, and the headers that go with it, whichever
+    API the client called (OpenAI's shape is made of it here, Ollama's in conveyor.entrypoints.ollama).
+
+    Too many requests now (429: a queue cap, a deadline the wait already misses, the grammar compilers busy) and
+    a server overloaded or stopping (503) say with Retry-After when to come back; an unexpected error is logged
+    and answered without its trace."""
+    if isinstance(error, APIError):
+        return error, {}
+    if isinstance(error, FieldError):  # a bad field, under the name the client knows it by
+        return bad_field(error), {}
+    if isinstance(error, RequestValidationError):
+        return _invalid_body(error), {}
+    if isinstance(error, StarletteHTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+        return APIError(error.status_code, str(error.detail), kind), {}
+    if isinstance(error, CompilesOverloaded):
+        return APIError(429, f"too many constraints compiling: {error}; retry later", "rate_limit_error",
+                        code="grammar_compilers_busy"), {"Retry-After": "1"}
+    if isinstance(error, EngineOverloaded):
+        return APIError(503, f"server overloaded: {error}; retry later", "server_overloaded",
+                        code="server_overloaded"), {"Retry-After": "1"}
+    if isinstance(error, RequestRefused):
+        return APIError(429, f"request refused: {error}; retry later", "rate_limit_error",
+                        code=error.reason), {"Retry-After": str(int(error.retry_after))}
+    if isinstance(error, EngineDead):
+        return engine_error(error), {"Retry-After": "1"}
+    if isinstance(error, RequestFailed):
+        return engine_error(error), {}
+    logger.error("unhandled error", exc_info=error)
+    return APIError(500, "internal server error", "internal_server_error"), {}
 
-    @app.exception_handler(EngineOverloaded)
-    async def _overloaded(_: Request, error: EngineOverloaded) -> JSONResponse:
-        overloaded = APIError(503, f"server overloaded: {error}; retry later", "server_overloaded",
-                              code="server_overloaded")
-        return _error_response(overloaded, headers={"Retry-After": "1"})
 
-    @app.exception_handler(CompilesOverloaded)
-    async def _compiles_overloaded(_: Request, error: CompilesOverloaded) -> JSONResponse:
-        busy = APIError(429, f"too many constraints compiling: {error}; retry later", "rate_limit_error",
-                        code="grammar_compilers_busy")
-        return _error_response(busy, headers={"Retry-After": "1"})
-
-    @app.exception_handler(RequestRefused)
-    async def _refused(_: Request, error: RequestRefused) -> JSONResponse:
-        """A queue cap or a deadline the wait already misses: too many requests now (429), not a server down;
-        Retry-After says when the engine expects room."""
-        refused = APIError(429, f"request refused: {error}; retry later", "rate_limit_error", code=error.reason)
-        return _error_response(refused, headers={"Retry-After": str(int(error.retry_after))})
-
-    @app.exception_handler(EngineDead)
-    async def _dead(_: Request, error: EngineDead) -> JSONResponse:
-        return _error_response(engine_error(error), headers={"Retry-After": "1"})
-
-    @app.exception_handler(RequestFailed)
-    async def _failed(_: Request, error: RequestFailed) -> JSONResponse:
-        return _error_response(engine_error(error))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return JSONResponse(error_body("internal server error", "internal_server_error"), status_code=500)
+def _invalid_body(error: RequestValidationError) -> APIError:
+    """Pydantic's first complaint, naming the field; a body that is not JSON says what the parser found, where."""
+    first = error.errors()[0] if error.errors() else {}
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(location) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        reason, where = first.get("ctx", {}).get("error", message), param or "0"
+        return APIError(400, f"the body is not JSON: {reason} at character {where}", "invalid_request_error")
+    return APIError(400, f"{param}: {message}" if param else message, "invalid_request_error", param)
 
 
 def public_health(report: dict) -> dict:
@@ -316,7 +325,7 @@ def _add_responses_routes(app: FastAPI, serving: Serving) -> None:
         try:
             chat = ChatCompletionRequest.model_validate(body.chat_body(history)).speaking_for(responses_field)
         except ValidationError as error:  # a chat field the Responses body filled wrongly, in the client's names
-            invalid = _first_field_error(error)
+            invalid = field_error_of(error)
             raise bad_field(invalid.renamed(responses_field(invalid.field))) from None
         except ValueError as error:  # the input itself (named as the Responses API names it)
             raise bad_field(error) from None
@@ -338,7 +347,7 @@ def _add_responses_routes(app: FastAPI, serving: Serving) -> None:
         return {"id": response_id, "object": "response", "deleted": True}
 
 
-async def _create_response(serving: Serving, model: ServedModel, body: ResponsesRequest, chat: ChatCompletionRequest,
+async def _create_response(serving: Serving, model: ModelView, body: ResponsesRequest, chat: ChatCompletionRequest,
                            history: list[dict[str, Any]], store: ResponseStore, raw: Request):
     """A Responses API request on ``model``, its chat body checked: answered whole, or streamed as events."""
     try:
@@ -365,13 +374,6 @@ async def _create_response(serving: Serving, model: ServedModel, body: Responses
     response = shape.full(outputs[0])
     keep(response)
     return response
-
-
-def _first_field_error(error: ValidationError) -> FieldError:
-    """Pydantic's first complaint as a FieldError naming its field by its path (``messages.0.content``)."""
-    first = error.errors()[0]
-    field = ".".join(str(part) for part in first["loc"])
-    return FieldError(field, f"{field}: {first['msg']}")
 
 
 async def _responses_sse(shape: ResponsesShape, stream: OutputStream, keep: Callable[[dict[str, Any]], None]):

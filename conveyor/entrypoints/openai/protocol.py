@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from conveyor.core.errors import FieldError
 from conveyor.core.sampling import MAX_LOGPROBS, SamplingParams
@@ -59,6 +59,14 @@ def check_text_and_nesting(value: Any, path: str = "", depth: int = 0) -> None:
     elif isinstance(value, list):
         for index, item in enumerate(value):
             check_text_and_nesting(item, f"{path}.{index}" if path else str(index), depth + 1)
+
+
+def field_error_of(error: ValidationError) -> FieldError:
+    """Pydantic's first complaint as a FieldError naming its field by its path (``messages.0.content``): for a
+    body that stands for another API's request, whose fields the client named otherwise."""
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"])
+    return FieldError(field, f"{field}: {first['msg']}")
 
 
 class Body(BaseModel):

@@ -111,7 +111,7 @@ def _tool_parser(asked: str | None, template: str | None) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class ServedModel:
+class ModelView:
     """One served model as a request sees it: its engine, and what the server reads of that engine (tokenizer,
     limits, the parser of its tool calls), which differ from one model to another."""
 
@@ -143,7 +143,7 @@ class Serving:
         self.max_tokens = MaxTokensRule(settings.default_max_tokens, fit_context=True)
         if settings.reasoning_parser is not None:
             reasoning_parser(settings.reasoning_parser)  # an unknown name: refused at start
-        self._views: dict[str, ServedModel] = {}  # the running models' views, dropped when a model is stopped
+        self._views: dict[str, ModelView] = {}  # the running models' views, dropped when a model is stopped
         self._max_model_lens: dict[str, int] = {}  # each model's, once loaded: /v1/models shows it after
         for name, engine in models.loaded().items():
             self._view(name, engine, at_start=True)  # what the flags ask of a model loaded at start: checked now
@@ -155,14 +155,14 @@ class Serving:
         self._grammar_pool = ThreadPoolExecutor(GRAMMAR_WAITERS, thread_name_prefix="conveyor-grammar")
 
     @contextlib.asynccontextmanager
-    async def model(self, requested: str | None) -> AsyncIterator[ServedModel]:
+    async def model(self, requested: str | None) -> AsyncIterator[ModelView]:
         """The model a body names (the first served where it names none), loaded first if it is not; it stays
         loaded while the block builds and submits the request (then the engine's open request holds it)."""
         name = self.check_model(requested)
         async with self.models.use(name) as engine:
             yield self._view(name, engine)
 
-    def _view(self, name: str, engine: EngineClient, at_start: bool = False) -> ServedModel:
+    def _view(self, name: str, engine: EngineClient, at_start: bool = False) -> ModelView:
         view = self._views.get(name)
         if view is not None and view.engine is engine:
             return view
@@ -179,9 +179,14 @@ class Serving:
             which = f"model {name}" if self.models.several else "this model"
             logger.warning("%s has no chat template: chat requests (and the Responses API) are refused "
                            "until one is given with --chat-template FILE|TEMPLATE; /v1/completions works", which)
-        self._views[name] = view = ServedModel(name, engine, tool_parser)
+        self._views[name] = view = ModelView(name, engine, tool_parser)
         self._max_model_lens[name] = engine.max_model_len
         return view
+
+    def view_if_loaded(self, name: str) -> ModelView | None:
+        """The view of the model ``name`` (a reported name) if it is running now; None, loading nothing, if not."""
+        engine = self.models.loaded().get(name)
+        return None if engine is None else self._view(name, engine)
 
     def forget(self, name: str, engine: EngineClient) -> None:
         """A model's engine is stopping: hold no reference that would keep its memory."""
@@ -195,7 +200,7 @@ class Serving:
         """``fn(*args)`` in the tokenizer pool; the event loop serves others meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
-    async def compile_grammar(self, model: ServedModel, body: SamplingRequest) -> None:
+    async def compile_grammar(self, model: ModelView, body: SamplingRequest) -> None:
         """Compile the body's constraint, if it has one, in the grammar pool (into the engine's cache, where
         ``make_request`` finds it); a 400 naming the client's field if it cannot be compiled."""
         try:
@@ -220,17 +225,18 @@ class Serving:
             raise APIError(404, self.models.not_served(name), "not_found_error", "model", "model_not_found")
         return reported
 
-    def make_request(self, model: ServedModel, body: SamplingRequest, prompt: str | list[int],
-                     kind: str) -> EngineRequest:
-        """Check and tokenize (call through ``off_loop``)."""
+    def make_request(self, model: ModelView, body: SamplingRequest, prompt: str | list[int], kind: str,
+                     max_tokens: MaxTokensRule | None = None) -> EngineRequest:
+        """Check and tokenize (call through ``off_loop``); ``max_tokens``: how it is settled, where another API
+        settles it otherwise than OpenAI's (the server's rule)."""
         try:
             body.check_supported()
             return model.engine.requests.build(prompt, body.sampling_params(), f"{kind}-{uuid.uuid4().hex}",
-                                              priority=body.priority, max_tokens=self.max_tokens)
+                                              priority=body.priority, max_tokens=max_tokens or self.max_tokens)
         except ValueError as error:
             raise refusal(body, error) from None
 
-    async def embed(self, model: ServedModel, inputs: list[str | list[int]], user: str | None,
+    async def embed(self, model: ModelView, inputs: list[str | list[int]], user: str | None,
                     raw: Request) -> list[RequestOutput] | None:
         """The pooled vector of each input (its final output, in the inputs' order), computed by the engine
         beside everything else it runs; None where the client left first (its requests are then aborted)."""
@@ -242,7 +248,7 @@ class Serving:
             raise bad_field(error) from None
         return await self.finals(stream, raw, len(requests))
 
-    def _pooled_requests(self, model: ServedModel, inputs: list[str | list[int]]) -> list[EngineRequest]:
+    def _pooled_requests(self, model: ModelView, inputs: list[str | list[int]]) -> list[EngineRequest]:
         build, pooling = model.engine.requests.build_pooled, self.settings.pooling
         try:
             return [build(given, pooling, f"embd-{uuid.uuid4().hex}") for given in inputs]
@@ -257,18 +263,23 @@ class Serving:
             return None
         return reasoning_parser(name, constrained=body.structured_output() is not None)
 
-    def make_chat_request(self, model: ServedModel, body: ChatCompletionRequest) -> EngineRequest:
+    def make_chat_request(self, model: ModelView, body: ChatCompletionRequest,
+                          max_tokens: MaxTokensRule | None = None) -> EngineRequest:
         """Template, tokenize and check a chat request (call through ``off_loop``)."""
+        return self.make_request(model, body, self.chat_prompt(model, body), "chatcmpl", max_tokens)
+
+    def chat_prompt(self, model: ModelView, body: ChatCompletionRequest) -> list[int]:
+        """A chat request's messages through the model's chat template, as token ids (call through ``off_loop``)."""
         try:
             prompt = model.tokenizer.apply_chat_template(body.message_dicts(), **body.template_options())
         except ValueError as error:
             raise refusal(body, error) from None
         if not prompt:  # a template may show only some roles: nothing to compute, no logits to sample from
             raise refusal(body, FieldError("messages", "messages: the chat template renders these messages as "
-                                                        "no tokens"))
-        return self.make_request(model, body, prompt, "chatcmpl")
+                                                       "no tokens"))
+        return prompt
 
-    async def respond(self, model: ServedModel, body: SamplingRequest, requests: list[EngineRequest],
+    async def respond(self, model: ModelView, body: SamplingRequest, requests: list[EngineRequest],
                       fmt: ResponseShape, raw: Request):
         """Stream the requests' outputs as server-sent events, or wait for the last and answer it whole.
 
