@@ -17,6 +17,7 @@ from conveyor.core.config import EngineConfig
 from conveyor.engine import Engine
 from conveyor.engine.async_engine import AsyncEngine
 from conveyor.entrypoints.metrics import EngineMetrics
+from conveyor.entrypoints.ollama import add_ollama_routes
 from conveyor.entrypoints.openai.api_server import build_app
 from conveyor.entrypoints.openai.serving import ServerSettings
 
@@ -28,7 +29,8 @@ def served(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=256, max_model_len=128))
     metrics = EngineMetrics("tiny")
     async_engine = AsyncEngine(engine, max_waiting_requests=64, on_step=metrics.on_step)
-    app = build_app(async_engine, ServerSettings("tiny", max_request_bytes=1 << 16, default_max_tokens=8), metrics)
+    app = build_app(async_engine, ServerSettings("tiny", max_request_bytes=1 << 16, default_max_tokens=8), metrics,
+                    more_apis=(add_ollama_routes,))
     async_engine.start()
     yield app, async_engine
     async_engine.stop()

@@ -1,4 +1,4 @@
-"""``conveyor serve``: the engine in the background, the OpenAI-compatible API in front.
+"""``conveyor serve``: the engine in the background, the OpenAI-compatible API and Ollama's in front.
 
 ``--model`` given more than once serves several models: the first is loaded at start, the others on their first
 request, and the least recently used are stopped to stay within ``--max-loaded-models`` and
@@ -27,6 +27,7 @@ from conveyor.engine import AsyncEngine, Engine, EngineClient
 from conveyor.engine.model_pool import Budget, ModelPool, PooledModel
 from conveyor.engine.replicas import ReplicaSet, ReplicaSettings
 from conveyor.entrypoints.metrics import EngineMetrics, ModelsMetrics
+from conveyor.entrypoints.ollama import add_ollama_routes
 from conveyor.entrypoints.openai.api_server import build_app
 from conveyor.entrypoints.openai.serving import ServerSettings
 from conveyor.entrypoints.replica_metrics import ReplicaMetrics
@@ -62,7 +63,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     else:
         pool, metrics, single = _local_pool(args, models, weights, names_per_model, budget,
                                             on_fatal=lambda error: _exit_after_fatal(server))
-    app = build_app(pool, settings, metrics)
+    app = build_app(pool, settings, metrics, more_apis=(add_ollama_routes,))
     server = _GracefulServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning",
         # A backstop: the engine ends unfinished streams with an error event at the shutdown timeout.

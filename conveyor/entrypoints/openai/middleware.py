@@ -1,6 +1,6 @@
 """The server's ASGI layers, outside FastAPI: a Host allow-list, an API key on every route but the open ones,
-and a cap on the request body's size (declared or chunked) and on the time to send it; each refuses in
-OpenAI's error shape before the body reaches FastAPI.
+and a cap on the request body's size (declared or chunked) and on the time to send it; each refuses before the
+body reaches FastAPI, in the error shape of the API called: OpenAI's, or under ``/api/`` Ollama's.
 """
 
 from __future__ import annotations
@@ -10,15 +10,19 @@ import contextlib
 import hmac
 import json
 
+# Ollama's API (conveyor.entrypoints.ollama) lies under this path; its clients read an error as {"error": message}.
+OLLAMA_PATH = "/api/"
+
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-async def _send_error(send, status: int, message: str, kind: str, code: str | None,
+async def _send_error(send, scope, status: int, message: str, kind: str, code: str | None,
                       headers: dict[str, str] | None = None) -> None:
-    """An OpenAI-shaped error answered straight from an ASGI middleware."""
-    body = json.dumps(error_body(message, kind, code=code)).encode()
+    """An error answered straight from an ASGI middleware, in the shape of the API the path belongs to."""
+    ollama = scope.get("path", "").startswith(OLLAMA_PATH)
+    body = json.dumps({"error": message} if ollama else error_body(message, kind, code=code)).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     head += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": head})
@@ -60,15 +64,16 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(receive, send)
+            return await self._refuse(scope, receive, send)
         try:
             async with asyncio.timeout(self.read_timeout):
                 chunks = await self._read(receive)
         except TimeoutError:  # a slow sender (or one that never finishes) holds a connection: end it
-            return await _send_error(send, 408, f"the request body did not arrive within {self.read_timeout:g} s",
+            return await _send_error(send, scope, 408,
+                                     f"the request body did not arrive within {self.read_timeout:g} s",
                                      "invalid_request_error", "request_timeout", {"Connection": "close"})
         if chunks is None:
-            return await self._refuse(receive, send)
+            return await self._refuse(scope, receive, send)
         if chunks is _GONE:
             return  # the client left before it finished sending
         body, handed = b"".join(chunks), False
@@ -97,9 +102,9 @@ class BodyLimit:
             if not message.get("more_body"):
                 return chunks
 
-    async def _refuse(self, receive, send) -> None:
+    async def _refuse(self, scope, receive, send) -> None:
         await _drain(receive, 4 * self.limit)
-        await _send_error(send, 413, f"request body is over the limit of {self.limit} bytes",
+        await _send_error(send, scope, 413, f"request body is over the limit of {self.limit} bytes",
                           "invalid_request_error", "request_too_large")
 
 
@@ -128,7 +133,7 @@ class APIKeyAuth:
                                                                                        self._key):
             return await self.app(scope, receive, send)
         await _drain(receive, self.drain_limit)
-        await _send_error(send, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
+        await _send_error(send, scope, 401, "invalid or missing API key (send Authorization: Bearer KEY)",
                           "authentication_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 
 
@@ -146,7 +151,7 @@ class HostAllowList:
         if scope["type"] != "http" or "*" in self.allowed_hosts or self._host(scope) in self.allowed_hosts:
             return await self.app(scope, receive, send)
         await _drain(receive, 1 << 20)
-        await _send_error(send, 421, "this server does not answer for that Host (see --allowed-hosts)",
+        await _send_error(send, scope, 421, "this server does not answer for that Host (see --allowed-hosts)",
                           "invalid_request_error", "host_not_allowed")
 
     @staticmethod
