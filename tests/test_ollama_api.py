@@ -175,7 +175,7 @@ def test_tags_show_ps_and_version_read_the_models_files(server, client, tiny_mod
     assert (details.format, details.family, details.quantization_level) == ("safetensors", "llama", "F32")
     assert details.parameter_size == f"{count / 1e6:.2f}M"
     shown = client.show(MODEL)
-    assert shown.details == details and shown.capabilities == ["completion"]
+    assert shown.details == details and shown.capabilities == ["completion", "embedding"]
     assert shown.modelinfo == {"general.architecture": "llama", "general.parameter_count": count,
                                "llama.context_length": config["max_position_embeddings"]}
     template = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())["chat_template"]
@@ -327,3 +327,42 @@ def test_a_gguf_files_facts_come_from_its_metadata_and_bytes():
     assert (facts.format, facts.family, facts.quantization, facts.context_length) == ("gguf", "llama", "Q4_1", 8192)
     assert facts.parameter_count == 134_515_008  # SmolLM2-135M's, as llama.cpp counts its tensors
     assert facts.digest == hashlib.sha256(path.read_bytes()).hexdigest() and facts.size_bytes == path.stat().st_size
+
+
+def test_embed_gives_the_openai_routes_vectors_and_the_older_route_the_unscaled_one(server, client):
+    texts = ["Paris is the capital of France.", "Rivers flow to the sea."]
+    answer = client.embed(model=MODEL, input=texts)
+    assert answer.model == MODEL and len(answer.embeddings) == 2
+    openai = openai_client(server.base, KEY).embeddings.create(model=MODEL, input=texts)
+    for ours, theirs in zip(answer.embeddings, openai.data):
+        assert ours == pytest.approx(theirs.embedding, abs=1e-6)
+        assert math.fsum(x * x for x in ours) == pytest.approx(1.0, abs=1e-5)
+    assert answer.prompt_eval_count == openai.usage.prompt_tokens
+    assert answer.total_duration >= answer.load_duration >= 0
+    (single,) = client.embed(model=MODEL, input=texts[0]).embeddings
+    assert single == pytest.approx(answer.embeddings[0], abs=1e-6)
+
+    older = client.embeddings(model=MODEL, prompt=texts[0]).embedding  # /api/embeddings: not scaled
+    norm = math.sqrt(math.fsum(x * x for x in older))
+    assert norm != pytest.approx(1.0, abs=1e-3)
+    assert [x / norm for x in older] == pytest.approx(answer.embeddings[0], abs=1e-5)
+
+
+def test_embed_truncates_a_long_input_unless_asked_not_to(server, client):
+    """Cut to the model's context: the vector of its first MAX_MODEL_LEN tokens."""
+    long_text = "Rivers flow to the sea. " * MAX_MODEL_LEN
+    (cut,) = client.embed(model=MODEL, input=long_text).embeddings
+    tokens = httpx.post(f"{server.base}/tokenize", json={"model": MODEL, "prompt": long_text},
+                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()["tokens"]
+    assert len(tokens) > MAX_MODEL_LEN
+    first = openai_client(server.base, KEY).embeddings.create(model=MODEL, input=tokens[:MAX_MODEL_LEN])
+    assert cut == pytest.approx(first.data[0].embedding, abs=1e-6)
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=MODEL, input=long_text, truncate=False)
+    assert refused.value.status_code == 400 and "max_model_len" in refused.value.error
+    with pytest.raises(ollama.ResponseError) as refused:
+        client.embed(model=MODEL, input="a", dimensions=16)
+    assert refused.value.status_code == 400 and "dimensions" in refused.value.error
+    with pytest.raises(ollama.ResponseError) as unknown:
+        client.embed(model="no-such-model", input="a")
+    assert unknown.value.status_code == 404

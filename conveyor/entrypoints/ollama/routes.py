@@ -1,12 +1,12 @@
 """Ollama's API on the server's port: ``/api/chat``, ``/api/generate``, ``/api/tags``, ``/api/show``, ``/api/ps``,
-``/api/version``, over the same served models as the OpenAI routes (conveyor.entrypoints.openai.api_server's
-Serving: the model pool, request building, grammars, the tokenizer threads).
+``/api/version``, and ``/api/embed`` and ``/api/embeddings`` (embed.py), over the same served models as the
+OpenAI routes (conveyor.entrypoints.openai.serving's Serving: the model pool, request building, grammars, the
+tokenizer threads).
 
 Streams are Ollama's: one JSON object a line (``application/x-ndjson``), on by default; an error mid-stream is a
 line ``{"error": ...}``. Every error is ``{"error": message}``, with the status the OpenAI routes give the same
 failure (404 for an unknown model, 400 naming a bad field, 429 and 503 with Retry-After); a body is read as JSON
-whatever its Content-Type says, as Ollama reads it (``curl -d`` sends a form's). Another route of Ollama's
-(embeddings, say) is one more function here over the same pieces.
+whatever its Content-Type says, as Ollama reads it (``curl -d`` sends a form's).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from conveyor.core.request import Request as EngineRequest
 from conveyor.engine import EngineDead, OutputStream, RequestFailed
 from conveyor.engine.request_builder import MaxTokensRule
 from conveyor.entrypoints.ollama import listing
+from conveyor.entrypoints.ollama.embed import add_embed_routes
 from conveyor.entrypoints.ollama.protocol import ChatRequest, GenerateRequest, OllamaRequest, ShowRequest
 from conveyor.entrypoints.ollama.replies import Reply, loaded
 from conveyor.entrypoints.openai.api_server import as_api_error
@@ -69,6 +70,7 @@ def add_ollama_routes(app: FastAPI, serving: Serving) -> None:
     router = APIRouter(route_class=OllamaRoute, tags=["ollama"])
     _add_generation_routes(router, serving)
     _add_model_routes(router, serving)
+    add_embed_routes(router, serving, _model_name)
     app.include_router(router)
 
 
@@ -247,5 +249,5 @@ def _capabilities(serving: Serving, view: ModelView | None) -> list[str]:
     it has loaded, unless the parser is named by flag); thinking where the server splits reasoning off."""
     asked = serving.settings.tool_call_parser
     reads_calls = view.tool_parser is not None if view is not None else asked not in (None, "template")
-    return ["completion", *(["tools"] if reads_calls else []),
+    return ["completion", "embedding", *(["tools"] if reads_calls else []),
             *(["thinking"] if serving.settings.reasoning_parser else [])]

@@ -236,11 +236,12 @@ class Serving:
         except ValueError as error:
             raise refusal(body, error) from None
 
-    async def embed(self, model: ModelView, inputs: list[str | list[int]], user: str | None,
-                    raw: Request) -> list[RequestOutput] | None:
+    async def embed(self, model: ModelView, inputs: list[str | list[int]], user: str | None, raw: Request,
+                    pooling: PoolingParams | None = None) -> list[RequestOutput] | None:
         """The pooled vector of each input (its final output, in the inputs' order), computed by the engine
-        beside everything else it runs; None where the client left first (its requests are then aborted)."""
-        requests = await self.off_loop(self._pooled_requests, model, inputs)
+        beside everything else it runs, pooled as ``pooling`` says (None: the server's --pooling); None where the
+        client left first (its requests are then aborted)."""
+        requests = await self.off_loop(self._pooled_requests, model, inputs, pooling or self.settings.pooling)
         self.assign_tenant(requests, user, raw)
         try:
             stream = open_streams(model.engine, requests, final_only=True)
@@ -248,8 +249,9 @@ class Serving:
             raise bad_field(error) from None
         return await self.finals(stream, raw, len(requests))
 
-    def _pooled_requests(self, model: ModelView, inputs: list[str | list[int]]) -> list[EngineRequest]:
-        build, pooling = model.engine.requests.build_pooled, self.settings.pooling
+    def _pooled_requests(self, model: ModelView, inputs: list[str | list[int]],
+                         pooling: PoolingParams) -> list[EngineRequest]:
+        build = model.engine.requests.build_pooled
         try:
             return [build(given, pooling, f"embd-{uuid.uuid4().hex}") for given in inputs]
         except FieldError as error:
