@@ -52,7 +52,7 @@ async def embed_all(base: str, given: list[list[int]], per_request: int, in_flig
     async with httpx.AsyncClient(timeout=600) as client:
         async def one(batch: list[list[int]]) -> list[list[float]]:
             async with gate:
-                answer = await client.post(f"{base}/v1/embeddings", json={"input": batch, "model": "m"})
+                answer = await client.post(f"{base}/v1/embeddings", json={"input": batch})
                 answer.raise_for_status()
                 return [item["embedding"] for item in sorted(answer.json()["data"], key=lambda d: d["index"])]
         results = await asyncio.gather(*(one(batch) for batch in batches))

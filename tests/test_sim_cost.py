@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -146,3 +147,43 @@ def test_a_pace_stretches_every_step_by_its_factor_and_leaves_the_model_alone():
     assert slower["steps"] == plain["steps"] and cost.pace == 1.0
     with pytest.raises(ValueError, match="pace"):
         with_pace(cost, 0.0)
+
+
+# Qwen3-30B-A3B's published config: 128 experts of 768, 8 picked per token, 48 layers.
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False)
+
+
+def test_expected_experts_grow_from_the_picked_to_every_expert_as_uniform_routing_does():
+    from conveyor.sim.cost import expected_experts
+
+    assert expected_experts(128, 8, 1) == pytest.approx(8)
+    assert expected_experts(128, 8, 100_000) == pytest.approx(128)
+    assert expected_experts(0, 0, 5) == 0.0
+    rng = random.Random(0)
+    for tokens in (2, 8, 32):
+        trials = [len({e for _ in range(tokens) for e in rng.sample(range(64), 8)}) for _ in range(3000)]
+        assert sum(trials) / len(trials) == pytest.approx(expected_experts(64, 8, tokens), rel=0.02)
+
+
+def test_a_mixture_of_experts_holds_every_expert_and_reads_the_picked_ones():
+    """Qwen3-30B-A3B: 30.5B parameters held, 3.3B read per token at batch 1 (the published figures); a batch
+    reads more experts as it grows, every one of them once it is large."""
+    from conveyor.core.model_config import ModelConfig
+    from conveyor.sim.cost import expected_experts
+
+    model = ModelConfig.from_hf_dict(QWEN3_30B_A3B)
+    cost = CostModel(model, A100, "bfloat16")
+    assert total_params(model) == pytest.approx(30.5e9, rel=0.01)
+    read_at_1 = cost.weights_read(1) + cost.lm_head_bytes + model.vocab_size * model.hidden_size * 2
+    assert read_at_1 / 2 == pytest.approx(3.3e9, rel=0.03)
+    assert cost.weights_read(1) == pytest.approx(cost.dense_weight_bytes + 8 * cost.expert_bytes)
+    assert cost.weights_read(16) == pytest.approx(cost.dense_weight_bytes
+                                                  + expected_experts(128, 8, 16) * cost.expert_bytes)
+    every = cost.dense_weight_bytes + 128 * cost.expert_bytes
+    assert cost.weights_read(4096) == pytest.approx(every)
+    assert cost.weight_bytes == pytest.approx(2 * total_params(model), rel=1e-6)
+    # Batch 1 is bound by the active bytes, not the held ones: a dense model of 30.5B reads 9x more.
+    assert cost.dense_time(1, 1) < cost.weight_bytes / cost.bandwidth / 5
+    assert cost.dense_flops_per_token == pytest.approx(2 * (cost.weights_read(1) / 2), rel=1e-9)

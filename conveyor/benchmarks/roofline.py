@@ -82,7 +82,7 @@ def decode_point(cost: CostModel, batch_size: int, context_len: int) -> Roofline
         batch_size * (cost.dense_flops_per_token + cost.lm_head_flops_per_row)
         + keys * cost.attention_flops_per_pair
     )
-    moved = cost.dense_weight_bytes + cost.lm_head_bytes + (keys + batch_size) * cost.kv_bytes_per_token
+    moved = cost.weights_read(batch_size) + cost.lm_head_bytes + (keys + batch_size) * cost.kv_bytes_per_token
     return RooflinePoint(batch_size, context_len, flops, moved, batch_size / cost.decode_time(batch_size, keys))
 
 

@@ -103,18 +103,43 @@ def chunk_attention_pairs(start: int, num_tokens: int) -> int:
     return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
-def linear_params_per_layer(model: ModelConfig) -> int:
-    """Weights of one decoder layer's projections and MLP (norms and biases are negligible)."""
+def attention_params(model: ModelConfig) -> int:
     h, d = model.hidden_size, model.head_dim
-    attention = h * model.num_heads * d * 2 + h * model.num_kv_heads * d * 2  # q and o; k and v
-    return attention + 3 * h * model.intermediate_size  # gate, up, down
+    return h * model.num_heads * d * 2 + h * model.num_kv_heads * d * 2  # q and o; k and v
+
+
+def expert_params(model: ModelConfig) -> int:
+    """One expert's weights (its gate, up and down) in one layer; 0 for a dense model."""
+    return 3 * model.hidden_size * model.moe_intermediate_size if model.num_experts else 0
+
+
+def moe_layers(model: ModelConfig) -> int:
+    return sum(1 for layer in range(model.num_layers) if model.layer_has_experts(layer))
+
+
+def shared_layer_params(model: ModelConfig) -> int:
+    """The layers' weights every step reads whatever its tokens: attention everywhere, the MLP of dense layers,
+    and the routers of mixture-of-experts layers (their experts are read as tokens pick them)."""
+    moe = moe_layers(model)
+    dense = model.num_layers - moe
+    return (model.num_layers * attention_params(model) + dense * 3 * model.hidden_size * model.intermediate_size
+            + moe * model.num_experts * model.hidden_size)
+
+
+def expected_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """The distinct experts of one layer that ``num_tokens`` tokens pick, each ``top_k`` of ``num_experts``
+    uniformly: E (1 - (1 - k/E)^B). At one token the k it picked; as the batch grows, every expert."""
+    if not num_experts or not num_tokens:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
 def total_params(model: ModelConfig) -> int:
-    """Parameters held in memory: layers, embedding, LM head unless tied, and the norms."""
+    """Parameters held in memory: layers (every expert), embedding, LM head unless tied, and the norms."""
     embeddings = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
     norms = (2 * model.num_layers + 1) * model.hidden_size
-    return model.num_layers * linear_params_per_layer(model) + embeddings + norms
+    experts = moe_layers(model) * model.num_experts * expert_params(model)
+    return shared_layer_params(model) + experts + embeddings + norms
 
 
 class CostModel:
@@ -134,14 +159,19 @@ class CostModel:
         b = FLOAT_BYTES[dtype]
         h, layers = model.hidden_size, model.num_layers
         kv_heads = max(model.num_kv_heads // tp, 1)  # fewer KV heads than devices: each device keeps a copy
-        layer_params = linear_params_per_layer(model)
+        shared, expert, moe = shared_layer_params(model), expert_params(model), moe_layers(model)
         # Per device.
         self.weights = weights or model.weight_format or WeightFormat(dtype, 8 * b, 8 * b)
         layer_b, head_b = self.weights.layer_bits / 8, self.weights.lm_head_bits / 8
-        self.dense_weight_bytes = layers * layer_params * layer_b / tp  # read by every step
+        self.dense_weight_bytes = shared * layer_b / tp  # read by every step
+        # One expert of every mixture-of-experts layer (0 for a dense model): a step reads as many as its
+        # tokens pick (weights_read).
+        self.expert_bytes = moe * expert * layer_b / tp
         self.lm_head_bytes = model.vocab_size * h * head_b / tp  # read by steps that sample
-        self.weight_bytes = self.dense_weight_bytes + (total_params(model) - layers * layer_params) * head_b / tp
-        self.dense_flops_per_token = 2 * layers * layer_params / tp
+        layer_bytes = self.dense_weight_bytes + model.num_experts * self.expert_bytes
+        layer_params = shared + moe * model.num_experts * expert
+        self.weight_bytes = layer_bytes + (total_params(model) - layer_params) * head_b / tp
+        self.dense_flops_per_token = 2 * (shared + moe * model.num_experts_per_tok * expert) / tp
         self.lm_head_flops_per_row = 2 * model.vocab_size * h / tp
         self.attention_flops_per_pair = 4 * layers * (model.num_heads // tp) * model.head_dim
         # K and V, all layers, in the cache's dtype (--kv-cache-dtype; None: the model's).
@@ -162,9 +192,18 @@ class CostModel:
         # real run (``with_pace``), since a shared machine's speed drifts by a fifth within minutes; 1 elsewhere.
         self.pace = 1.0
 
+    def weights_read(self, num_tokens: int) -> float:
+        """The layers' bytes a step of ``num_tokens`` tokens reads: every shared weight, and of a mixture of
+        experts the experts its tokens pick (expected_experts), each once however many tokens picked it."""
+        if not self.expert_bytes:
+            return self.dense_weight_bytes
+        model = self.model
+        return self.dense_weight_bytes + self.expert_bytes * expected_experts(
+            model.num_experts, model.num_experts_per_tok, num_tokens)
+
     def dense_time(self, num_tokens: int, num_sampled: int) -> float:
         flops = num_tokens * self.dense_flops_per_token + num_sampled * self.lm_head_flops_per_row
-        weight_bytes = self.dense_weight_bytes + (self.lm_head_bytes if num_sampled else 0.0)
+        weight_bytes = self.weights_read(num_tokens) + (self.lm_head_bytes if num_sampled else 0.0)
         return max(flops / self.flops, weight_bytes / self.bandwidth)
 
     def attention_time(self, attention_pairs: int, kv_tokens_read: int, num_tokens: int) -> float:
@@ -209,7 +248,7 @@ class CostModel:
         hw = self.hardware
         dense = max(
             num_seqs * (self.dense_flops_per_token + self.lm_head_flops_per_row) / self.flops,
-            (self.dense_weight_bytes + self.lm_head_bytes) / self.bandwidth,
+            (self.weights_read(num_seqs) + self.lm_head_bytes) / self.bandwidth,
         )
         attention = max(
             context_tokens * self.attention_flops_per_pair / self.flops,
