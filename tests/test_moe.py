@@ -103,3 +103,122 @@ def test_the_router_picks_what_transformers_picks(moe):
     assert torch.equal(weights, their_weights)
     with torch.no_grad():
         assert torch.allclose(ours(x), block(x[None])[0], atol=1e-6)
+
+
+# ----- GGUF files, laid out as llama.cpp writes them -----
+
+GGUF_CONFIGS = {  # every layer a mixture (llama.cpp's qwen3moe has no dense layers), widths in Q8_0 blocks of 32
+    "qwen3moe": ("qwen3_moe", dict(CONFIGS["qwen3_moe"], mlp_only_layers=[], norm_topk_prob=True)),
+    "llama": ("mixtral", dict(CONFIGS["mixtral"], intermediate_size=64)),
+}
+
+
+def _llama_permuted(values, heads: int):
+    """Q or K rows in llama.cpp's rotary order (its converter's permute for the llama architecture)."""
+    return values.reshape(heads, 2, values.shape[0] // heads // 2, *values.shape[1:]).swapaxes(1, 2).reshape(
+        values.shape)
+
+
+def _write_moe_gguf(path: Path, arch: str, hf) -> None:
+    import gguf
+
+    from tests.test_gguf_families import _copy_tokenizer
+
+    config, q8 = hf.config, gguf.GGMLQuantizationType.Q8_0
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    experts = getattr(config, "num_experts", None) or config.num_local_experts
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    _copy_tokenizer(writer)
+
+    def add(name: str, values, quantized: bool = True) -> None:
+        values = values.detach().float().numpy()
+        if quantized:
+            writer.add_tensor(name, gguf.quants.quantize(values, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, values)
+
+    add("token_embd.weight", hf.model.embed_tokens.weight)
+    add("output_norm.weight", hf.model.norm.weight, quantized=False)
+    add("output.weight", hf.lm_head.weight)
+    for i, layer in enumerate(hf.model.layers):
+        attn, moe, heads = layer.self_attn, layer.mlp, (config.num_attention_heads, config.num_key_value_heads)
+        q, k = attn.q_proj.weight, attn.k_proj.weight
+        if arch == "llama":
+            q, k = (torch.from_numpy(_llama_permuted(w.detach().numpy(), n)) for w, n in zip((q, k), heads))
+        for name, values in (("attn_q", q), ("attn_k", k), ("attn_v", attn.v_proj.weight),
+                             ("attn_output", attn.o_proj.weight)):
+            add(f"blk.{i}.{name}.weight", values)
+        norms = [("attn_norm", layer.input_layernorm), ("ffn_norm", layer.post_attention_layernorm)]
+        if hasattr(attn, "q_norm"):
+            norms += [("attn_q_norm", attn.q_norm), ("attn_k_norm", attn.k_norm)]
+        for name, norm in norms:
+            add(f"blk.{i}.{name}.weight", norm.weight, quantized=False)
+        width = moe.experts.down_proj.shape[-1]
+        add(f"blk.{i}.ffn_gate_inp.weight", moe.gate.weight, quantized=False)
+        add(f"blk.{i}.ffn_gate_exps.weight", moe.experts.gate_up_proj[:, :width])
+        add(f"blk.{i}.ffn_up_exps.weight", moe.experts.gate_up_proj[:, width:])
+        add(f"blk.{i}.ffn_down_exps.weight", moe.experts.down_proj)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module", params=sorted(GGUF_CONFIGS))
+def moe_gguf(request, tmp_path_factory, default_model_dir):
+    """A tiny mixture of experts as a GGUF file (Q8_0 projections and experts), and its transformers model."""
+    from transformers import AutoModelForCausalLM
+
+    kind, config = GGUF_CONFIGS[request.param]
+    folder = tmp_path_factory.mktemp(f"{kind}-hf")
+    hf = AutoModelForCausalLM.from_pretrained(_write_as(kind, config, folder, default_model_dir), dtype=torch.float32)
+    path = tmp_path_factory.mktemp(f"{kind}-gguf") / f"tiny-{kind}.gguf"
+    _write_moe_gguf(path, request.param, hf.eval())
+    return kind, path, hf
+
+
+def _write_as(kind: str, config: dict, folder: Path, tokenizer_from: Path) -> Path:
+    saved = CONFIGS[kind]
+    CONFIGS[kind] = config
+    try:
+        return _write(kind, folder, tokenizer_from)
+    finally:
+        CONFIGS[kind] = saved
+
+
+def test_a_gguf_file_runs_as_transformers_runs_its_export(moe_gguf):
+    """The file's config names the family and its experts; Conveyor runs the file (its weights dequantized, on
+    PyTorch ops) and transformers its float32 export, each expert a tensor of its own: the greedy tokens agree."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from conveyor.model.weights.loader import float32_folder
+
+    kind, path, original = moe_gguf
+    folder = float32_folder(path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == kind and config["num_experts_per_tok"] == 2
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for name, tensor in original.state_dict().items():  # Q8_0 rounds each weight by at most a step (its scale's too)
+        exported = reference.state_dict()[name]
+        assert torch.allclose(exported, tensor, atol=tensor.abs().max().item() / 127), name
+    llm = LLM(str(path), num_kv_blocks=256)
+    assert llm.engine.model_config.num_experts == (8 if kind == "qwen3_moe" else 4)
+    prompts = _prompts([3, 20, 45], seed=4)
+    outputs = llm.generate(prompts, GREEDY_12, use_tqdm=False)
+    assert [output.token_ids for output in outputs] == [hf_greedy(reference, p, 12) for p in prompts]

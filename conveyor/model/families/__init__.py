@@ -48,10 +48,11 @@ def family_for(config: ModelConfig) -> Family:
     return family
 
 
-def gguf_family(architecture: str | None) -> Family:
-    """The family of a GGUF file's ``general.architecture``, or a ValueError listing those read."""
+def gguf_family(architecture: str | None, num_experts: int = 0) -> Family:
+    """The family of a GGUF file's ``general.architecture`` (a ``llama`` file with ``num_experts`` is Mixtral, as
+    llama.cpp writes it), or a ValueError listing those read."""
     family = _BY_GGUF.get(architecture)
     if family is None:
         raise ValueError(f"model: GGUF architecture {architecture!r} is not supported (supported: "
                          f"{', '.join(sorted(_BY_GGUF))})")
-    return family
+    return MIXTRAL if family is LLAMA and num_experts else family

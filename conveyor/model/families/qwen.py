@@ -7,5 +7,5 @@ from conveyor.model.families.base import Family
 
 QWEN2 = Family("qwen2", ("qwen2",), gguf_architecture="qwen2", hf_architecture="Qwen2ForCausalLM")
 QWEN3 = Family("qwen3", ("qwen3",), gguf_architecture="qwen3", hf_architecture="Qwen3ForCausalLM", qk_norm=True)
-# Its GGUF files (general.architecture qwen3moe, experts stacked in 3-D tensors) are not read yet.
-QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), hf_architecture="Qwen3MoeForCausalLM", qk_norm=True)
+QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), gguf_architecture="qwen3moe", hf_architecture="Qwen3MoeForCausalLM",
+                   qk_norm=True)

@@ -29,7 +29,14 @@ import numpy as np
 
 from conveyor.core.formats import FLOAT_BYTES
 from conveyor.model.families import LLAMA, Family, gguf_family
-from conveyor.model.weights.gguf_families import default_chat_template, family_config, is_norm, layer_names
+from conveyor.model.weights.gguf_families import (
+    EXPERT_NAMES,
+    default_chat_template,
+    expert_name,
+    family_config,
+    is_norm,
+    layer_names,
+)
 
 __all__ = ["ROPE_FREQS", "ROPE_TENSORS", "WeightWriter", "convert_gguf_to_hf", "dequantize", "hf_name", "hf_norm",
            "rope_heads", "rope_row_order", "unpermute_rope_rows"]
@@ -140,7 +147,7 @@ def _architecture(reader: gguf.GGUFReader, src: pathlib.Path) -> tuple[str, Fami
     """The file's architecture and its family; one no family here reads is refused, naming those read."""
     arch = _meta(reader, "general.architecture")
     try:
-        return arch, gguf_family(arch)
+        return arch, gguf_family(arch, _meta(reader, f"{arch}.expert_count", 0))
     except ValueError as error:
         raise ValueError(f"{src}: {error}") from None
 
@@ -241,6 +248,8 @@ def hf_name(gguf_name: str, family: Family = LLAMA) -> str:
     parts, names = base.split("."), layer_names(family)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.{expert_name(family, parts[2])}.{suffix}"
     raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face {family.name} equivalent")
 
 

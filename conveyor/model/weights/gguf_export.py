@@ -51,5 +51,10 @@ def float_tensors(reader: gguf.GGUFReader, family: Family, hparams: dict[str, An
         heads = rope_heads(name, hparams["num_attention_heads"], hparams["num_key_value_heads"], family)
         if heads:
             values = unpermute_rope_rows(values, heads)
+        if values.ndim == 3:  # a mixture of experts' stacked projection: one tensor per expert, as HF holds them
+            block, _, projection = name.rpartition(".experts.")
+            for expert, matrix in enumerate(values):
+                tensors[f"{block}.experts.{expert}.{projection}"] = torch.from_numpy(matrix).to(dtype).contiguous()
+            continue
         tensors[name] = torch.from_numpy(hf_norm(name, values, family)).to(dtype).contiguous()
     return tensors

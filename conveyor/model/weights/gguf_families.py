@@ -27,6 +27,10 @@ LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# A mixture of experts' tensors: the router, and each projection of every expert stacked in one 3-D tensor
+# [experts, out, in]. Under HF names they are the family's MoE block's ``gate`` and ``experts.NAME`` (expert_name):
+# HF checkpoints hold one tensor per expert (``experts.E.NAME``), which the export splits them into.
+EXPERT_NAMES = {"ffn_gate_inp": None, "ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 # Phi-3's fused projections: llama.cpp's ffn_up holds gate and up together, as HF Phi-3's gate_up_proj.
 _FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Gemma's four norms: llama.cpp's ffn_norm is the MLP's input norm, which HF Gemma names otherwise.
@@ -64,6 +68,14 @@ def layer_names(family: Family) -> dict[str, str]:
             **(_FUSED_NAMES if family.fused_projections else {})}
 
 
+def expert_name(family: Family, gguf_name: str) -> str:
+    """The HF name (under a layer) of a mixture of experts' GGUF tensor: the router, or one stacked projection."""
+    which = EXPERT_NAMES[gguf_name]
+    if which is None:
+        return f"{family.moe_block}.gate"
+    return f"{family.moe_block}.experts.{family.expert_projections[which]}"
+
+
 def is_norm(hf_name: str) -> bool:
     """Whether a HF tensor name is a norm's weight (what llama.cpp offsets for Gemma)."""
     return hf_name.endswith("norm.weight")
@@ -74,7 +86,7 @@ def family_config(family: Family, meta: Callable[[str, Any], Any], hparams: dict
     """The config.json keys of ``family`` beyond the Llama ones, from the file's metadata (``meta(key,
     default)``, key without the architecture's prefix) and the defaults llama.cpp assumes."""
     config: dict[str, Any] = {"architectures": [family.hf_architecture],
-                              "model_type": family.model_types[0]}
+                              "model_type": family.model_types[0], **_experts_config(family, meta)}
     if family.name == "phi3":  # llama.cpp writes Phi-3-mini-4k's window (2047) of every layer
         config["sliding_window"] = meta("attention.sliding_window", None)
         if "original_max_position_embeddings" in global_rope:  # longrope: where Phi-3's own configs hold it
@@ -98,6 +110,22 @@ def family_config(family: Family, meta: Callable[[str, Any], Any], hparams: dict
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     }
+
+
+def _experts_config(family: Family, meta: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """A mixture of experts' config keys, in its family's HF names: Qwen3-MoE's experts and their width,
+    their weights scaled to sum to 1 as llama.cpp runs it unless the file says otherwise; Mixtral's
+    ``num_local_experts``, as wide as its feed_forward_length."""
+    experts = meta("expert_count", 0)
+    if not experts:
+        return {}
+    used = meta("expert_used_count", None)
+    if family.name == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    return {"num_experts": experts, "num_experts_per_tok": used,
+            "moe_intermediate_size": meta("expert_feed_forward_length", None),
+            "norm_topk_prob": bool(meta("expert_weights_norm", True)), "decoder_sparse_step": 1,
+            "mlp_only_layers": []}
 
 
 def default_chat_template(family: Family) -> str | None:

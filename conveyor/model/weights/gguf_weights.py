@@ -139,6 +139,9 @@ def _read_tensor(tensor: TensorEntry, fd: int) -> Weight:
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"{tensor.name}: GGUF type {kind} is not supported (supported: "
                          f"{', '.join(sorted(SUPPORTED_TYPES | FLOAT_TYPES))})")
+    if len(n_k) == 3:  # a mixture of experts' stacked projections: dequantized (they run on PyTorch ops)
+        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
+        return np.asarray(values, dtype=np.float32).reshape(n_k)
     if len(n_k) != 2:
         raise ValueError(f"{tensor.name}: a quantized tensor of {len(n_k)} dimensions")
     if kind in K_TYPES:
@@ -160,7 +163,11 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
 
     for i in range(config.num_layers):
         p = f"layers.{i}."
+        if config.layer_has_experts(i):
+            ours.update(_experts(hf, p, family))
         for fused, parts in checkpoint_projections(family).items():
+            if fused.startswith("mlp.") and config.layer_has_experts(i):
+                continue
             read = [restored(f"{p}{part}.weight") for part in parts]
             ours[f"{p}{fused}.weight"] = convert(join_rows(read) if len(read) > 1 else read[0])
             del read  # the next projection's parts are decoded only once these are packed
@@ -169,6 +176,16 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
         for norm in family_for(config).layer_norms:
             ours[f"{p}{norm}.weight"] = hf[f"{p}{norm}.weight"]
     return ours
+
+
+def _experts(hf: _Reads, layer: str, family: Family) -> dict[str, np.ndarray]:
+    """A mixture of experts' router and stacked projections as SparseMoE holds them (float32: they run on
+    PyTorch ops): every expert's gate and up joined, [experts, 2 x width, hidden], and its down."""
+    block = f"{layer}{family.moe_block}."
+    gate, up, down = (as_float(hf[f"{block}experts.{name}.weight"]) for name in family.expert_projections)
+    return {f"{layer}mlp.router.weight": as_float(hf[f"{block}gate.weight"]),
+            f"{layer}mlp.gate_up_proj.weight": np.concatenate([gate, up], axis=1),
+            f"{layer}mlp.down_proj.weight": down}
 
 
 class _Reads:
