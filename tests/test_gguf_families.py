@@ -58,20 +58,26 @@ def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
     writer.add_chat_template(reader.fields["tokenizer.chat_template"].contents())
 
 
-def _write_gguf(path, arch: str, model, metadata=None) -> None:
-    """``metadata``: writes keys of its own too (test_rope_scaling: YaRN's)."""
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
+def add_shape(writer: gguf.GGUFWriter, config) -> None:
+    """A transformers config's shape as llama.cpp's metadata keys."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+
+
+def _write_gguf(path, arch: str, model, metadata=None) -> None:
+    """``metadata``: writes keys of its own too (test_rope_scaling: YaRN's)."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_shape(writer, config)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
     if metadata is not None:

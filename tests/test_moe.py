@@ -122,21 +122,11 @@ def _llama_permuted(values, heads: int):
 def _write_moe_gguf(path: Path, arch: str, hf) -> None:
     import gguf
 
-    from tests.test_gguf_families import _copy_tokenizer
+    from tests.test_gguf_families import _copy_tokenizer, add_shape
 
     config, q8 = hf.config, gguf.GGMLQuantizationType.Q8_0
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    add_shape(writer, config)
     experts = getattr(config, "num_experts", None) or config.num_local_experts
     writer.add_expert_count(experts)
     writer.add_expert_used_count(config.num_experts_per_tok)

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from conveyor.core.errors import FieldError
 from conveyor.engine.output import RequestOutput
-from conveyor.entrypoints.openai.protocol import Body
+from conveyor.entrypoints.openai.protocol import Body, one_or_several
 
 MAX_INPUTS = 2048  # inputs in one request, OpenAI's limit: each becomes a request, short-lived (its prompt only)
 
@@ -35,14 +35,7 @@ class EmbeddingRequest(Body):
         if self.dimensions is not None:
             raise FieldError("dimensions", "dimensions: this model's embeddings have one fixed size (it was not "
                                            "trained to be shortened); leave dimensions out")
-        given = self.input
-        several = isinstance(given, list) and given and not isinstance(given[0], int)
-        inputs = list(given) if several else [given]
-        if not inputs:
-            raise FieldError("input", "input: empty list of inputs")
-        if len(inputs) > MAX_INPUTS:
-            raise FieldError("input", f"input: at most {MAX_INPUTS} inputs in one request, got {len(inputs)}")
-        return inputs
+        return one_or_several(self.input, "input", MAX_INPUTS, "inputs")
 
 
 def embedding_response(outputs: list[RequestOutput], model: str, encoding_format: str) -> dict[str, Any]:

@@ -69,6 +69,19 @@ def field_error_of(error: ValidationError) -> FieldError:
     return FieldError(field, f"{field}: {first['msg']}")
 
 
+def one_or_several(given: str | list[int] | list[str] | list[list[int]], field: str, limit: int,
+                   what: str) -> list[str | list[int]]:
+    """A field that takes one prompt (a string or a list of token ids) or a list of them, as a list; FieldError
+    naming ``field`` where it is empty or holds more than ``limit``."""
+    several = isinstance(given, list) and given and not isinstance(given[0], int)
+    items = list(given) if several else [given]
+    if not items:
+        raise FieldError(field, f"{field}: empty list of {what}")
+    if len(items) > limit:
+        raise FieldError(field, f"{field}: at most {limit} {what} in one request, got {len(items)}")
+    return items
+
+
 class Body(BaseModel):
     """A part of a request body: unknown fields are refused, a null is the same as leaving a field out, and
     every string must be Unicode text, nested no deeper than MAX_NESTING (check_text_and_nesting)."""
@@ -244,14 +257,7 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one string or token list, or a list of several (choices are indexed prompt by prompt)."""
-        prompt = self.prompt
-        several = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-        prompts = list(prompt) if several else [prompt]
-        if not prompts:
-            raise FieldError("prompt", "prompt: empty list of prompts")
-        if len(prompts) > MAX_PROMPTS:
-            raise FieldError("prompt", f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompts)}")
-        return prompts
+        return one_or_several(self.prompt, "prompt", MAX_PROMPTS, "prompts")
 
 
 class JsonSchemaFormat(Body):

@@ -15,6 +15,8 @@ import hashlib
 from dataclasses import dataclass
 from importlib.resources import files
 
+from conveyor.viz import shared_script
+
 SCRIPTS = ("conversation.js", "api.js", "chat.js")
 
 
@@ -37,7 +39,7 @@ def _digest(text: str) -> str:
 def chat_page() -> ChatPage:
     """The page, and the policy that lets it run its own inlined script and style and call its own server only
     (so that text the model writes could never load or send anything elsewhere, were it ever read as markup)."""
-    style, script = _asset("chat.css"), "\n".join(_asset(name) for name in SCRIPTS)
+    style, script = _asset("chat.css"), "\n".join([shared_script("sse.js"), *(_asset(name) for name in SCRIPTS)])
     page = _asset("index.html").replace("{{STYLE}}", style).replace("{{SCRIPT}}", script)
     policy = (f"default-src 'none'; script-src {_digest(script)}; style-src {_digest(style)}; connect-src 'self'; "
               "img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")

@@ -13,6 +13,8 @@ import functools
 import html
 from importlib.resources import files
 
+from conveyor.viz import shared_script
+
 
 @functools.cache
 def _asset(name: str) -> str:
@@ -24,7 +26,8 @@ def dashboard_page(trace_url: str = "", trace_name: str = "") -> str:
     page = _asset("index.html")
     for placeholder, value in (
         ("{{STYLE}}", _asset("dashboard.css")),
-        ("{{SCRIPT}}", "\n".join(_asset(name) for name in ("model.js", "view.js", "controls.js"))),
+        ("{{SCRIPT}}", "\n".join([shared_script("sse.js"),
+                                   *(_asset(name) for name in ("model.js", "view.js", "controls.js"))])),
         ("{{TRACE_URL}}", html.escape(trace_url, quote=True)),
         ("{{TRACE_NAME}}", html.escape(trace_name, quote=True)),
     ):

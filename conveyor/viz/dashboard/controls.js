@@ -34,23 +34,6 @@ async function followLive() {
   }
 }
 
-async function readEvents(body, onDelta) {
-  const reader = body.getReader(), decoder = new TextDecoder();
-  let buffer = "";
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) return;
-    buffer += decoder.decode(value, { stream: true });
-    let end;
-    while ((end = buffer.indexOf("\n\n")) >= 0) {
-      const event = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const data = event.split("\n").filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trim()).join("\n");
-      if (data) onDelta(JSON.parse(data));
-    }
-  }
-}
-
 async function openTrace(stream, name) {
   ui.mode = "replay"; ui.playing = false; $("replay-bar").hidden = false;
   setStatus(`loading ${name}`, "replay", "replay");
