@@ -129,6 +129,15 @@ def test_the_page_is_open_and_holds_only_itself(chat_server) -> None:
     assert httpx.get(f"{chat_server.base}/v1/models", timeout=10).status_code == 401  # its calls need the key
 
 
+def slow_download(page) -> None:
+    """The page's downloads at 64 KB/s: the answer's events arrive over many reads of the stream even on a loaded
+    machine, where a browser slowed by the load could otherwise read a whole short answer at once."""
+    session = page.context.new_cdp_session(page)
+    session.send("Network.enable")
+    session.send("Network.emulateNetworkConditions",
+                 {"offline": False, "latency": 0, "downloadThroughput": 64_000, "uploadThroughput": -1})
+
+
 def test_an_answer_streams_in_from_the_model_picked(browser, chat_server) -> None:
     messages = [{"role": "user", "content": PROMPT}]
     expected = {name: greedy_answer(chat_server, name, messages, ANSWER_TOKENS) for name in NAMES}
@@ -139,6 +148,7 @@ def test_an_answer_streams_in_from_the_model_picked(browser, chat_server) -> Non
         page.select_option("#model", name)
         assert page.get_attribute("#dashboard-link", "href") == f"/dashboard?model={name}&api_key={KEY}"
         page.evaluate(WATCH_UPDATES)
+        slow_download(page)
         ask(page, PROMPT, ANSWER_TOKENS)
         assert wait_answered(page) == expected[name]
         assert messages_shown(page) == [["you", PROMPT], [name, expected[name]]]
