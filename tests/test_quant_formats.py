@@ -35,10 +35,11 @@ F16_FIELDS = {
     "Q4_K": (0, 2),
     "Q5_K": (0, 2),
     "Q6_K": (208,),
+    "IQ4_NL": (0,),
 }
-SYMMETRIC_ZERO_POINT = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
-F16_SCALES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}
-CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}
+SYMMETRIC_ZERO_POINT = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "IQ4_NL": 128}
+F16_SCALES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}
+CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "IQ4_NL": 4}
 TYPES = sorted(SUPPORTED_TYPES)
 SHAPES = [(1, 256), (7, 512), (33, 256)]
 
@@ -314,7 +315,7 @@ def test_packed_tiles_is_the_documented_record() -> None:
 # -- refusals -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "IQ4_NL", "IQ2_XXS", "F32", "BF16", "NOT_A_TYPE"])
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "IQ3_S", "IQ2_XXS", "F32", "BF16", "NOT_A_TYPE"])
 def test_unsupported_type_is_named(type_name: str) -> None:
     with pytest.raises(ValueError, match=rf"{type_name}.*supported: .*Q4_0"):
         decode(np.zeros(256, np.uint8), type_name, 1, 256)

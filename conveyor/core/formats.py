@@ -68,6 +68,7 @@ BLOCK_FORMATS = {f.name: f for f in (
     BlockFormat("Q4_1", 32, 20, 5.0),
     BlockFormat("Q5_0", 32, 22, 8.5),
     BlockFormat("Q5_1", 32, 24, 9.0),
+    BlockFormat("IQ4_NL", 32, 18, 4.5),
     BlockFormat("Q4_K", 256, 144, 4.5),
     BlockFormat("Q5_K", 256, 176, 5.5),
     BlockFormat("Q6_K", 256, 210, 6.5625),

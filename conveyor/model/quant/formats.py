@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+from gguf.quants import IQ4_NL
 
 from conveyor.core.formats import BLOCK_FORMATS
 
@@ -42,7 +43,8 @@ class QuantizedMatrix:
     """A weight matrix W [n, k] as codes plus per-group affine parameters, whatever GGUF format it came from.
 
     w[i, j] = scales[i, j // group] * q[i, j] + mins[i, j // group]   when mins is not None, else
-    w[i, j] = scales[i, j // group] * (q[i, j] - zero_point).
+    w[i, j] = scales[i, j // group] * (q[i, j] - zero_point),
+    with q[i, j] read as levels[q[i, j]] where the codes index ``levels`` (IQ4_NL's non-linear 16).
     Scales stay float16 where the format's scale is exactly an f16, so nothing is widened that need not be.
     """
 
@@ -53,6 +55,7 @@ class QuantizedMatrix:
     code_bits: int
     group: int
     source: str
+    levels: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         """Catch a malformed matrix where it is built rather than as a wrong answer in a kernel."""
@@ -63,6 +66,8 @@ class QuantizedMatrix:
             raise ValueError(f"quant: scales must be float16/float32 [{n}, {k // self.group}]")
         if self.mins is not None and (self.mins.shape != self.scales.shape or self.mins.dtype != self.scales.dtype):
             raise ValueError("quant: mins must match the scales in shape and dtype")
+        if self.levels is not None and (self.levels.shape != (1 << self.code_bits,) or self.mins is not None):
+            raise ValueError(f"quant: codes of {self.code_bits} bits index {1 << self.code_bits} levels, with no mins")
 
     @property
     def n(self) -> int:
@@ -74,8 +79,13 @@ class QuantizedMatrix:
 
     @property
     def storage_bits(self) -> int:
-        """The kernels store codes of up to 4 bits as nibbles, wider ones as whole bytes."""
-        return 4 if self.code_bits <= 4 else 8
+        """The kernels store codes of up to 4 bits as nibbles, wider ones (and those of 16-input groups) as whole
+        bytes."""
+        return 4 if self.code_bits <= 4 and self.group == 32 else 8
+
+    def values(self, rows: slice = slice(None)) -> np.ndarray:
+        """The numbers the codes of ``rows`` stand for: the codes themselves, or the levels they index."""
+        return self.q[rows] if self.levels is None else self.levels[self.q[rows]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +126,14 @@ def _q8_0(b: np.ndarray) -> _Decoded:
 
 
 def _q4_0(b: np.ndarray) -> _Decoded:
+    return _nibbles(b[:, 2:18]), _f16(b, 0), None
+
+
+# IQ4_NL's 16 levels plus 128 (native/csrc/quant_tiles.h's kIq4Levels): a code's weight is d * (level - 128).
+IQ4_LEVELS = (np.array(IQ4_NL.kvalues, np.int16) + 128).astype(np.uint8)
+
+
+def _iq4_nl(b: np.ndarray) -> _Decoded:
     return _nibbles(b[:, 2:18]), _f16(b, 0), None
 
 
@@ -180,12 +198,14 @@ class _Format:
     code_bits: int
     group: int
     zero_point: int  # 0 for the asymmetric formats
+    levels: np.ndarray | None = None  # what the codes index, where they are not the numbers themselves
 
 
 _FORMATS: dict[str, _Format] = {
     "Q8_0": _Format(_q8_0, 8, 32, 128),
     "Q4_0": _Format(_q4_0, 4, 32, 8),
     "Q4_1": _Format(_q4_1, 4, 32, 0),
+    "IQ4_NL": _Format(_iq4_nl, 4, 32, 128, IQ4_LEVELS),
     "Q5_0": _Format(_q5_0, 5, 32, 16),
     "Q5_1": _Format(_q5_1, 5, 32, 0),
     "Q4_K": _Format(_q4_k, 4, 32, 0),
@@ -225,6 +245,7 @@ def decode(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantizedMatrix:
         code_bits=fmt.code_bits,
         group=fmt.group,
         source=type_name,
+        levels=fmt.levels,
     )
 
 
@@ -237,7 +258,7 @@ def dequantize(m: QuantizedMatrix, rows_per_chunk: int = 4096) -> np.ndarray:
     groups = m.k // m.group
     for start in range(0, m.n, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
-        q = m.q[rows].reshape(-1, groups, m.group).astype(np.float64)
+        q = m.values(rows).reshape(-1, groups, m.group).astype(np.float64)
         s = m.scales[rows].astype(np.float64)[..., None]
         w = s * (q - m.zero_point) if m.mins is None else s * q + m.mins[rows].astype(np.float64)[..., None]
         out[rows] = w.reshape(-1, m.k)
@@ -245,7 +266,7 @@ def dequantize(m: QuantizedMatrix, rows_per_chunk: int = 4096) -> np.ndarray:
 
 
 def _with_rows(m: QuantizedMatrix, q: np.ndarray, scales: np.ndarray, mins: np.ndarray | None) -> QuantizedMatrix:
-    return QuantizedMatrix(q, scales, mins, m.zero_point, m.code_bits, m.group, m.source)
+    return QuantizedMatrix(q, scales, mins, m.zero_point, m.code_bits, m.group, m.source, m.levels)
 
 
 def row_slice(m: QuantizedMatrix, start: int, stop: int) -> QuantizedMatrix:
@@ -312,6 +333,9 @@ def concat_rows(mats: list[QuantizedMatrix]) -> QuantizedMatrix:
             "quant: cannot join rows of different groups or widths: "
             + ", ".join(f"{m.source} (k={m.k}, group={m.group})" for m in mats)
         )
+    if len({None if m.levels is None else m.levels.tobytes() for m in mats}) > 1:
+        raise ValueError("quant: cannot join codes that index levels with other codes: "
+                         + ", ".join(dict.fromkeys(m.source for m in mats)))
     dtype = _F16 if all(m.scales.dtype == _F16 for m in mats) else _F32
     zero_points = {None if m.mins is not None else m.zero_point for m in mats}
     if len(zero_points) == 1:  # one form already, at most the scales to widen
@@ -329,6 +353,7 @@ def concat_rows(mats: list[QuantizedMatrix]) -> QuantizedMatrix:
         code_bits=max(m.code_bits for m in mats),
         group=first.group,
         source="+".join(dict.fromkeys(m.source for m in mats)),
+        levels=first.levels,
     )
 
 
@@ -416,7 +441,7 @@ def reference_linear(x: np.ndarray, m: QuantizedMatrix) -> np.ndarray:
     codes, step, sums = quantize_activations(x, m.group)
     rows, groups = x.shape[0], m.k // m.group
     products = np.einsum("rgj,ngj->rng", codes.reshape(rows, groups, m.group).astype(np.int64),
-                         m.q.reshape(m.n, groups, m.group).astype(np.int64))
+                         m.values().reshape(m.n, groups, m.group).astype(np.int64))
     scales = m.scales.astype(np.float64)[None]
     if m.mins is None:
         terms = (products - m.zero_point * sums[:, None, :]) * scales

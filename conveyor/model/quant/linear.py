@@ -42,7 +42,7 @@ def native_weight(kernels: ModuleType, matrix: QuantizedMatrix | RawBlocks | Joi
         if part.mins is not None:
             mins[first:last] = torch.from_numpy(part.mins)
     return kernels.QuantizedWeight(codes, scales, mins, matrix.n, matrix.k, matrix.group, matrix.storage_bits,
-                                   matrix.code_bits, matrix.zero_point)
+                                   matrix.code_bits, matrix.zero_point, matrix.levels is not None)
 
 
 def _native_k_quant(kernels: ModuleType, matrix: RawBlocks) -> object:

@@ -5,7 +5,8 @@
 //   ./kernel_check test      every quantized layout, every dot-product kind this CPU has, 1 to 100 rows:
 //                            against a double-precision reference, and each row bit-equal to its run alone;
 //                            attention over a paged cache likewise (decodes, drafts, windows; 1 and 2 threads)
-//   ./kernel_check bench [N K]   one quantized GEMV and 16-row GEMM per layout and kind: GB/s and weights/s
+//   ./kernel_check bench [N K [LAYOUTS]]   one quantized GEMV and 16- and 64-row GEMMs per layout (or those
+//                            named, comma-separated: Q4_K,IQ4_XS) and kind: GB/s and weights times rows a second
 //
 // The weights are random bytes in each layout (scales kept finite), which the kernels read like any other.
 
@@ -43,14 +44,18 @@ struct Layout {
   std::string name;
   QuantLayout layout;
   int64_t group, storage_bits, code_bits, zero_point;  // the uniform tiles' parameters
-  bool mins;
+  bool mins, levels;
 };
 
 const std::vector<Layout>& layouts() {
   static const std::vector<Layout> all = {
-      {"Q8_0", QuantLayout::kTiles, 32, 8, 8, 128, false}, {"Q4_0", QuantLayout::kTiles, 32, 4, 4, 8, false},
-      {"Q4_1", QuantLayout::kTiles, 32, 4, 4, 0, true},    {"Q4_K", QuantLayout::kQ4K, 0, 0, 0, 0, false},
-      {"Q5_K", QuantLayout::kQ5K, 0, 0, 0, 0, false},      {"Q6_K", QuantLayout::kQ6K, 0, 0, 0, 0, false},
+      {"Q8_0", QuantLayout::kTiles, 32, 8, 8, 128, false, false},
+      {"Q4_0", QuantLayout::kTiles, 32, 4, 4, 8, false, false},
+      {"Q4_1", QuantLayout::kTiles, 32, 4, 4, 0, true, false},
+      {"IQ4_NL", QuantLayout::kTiles, 32, 4, 4, conveyor::kIq4Zero, false, true},
+      {"Q4_K", QuantLayout::kQ4K, 0, 0, 0, 0, false, false},
+      {"Q5_K", QuantLayout::kQ5K, 0, 0, 0, 0, false, false},
+      {"Q6_K", QuantLayout::kQ6K, 0, 0, 0, 0, false, false},
   };
   return all;
 }
@@ -68,7 +73,8 @@ QuantWeight random_weight(const Layout& layout, int64_t n, int64_t k, std::mt199
     auto* halves = reinterpret_cast<uint16_t*>(bytes.data() + codes);
     for (int64_t i = 0; i < 2 * scales; ++i) halves[i] = to_half(i < scales ? scale(rng) : -4 * scale(rng));
     return conveyor::quant_weight(bytes.data(), halves, layout.mins ? halves + scales : nullptr, true, n, k,
-                                  layout.group, layout.storage_bits, layout.code_bits, layout.zero_point);
+                                  layout.group, layout.storage_bits, layout.code_bits, layout.zero_point,
+                                  layout.levels);
   }
   const int64_t block_bytes = conveyor::k_block_bytes(layout.layout), blocks = k / conveyor::kSuperBlock;
   bytes.assign(tiles * blocks * block_bytes, 0);
@@ -271,16 +277,17 @@ int run_tests() {
   return failures == 0 ? 0 : 1;
 }
 
-int run_bench(int64_t n, int64_t k) {
+int run_bench(int64_t n, int64_t k, const std::string& only) {
   std::mt19937 rng(11);
   std::printf("[%lld, %lld] weights, %lld threads\n", static_cast<long long>(n), static_cast<long long>(k),
               static_cast<long long>(conveyor::num_threads()));
   for (const Layout& layout : layouts()) {
+    if (!only.empty() && ("," + only + ",").find("," + layout.name + ",") == std::string::npos) continue;
     std::vector<uint8_t> bytes;
     const QuantWeight w = random_weight(layout, n, k, rng, bytes);
     for (const std::string& name : conveyor::quant_dots()) {
       const QuantDot dot = conveyor::parse_quant_dot(name);
-      for (int64_t m : {1, 16}) {
+      for (int64_t m : {1, 16, 64}) {
         const std::vector<float> x = random_rows(m, k, rng);
         std::vector<float> y(m * n);
         conveyor::quant_linear_rows(x.data(), m, w, nullptr, y.data(), dot);  // warm
@@ -293,7 +300,7 @@ int run_bench(int64_t n, int64_t k) {
           seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         }
         const double per_call = seconds / reps;
-        std::printf("%-5s %-8s %2lld rows: %8.1f us  %6.1f GB/s of weights  %6.1f G weight-rows/s\n",
+        std::printf("%-6s %-8s %2lld rows: %8.1f us  %6.1f GB/s of weights  %6.1f G weight-rows/s\n",
                     layout.name.c_str(), name.c_str(), static_cast<long long>(m), per_call * 1e6,
                     w.bytes() / per_call / 1e9, double(n) * k * m / per_call / 1e9);
       }
@@ -310,12 +317,12 @@ int main(int argc, char** argv) {
     if (mode == "test") return run_tests();
     if (mode == "bench") {
       const int64_t n = argc > 2 ? std::atoll(argv[2]) : 4096, k = argc > 3 ? std::atoll(argv[3]) : 4096;
-      return run_bench(n, k);
+      return run_bench(n, k, argc > 4 ? argv[4] : "");
     }
   } catch (const std::exception& error) {
     std::printf("error: %s\n", error.what());
     return 2;
   }
-  std::printf("usage: kernel_check [test | bench [N K]]\n");
+  std::printf("usage: kernel_check [test | bench [N K [LAYOUTS]]]\n");
   return 2;
 }

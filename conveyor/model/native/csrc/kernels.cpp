@@ -339,7 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dots", &quant_dots, "the quantized dot-product kinds this build has (portable, avx2, vnni256, vnni512)");
   pybind11::class_<QuantWeight>(m, "QuantizedWeight", pybind11::module_local())
       .def(pybind11::init(&make_quant_weight), arg("codes"), arg("scales"), arg("mins"), arg("n"), arg("k"),
-           arg("group"), arg("storage_bits"), arg("code_bits"), arg("zero_point"))
+           arg("group"), arg("storage_bits"), arg("code_bits"), arg("zero_point"), arg("levels") = false)
       .def_static("k_quant", &make_k_quant_weight, "a K-quant weight from its blocks (kquant_tiles.h's layout)",
                   arg("blocks"), arg("type"), arg("n"), arg("k"))
       .def_static("join", &join_quant_weights, "weights stacked along their outputs, each run by its own kernel",

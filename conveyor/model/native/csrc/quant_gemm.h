@@ -108,6 +108,7 @@ struct QuantWeight {
   const uint8_t* mins_data = nullptr;
   int64_t n = 0, k = 0, group = 32, storage_bits = 4, code_bits = 4, zero_point = 0;
   bool scales_f16 = true;  // scales and mins in float16 (else float32)
+  bool levels = false;     // 4-bit codes that index kIq4Levels (IQ4_NL), zero point 128
   int64_t own_bytes = 0;   // this weight's codes, scales and mins (its parts' are theirs)
   QuantLayout layout = QuantLayout::kTiles;
   std::vector<QuantWeight> parts;
@@ -126,10 +127,10 @@ struct QuantWeight {
 };
 
 // A uniform-tile weight [n, k] over packed memory: codes uint8 [tiles, groups, group bytes], scales (and mins,
-// or nullptr for a zero point) [tiles, groups, 16] in float16 or float32.
+// or nullptr for a zero point) [tiles, groups, 16] in float16 or float32; `levels`: the codes index kIq4Levels.
 inline QuantWeight quant_weight(const uint8_t* codes, const void* scales, const void* mins, bool f16, int64_t n,
                                 int64_t k, int64_t group, int64_t storage_bits, int64_t code_bits,
-                                int64_t zero_point) {
+                                int64_t zero_point, bool levels = false) {
   CONVEYOR_CHECK(group == 16 || group == 32, "a quantized weight's group is 16 or 32 inputs, not ", group);
   CONVEYOR_CHECK(storage_bits == 4 || storage_bits == 8, "codes are stored in 4 or 8 bits, not ", storage_bits);
   CONVEYOR_CHECK(storage_bits == 8 || group == 32, "4-bit codes come in groups of 32");
@@ -137,8 +138,10 @@ inline QuantWeight quant_weight(const uint8_t* codes, const void* scales, const 
                  storage_bits);
   CONVEYOR_CHECK(n > 0 && k > 0 && k % group == 0, "a [", n, ", ", k, "] weight is no whole number of groups of ",
                  group);
-  CONVEYOR_CHECK(mins != nullptr || (zero_point >= 0 && zero_point < (int64_t{1} << code_bits)), "zero point ",
-                 zero_point, " outside the codes' range");
+  CONVEYOR_CHECK(!levels || (storage_bits == 4 && code_bits == 4 && mins == nullptr && zero_point == kIq4Zero),
+                 "IQ4 levels are indexed by 4-bit codes, with zero point ", kIq4Zero, " and no mins");
+  CONVEYOR_CHECK(mins != nullptr || levels || (zero_point >= 0 && zero_point < (int64_t{1} << code_bits)),
+                 "zero point ", zero_point, " outside the codes' range");
   QuantWeight w;
   w.codes_data = codes;
   w.scales_data = static_cast<const uint8_t*>(scales);
@@ -146,6 +149,7 @@ inline QuantWeight quant_weight(const uint8_t* codes, const void* scales, const 
   w.n = n, w.k = k, w.group = group, w.storage_bits = storage_bits, w.code_bits = code_bits;
   w.zero_point = zero_point;
   w.scales_f16 = f16;
+  w.levels = levels;
   const int64_t scale_bytes = w.tiles() * w.groups() * kQuantTile * (f16 ? 2 : 4);
   w.own_bytes = w.tiles() * w.groups() * w.group_bytes() + scale_bytes * (mins != nullptr ? 2 : 1);
   return w;
@@ -284,6 +288,9 @@ void with_quant_format(const QuantWeight& w, const Fn& f) {
     if (mins) return f(QuantFormat<B, G, false, true, false>{});
     return full ? f(QuantFormat<B, G, false, false, true>{}) : f(QuantFormat<B, G, false, false, false>{});
   };
+  if (w.levels) {
+    return f16 ? f(QuantFormat<4, 32, true, false, false, true>{}) : f(QuantFormat<4, 32, false, false, false, true>{});
+  }
   if (w.storage_bits == 4) return pick(std::integral_constant<int, 4>{}, std::integral_constant<int, 32>{});
   if (w.group == 32) return pick(std::integral_constant<int, 8>{}, std::integral_constant<int, 32>{});
   return pick(std::integral_constant<int, 8>{}, std::integral_constant<int, 16>{});

@@ -43,13 +43,20 @@ struct QuantizedRows {
 
 // ----- The formats a kernel is compiled for -----
 
+// IQ4_NL's 16 non-linear levels (ggml's kvalues_iq4nl, which IQ4_XS shares), each plus 128: a 4-bit code is an
+// index, and its weight is scale * (level - 128). Shifted so that a looked-up level is vpdpbusd's unsigned
+// operand as it stands, the 128 taken off with the group's activation sum as any zero point is.
+inline constexpr uint8_t kIq4Levels[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+constexpr int32_t kIq4Zero = 128;
+
 // Bits: 4 (nibbles) or 8 (bytes); Group: 16 or 32 inputs; F16: float16 scales (else float32); Mins: a min per
 // group (else the zero point); Full: 8-bit codes that use all 8 bits (Q8_0), which vpmaddubsw's 16-bit pair sums
-// cannot take whole (255 * 127 * 2 overflows them): the avx2 kernel splits such codes into nibbles.
-template <int Bits, int Group, bool F16, bool Mins, bool Full>
+// cannot take whole (255 * 127 * 2 overflows them): the avx2 kernel takes them as signed magnitudes; Levels:
+// 4-bit codes that index kIq4Levels (IQ4_NL), looked up in registers (vpshufb) into bytes as wide as Full's.
+template <int Bits, int Group, bool F16, bool Mins, bool Full, bool Levels = false>
 struct QuantFormat {
   static constexpr int kBits = Bits, kGroup = Group;
-  static constexpr bool kF16 = F16, kMins = Mins, kFull = Full;
+  static constexpr bool kF16 = F16, kMins = Mins, kFull = Full, kLevels = Levels;
   static constexpr int64_t kGroupBytes = kQuantTile * Group * Bits / 8;
 };
 
@@ -81,12 +88,13 @@ inline float scale_at(const void* scales, int64_t i) {
   return static_cast<const float*>(scales)[i];
 }
 
-// The code of output c, input j of a group (0 <= j < Group), from its tile's group bytes.
+// The code of output c, input j of a group (0 <= j < Group), from its tile's group bytes (IQ4_NL: its level).
 template <typename F>
 inline int32_t code_at(const uint8_t* group_bytes, int64_t c, int64_t j) {
   if constexpr (F::kBits == 8) return group_bytes[(j / 4) * 64 + c * 4 + j % 4];
   const uint8_t byte = group_bytes[(j / 8) * 64 + c * 4 + j % 4];
-  return (j % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+  const int nibble = (j % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
+  return F::kLevels ? kIq4Levels[nibble] : nibble;
 }
 
 // A weight from its code: s * code + min, or s * (code - zero); every layout's lookups share it.
@@ -173,6 +181,15 @@ inline int32_t load_i32(const int8_t* p) {
 }
 
 #if defined(CONVEYOR_VNNI512)
+// 4-bit codes [0, 16) in bytes as vpdpbusd's unsigned operand: themselves, or (Levels) their kIq4Levels, looked up
+// 64 at a time (vpshufb looks up within each 128-bit lane, so the table is in all four).
+template <bool Levels>
+inline __m512i code_bytes_512(__m512i nibbles) {
+  if constexpr (!Levels) return nibbles;
+  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
+  return _mm512_shuffle_epi8(table, nibbles);
+}
+
 template <typename F>
 inline __m512 load_scales16(const void* p, int64_t g) {
   if constexpr (F::kF16) {
@@ -207,7 +224,8 @@ void quant_tile_vnni512(const QuantizedRows& x, int64_t row, const QuantTileView
 #pragma GCC unroll 4
       for (int o = 0; o < F::kGroup / 8; ++o) {
         const __m512i v = _mm512_loadu_si512(bytes + 64 * o);
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i lo = code_bytes_512<F::kLevels>(_mm512_and_si512(v, low));
+        const __m512i hi = code_bytes_512<F::kLevels>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low));
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
           const int8_t* xq = x.q + (row + r) * x.k + g * F::kGroup + 8 * o;
@@ -270,6 +288,17 @@ inline __m256i dot4x8(__m256i acc, __m256i codes, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), _mm256_set1_epi16(1)));
 }
 
+// IQ4's 4-bit codes looked up into bytes, 32 at a time (vpshufb, within each 128-bit lane): their levels,
+// VNNI's unsigned operand; or, Signed, the levels less 128 (|level - 128| <= 127), which vpmaddubsw takes as
+// magnitudes with the signs moved onto the activations, as Q8_0's bytes: the levels' own pair sums, up to
+// 2 * 241 * 127, would overflow its int16.
+template <bool Signed>
+inline __m256i levels_256(__m256i nibbles) {
+  __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Levels)));
+  if constexpr (Signed) table = _mm256_xor_si256(table, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_shuffle_epi8(table, nibbles);
+}
+
 // One group's integer sums, sum(code * xq), for Rows rows against one half of a tile (8 outputs, int32 lanes).
 // Without VNNI the multiplies bound the kernel (vpmaddubsw and vpmaddwd share the core's multiply pipes: a Zen 3
 // core read Q4_1 from cache at 15 GB/s with both for every 4 inputs), so each is made to count:
@@ -278,7 +307,7 @@ inline __m256i dot4x8(__m256i acc, __m256i codes, __m256i x) {
 // - full 8-bit codes (Q8_0, zero point 128): taken as signed bytes code - 128, whose magnitude is vpmaddubsw's
 //   unsigned operand and whose sign moves onto the activation (vpsignb): one vpmaddubsw and one vpmaddwd for
 //   4 inputs where splitting the codes into nibbles took two of each (the pair sums, at most 2 * 128 * 127,
-//   fit); 128 * sum(xq) then makes them the codes' sums again.
+//   fit); 128 * sum(xq) then makes them the codes' sums again. IQ4_NL's levels go the same way.
 // Both give the same integers as the plain way, so the outputs are the same to the bit.
 template <typename F, int Rows, bool Vnni>
 inline void group_sums_256(const QuantizedRows& x, int64_t row, int64_t g, const uint8_t* bytes, __m256i* sum) {
@@ -288,7 +317,28 @@ inline void group_sums_256(const QuantizedRows& x, int64_t row, int64_t g, const
   };
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) sum[r] = _mm256_setzero_si256();
-  if constexpr (F::kBits == 4) {
+  if constexpr (F::kLevels && !Vnni) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int o = 0; o < F::kGroup / 8; ++o) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * o));
+      const __m256i centred[2] = {levels_256<true>(_mm256_and_si256(v, low)),
+                                  levels_256<true>(_mm256_and_si256(_mm256_srli_epi16(v, 4), low))};
+      const __m256i magnitude[2] = {_mm256_abs_epi8(centred[0]), _mm256_abs_epi8(centred[1])};
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i signed_x = _mm256_sign_epi8(xq(r, 8 * o + 4 * h), centred[h]);
+          sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[h], signed_x), ones));
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) {
+      sum[r] = _mm256_add_epi32(sum[r], _mm256_set1_epi32(kIq4Zero * x.sums[(row + r) * x.groups + g]));
+    }
+  } else if constexpr (F::kBits == 4) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256i pairs[Rows];
 #pragma GCC unroll 4
@@ -296,7 +346,8 @@ inline void group_sums_256(const QuantizedRows& x, int64_t row, int64_t g, const
 #pragma GCC unroll 4
     for (int o = 0; o < F::kGroup / 8; ++o) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + 64 * o));
-      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (F::kLevels) lo = levels_256<false>(lo), hi = levels_256<false>(hi);  // VNNI only: see above
 #pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
         if constexpr (Vnni) {

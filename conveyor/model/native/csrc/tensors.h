@@ -83,7 +83,7 @@ inline void check_rows(const torch::Tensor& tables, const torch::Tensor& row_seq
 // dtypes checked here, the rest by quant_weight.
 inline QuantWeight make_quant_weight(torch::Tensor codes, torch::Tensor scales, torch::Tensor mins, int64_t n,
                                      int64_t k, int64_t group, int64_t storage_bits, int64_t code_bits,
-                                     int64_t zero_point) {
+                                     int64_t zero_point, bool levels) {
   auto held = std::make_shared<std::array<torch::Tensor, 3>>(
       std::array<torch::Tensor, 3>{codes.contiguous(), scales.contiguous(), mins.contiguous()});
   const auto& [c, s, m] = *held;
@@ -92,7 +92,7 @@ inline QuantWeight make_quant_weight(torch::Tensor codes, torch::Tensor scales, 
   CONVEYOR_CHECK(m.numel() == 0 || (m.scalar_type() == dtype && m.sizes() == s.sizes()),
                  "mins must be empty or shaped and typed as the scales");
   QuantWeight w = quant_weight(nullptr, nullptr, m.numel() > 0 ? m.data_ptr() : nullptr, dtype == torch::kHalf, n, k,
-                               group, storage_bits, code_bits, zero_point);
+                               group, storage_bits, code_bits, zero_point, levels);
   CONVEYOR_CHECK(c.scalar_type() == torch::kUInt8 && c.dim() == 3 && c.size(0) == w.tiles() &&
                      c.size(1) == w.groups() && c.size(2) == w.group_bytes(),
                  "codes must be uint8 [", w.tiles(), ", ", w.groups(), ", ", w.group_bytes(), "]");
