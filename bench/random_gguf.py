@@ -106,8 +106,10 @@ def random_blocks(type_name: str, dims: tuple[int, ...], rng: np.random.Generato
     rows, k = int(np.prod(dims[:-1])), dims[-1]
     raw = rng.integers(0, 256, (rows, k // block * size), dtype=np.uint8)
     blocks = raw.reshape(-1, size)
-    scale_at = {"Q6_K": (208,)}.get(type_name, (0, 2) if type_name.endswith("_K") or type_name.endswith("_1") else (0,))
-    top = 0.03 / {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32}.get(type_name, 127)
+    scale_at = {"Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_XS": (0,)}.get(
+        type_name, (0, 2) if type_name.endswith("_K") or type_name.endswith("_1") else (0,))
+    top = 0.03 / {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32, "IQ4_XS": 32 * 127, "Q3_K": 32 * 4,
+                  "Q2_K": 15 * 3}.get(type_name, 127)
     for offset in scale_at:
         values = rng.uniform(top / 4, top, len(blocks)).astype(np.float16)
         blocks[:, offset:offset + 2] = values.view(np.uint8).reshape(-1, 2)

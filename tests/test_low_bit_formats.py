@@ -1,9 +1,12 @@
 """The formats at 4.5 bits a weight and under: IQ4_NL (32-weight blocks whose 4-bit codes index 16 non-linear
-levels), kept at the file's size in the uniform tiles, its codes looked up in registers.
+levels), kept at the file's size in the uniform tiles, its codes looked up in registers; IQ4_XS (the same levels in
+256-weight super-blocks with 6-bit sub-block scales), Q3_K and Q2_K, kept in their super-blocks.
 
 What the shared tests hold of every format (tests/test_quant_formats.py: the decode bit for bit against gguf's;
 tests/test_quantized.py: every dot-product kind against the reference at a few shapes) holds of these too; here,
-what is theirs: the levels' table, 1 to 600 rows on every kind, and a tiny file of each type served natively.
+and tests/test_k_quants.py of the super-block formats (their layout equal to the uniform form's to the bit on every
+kind), holds of these too; here, what is theirs: the levels' table, 1 to 600 rows on every kind, and a tiny file
+of each type served natively.
 The ``kernels`` fixture is conftest's (the native kernels must build on the test machine).
 """
 
@@ -18,20 +21,29 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from conveyor import LLM
 from conveyor.core.formats import BLOCK_FORMATS
-from conveyor.model.quant.formats import IQ4_LEVELS, decode, dequantize, reference_linear
+from conveyor.model.quant.formats import IQ4_LEVELS, QuantizedMatrix, decode, dequantize, reference_linear
+from conveyor.model.quant.k_quants import K_TYPES, RawBlocks
 from conveyor.model.quant.linear import native_weight
 from tests.test_k_quants import _harness, assert_first_tokens_agree_with_the_float_path
 from tests.test_quant_formats import random_raw
 
 RTOL = 2e-6  # of the largest output, as tests/test_quantized.py holds every format
-TYPES = ["IQ4_NL"]
+TYPES = ["IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"]
 PROJECTIONS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight",
                "ffn_up.weight", "ffn_down.weight")
 
 
-def random_weight(type_name: str, n: int, k: int, seed: int):
-    """A random matrix of the type as the loader keeps it (the uniform form, or the K layout's blocks)."""
-    return decode(random_raw(type_name, n, k, np.random.default_rng(seed), 1e-3, 0.05), type_name, n, k)
+def kept(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantizedMatrix | RawBlocks:
+    """A tensor's bytes as the loader keeps them: the uniform form, or the super-blocks as read."""
+    return RawBlocks.from_file(raw, type_name, n, k) if type_name in K_TYPES else decode(raw, type_name, n, k)
+
+
+def random_weight(type_name: str, n: int, k: int, seed: int) -> QuantizedMatrix | RawBlocks:
+    return kept(random_raw(type_name, n, k, np.random.default_rng(seed), 1e-3, 0.05), type_name, n, k)
+
+
+def uniform(weight: QuantizedMatrix | RawBlocks) -> QuantizedMatrix:
+    return weight.decoded() if isinstance(weight, RawBlocks) else weight
 
 
 def run(kernels, x: np.ndarray, weight, dot: str) -> np.ndarray:
@@ -54,7 +66,7 @@ def test_rows_looked_up_are_ggufs_dequantized_rows(kernels, type_name: str) -> N
     """The native side's own copy of the levels, held to gguf's through the rows it looks up."""
     n, k = 37, 512
     raw = random_raw(type_name, n, k, np.random.default_rng(4))
-    weight = native_weight(kernels, decode(raw, type_name, n, k))
+    weight = native_weight(kernels, kept(raw, type_name, n, k))
     want = gguf_dequantize(raw, GGMLQuantizationType[type_name]).reshape(n, k)
     ids = [0, 36, 15, 16, 5, 5]
     assert np.array_equal(kernels.quantized_rows(weight, ids).numpy().view(np.uint32), want[ids].view(np.uint32))
@@ -68,7 +80,7 @@ def test_row_counts_from_1_to_600_on_every_kind(kernels, type_name: str) -> None
     weight = native_weight(kernels, matrix)
     x_all = np.random.default_rng(2).standard_normal((600, 512)).astype(np.float32) * 3
     for rows in [*range(1, 10), 17, 63, 64, 65, 129, 600]:
-        want = reference_linear(x_all[:rows], matrix)
+        want = reference_linear(x_all[:rows], uniform(matrix))
         for dot in kernels.quant_dots():
             got = run(kernels, x_all[:rows], weight, dot)
             assert np.abs(got - want).max() <= RTOL * np.abs(want).max(), (rows, dot)

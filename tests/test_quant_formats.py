@@ -36,10 +36,15 @@ F16_FIELDS = {
     "Q5_K": (0, 2),
     "Q6_K": (208,),
     "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+    "Q3_K": (108,),
+    "Q2_K": (80, 82),
 }
-SYMMETRIC_ZERO_POINT = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "IQ4_NL": 128}
+SYMMETRIC_ZERO_POINT = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "IQ4_NL": 128, "IQ4_XS": 128, "Q3_K": 4}
 F16_SCALES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}
-CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "IQ4_NL": 4}
+CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "IQ4_NL": 4,
+             "IQ4_XS": 4, "Q3_K": 3, "Q2_K": 2}
+GROUPS_OF_16 = {"Q6_K", "Q3_K", "Q2_K"}
 TYPES = sorted(SUPPORTED_TYPES)
 SHAPES = [(1, 256), (7, 512), (33, 256)]
 
@@ -119,7 +124,7 @@ def test_form_of_each_format(type_name: str) -> None:
     m = random_matrix(type_name, n, k, seed=3)
     assert m.q.dtype == np.uint8 and m.q.shape == (n, k)
     assert m.code_bits == CODE_BITS[type_name] and int(m.q.max()) < 2**m.code_bits
-    assert m.group == (16 if type_name == "Q6_K" else 32)
+    assert m.group == (16 if type_name in GROUPS_OF_16 else 32)
     assert m.scales.shape == (n, k // m.group)
     assert m.scales.dtype == (np.float16 if type_name in F16_SCALES else np.float32)
     assert (m.mins is None) == (type_name in SYMMETRIC_ZERO_POINT)
@@ -127,7 +132,7 @@ def test_form_of_each_format(type_name: str) -> None:
         assert m.zero_point == SYMMETRIC_ZERO_POINT[type_name]
     else:
         assert m.mins.shape == m.scales.shape and m.mins.dtype == m.scales.dtype
-    assert m.storage_bits == (4 if m.code_bits <= 4 else 8)
+    assert m.storage_bits == (4 if m.code_bits <= 4 and m.group == 32 else 8)
     assert m.source == type_name
 
 
@@ -315,7 +320,7 @@ def test_packed_tiles_is_the_documented_record() -> None:
 # -- refusals -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K", "IQ3_S", "IQ2_XXS", "F32", "BF16", "NOT_A_TYPE"])
+@pytest.mark.parametrize("type_name", ["IQ1_S", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "F32", "BF16", "NOT_A_TYPE"])
 def test_unsupported_type_is_named(type_name: str) -> None:
     with pytest.raises(ValueError, match=rf"{type_name}.*supported: .*Q4_0"):
         decode(np.zeros(256, np.uint8), type_name, 1, 256)

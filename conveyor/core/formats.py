@@ -56,7 +56,8 @@ class BlockFormat:
 
     @property
     def super_block(self) -> bool:
-        """A K-quant: 256-weight super-blocks, run from their own layout (conveyor/model/quant/k_quants.py)."""
+        """256-weight super-blocks (the K-quants, IQ4_XS), run from their own layout
+        (conveyor/model/quant/k_quants.py)."""
         return self.block == 256
 
 
@@ -72,6 +73,9 @@ BLOCK_FORMATS = {f.name: f for f in (
     BlockFormat("Q4_K", 256, 144, 4.5),
     BlockFormat("Q5_K", 256, 176, 5.5),
     BlockFormat("Q6_K", 256, 210, 6.5625),
+    BlockFormat("IQ4_XS", 256, 136, 4.25),
+    BlockFormat("Q3_K", 256, 110, 3.4375),
+    BlockFormat("Q2_K", 256, 84, 2.625),
 )}
 
 

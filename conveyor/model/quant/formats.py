@@ -2,17 +2,19 @@
 
 llama.cpp's block formats each pack codes, scales and minimums their own way. Every supported format decodes
 here into one uniform :class:`QuantizedMatrix`: a uint8 code per weight plus one scale (and, for the
-asymmetric formats, one minimum) per group of 16 or 32 weights along the input dimension. The 32-weight formats
-(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) run in this form, at their file's size but for Q5's codes in whole bytes; the
-K-quants would take more bits in it than in the file (a float32 scale per group), so they run from their own
-super-blocks (:mod:`conveyor.model.quant.k_quants`) and come here only to be checked and for the float path. The
+asymmetric formats, one minimum) per group of 16 or 32 weights along the input dimension (IQ4_NL's and IQ4_XS's
+codes index 16 non-linear levels, which the matrix names). The 32-weight formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+IQ4_NL) run in this form, at their file's size but for Q5's codes in whole bytes; the super-block formats (the
+K-quants, IQ4_XS) would take more bits in it than in the file (a float32 scale per group), so they run from their
+own super-blocks (:mod:`conveyor.model.quant.k_quants`) and come here only to be checked and for the float path. The
 decode loses nothing: for every supported type, :func:`dequantize` of the result is bit-identical to
 ``gguf.quants.dequantize`` of the raw bytes, so a model run from the codes sees the very weights llama.cpp's
 reference sees.
 
 Why exactness holds (tested bit-for-bit over the whole finite f16 range): each weight's ``scale * code``
 is an f16 (11 significant bits) times integers whose product stays within 2**12 (Q6_K's
-``|sc * (q - 32)| <= 128 * 32``, the K-quants' ``63 * 31``, Q8_0's ``128``), so it is exact in float32,
+``|sc * (q - 32)| <= 128 * 32``, the K-quants' ``63 * 31``, Q8_0's ``128``, IQ4_XS's ``32 * 127``), so it is
+exact in float32,
 and gguf's own float32 arithmetic rounds at most once, at the final ``+ min``. Here the whole affine
 expression is computed in float64, where it is exact (its terms are multiples of 2**-24 below 2**28), and
 rounded once to float32: the same single, correctly rounded step.
@@ -182,6 +184,51 @@ def _q5_k(b: np.ndarray) -> _Decoded:
     return (_k_nibbles(b[:, 48:176]) | (high.reshape(b.shape[0], -1) << 4), *_k_scales(b))
 
 
+def iq4_xs_sub_scales(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks' 6-bit sub-block scales [blocks, 8] (stored 32 above the signed scale): the low 4 bits two
+    to a byte of scales_l, the top 2 bits of sub-block j at bits 2j of the 16-bit scales_h."""
+    low = _nibbles(b[:, 4:8, None]).reshape(-1, 8)  # byte i: sub-block 2i in its low nibble, 2i + 1 in its high
+    high = b[:, 2:4].view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))
+    return low | ((high & 3).astype(np.uint8) << 4)
+
+
+def _iq4_xs(b: np.ndarray) -> _Decoded:
+    """Per sub-block of 32, 16 bytes of codes: the low nibbles the first 16 inputs, the high ones the next."""
+    d = _f16(b, 0).astype(np.float32)
+    scales = d * (iq4_xs_sub_scales(b).astype(np.float32) - 32)
+    return _nibbles(b[:, 8:136].reshape(-1, 8, 16)).reshape(-1, 256), scales, None
+
+
+def q3_k_sub_scales(b: np.ndarray) -> np.ndarray:
+    """Q3_K blocks' 6-bit sub-block scales [blocks, 16] (stored 32 above the signed scale), from their 12 bytes:
+    sub-block j's low 4 bits in byte j % 8 (the high nibble for j >= 8), its top 2 at bits 2 (j // 4) of byte
+    8 + j % 4."""
+    low = _nibbles(b[:, 96:104])
+    high = (b[:, None, 104:108] >> (2 * np.arange(4, dtype=np.uint8))[None, :, None]).reshape(-1, 16) & 3
+    return low | (high << 4)
+
+
+def _crumbs(packed: np.ndarray) -> np.ndarray:
+    """2-bit codes [blocks, 256] of Q3_K's and Q2_K's 64 bytes: each 32 bytes hold 128 inputs, input 32s + i at bits
+    2s of byte i."""
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]
+    return ((packed.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+
+
+def _q3_k(b: np.ndarray) -> _Decoded:
+    """Codes 0..7 about zero point 4: the 2 low bits, and above them the bit of hmask (input 32s + i at bit s of
+    byte i), set where gguf does not subtract 4."""
+    high = (b[:, None, :32] >> np.arange(8, dtype=np.uint8)[None, :, None]).reshape(-1, 256) & 1
+    scales = _f16(b, 108).astype(np.float32) * (q3_k_sub_scales(b).astype(np.float32) - 32)
+    return _crumbs(b[:, 32:96]) | (high << 2), scales, None
+
+
+def _q2_k(b: np.ndarray) -> _Decoded:
+    """Per sub-block of 16, a byte of 4-bit scale (low) and min (high): d * sc and -(dmin * m), exact in float32."""
+    d, dmin = _f16(b, 80).astype(np.float32), _f16(b, 82).astype(np.float32)
+    return _crumbs(b[:, 16:80]), d * (b[:, :16] & 15).astype(np.float32), -(dmin * (b[:, :16] >> 4).astype(np.float32))
+
+
 def _q6_k(b: np.ndarray) -> _Decoded:
     """Two halves of 128 weights: low nibbles from 64 bytes of ql, the 2 high bits from 32 bytes of qh."""
     nb = b.shape[0]
@@ -211,6 +258,9 @@ _FORMATS: dict[str, _Format] = {
     "Q4_K": _Format(_q4_k, 4, 32, 0),
     "Q5_K": _Format(_q5_k, 5, 32, 0),
     "Q6_K": _Format(_q6_k, 6, 16, 32),
+    "IQ4_XS": _Format(_iq4_xs, 4, 32, 128, IQ4_LEVELS),
+    "Q3_K": _Format(_q3_k, 3, 16, 4),
+    "Q2_K": _Format(_q2_k, 2, 16, 0),
 }
 SUPPORTED_TYPES: frozenset[str] = frozenset(_FORMATS)
 assert set(BLOCK_FORMATS) == SUPPORTED_TYPES, "every format the registry names decodes here, and no other"

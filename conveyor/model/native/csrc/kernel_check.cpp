@@ -56,6 +56,9 @@ const std::vector<Layout>& layouts() {
       {"Q4_K", QuantLayout::kQ4K, 0, 0, 0, 0, false, false},
       {"Q5_K", QuantLayout::kQ5K, 0, 0, 0, 0, false, false},
       {"Q6_K", QuantLayout::kQ6K, 0, 0, 0, 0, false, false},
+      {"IQ4_XS", QuantLayout::kIQ4XS, 0, 0, 0, 0, false, false},
+      {"Q3_K", QuantLayout::kQ3K, 0, 0, 0, 0, false, false},
+      {"Q2_K", QuantLayout::kQ2K, 0, 0, 0, 0, false, false},
   };
   return all;
 }
@@ -79,7 +82,8 @@ QuantWeight random_weight(const Layout& layout, int64_t n, int64_t k, std::mt199
   const int64_t block_bytes = conveyor::k_block_bytes(layout.layout), blocks = k / conveyor::kSuperBlock;
   bytes.assign(tiles * blocks * block_bytes, 0);
   for (auto& b : bytes) b = static_cast<uint8_t>(byte(rng));
-  const int halves = layout.layout == QuantLayout::kQ6K ? 16 : 32;  // d (and dmin) per row of the tile
+  const bool mins = conveyor::with_k_format(layout.layout, [](auto format) { return decltype(format)::kMins; });
+  const int halves = mins ? 32 : 16;  // d (and dmin) per row of the tile
   for (int64_t block = 0; block < tiles * blocks; ++block) {
     auto* head = reinterpret_cast<uint16_t*>(bytes.data() + block * block_bytes);
     for (int i = 0; i < halves; ++i) head[i] = to_half(scale(rng) * (layout.layout == QuantLayout::kQ6K ? 0.1f : 0.5f));

@@ -5,7 +5,7 @@
 //   gemm.h          linear layers on packed weights: 256 and 512 bits, and bf16 weights
 //   quant_gemm.h    linear layers on quantized weights (GGUF's integer codes), int8 activations
 //   quant_tiles.h   their micro-kernels, one per dot-product kind (VNNI, AVX2, portable)
-//   kquant_tiles.h  the K-quants' super-blocks at the file's size, and their micro-kernels
+//   kquant_tiles.h  the super-block formats (K-quants, IQ4_XS) at the file's size, and their micro-kernels
 //   attention.h     attention straight over the paged KV cache
 //   rows.h          RMSNorm, rotary embedding, SwiGLU's activation, argmax
 //   tensors.h       the checks at the tensor boundary
@@ -340,8 +340,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<QuantWeight>(m, "QuantizedWeight", pybind11::module_local())
       .def(pybind11::init(&make_quant_weight), arg("codes"), arg("scales"), arg("mins"), arg("n"), arg("k"),
            arg("group"), arg("storage_bits"), arg("code_bits"), arg("zero_point"), arg("levels") = false)
-      .def_static("k_quant", &make_k_quant_weight, "a K-quant weight from its blocks (kquant_tiles.h's layout)",
-                  arg("blocks"), arg("type"), arg("n"), arg("k"))
+      .def_static("k_quant", &make_k_quant_weight,
+                  "a super-block weight (a K-quant, IQ4_XS) from its blocks (kquant_tiles.h's layout)", arg("blocks"),
+                  arg("type"), arg("n"), arg("k"))
       .def_static("join", &join_quant_weights, "weights stacked along their outputs, each run by its own kernel",
                   arg("parts"))
       .def_readonly("n", &QuantWeight::n)

@@ -1,27 +1,30 @@
-// The K-quants (Q4_K, Q5_K, Q6_K) at the file's own size: 256-weight super-blocks with their 6-bit (Q6_K: 8-bit)
-// sub-block scales, repacked for 16 output rows at a time, and the micro-kernels that unpack the scales in
-// registers. Decoding them into quant_tiles.h's uniform form instead (a float32 scale and min per group) would
-// store Q4_K at 6.0 bits a weight where the file has 4.5, and Q6_K at 10 where it has 6.56; a decode step reads
-// every stored byte, so that is its speed.
+// The super-block formats (Q4_K, Q5_K, Q6_K, IQ4_XS, Q3_K, Q2_K) at the file's own size: 256-weight super-blocks
+// with their packed sub-block scales, repacked for 16 output rows at a time, and the micro-kernels that unpack
+// codes and scales in registers. Decoding them into quant_tiles.h's uniform form instead (a float32 scale and min
+// per group) would store Q4_K at 6.0 bits a weight where the file has 4.5, and Q6_K at 10 where it has 6.56; a
+// decode step reads every stored byte, so that is its speed.
 //
 // Layout (conveyor/model/quant/k_quants.py packs it): per tile of 16 outputs and per super-block of 256 inputs, one
-// block of bytes, the tile's blocks one after another (a tile is one stream):
-//   Q4_K, Q5_K (2,304 / 2,816 bytes = 16 rows x 144 / 176, the file's sizes):
-//     d[16], dmin[16]     float16, row by row
-//     sc_lo[8][8]         sub-block j, byte b: the low 4 bits of row b's scale, then (high nibble) row b + 8's
-//     m_lo[8][8]          the same for the mins
-//     hi[8][8]            sub-block j, byte b: the top 2 bits of sc(b), sc(b + 8), m(b), m(b + 8), from bit 0
-//     codes               8 groups of 32 inputs in quant_tiles.h's 4-bit layout (4 vectors of 64 bytes a group)
-//     Q5_K's 5th bits     8 groups x 64 bytes: byte 4c + b, bit t: input 4t + b of output c
-//   Q6_K (3,360 bytes = 16 x 210):
-//     d[16]               float16
-//     sc[16][16]          int8, group g (16 inputs) x row
-//     codes' low 4 bits   16 groups of 16 inputs in the 4-bit layout (2 vectors a group)
-//     codes' top 2 bits   16 groups x 64 bytes: byte 4c + b, bits 2t, 2t + 1: input 4t + b of output c
-// A weight is then   Q4_K, Q5_K:  w = d * sc * q - dmin * m        Q6_K:  w = d * sc * (q - 32).
-// The activations are quantized per group (32 inputs; Q6_K 16) as for the uniform formats, and per group the
-// kernels form d * sc and -(dmin * m) in float32, exactly (an f16 times a 6-bit integer): the same numbers the
-// uniform form holds, so a K-quant computes the same outputs to the bit in either layout.
+// block of bytes, the tile's blocks one after another (a tile is one stream), 16 rows of the file's block:
+//   the header: each row's float16 d (and dmin), then the sub-block scales, by format:
+//     Q4_K, Q5_K (256 bytes)   d[16], dmin[16]; sc_lo[8][8] (sub-block j, byte b: the low 4 bits of row b's scale,
+//                              then, high nibble, row b + 8's), m_lo[8][8] the same for the mins, hi[8][8] (the top
+//                              2 bits of sc(b), sc(b + 8), m(b), m(b + 8), from bit 0)
+//     Q6_K (288)               d[16]; sc[16][16] int8, group x row
+//     IQ4_XS, Q3_K (128, 224)  d[16]; the 6-bit scales' low nibbles [groups][8] as sc_lo above, then their top 2 bits
+//                              [groups / 2][8]: byte (p, b) holds those of rows b and b + 8 of sub-block 2p at bits
+//                              0-1 and 2-3, of sub-block 2p + 1 at 4-5 and 6-7
+//     Q2_K (320)               d[16], dmin[16]; [16 groups][16 rows] bytes: the scale's 4 bits, then the min's
+//   then the codes in planes: a plane of B bits a code is 64-byte vectors each holding 32 / B inputs of all 16
+//   outputs, byte 4c + b's bits [tB, tB + B) being input 4t + b of output c. The low plane (4 bits: quant_tiles.h's
+//   nibble tiles; Q3_K, Q2_K: 2) holds the codes' low bits, the high plane (Q5_K, Q3_K: 1 bit; Q6_K: 2) the rest.
+// A weight is then
+//   Q4_K, Q5_K, Q2_K:  w = d * sc * q - dmin * m        Q6_K:  w = d * sc * (q - 32)
+//   Q3_K:              w = d * (sc - 32) * (q - 4)      IQ4_XS:  w = d * (sc - 32) * (level[q] - 128)
+// (IQ4_XS's codes index quant_tiles.h's kIq4Levels, IQ4_NL's). The activations are quantized per group (32
+// inputs; 16 for the formats whose sub-blocks are 16) as for the uniform formats, and per group the kernels form
+// the scale and min in float32, exactly (an f16 times a small integer): the same numbers the uniform form holds,
+// so a super-block format computes the same outputs to the bit in either layout.
 
 #pragma once
 
@@ -38,36 +41,44 @@
 
 namespace conveyor {
 
-// How a quantized weight's bytes are laid out: quant_tiles.h's uniform tiles, or one of the K super-blocks.
-enum class QuantLayout : int { kTiles = 0, kQ4K = 1, kQ5K = 2, kQ6K = 3 };
+// How a quantized weight's bytes are laid out: quant_tiles.h's uniform tiles, or one of the super-block layouts.
+enum class QuantLayout : int { kTiles = 0, kQ4K = 1, kQ5K = 2, kQ6K = 3, kIQ4XS = 4, kQ3K = 5, kQ2K = 6 };
 
-constexpr int64_t kSuperBlock = 256;  // inputs per K super-block
-
-// What a kernel needs to know of a K layout, at compile time.
-template <QuantLayout L>
-struct KFormat {
-  static constexpr QuantLayout kLayout = L;
-  static constexpr bool kSix = L == QuantLayout::kQ6K;
-  static constexpr int kGroup = kSix ? 16 : 32;                       // inputs per sub-block scale
-  static constexpr int kGroups = kSuperBlock / kGroup;                // sub-blocks per super-block
-  static constexpr int64_t kHeader = kSix ? 32 + 256 : 256;           // d (and dmin) and the sub-block scales
-  static constexpr int64_t kLowBytes = kQuantTile * kSuperBlock / 2;  // the codes' low 4 bits
-  static constexpr int64_t kGroupLowBytes = kLowBytes / kGroups;
-  static constexpr int64_t kHighBytes = L == QuantLayout::kQ4K ? 0 : kQuantTile * kSuperBlock * (kSix ? 2 : 1) / 8;
-  static constexpr int64_t kGroupHighBytes = kHighBytes / kGroups;
-  static constexpr int64_t kBlockBytes = kHeader + kLowBytes + kHighBytes;
-  static constexpr int32_t kZero = kSix ? 32 : 0;  // Q6_K's zero point; the others have mins
-  static constexpr bool kMins = !kSix;
+// How a layout's header holds its sub-block scales (and mins).
+enum class KScales : int {
+  kSixBitMins,    // Q4_K, Q5_K: d, dmin, 6-bit scales and mins: d * sc and -(dmin * m)
+  kInt8,          // Q6_K: d, int8 scales: d * sc
+  kSixBitSigned,  // IQ4_XS, Q3_K: d, 6-bit scales around 32: d * (sc - 32)
+  kNibbleMins,    // Q2_K: d, dmin, a byte of 4-bit scale and min: d * sc and -(dmin * m)
 };
 
-inline int64_t k_block_bytes(QuantLayout layout) {
-  switch (layout) {
-    case QuantLayout::kQ4K: return KFormat<QuantLayout::kQ4K>::kBlockBytes;
-    case QuantLayout::kQ5K: return KFormat<QuantLayout::kQ5K>::kBlockBytes;
-    case QuantLayout::kQ6K: return KFormat<QuantLayout::kQ6K>::kBlockBytes;
-    default: return 0;
-  }
-}
+constexpr int64_t kSuperBlock = 256;  // inputs per super-block
+
+// What a kernel needs to know of a super-block layout, at compile time.
+template <QuantLayout L>
+struct KFormat {
+  using Q = QuantLayout;
+  static constexpr QuantLayout kLayout = L;
+  static constexpr KScales kScales = L == Q::kQ6K                    ? KScales::kInt8
+                                     : L == Q::kIQ4XS || L == Q::kQ3K ? KScales::kSixBitSigned
+                                     : L == Q::kQ2K                   ? KScales::kNibbleMins
+                                                                      : KScales::kSixBitMins;
+  static constexpr int kGroup = L == Q::kQ6K || L == Q::kQ3K || L == Q::kQ2K ? 16 : 32;  // inputs per sub-block
+  static constexpr int kGroups = kSuperBlock / kGroup;                                  // sub-blocks per super-block
+  static constexpr int kLowBits = L == Q::kQ3K || L == Q::kQ2K ? 2 : 4;
+  static constexpr int kHighBits = L == Q::kQ5K || L == Q::kQ3K ? 1 : L == Q::kQ6K ? 2 : 0;
+  static constexpr bool kMins = kScales == KScales::kSixBitMins || kScales == KScales::kNibbleMins;
+  static constexpr bool kLevels = L == Q::kIQ4XS;  // the codes index kIq4Levels
+  static constexpr int32_t kZero = L == Q::kQ6K ? 32 : L == Q::kQ3K ? 4 : kLevels ? kIq4Zero : 0;  // with no mins
+  static constexpr int32_t kLargest = kLevels ? 255 : (1 << (kLowBits + kHighBits)) - 1;  // a code's largest byte
+  static constexpr int64_t kScaleBytes = kScales == KScales::kSixBitMins    ? 192
+                                         : kScales == KScales::kSixBitSigned ? kGroups * 12
+                                                                             : 256;
+  static constexpr int64_t kHeader = (kMins ? 64 : 32) + kScaleBytes;  // d (and dmin), then the scales
+  static constexpr int64_t kLowBytes = kQuantTile * kSuperBlock * kLowBits / 8;
+  static constexpr int64_t kHighBytes = kQuantTile * kSuperBlock * kHighBits / 8;
+  static constexpr int64_t kBlockBytes = kHeader + kLowBytes + kHighBytes;
+};
 
 // One tile's blocks: `blocks` super-blocks of K::kBlockBytes each.
 struct KTileView {
@@ -83,33 +94,52 @@ inline uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-// Sub-block g's scale and min (Q6_K: min 0) of output c, as the uniform form holds them: d * sc, -(dmin * m).
+// Sub-block g's 6-bit scale of output c in the IQ4_XS/Q3_K header's scale bytes (after d), as stored (0..63).
+template <int Groups>
+inline int six_bit_scale(const uint8_t* scales, int g, int c) {
+  const int b = c % 8, half = c / 8;
+  const int low = (scales[8 * g + b] >> (4 * half)) & 15;
+  return low | (((scales[8 * Groups + 8 * (g / 2) + b] >> (4 * (g % 2) + 2 * half)) & 3) << 4);
+}
+
+// Sub-block g's scale and min (0 where the format has none) of output c, as the uniform form holds them.
 template <typename K>
 inline void k_scale_min(const uint8_t* block, int g, int c, float* scale, float* min) {
-  if constexpr (K::kSix) {
-    *scale = half_to_float(load_u16(block + 2 * c)) * static_cast<float>(static_cast<int8_t>(block[32 + 16 * g + c]));
-    *min = 0.f;
+  const float d = half_to_float(load_u16(block + 2 * c));
+  *min = 0.f;
+  if constexpr (K::kScales == KScales::kInt8) {
+    *scale = d * static_cast<float>(static_cast<int8_t>(block[32 + 16 * g + c]));
+  } else if constexpr (K::kScales == KScales::kSixBitSigned) {
+    *scale = d * static_cast<float>(six_bit_scale<K::kGroups>(block + 32, g, c) - 32);
+  } else if constexpr (K::kScales == KScales::kNibbleMins) {
+    const uint8_t byte = block[64 + 16 * g + c];
+    *scale = d * static_cast<float>(byte & 15);
+    *min = -(half_to_float(load_u16(block + 32 + 2 * c)) * static_cast<float>(byte >> 4));  // -0.0 where m is 0
   } else {
     const int b = c % 8, nibble = 4 * (c / 8);
     const uint8_t hi = block[192 + 8 * g + b];
     const int sc = ((block[64 + 8 * g + b] >> nibble) & 15) | (((hi >> (c / 8 * 2)) & 3) << 4);
     const int m = ((block[128 + 8 * g + b] >> nibble) & 15) | (((hi >> (4 + c / 8 * 2)) & 3) << 4);
-    *scale = half_to_float(load_u16(block + 2 * c)) * static_cast<float>(sc);
+    *scale = d * static_cast<float>(sc);
     *min = -(half_to_float(load_u16(block + 32 + 2 * c)) * static_cast<float>(m));  // -0.0 where m is 0
   }
 }
 
-// The code of output c, input j (0..255) of a block.
+// Output c's bits of input j (0..255 of the super-block) in a plane of Bits bits a code.
+template <int Bits>
+inline int32_t plane_bits(const uint8_t* plane, int c, int j) {
+  constexpr int span = 32 / Bits;  // inputs a 64-byte vector holds
+  return (plane[(j / span) * 64 + c * 4 + j % 4] >> ((j % span) / 4 * Bits)) & ((1 << Bits) - 1);
+}
+
+// The code of output c, input j (0..255) of a block (IQ4_XS: its level).
 template <typename K>
 inline int32_t k_code(const uint8_t* block, int c, int j) {
-  const int g = j / K::kGroup, i = j % K::kGroup;
-  const uint8_t byte = block[K::kHeader + g * K::kGroupLowBytes + (i / 8) * 64 + c * 4 + i % 4];
-  int32_t code = (i % 8) < 4 ? (byte & 0x0f) : (byte >> 4);
-  if constexpr (K::kLayout != QuantLayout::kQ4K) {
-    const uint8_t high = block[K::kHeader + K::kLowBytes + g * K::kGroupHighBytes + c * 4 + i % 4];
-    const int t = i / 4;
-    code |= K::kSix ? ((high >> (2 * t)) & 3) << 4 : ((high >> t) & 1) << 4;
+  int32_t code = plane_bits<K::kLowBits>(block + K::kHeader, c, j);
+  if constexpr (K::kHighBits > 0) {
+    code |= plane_bits<K::kHighBits>(block + K::kHeader + K::kLowBytes, c, j) << K::kLowBits;
   }
+  if constexpr (K::kLevels) return kIq4Levels[code];
   return code;
 }
 
@@ -149,16 +179,77 @@ inline void k_prefetch_group_ahead(const uint8_t* block, int g) {
   for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kQuantAhead + g * share + line, 0, 2);
 }
 
+// Where sub-block g's 16 bytes (one a row) lie in the buffer the 512-bit scale unpacking writes: per 8
+// sub-blocks 128 bytes, the even ones' rows in the first 64 and the odd ones' in the next (vpunpck[lh]qdq's order).
+inline int rows_at(int g) { return 128 * (g / 8) + 64 * (g % 2) + 16 * (g % 8 / 2); }
+
+// Where group g's codes start in a plane of Bits bits a code (a 64-byte vector holds 32 / Bits inputs): the
+// group's first vector, and the bit its first input starts at there (0 but where two groups share a vector: Q3_K's
+// high plane). Unsigned, so that the divisions are shifts.
+template <typename K, int Bits>
+struct PlaneAt {
+  static constexpr unsigned kSpan = 32 / Bits;  // inputs a vector holds
+  static constexpr unsigned kShare = kSpan > K::kGroup ? kSpan / K::kGroup : 1;  // groups a vector holds
+  static int64_t vector(unsigned g) { return kSpan > K::kGroup ? g / kShare : g * (K::kGroup / kSpan); }
+  static int shift(unsigned g) { return static_cast<int>(g % kShare * (K::kGroup / 4) * Bits); }
+};
+
 #if defined(CONVEYOR_AVX2)
-// A block's sub-block scales (and mins) of one half of the tile (outputs 8 * half ..), as float32 [group][8].
-template <typename K>
-inline void k_scales_256(const uint8_t* block, int half, float* scales, float* mins) {
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * half)));
-  if constexpr (K::kSix) {
+// Bits [shift, shift + Bits) of every byte of v moved to bits [To, To + Bits), the others cleared.
+template <int To, int Bits>
+inline __m256i move_bits_256(__m256i v, int shift) {
+  if (shift > To) v = _mm256_srli_epi16(v, shift - To);
+  if (shift < To) v = _mm256_slli_epi16(v, To - shift);
+  return _mm256_and_si256(v, _mm256_set1_epi8(static_cast<char>(((1 << Bits) - 1) << To)));
+}
+
+// The IQ4_XS/Q3_K 6-bit scales of one half of the tile (rows 8 * Half ..) less 32, as int8 [group][8 rows].
+template <int Groups, int Half>
+inline void six_bit_scales_256(const uint8_t* scales, int8_t* out) {
+  const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 4
+  for (int part = 0; part < Groups / 4; ++part) {  // sub-blocks 4 * part .. 4 * part + 3: a qword each
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 32 * part));
+    const __m128i pairs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 8 * Groups + 16 * part));
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_zextsi128_si256(pairs), 0x50);  // each pair's qword twice
+    // Each sub-block's top bits for this half moved to bits 4-5: from 0-1 (even) or 4-5 (odd), rows b; from 2-3
+    // or 6-7, rows b + 8.
+    const __m256i high = Half == 0 ? _mm256_sllv_epi64(hi, _mm256_setr_epi64x(4, 0, 4, 0))
+                                   : _mm256_srlv_epi64(_mm256_sllv_epi64(hi, _mm256_setr_epi64x(2, 0, 2, 0)),
+                                                       _mm256_setr_epi64x(0, 2, 0, 2));
+    const __m256i nibbles = _mm256_and_si256(Half == 0 ? lo : _mm256_srli_epi16(lo, 4), low);
+    const __m256i sc = _mm256_sub_epi8(_mm256_or_si256(nibbles, _mm256_and_si256(high, top)), _mm256_set1_epi8(32));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * part), sc);
+  }
+}
+
+// A block's sub-block scales (and mins) of one half of the tile (outputs 8 * Half ..), as float32 [group][8].
+template <typename K, int Half>
+inline void k_scales_256(const uint8_t* block, float* scales, float* mins) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * Half)));
+  [[maybe_unused]] const __m256 negative_dmin = _mm256_sub_ps(
+      _mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * Half))));
+  const auto eight = [](const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
+  if constexpr (K::kScales == KScales::kInt8) {
 #pragma GCC unroll 16
     for (int g = 0; g < K::kGroups; ++g) {
-      const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 32 + 16 * g + 8 * half));
-      _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+      const __m256i sc = _mm256_cvtepi8_epi32(eight(block + 32 + 16 * g + 8 * Half));
+      _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+    }
+  } else if constexpr (K::kScales == KScales::kSixBitSigned) {
+    alignas(32) int8_t sc[K::kGroups * 8];
+    six_bit_scales_256<K::kGroups, Half>(block + 32, sc);
+#pragma GCC unroll 16
+    for (int g = 0; g < K::kGroups; ++g) {
+      _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight(sc + 8 * g)))));
+    }
+  } else if constexpr (K::kScales == KScales::kNibbleMins) {
+    const __m256i low = _mm256_set1_epi32(15);
+#pragma GCC unroll 16
+    for (int g = 0; g < K::kGroups; ++g) {
+      const __m256i bytes = _mm256_cvtepu8_epi32(eight(block + 64 + 16 * g + 8 * Half));
+      _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low))));
+      _mm256_store_ps(mins + 8 * g, _mm256_mul_ps(negative_dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4))));
     }
   } else {
     // All 8 sub-blocks' 6-bit values at once, as bytes [sub-block][row of the half]: low nibbles, then top bits.
@@ -170,22 +261,46 @@ inline void k_scales_256(const uint8_t* block, int half, float* scales, float* m
 #pragma GCC unroll 2
     for (int part = 0; part < 2; ++part) {
       const __m256i hi = load(192, part);
-      const __m256i sc_lo = _mm256_and_si256(_mm256_srli_epi16(load(64, part), 4 * half), low);
-      const __m256i m_lo = _mm256_and_si256(_mm256_srli_epi16(load(128, part), 4 * half), low);
+      const __m256i sc_lo = _mm256_and_si256(_mm256_srli_epi16(load(64, part), 4 * Half), low);
+      const __m256i m_lo = _mm256_and_si256(_mm256_srli_epi16(load(128, part), 4 * Half), low);
       // sc's top bits at 2 * half, m's at 4 + 2 * half: each moved to bits 4-5
-      const __m256i sc_hi = _mm256_and_si256(half ? _mm256_slli_epi16(hi, 2) : _mm256_slli_epi16(hi, 4), top);
-      const __m256i m_hi = _mm256_and_si256(half ? _mm256_srli_epi16(hi, 2) : hi, top);
+      const __m256i sc_hi = _mm256_and_si256(Half ? _mm256_slli_epi16(hi, 2) : _mm256_slli_epi16(hi, 4), top);
+      const __m256i m_hi = _mm256_and_si256(Half ? _mm256_srli_epi16(hi, 2) : hi, top);
       _mm256_store_si256(reinterpret_cast<__m256i*>(sc + 32 * part), _mm256_or_si256(sc_lo, sc_hi));
       _mm256_store_si256(reinterpret_cast<__m256i*>(m + 32 * part), _mm256_or_si256(m_lo, m_hi));
     }
-    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * half)));
-    const __m256 negative_dmin = _mm256_sub_ps(_mm256_setzero_ps(), dmin);
 #pragma GCC unroll 8
     for (int g = 0; g < K::kGroups; ++g) {
-      const __m256i s8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * g)));
-      const __m256i m8 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m + 8 * g)));
+      const __m256i s8 = _mm256_cvtepu8_epi32(eight(sc + 8 * g));
+      const __m256i m8 = _mm256_cvtepu8_epi32(eight(m + 8 * g));
       _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s8)));
       _mm256_store_ps(mins + 8 * g, _mm256_mul_ps(negative_dmin, _mm256_cvtepi32_ps(m8)));
+    }
+  }
+}
+
+// One group's codes of one half of the tile as bytes: operand t holds inputs 4t .. 4t + 3 of every output, the low
+// plane's bits or'ed with the high plane's above them (IQ4_XS: the codes still, not their levels). The shifts are
+// the unrolled loop's constants, but for a high plane two groups share (Q3_K: one shift by the group's place).
+template <typename K, int Half>
+inline void k_codes_256(const uint8_t* block, int g, __m256i* operand) {
+  using Low = PlaneAt<K, K::kLowBits>;
+  const auto load = [&](const uint8_t* plane, int64_t vector) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane + vector * 64 + 32 * Half));
+  };
+  const uint8_t* low = block + K::kHeader;
+  [[maybe_unused]] __m256i high;
+  if constexpr (K::kHighBits > 0) {
+    using High = PlaneAt<K, K::kHighBits>;
+    high = load(block + K::kHeader + K::kLowBytes, High::vector(g));
+    if constexpr (High::kShare > 1) high = _mm256_srl_epi16(high, _mm_cvtsi32_si128(High::shift(g)));
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < K::kGroup / 4; ++t) {
+    const __m256i v = load(low, Low::vector(g) + 4 * t / Low::kSpan);
+    operand[t] = move_bits_256<0, K::kLowBits>(v, 4 * t % Low::kSpan / 4 * K::kLowBits);
+    if constexpr (K::kHighBits > 0) {
+      operand[t] = _mm256_or_si256(operand[t], move_bits_256<K::kLowBits, K::kHighBits>(high, t * K::kHighBits));
     }
   }
 }
@@ -199,53 +314,37 @@ inline __m256i k_dot(__m256i acc, __m256i codes, __m256i x) {
 
 // One group's integer sums sum(code * xq) for Rows rows against one half of the tile (8 outputs, int32 lanes).
 // Without VNNI vpmaddubsw's int16 pair sums are added up while they fit (a pair is at most 2 * 63 * 127 for Q6_K,
-// 2 * 31 * 127 for Q5_K) before one vpmaddwd widens them.
-template <typename K, int Rows, bool Vnni>
+// 2 * 31 * 127 for Q5_K) before one vpmaddwd widens them; IQ4_XS's levels go through it as quant_tiles.h's
+// group_sums_256 takes IQ4_NL's (signed, as magnitudes, the signs moved onto the activations).
+template <typename K, int Half, int Rows, bool Vnni>
 inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group, const uint8_t* block, int g,
-                             int half, __m256i* sum) {
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
-  const uint8_t* codes = block + K::kHeader + g * K::kGroupLowBytes + 32 * half;
+                             __m256i* sum) {
+  constexpr bool kSigned = K::kLevels && !Vnni;  // the levels less 128, as magnitudes and signs
+  const __m256i ones = _mm256_set1_epi16(1);
   const auto xq = [&](int r, int input) {
     return _mm256_set1_epi32(load_i32(x.q + (row + r) * x.k + group * K::kGroup + input));
   };
-  // the codes of inputs 4t .. 4t + 3 of every output, as bytes: low nibbles or'ed with the top bits
   __m256i operand[K::kGroup / 4];
-  __m256i high = _mm256_setzero_si256();
-  if constexpr (K::kLayout != QuantLayout::kQ4K) {
-    high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + K::kHeader + K::kLowBytes +
-                                                                g * K::kGroupHighBytes + 32 * half));
+  [[maybe_unused]] __m256i sign[K::kGroup / 4];
+  k_codes_256<K, Half>(block, g, operand);
+  if constexpr (K::kLevels) {
+#pragma GCC unroll 8
+    for (int t = 0; t < K::kGroup / 4; ++t) {
+      operand[t] = levels_256<kSigned>(operand[t]);
+      if constexpr (kSigned) sign[t] = operand[t], operand[t] = _mm256_abs_epi8(operand[t]);
+    }
   }
-#pragma GCC unroll 4
-  for (int o = 0; o < K::kGroup / 8; ++o) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * o));
-    operand[2 * o] = _mm256_and_si256(v, low);
-    operand[2 * o + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-  }
-  if constexpr (K::kSix) {  // bits 2t, 2t + 1 of the high bytes to bits 4-5
-    const __m256i top = _mm256_set1_epi8(0x30);
-    operand[0] = _mm256_or_si256(operand[0], _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
-    operand[1] = _mm256_or_si256(operand[1], _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
-    operand[2] = _mm256_or_si256(operand[2], _mm256_and_si256(high, top));
-    operand[3] = _mm256_or_si256(operand[3], _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
-  } else if constexpr (K::kLayout == QuantLayout::kQ5K) {  // bit t of the high bytes to bit 4
-    const __m256i bit = _mm256_set1_epi8(0x10);
-    operand[0] = _mm256_or_si256(operand[0], _mm256_and_si256(_mm256_slli_epi16(high, 4), bit));
-    operand[1] = _mm256_or_si256(operand[1], _mm256_and_si256(_mm256_slli_epi16(high, 3), bit));
-    operand[2] = _mm256_or_si256(operand[2], _mm256_and_si256(_mm256_slli_epi16(high, 2), bit));
-    operand[3] = _mm256_or_si256(operand[3], _mm256_and_si256(_mm256_slli_epi16(high, 1), bit));
-    operand[4] = _mm256_or_si256(operand[4], _mm256_and_si256(high, bit));
-    operand[5] = _mm256_or_si256(operand[5], _mm256_and_si256(_mm256_srli_epi16(high, 1), bit));
-    operand[6] = _mm256_or_si256(operand[6], _mm256_and_si256(_mm256_srli_epi16(high, 2), bit));
-    operand[7] = _mm256_or_si256(operand[7], _mm256_and_si256(_mm256_srli_epi16(high, 3), bit));
-  }
-  // Without VNNI: how many vpmaddubsw results an int16 lane holds (Q4_K: all 8; Q5_K: 4; Q6_K: 2).
-  constexpr int per_widen = Vnni ? K::kGroup / 4 : (K::kLayout == QuantLayout::kQ4K ? 8 : K::kSix ? 2 : 4);
+  // Without VNNI: how many vpmaddubsw results an int16 lane holds (Q4_K: all 8; Q5_K: 4; Q6_K: 2; IQ4_XS: 1).
+  constexpr int largest = kSigned ? 127 : K::kLargest;
+  constexpr int per_widen = Vnni ? K::kGroup / 4 : std::min(K::kGroup / 4, 32767 / (2 * largest * 127));
+  static_assert(K::kGroup / 4 % per_widen == 0, "the widenings split a group evenly");
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) {
     __m256i total = _mm256_setzero_si256(), part = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int t = 0; t < K::kGroup / 4; ++t) {
-      part = k_dot<Vnni>(part, operand[t], xq(r, 4 * t));
+      const __m256i activations = kSigned ? _mm256_sign_epi8(xq(r, 4 * t), sign[t]) : xq(r, 4 * t);
+      part = k_dot<Vnni>(part, operand[t], activations);
       if constexpr (!Vnni) {
         if ((t + 1) % per_widen == 0) {
           total = _mm256_add_epi32(total, _mm256_madd_epi16(part, ones));
@@ -254,26 +353,30 @@ inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group,
       }
     }
     sum[r] = Vnni ? part : total;
+    if constexpr (kSigned) {  // back to the levels' sum, which the zero point then centres
+      sum[r] = _mm256_add_epi32(sum[r], _mm256_set1_epi32(kIq4Zero * x.sums[(row + r) * x.groups + group]));
+    }
   }
 }
 
-// One half of the tile for Rows rows; the tile takes two passes, the second finding the tile's bytes in L1.
-template <typename K, int Rows, bool Vnni>
-void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, int half, float* y, int64_t ldy,
-                     int64_t cols) {
+// One half of the tile for Rows rows; the tile takes two passes, the second finding the tile's bytes in L1. The
+// half is a template argument: left to the compiler to propagate, the generic planes' addressing stopped it doing
+// so, and Q5_K and Q6_K ran 6-13% slower at one row.
+template <typename K, int Half, int Rows, bool Vnni>
+void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
   __m256 acc[Rows];
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
   alignas(32) float scales[K::kGroups * 8], mins[K::kGroups * 8];
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* block = t.data + b * K::kBlockBytes;
-    k_scales_256<K>(block, half, scales, mins);
+    k_scales_256<K, Half>(block, scales, mins);
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      if (half == 0) k_prefetch_group_ahead<K>(block, g);  // the second half finds the tile in L1
+      if constexpr (Half == 0) k_prefetch_group_ahead<K>(block, g);  // the second half finds the tile in L1
       __m256i sum[Rows];
-      k_group_sums_256<K, Rows, Vnni>(x, row, group, block, g, half, sum);
+      k_group_sums_256<K, Half, Rows, Vnni>(x, row, group, block, g, sum);
       const __m256 s = _mm256_load_ps(scales + 8 * g);
       const __m256 m = K::kMins ? _mm256_load_ps(mins + 8 * g) : _mm256_setzero_ps();
 #pragma GCC unroll 4
@@ -288,22 +391,72 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, in
 
 template <typename K, int Rows, bool Vnni>
 void k_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
-  k_half_tile_256<K, Rows, Vnni>(x, row, t, 0, y, ldy, std::min<int64_t>(cols, 8));
-  if (cols > 8) k_half_tile_256<K, Rows, Vnni>(x, row, t, 1, y + 8, ldy, cols - 8);
+  k_half_tile_256<K, 0, Rows, Vnni>(x, row, t, y, ldy, std::min<int64_t>(cols, 8));
+  if (cols > 8) k_half_tile_256<K, 1, Rows, Vnni>(x, row, t, y + 8, ldy, cols - 8);
 }
 #endif
 
 #if defined(CONVEYOR_VNNI512)
+// Bits [shift, shift + Bits) of every byte of v moved to bits [To, To + Bits), the others cleared.
+template <int To, int Bits>
+inline __m512i move_bits_512(__m512i v, int shift) {
+  if (shift > To) v = _mm512_srli_epi16(v, shift - To);
+  if (shift < To) v = _mm512_slli_epi16(v, To - shift);
+  return _mm512_and_si512(v, _mm512_set1_epi8(static_cast<char>(((1 << Bits) - 1) << To)));
+}
+
+// The IQ4_XS/Q3_K 6-bit scales of all 16 rows less 32, as int8 bytes at rows_at(g): per 8 sub-blocks, their low
+// nibbles (a qword each) beside their pairs' top bits (each pair's qword twice), a sub-block's top bits moved to
+// bits 4-5 by rotating its qword: by 4 (even, rows b) or 0 (odd), by 2 (even, rows b + 8) or -2 (odd).
+template <int Groups>
+inline void six_bit_scales_512(const uint8_t* scales, int8_t* out) {
+  const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(32);
+  const __m512i twice = _mm512_setr_epi64(0, 0, 1, 1, 2, 2, 3, 3);
+#pragma GCC unroll 2
+  for (int part = 0; part < Groups / 8; ++part) {
+    const __m512i lo = _mm512_loadu_si512(scales + 64 * part);
+    const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + 8 * Groups + 32 * part));
+    const __m512i hi = _mm512_permutexvar_epi64(twice, _mm512_zextsi256_si512(pairs));
+    const __m512i rows_a = _mm512_rolv_epi64(hi, _mm512_setr_epi64(4, 0, 4, 0, 4, 0, 4, 0));
+    const __m512i rows_b = _mm512_rolv_epi64(hi, _mm512_setr_epi64(2, 62, 2, 62, 2, 62, 2, 62));
+    const __m512i a = _mm512_or_si512(_mm512_and_si512(lo, low), _mm512_and_si512(rows_a, top));
+    const __m512i b = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(lo, 4), low), _mm512_and_si512(rows_b, top));
+    _mm512_storeu_si512(out + 128 * part, _mm512_sub_epi8(_mm512_unpacklo_epi64(a, b), bias));
+    _mm512_storeu_si512(out + 128 * part + 64, _mm512_sub_epi8(_mm512_unpackhi_epi64(a, b), bias));
+  }
+}
+
 // A block's sub-block scales and mins of all 16 outputs, as float32 [group][16]: k_scales_256's numbers, both
 // halves at once.
 template <typename K>
 inline void k_scales_512(const uint8_t* block, float* scales, float* mins) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
-  if constexpr (K::kSix) {
+  const auto halves = [](const uint8_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
+  const __m512 d = halves(block);
+  [[maybe_unused]] const __m512 negative_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(block + 32));
+  const auto sixteen = [](const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  if constexpr (K::kScales == KScales::kInt8) {
 #pragma GCC unroll 16
     for (int g = 0; g < K::kGroups; ++g) {
-      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * g));
-      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+      const __m512i sc = _mm512_cvtepi8_epi32(sixteen(block + 32 + 16 * g));
+      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+    }
+  } else if constexpr (K::kScales == KScales::kSixBitSigned) {
+    alignas(64) int8_t sc[K::kGroups * 16];
+    six_bit_scales_512<K::kGroups>(block + 32, sc);
+#pragma GCC unroll 16
+    for (int g = 0; g < K::kGroups; ++g) {
+      const __m512i s32 = _mm512_cvtepi8_epi32(sixteen(sc + rows_at(g)));
+      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s32)));
+    }
+  } else if constexpr (K::kScales == KScales::kNibbleMins) {
+    const __m512i low = _mm512_set1_epi32(15);
+#pragma GCC unroll 16
+    for (int g = 0; g < K::kGroups; ++g) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(sixteen(block + 64 + 16 * g));
+      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low))));
+      _mm512_store_ps(mins + 16 * g, _mm512_mul_ps(negative_dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4))));
     }
   } else {
     const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
@@ -317,58 +470,49 @@ inline void k_scales_512(const uint8_t* block, float* scales, float* mins) {
     const __m512i m_a = _mm512_or_si512(_mm512_and_si512(m_lo, low), _mm512_and_si512(hi, top));
     const __m512i m_b = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(m_lo, 4), low),
                                         _mm512_and_si512(_mm512_srli_epi16(hi, 2), top));
-    // Sub-block g's 16 rows side by side: the even sub-blocks in one vector's 128-bit lanes, the odd in another.
+    // Sub-block g's 16 rows side by side at rows_at(g): the even sub-blocks in one vector's 128-bit lanes, the odd
+    // in another.
     alignas(64) uint8_t sc[128], m[128];
     _mm512_store_si512(sc, _mm512_unpacklo_epi64(sc_a, sc_b));
     _mm512_store_si512(sc + 64, _mm512_unpackhi_epi64(sc_a, sc_b));
     _mm512_store_si512(m, _mm512_unpacklo_epi64(m_a, m_b));
     _mm512_store_si512(m + 64, _mm512_unpackhi_epi64(m_a, m_b));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
-    const __m512 negative_dmin = _mm512_sub_ps(_mm512_setzero_ps(), dmin);
 #pragma GCC unroll 8
     for (int g = 0; g < K::kGroups; ++g) {
-      const int at = 64 * (g % 2) + 16 * (g / 2);
-      const __m512i s8 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sc + at)));
-      const __m512i m8 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(m + at)));
+      const __m512i s8 = _mm512_cvtepu8_epi32(sixteen(sc + rows_at(g)));
+      const __m512i m8 = _mm512_cvtepu8_epi32(sixteen(m + rows_at(g)));
       _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s8)));
       _mm512_store_ps(mins + 16 * g, _mm512_mul_ps(negative_dmin, _mm512_cvtepi32_ps(m8)));
     }
   }
 }
 
-// One group's codes of all 16 outputs as vpdpbusd operands: operand t holds inputs 4t .. 4t + 3, low nibbles
-// or'ed with the bits above the fourth.
+// One group's codes of all 16 outputs as vpdpbusd operands: operand t holds inputs 4t .. 4t + 3, the low plane's
+// bits or'ed with the high plane's above them (IQ4_XS: looked up into their levels), as k_codes_256 takes them.
 template <typename K>
 inline void k_operands_512(const uint8_t* block, int g, __m512i* operand) {
-  const __m512i low = _mm512_set1_epi8(0x0f);
-  const uint8_t* codes = block + K::kHeader + g * K::kGroupLowBytes;
-#pragma GCC unroll 4
-  for (int o = 0; o < K::kGroup / 8; ++o) {
-    const __m512i v = _mm512_loadu_si512(codes + 64 * o);
-    operand[2 * o] = _mm512_and_si512(v, low);
-    operand[2 * o + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  using Low = PlaneAt<K, K::kLowBits>;
+  const uint8_t* low = block + K::kHeader;
+  [[maybe_unused]] __m512i high;
+  if constexpr (K::kHighBits > 0) {
+    using High = PlaneAt<K, K::kHighBits>;
+    high = _mm512_loadu_si512(block + K::kHeader + K::kLowBytes + High::vector(g) * 64);
+    if constexpr (High::kShare > 1) high = _mm512_srl_epi16(high, _mm_cvtsi32_si128(High::shift(g)));
   }
-  if constexpr (K::kLayout == QuantLayout::kQ4K) return;
-  const __m512i high = _mm512_loadu_si512(block + K::kHeader + K::kLowBytes + g * K::kGroupHighBytes);
-  if constexpr (K::kSix) {  // bits 2t, 2t + 1 to bits 4-5
-    const __m512i top = _mm512_set1_epi8(0x30);
-    operand[0] = _mm512_or_si512(operand[0], _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
-    operand[1] = _mm512_or_si512(operand[1], _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
-    operand[2] = _mm512_or_si512(operand[2], _mm512_and_si512(high, top));
-    operand[3] = _mm512_or_si512(operand[3], _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
-  } else {  // Q5_K: bit t to bit 4
-    const __m512i bit = _mm512_set1_epi8(0x10);
 #pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) {
-      const __m512i moved = t < 4 ? _mm512_slli_epi16(high, 4 - t) : _mm512_srli_epi16(high, t - 4);
-      operand[t] = _mm512_or_si512(operand[t], _mm512_and_si512(moved, bit));
+  for (int t = 0; t < K::kGroup / 4; ++t) {
+    const __m512i v = _mm512_loadu_si512(low + (Low::vector(g) + 4 * t / Low::kSpan) * 64);
+    operand[t] = move_bits_512<0, K::kLowBits>(v, 4 * t % Low::kSpan / 4 * K::kLowBits);
+    if constexpr (K::kHighBits > 0) {
+      operand[t] = _mm512_or_si512(operand[t], move_bits_512<K::kLowBits, K::kHighBits>(high, t * K::kHighBits));
     }
+    operand[t] = code_bytes_512<K::kLevels>(operand[t]);
   }
 }
 
 // 512 bits: one zmm holds a row's 16 outputs, so the tile takes one pass. As quant_tile_vnni512, the rows
 // sum each group in two chains (even and odd operands) that the core overlaps; the scaling is that kernel's,
-// so a K layout and its uniform form give the same bits.
+// so a super-block layout and its uniform form give the same bits.
 template <typename K, int Rows>
 void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
   __m512 acc[Rows];
@@ -420,10 +564,10 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
 
 using KTileFn = void (*)(const QuantizedRows&, int64_t, const KTileView&, float*, int64_t, int64_t);
 
-// A kind's K micro-kernels by rows (1 to 4, on every kind). A K group's operands are all unpacked before the rows
-// run (8 registers for Q4_K and Q5_K), so 8 rows in one vnni512 tile ran out of registers: on a Zen 4, 8 rows of
-// one 4,096 x 14,336 Q6_K weight took 4.0 ms in one tile where two tiles of 4 take 2.4 (Q4_K: 2.4 and 1.9 ms),
-// and 64 rows the same either way.
+// A kind's super-block micro-kernels by rows (1 to 4, on every kind). A group's operands are all unpacked before
+// the rows run (8 registers for Q4_K and Q5_K), so 8 rows in one vnni512 tile ran out of registers: on a Zen 4,
+// 8 rows of one 4,096 x 14,336 Q6_K weight took 4.0 ms in one tile where two tiles of 4 take 2.4 (Q4_K: 2.4 and
+// 1.9 ms), and 64 rows the same either way.
 template <typename K, QuantDot Dot>
 struct KQuantKernels {
   static constexpr int kMaxRows = 4;

@@ -155,16 +155,43 @@ inline QuantWeight quant_weight(const uint8_t* codes, const void* scales, const 
   return w;
 }
 
-// The K layout of a GGUF type name; a clear error for any other.
+// The super-block layouts by their GGUF type names.
+inline constexpr std::pair<const char*, QuantLayout> kSuperBlockTypes[] = {
+    {"Q4_K", QuantLayout::kQ4K},     {"Q5_K", QuantLayout::kQ5K}, {"Q6_K", QuantLayout::kQ6K},
+    {"IQ4_XS", QuantLayout::kIQ4XS}, {"Q3_K", QuantLayout::kQ3K}, {"Q2_K", QuantLayout::kQ2K},
+};
+
+// The super-block layout of a GGUF type name; a clear error for any other.
 inline QuantLayout k_layout(const std::string& type) {
-  if (type == "Q4_K") return QuantLayout::kQ4K;
-  if (type == "Q5_K") return QuantLayout::kQ5K;
-  if (type == "Q6_K") return QuantLayout::kQ6K;
-  CONVEYOR_CHECK(false, "no K layout for ", type, " (Q4_K, Q5_K, Q6_K)");
+  std::string names;
+  for (const auto& [name, layout] : kSuperBlockTypes) {
+    if (type == name) return layout;
+    names += (names.empty() ? "" : ", ") + std::string(name);
+  }
+  CONVEYOR_CHECK(false, "no super-block layout for ", type, " (", names, ")");
   return QuantLayout::kTiles;
 }
 
-// A K-quant weight [n, k] over its blocks in kquant_tiles.h's layout: uint8 [tiles, k / 256, block bytes].
+// Runs f(KFormat<L>{}) for a super-block layout L (the uniform tiles are none).
+template <typename Fn>
+auto with_k_format(QuantLayout layout, const Fn& f) {
+  switch (layout) {
+    case QuantLayout::kQ5K: return f(KFormat<QuantLayout::kQ5K>{});
+    case QuantLayout::kQ6K: return f(KFormat<QuantLayout::kQ6K>{});
+    case QuantLayout::kIQ4XS: return f(KFormat<QuantLayout::kIQ4XS>{});
+    case QuantLayout::kQ3K: return f(KFormat<QuantLayout::kQ3K>{});
+    case QuantLayout::kQ2K: return f(KFormat<QuantLayout::kQ2K>{});
+    case QuantLayout::kQ4K: break;
+    case QuantLayout::kTiles: CONVEYOR_CHECK(false, "the uniform tiles are no super-block layout");
+  }
+  return f(KFormat<QuantLayout::kQ4K>{});
+}
+
+inline int64_t k_block_bytes(QuantLayout layout) {
+  return with_k_format(layout, [](auto format) { return decltype(format)::kBlockBytes; });
+}
+
+// A super-block weight [n, k] over its blocks in kquant_tiles.h's layout: uint8 [tiles, k / 256, block bytes].
 inline QuantWeight k_quant_weight(const uint8_t* blocks, const std::string& type, int64_t n, int64_t k) {
   QuantWeight w;
   w.layout = k_layout(type);
@@ -172,8 +199,11 @@ inline QuantWeight k_quant_weight(const uint8_t* blocks, const std::string& type
                  " weight is no whole number of ", kSuperBlock, "-input super-blocks");
   w.n = n;
   w.k = k;
-  w.group = w.layout == QuantLayout::kQ6K ? 16 : 32;
-  w.code_bits = w.storage_bits = w.layout == QuantLayout::kQ4K ? 4 : w.layout == QuantLayout::kQ5K ? 5 : 6;
+  with_k_format(w.layout, [&](auto format) {
+    using K = decltype(format);
+    w.group = K::kGroup;
+    w.code_bits = w.storage_bits = K::kLowBits + K::kHighBits;
+  });
   w.scales_f16 = false;
   w.codes_data = blocks;
   w.own_bytes = w.tiles() * (k / kSuperBlock) * k_block_bytes(w.layout);
@@ -313,11 +343,10 @@ void with_quant_dot(QuantDot dot, const Fn& f) {
   }
 }
 
-// The rows of a K-layout weight (kquant_tiles.h) from activations quantized already.
-template <QuantLayout L>
+// The rows of a super-block weight (kquant_tiles.h) from activations quantized already.
+template <typename K>
 void k_linear_rows(const QuantizedRows& xq, int64_t m, const QuantWeight& w, const float* bias, float* y,
                    int64_t ldy, QuantDot dot) {
-  using K = KFormat<L>;
   const int64_t blocks = w.k / kSuperBlock;
   with_quant_dot(dot, [&](auto kind) {
     using T = KQuantKernels<K, decltype(kind)::value>;
@@ -346,11 +375,10 @@ inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, c
     return;
   }
   const QuantizedRows xq = quantize_rows(x, m, w.k, w.group);
-  switch (w.layout) {
-    case QuantLayout::kQ4K: return k_linear_rows<QuantLayout::kQ4K>(xq, m, w, bias, y, ldy, dot);
-    case QuantLayout::kQ5K: return k_linear_rows<QuantLayout::kQ5K>(xq, m, w, bias, y, ldy, dot);
-    case QuantLayout::kQ6K: return k_linear_rows<QuantLayout::kQ6K>(xq, m, w, bias, y, ldy, dot);
-    case QuantLayout::kTiles: break;
+  if (w.layout != QuantLayout::kTiles) {
+    return with_k_format(w.layout, [&](auto format) {
+      k_linear_rows<decltype(format)>(xq, m, w, bias, y, ldy, dot);
+    });
   }
   const int64_t n = w.n;
   with_quant_format(w, [&](auto format) {
@@ -366,10 +394,9 @@ inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, c
   });
 }
 
-// Row `id` of a K-layout weight as float32 [k].
-template <QuantLayout L>
+// Row `id` of a super-block weight as float32 [k].
+template <typename K>
 void k_dequantize_row(const QuantWeight& w, int64_t id, float* out) {
-  using K = KFormat<L>;
   const int64_t blocks = w.k / kSuperBlock;
   const int c = static_cast<int>(id % kQuantTile);
   const uint8_t* tile = w.codes_data + (id / kQuantTile) * blocks * K::kBlockBytes;
@@ -398,11 +425,9 @@ inline void dequantize_rows(const QuantWeight& w, const int64_t* ids, int64_t co
       id -= p.n;
     }
     float* row = out + i * w.k;
-    switch (part->layout) {
-      case QuantLayout::kQ4K: k_dequantize_row<QuantLayout::kQ4K>(*part, id, row); continue;
-      case QuantLayout::kQ5K: k_dequantize_row<QuantLayout::kQ5K>(*part, id, row); continue;
-      case QuantLayout::kQ6K: k_dequantize_row<QuantLayout::kQ6K>(*part, id, row); continue;
-      case QuantLayout::kTiles: break;
+    if (part->layout != QuantLayout::kTiles) {
+      with_k_format(part->layout, [&](auto format) { k_dequantize_row<decltype(format)>(*part, id, row); });
+      continue;
     }
     with_quant_format(*part, [&](auto format) {
       using F = decltype(format);
