@@ -5,8 +5,9 @@
 //   ./kernel_check test      every quantized layout, every dot-product kind this CPU has, 1 to 100 rows:
 //                            against a double-precision reference, and each row bit-equal to its run alone;
 //                            attention over a paged cache likewise (decodes, drafts, windows; 1 and 2 threads)
-//   ./kernel_check bench [N K [LAYOUTS]]   one quantized GEMV and 16- and 64-row GEMMs per layout (or those
-//                            named, comma-separated: Q4_K,IQ4_XS) and kind: GB/s and weights times rows a second
+//   ./kernel_check bench [N K [LAYOUTS [KINDS]]]   one quantized GEMV and 16- and 64-row GEMMs per layout and
+//                            kind (or those named, comma-separated: Q4_K,IQ4_XS vnni512): GB/s and weights times
+//                            rows a second
 //
 // The weights are random bytes in each layout (scales kept finite), which the kernels read like any other.
 
@@ -281,15 +282,21 @@ int run_tests() {
   return failures == 0 ? 0 : 1;
 }
 
-int run_bench(int64_t n, int64_t k, const std::string& only) {
+// Whether `name` is in the comma-separated `names` (all are, when it is empty).
+bool named(const std::string& names, const std::string& name) {
+  return names.empty() || ("," + names + ",").find("," + name + ",") != std::string::npos;
+}
+
+int run_bench(int64_t n, int64_t k, const std::string& layouts_named, const std::string& kinds_named) {
   std::mt19937 rng(11);
   std::printf("[%lld, %lld] weights, %lld threads\n", static_cast<long long>(n), static_cast<long long>(k),
               static_cast<long long>(conveyor::num_threads()));
   for (const Layout& layout : layouts()) {
-    if (!only.empty() && ("," + only + ",").find("," + layout.name + ",") == std::string::npos) continue;
+    if (!named(layouts_named, layout.name)) continue;
     std::vector<uint8_t> bytes;
     const QuantWeight w = random_weight(layout, n, k, rng, bytes);
     for (const std::string& name : conveyor::quant_dots()) {
+      if (!named(kinds_named, name)) continue;
       const QuantDot dot = conveyor::parse_quant_dot(name);
       for (int64_t m : {1, 16, 64}) {
         const std::vector<float> x = random_rows(m, k, rng);
@@ -321,12 +328,12 @@ int main(int argc, char** argv) {
     if (mode == "test") return run_tests();
     if (mode == "bench") {
       const int64_t n = argc > 2 ? std::atoll(argv[2]) : 4096, k = argc > 3 ? std::atoll(argv[3]) : 4096;
-      return run_bench(n, k, argc > 4 ? argv[4] : "");
+      return run_bench(n, k, argc > 4 ? argv[4] : "", argc > 5 ? argv[5] : "");
     }
   } catch (const std::exception& error) {
     std::printf("error: %s\n", error.what());
     return 2;
   }
-  std::printf("usage: kernel_check [test | bench [N K [LAYOUTS]]]\n");
+  std::printf("usage: kernel_check [test | bench [N K [LAYOUTS [KINDS]]]]\n");
   return 2;
 }
