@@ -14,10 +14,9 @@ reference sees.
 Why exactness holds (tested bit-for-bit over the whole finite f16 range): each weight's ``scale * code``
 is an f16 (11 significant bits) times integers whose product stays within 2**12 (Q6_K's
 ``|sc * (q - 32)| <= 128 * 32``, the K-quants' ``63 * 31``, Q8_0's ``128``, IQ4_XS's ``32 * 127``), so it is
-exact in float32,
-and gguf's own float32 arithmetic rounds at most once, at the final ``+ min``. Here the whole affine
-expression is computed in float64, where it is exact (its terms are multiples of 2**-24 below 2**28), and
-rounded once to float32: the same single, correctly rounded step.
+exact in float32, and gguf's own float32 arithmetic rounds at most once, at the final ``+ min``. Here the whole
+affine expression is computed in float64, where it is exact (its terms are multiples of 2**-24 below 2**28),
+and rounded once to float32: the same single, correctly rounded step.
 
 :func:`pack_tiles` then lays the codes out for the kernels: 16 output rows per tile, and within a
 (tile, group) block, 4 consecutive inputs for each of the 16 rows side by side, so one 64-byte vector is

@@ -176,15 +176,16 @@ inline QuantLayout k_layout(const std::string& type) {
 template <typename Fn>
 auto with_k_format(QuantLayout layout, const Fn& f) {
   switch (layout) {
+    case QuantLayout::kQ4K: return f(KFormat<QuantLayout::kQ4K>{});
     case QuantLayout::kQ5K: return f(KFormat<QuantLayout::kQ5K>{});
     case QuantLayout::kQ6K: return f(KFormat<QuantLayout::kQ6K>{});
     case QuantLayout::kIQ4XS: return f(KFormat<QuantLayout::kIQ4XS>{});
     case QuantLayout::kQ3K: return f(KFormat<QuantLayout::kQ3K>{});
     case QuantLayout::kQ2K: return f(KFormat<QuantLayout::kQ2K>{});
-    case QuantLayout::kQ4K: break;
-    case QuantLayout::kTiles: CONVEYOR_CHECK(false, "the uniform tiles are no super-block layout");
+    case QuantLayout::kTiles: break;
   }
-  return f(KFormat<QuantLayout::kQ4K>{});
+  CONVEYOR_CHECK(false, "the uniform tiles are no super-block layout");
+  return f(KFormat<QuantLayout::kQ4K>{});  // not reached: the check throws
 }
 
 inline int64_t k_block_bytes(QuantLayout layout) {
