@@ -36,8 +36,12 @@ from conveyor.model.weights.paths import default_model_path
 
 # (name, inputs per request, requests in flight): queries one by one, many at once; documents in batches.
 SHAPES = (("queries", 1, 16), ("documents", 32, 1))
-LLAMACPP_ARGS = ("--embeddings", "--pooling", "last", "-np", "16", "-c", "16384", "-b", "2048", "-ub", "2048",
-                 "--no-ui")
+# The fastest of the flags tried on the default model's file (2-core Zen 4, 64 inputs of 128 tokens a shape):
+# 4 slots of 512 tokens, 2.4 inputs/s both shapes; 16 slots of 1,024 with 2,048-token batches, 1.1; 16 slots of 256,
+# 0.7-0.8; the same, not unified, with 2,048-token batches, 1.0-1.8. llama.cpp marks every token of an input an
+# output when it pools a generative model's states, and runs the LM head on each (its log: "embeddings required
+# but some input tokens were not marked as outputs -> overriding").
+LLAMACPP_ARGS = ("--embeddings", "--pooling", "last", "-np", "4", "-c", "2048", "--no-ui")
 
 
 def inputs(count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -59,22 +63,23 @@ async def embed_all(base: str, given: list[list[int]], per_request: int, in_flig
     return [vector for result in results for vector in result]
 
 
-def timed(base: str, given: list[list[int]]) -> dict[str, tuple[float, list[list[float]]]]:
-    """Each shape's seconds and vectors, after a warm-up of a few inputs."""
-    asyncio.run(embed_all(base, given[:4], 1, 4))
+def timed(base: str, given: dict[str, list[list[int]]]) -> dict[str, tuple[float, list[list[float]]]]:
+    """Each shape's seconds and vectors (each shape its own inputs, so none finds another's in a prompt cache),
+    after a warm-up of a few inputs of none of them."""
+    asyncio.run(embed_all(base, given["warm-up"], 1, 4))
     runs = {}
     for name, per_request, in_flight in SHAPES:
         start = time.perf_counter()
-        vectors = asyncio.run(embed_all(base, given, per_request, in_flight))
+        vectors = asyncio.run(embed_all(base, given[name], per_request, in_flight))
         runs[name] = (time.perf_counter() - start, vectors)
     return runs
 
 
 @contextlib.contextmanager
-def llamacpp_server(model: str, threads: int) -> Iterator[str]:
+def llamacpp_server(model: str, threads: int, flags: tuple[str, ...]) -> Iterator[str]:
     port = http_client.free_port()
     process: subprocess.Popen = run_llamacpp.start_server(model, port, run_llamacpp.DIR / "embeddings.log",
-                                                          threads, LLAMACPP_ARGS)
+                                                          threads, flags)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -93,16 +98,20 @@ def main() -> None:
     parser.add_argument("--inputs", type=int, default=256, help="inputs per shape")
     parser.add_argument("--length", type=int, default=128, help="tokens per input")
     parser.add_argument("--json", default=None, help="write the results to this file as JSON")
+    parser.add_argument("--llamacpp-args", default=" ".join(LLAMACPP_ARGS),
+                        help=f"llama-server's flags beside -m and -t (default: {' '.join(LLAMACPP_ARGS)})")
     args = parser.parse_args()
     model = str(Path(args.model).resolve()) if args.model else str(default_model_path())
-    given = inputs(args.inputs, args.length)
+    given = {name: inputs(count, args.length, seed) for seed, (name, count) in
+             enumerate([("warm-up", 4), *((shape[0], args.inputs) for shape in SHAPES)])}
     conveyor_flags = ["--model", model, "--num-threads", str(args.threads), "--pooling", "last"]
     with local_server(conveyor_flags) as base:
         ours = timed(base, given)
-    with llamacpp_server(model, args.threads) as base:
+    with llamacpp_server(model, args.threads, tuple(args.llamacpp_args.split())) as base:
         theirs = timed(base, given)
     results = {"machine": machine_info(args.threads), "model": model, "llama.cpp": run_llamacpp.server_version(),
-               "inputs": args.inputs, "tokens_per_input": args.length, "shapes": {}}
+               "llama.cpp flags": args.llamacpp_args, "inputs": args.inputs, "tokens_per_input": args.length,
+               "shapes": {}}
     print(f"{Path(model).name}, {args.inputs} inputs of {args.length} tokens, {args.threads} threads")
     print("| shape | Conveyor inputs/s | llama.cpp inputs/s | ratio | cosine (min / mean) |")
     print("|---|---|---|---|---|")
