@@ -17,11 +17,11 @@ from conveyor.entrypoints.openai.protocol import ChatCompletionRequest, Completi
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 FIGURE_PAGES = [*sorted(p for p in (DOCS / "benchmarks").glob("*.md") if p.name != "index.md"),
-                DOCS / "quantized-weights.md", DOCS / "reliability.md", DOCS / "kv-cache.md"]
+                DOCS / "quantized-weights.md", DOCS / "reliability.md", DOCS / "kv-cache.md", DOCS / "embeddings.md"]
 REFERENCE_TABLES = {  # tables of those pages that hold no figures
     "| peer | set-up | what it runs |", "| GGUF type | kept as | bits a weight: file, stored | exact? |",
     "| kind | needs | used by default |",
-    "| `--kv-layout` | |"}
+    "| `--kv-layout` | |", "| field | what it takes |"}
 STAMP = re.compile(r"^Machine: .+\. Recorded: \d{4}-\d{2}-\d{2}, commit [0-9a-f]{7}\b.*\. Command: .+\.$")
 
 
