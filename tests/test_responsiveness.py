@@ -26,9 +26,11 @@ async def until(condition, timeout: float = 60) -> float:
 
 
 def test_a_client_that_leaves_aborts_its_request_queued_or_running_streamed_or_not(tiny_model_dir):
-    """One seat (max_num_seqs 1) and three long requests in line: a streamed request that leaves while queued
-    (before its first token), an unstreamed one that leaves while queued, and the unstreamed one that holds the
-    seat all leave the engine at once, not when they would have finished."""
+    """One seat (max_num_seqs 1) and three long requests in line: the unstreamed one that holds the seat, then a
+    streamed request that leaves while queued (before its first token) and an unstreamed one that leaves while
+    queued, all leave the engine at once, not when they would have finished. The running one is cancelled first,
+    while it is surely running (the tiny model draws its 1,000 tokens in a few seconds); the two after it queue
+    behind the next holders, which hold the seat for 2,000 tokens more."""
     with running_server(tiny_model_dir, "--num-kv-blocks", "256", "--max-num-seqs", "1") as server:
 
         def waiting(n: int):
@@ -40,19 +42,20 @@ def test_a_client_that_leaves_aborts_its_request_queued_or_running_streamed_or_n
                 url = f"{server.base}/v1/completions"
                 holders = [asyncio.create_task(client.post(url, json=LONG)) for _ in range(3)]
                 await until(lambda: metric(server, "conveyor:num_requests_running") == 1 and waiting(2)())
-                async with client.stream("POST", url, json={**LONG, "stream": True}) as response:
-                    assert response.status_code == 200  # the headers come at once; the tokens would follow
-                    await until(waiting(3))
-                took["queued stream"] = await until(waiting(2))  # closing the response aborted it
-                unstreamed = asyncio.create_task(client.post(url, json=LONG))
-                await until(waiting(3))
-                unstreamed.cancel()
-                took["queued unstreamed"] = await until(waiting(2))
-                assert ledger(server)["aborted"] == 2 and ledger(server)["finished"] == 0
                 tokens = metric(server, "conveyor:generation_tokens_total")
                 holders[0].cancel()  # the running one: the next in line takes the seat
                 took["running unstreamed"] = await until(waiting(1))
                 assert tokens < 1000, "the first holder was still running when it left"
+                assert ledger(server)["aborted"] == 1
+                async with client.stream("POST", url, json={**LONG, "stream": True}) as response:
+                    assert response.status_code == 200  # the headers come at once; the tokens would follow
+                    await until(waiting(2))
+                took["queued stream"] = await until(waiting(1))  # closing the response aborted it
+                unstreamed = asyncio.create_task(client.post(url, json=LONG))
+                await until(waiting(2))
+                unstreamed.cancel()
+                took["queued unstreamed"] = await until(waiting(1))
+                assert ledger(server)["aborted"] == 3
                 for task in holders[1:]:
                     task.cancel()
             return took
@@ -60,7 +63,9 @@ def test_a_client_that_leaves_aborts_its_request_queued_or_running_streamed_or_n
         took = asyncio.run(main())
         values = wait_until_idle(server)
         books = ledger(server)
-        assert books["aborted"] == 5 and books["finished"] == books["errored"] == books["open"] == 0
+        # The two holders behind the first only keep the seat busy: on a slow machine one may finish first.
+        assert books["aborted"] + books["finished"] == 5 and books["aborted"] >= 4
+        assert books["errored"] == books["open"] == 0
         assert values["conveyor:kv_cache_usage_perc"] == 0
         print(f"\naborted after the client left, in seconds: {took}")
 
