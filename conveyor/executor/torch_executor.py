@@ -97,7 +97,7 @@ class TorchExecutor:
             hidden, logits = self._run_torch(batch, inputs)
         self._prompt_logprobs(batch, hidden)
         self._pool(batch, hidden)
-        sampled = [item for item in batch if item.samples_token and item.pooling is None]
+        sampled = [item for item in batch if item.draws_token]
         if not sampled:
             return {}
         if output.num_draft_tokens:
@@ -197,7 +197,7 @@ class TorchExecutor:
             table = item.block_ids
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             inputs.row_seq.extend([seq] * (end - start))
-            if item.samples_token and item.pooling is None:  # its last row; with drafts, the row before each draft
+            if item.draws_token:  # its last row; with drafts, also the row before each draft
                 num_rows = len(inputs.token_ids)
                 inputs.logit_rows.extend(range(num_rows - 1 - item.num_draft_tokens, num_rows))
         for group in range(1, self.num_groups):  # with KV groups, each later group's own tables and slots

@@ -86,7 +86,7 @@ class LiveRecorder:
         touched.update(output.preempted_request_ids)
         touched.update(output.finished_request_ids)
         touched.update(finished)
-        num_sampled = sum(1 for item in output.scheduled if item.samples_token and item.pooling is None)
+        num_sampled = sum(1 for item in output.scheduled if item.draws_token)
         self._tokens.append((end, num_sampled, sum(step.scheduled.values())))
         for request in updated:
             if request.is_finished and request.finish_reason != "abort":

@@ -79,7 +79,7 @@ def step_work(output: SchedulerOutput) -> tuple[StepWork, list[str]]:
             attention_pairs += chunk_attention_pairs(start, chunk)
         if seen is not None and (chunk == 1 or item.num_draft_tokens):
             shared_blocks += read_again(item.block_ids, seen)
-        if item.samples_token and item.pooling is None:  # a pooled prompt (an embedding) runs no LM head
+        if item.draws_token:
             sampled.append(item.request_id)
     swap_blocks = len(output.blocks_to_swap_in) + len(output.blocks_to_swap_out)
     grouped, context = output.num_grouped_decodes, output.grouped_decode_context  # decodes counted, not listed

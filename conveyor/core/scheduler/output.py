@@ -45,6 +45,12 @@ class ScheduledRequest:
         return len(self.token_ids)
 
     @property
+    def draws_token(self) -> bool:
+        """Whether the step runs the LM head for it and draws a token: its chunk reaches its last token and it
+        is not pooled (a pooled prompt ends there with a vector instead)."""
+        return self.samples_token and self.pooling is None
+
+    @property
     def context_len(self) -> int:
         """Tokens the request attends to after this step (cached + new)."""
         return self.start_position + len(self.token_ids)

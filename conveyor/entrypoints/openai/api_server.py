@@ -133,8 +133,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def answer(_: Request, error: Exception) -> JSONResponse:
         return _error_response(*as_api_error(error))
 
-    for kind in (APIError, RequestValidationError, StarletteHTTPException, EngineOverloaded, RequestRefused,
-                 EngineDead, RequestFailed, Exception):
+    # FieldError by name: left to the catch-all, Starlette answers it but raises it on as a server error.
+    for kind in (APIError, FieldError, RequestValidationError, StarletteHTTPException, EngineOverloaded,
+                 RequestRefused, EngineDead, RequestFailed, Exception):
         app.add_exception_handler(kind, answer)
 
 
@@ -297,10 +298,7 @@ def _add_embedding_routes(app: FastAPI, serving: Serving) -> None:
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, raw: Request):
-        try:
-            inputs = body.inputs()
-        except FieldError as error:
-            raise bad_field(error) from None
+        inputs = body.inputs()  # a FieldError is a 400 naming the field (as_api_error)
         async with serving.model(body.model) as model:
             outputs = await serving.embed(model, inputs, body.user, raw)
             if outputs is None:

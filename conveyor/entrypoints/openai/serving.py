@@ -243,19 +243,15 @@ class Serving:
         client left first (its requests are then aborted)."""
         requests = await self.off_loop(self._pooled_requests, model, inputs, pooling or self.settings.pooling)
         self.assign_tenant(requests, user, raw)
-        try:
-            stream = open_streams(model.engine, requests, final_only=True)
-        except FieldError as error:  # more tokens than the queue cap could ever hold
-            raise bad_field(error) from None
+        stream = open_streams(model.engine, requests, final_only=True)  # a FieldError is a 400 (as_api_error)
         return await self.finals(stream, raw, len(requests))
 
-    def _pooled_requests(self, model: ModelView, inputs: list[str | list[int]],
+    @staticmethod
+    def _pooled_requests(model: ModelView, inputs: list[str | list[int]],
                          pooling: PoolingParams) -> list[EngineRequest]:
+        """Each input built (in the tokenizer pool); a bad one is a FieldError naming ``input``, a 400."""
         build = model.engine.requests.build_pooled
-        try:
-            return [build(given, pooling, f"embd-{uuid.uuid4().hex}") for given in inputs]
-        except FieldError as error:
-            raise bad_field(error) from None
+        return [build(given, pooling, f"embd-{uuid.uuid4().hex}") for given in inputs]
 
     def reasoning(self, body: ChatCompletionRequest) -> Callable[[], ReasoningParser] | None:
         """What makes the parser that splits the reply's reasoning off (--reasoning-parser), or None: without
