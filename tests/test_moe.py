@@ -1,8 +1,9 @@
-"""Mixtures of experts on the float path: tiny random Qwen3-MoE and Mixtral checkpoints written by transformers.
+"""Mixtures of experts: tiny random Qwen3-MoE and Mixtral checkpoints written by transformers.
 
 Greedy output equals transformers' ``generate`` on the same weights, one prompt at a time and all prompts
-batched (chunked too, so a step's rows pick many experts at once); the router picks the experts transformers'
-router picks, with the same weights.
+batched (chunked too, so a step's rows pick many experts at once), on the native stack's expert-grouped step
+and on PyTorch ops; the router picks the experts transformers' router picks, with the same weights. GGUF files
+of both run natively with their experts kept quantized.
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ def test_the_config_says_which_layers_have_experts(moe):
         assert config.dense_layers == ()
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("options", [dict(), dict(max_num_batched_tokens=24)], ids=["whole", "chunked"])
-def test_greedy_equals_transformers_alone_and_batched(moe, options):
+def test_greedy_equals_transformers_alone_and_batched(moe, options, kernels):
     folder, hf = moe
-    llm = LLM(str(folder), num_kv_blocks=512, **options)
-    assert llm.engine.runner.kernel_width is None, "a mixture of experts runs on PyTorch ops"
+    llm = LLM(str(folder), num_kv_blocks=512, kernels=kernels, **options)
+    assert (llm.engine.runner.kernel_width is None) == (kernels == "torch")
     prompts = _prompts([1, 5, 17, 40, 90], seed=2)
     expected = [hf_greedy(hf, prompt, 12) for prompt in prompts]
     batched = llm.generate(prompts, GREEDY_12, use_tqdm=False)
@@ -92,7 +94,7 @@ def test_greedy_equals_transformers_alone_and_batched(moe, options):
 def test_the_router_picks_what_transformers_picks(moe):
     """Layer 0's router on the same inputs: the same experts and the same weights."""
     folder, hf = moe
-    llm = LLM(str(folder), num_kv_blocks=64)
+    llm = LLM(str(folder), num_kv_blocks=64, kernels="torch")
     ours = llm.engine.executor.model.layers[0].mlp
     assert isinstance(ours, SparseMoE)
     x = torch.randn(50, CONFIGS[hf.config.model_type]["hidden_size"], generator=torch.Generator().manual_seed(3))
@@ -192,7 +194,8 @@ def _write_as(kind: str, config: dict, folder: Path, tokenizer_from: Path) -> Pa
 
 def test_a_gguf_file_runs_as_transformers_runs_its_export(moe_gguf):
     """The file's config names the family and its experts; Conveyor runs the file (its weights dequantized, on
-    PyTorch ops) and transformers its float32 export, each expert a tensor of its own: the greedy tokens agree."""
+    PyTorch ops: exact) and transformers its float32 export, each expert a tensor of its own: the greedy tokens
+    agree."""
     import json
 
     from transformers import AutoModelForCausalLM
@@ -207,8 +210,28 @@ def test_a_gguf_file_runs_as_transformers_runs_its_export(moe_gguf):
     for name, tensor in original.state_dict().items():  # Q8_0 rounds each weight by at most a step (its scale's too)
         exported = reference.state_dict()[name]
         assert torch.allclose(exported, tensor, atol=tensor.abs().max().item() / 127), name
-    llm = LLM(str(path), num_kv_blocks=256)
+    llm = LLM(str(path), num_kv_blocks=256, kernels="torch")
     assert llm.engine.model_config.num_experts == (8 if kind == "qwen3_moe" else 4)
     prompts = _prompts([3, 20, 45], seed=4)
     outputs = llm.generate(prompts, GREEDY_12, use_tqdm=False)
     assert [output.token_ids for output in outputs] == [hf_greedy(reference, p, 12) for p in prompts]
+
+
+def test_a_gguf_file_runs_natively_with_its_experts_kept_quantized(moe_gguf):
+    """On the native stack every expert stays the file's Q8_0 codes, and activations are quantized too
+    (docs/quantized-weights.md), so tokens are held to the exact run as the dense families' are
+    (test_gguf_families): each prompt's first token is the exact run's, and the second is the exact run's or
+    within 0.05 of its logprob. Prompts of many rows route to every expert in one step."""
+    kind, path, _ = moe_gguf
+    llm = LLM(str(path), num_kv_blocks=256)
+    assert llm.engine.runner.kernel_width is not None and llm.engine.runner.kernel_dtype == "Q8_0", kind
+    model = llm.engine.executor.model
+    assert all(len(layer.mlp.gate_up_proj.expert_weights()) == model.config.num_experts for layer in model.layers)
+    exact = LLM(str(path), num_kv_blocks=256, kernels="torch")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=5)
+    prompts = _prompts([3, 20, 70], seed=4)
+    for ours, want in zip(llm.generate(prompts, params, use_tqdm=False),
+                          exact.generate(prompts, params, use_tqdm=False), strict=True):
+        assert ours.token_ids[0] == want.token_ids[0], (kind, len(ours.prompt_token_ids))
+        second = dict(want.logprobs[1].top)
+        assert ours.token_ids[1] in second and second[ours.token_ids[1]] >= want.logprobs[1].logprob - 0.05

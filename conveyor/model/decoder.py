@@ -19,7 +19,15 @@ from torch import nn
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.attention import AttentionMetadata
 from conveyor.model.families import family_for
-from conveyor.model.layers import LAYER_PROJECTIONS, DecoderLayer, Linear, RotaryEmbedding, make_norm
+from conveyor.model.layers import (
+    LAYER_PROJECTIONS,
+    DecoderLayer,
+    ExpertLinears,
+    Linear,
+    RotaryEmbedding,
+    SparseMoE,
+    make_norm,
+)
 from conveyor.model.native.kernels import native_gaps
 
 __all__ = ["LAYER_PROJECTIONS", "PROJECTIONS", "Decoder", "Linear", "StepInputs"]
@@ -141,22 +149,13 @@ class Decoder(nn.Module):
         self.lm_head.torch_rows = routes.get("lm_head", ())
         if self.rotary.cos.dtype != torch.float32:  # a model cast to bfloat16 cast its tables: build them again
             self.build_rotary(self.rotary.cos.shape[0], self.rotary.cos.device)
+        self._pack_experts(kernels, width, bfloat16)
         c = self.config
         self.native = kernels.NativeDecoder(
             c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.intermediate_size, c.rms_norm_eps,
             _norm_weight(self.norm), width, bfloat16,
         )
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
-            self.native.add_layer(
-                _norm_weight(layer.input_layernorm), _stack_weight(attn.qkv_proj), _bias(attn.qkv_proj),
-                _stack_weight(attn.o_proj), _norm_weight(mlp_norm),
-                _stack_weight(mlp.gate_up_proj), _bias(mlp.gate_up_proj), _stack_weight(mlp.down_proj),
-                _bias(mlp.down_proj),
-                *(_plain(module, bfloat16) for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                          mlp.down_proj)),
-            )
+        self._hand_layers_to_native(bfloat16)
         # Only a routed LM head hands over its plain weight (a tied one keeps the embedding's, not needed else).
         head_plain = _plain(self.lm_head, bfloat16) if "lm_head" in routes else _no_weight(bfloat16)
         embedding = getattr(self.embed_tokens, "quantized", None) or self.embed_tokens.weight.detach()
@@ -170,6 +169,39 @@ class Decoder(nn.Module):
         for projection, ranges in (quant_dots or {}).items():  # quantized projections: the kind per row class
             for dot, lo, hi in ranges:
                 self.native.use_quant_dot(dot, projection, lo, hi)
+
+    def _hand_layers_to_native(self, bfloat16: bool) -> None:
+        """Every layer's weights to the native stack; a mixture of experts' layer with no MLP weights of its own
+        and its router and experts after (set_layer_experts: the expert-grouped step, native/csrc/experts.h)."""
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
+            moe = isinstance(mlp, SparseMoE)
+            gate_up, down = (None, None) if moe else (mlp.gate_up_proj, mlp.down_proj)
+            self.native.add_layer(
+                _norm_weight(layer.input_layernorm), _stack_weight(attn.qkv_proj), _bias(attn.qkv_proj),
+                _stack_weight(attn.o_proj), _norm_weight(mlp_norm), _stack_weight(gate_up), _bias(gate_up),
+                _stack_weight(down), _bias(down),
+                *(_plain(module, bfloat16) for module in (attn.qkv_proj, attn.o_proj, gate_up, down)),
+            )
+            if moe:
+                self.native.set_layer_experts(i, _stack_weight(mlp.router), mlp.gate_up_proj.expert_weights(),
+                                              mlp.down_proj.expert_weights(), mlp.top_k, mlp.normalize, mlp.width)
+
+    def _pack_experts(self, kernels: ModuleType, width: int, bfloat16: bool) -> None:
+        """Pack each mixture of experts' router and float experts (quantized ones are taken as they are)."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                for module in (layer.mlp.router, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                    if isinstance(module, (Linear, ExpertLinears)):
+                        module.pack(kernels, width, bfloat16=bfloat16)
+
+    def step_experts(self) -> list[int]:
+        """The distinct experts each mixture-of-experts layer's rows chose in the last step, in layer order (empty
+        for a dense model): what the step profile sets beside the cost model's expectation."""
+        if self.native is not None:
+            return list(self.native.step_experts())
+        return [layer.mlp.step_experts for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
 
     def use_kv_layout(self, kv_slots: list[tuple[int, int]]) -> None:
         """Keep each layer's K/V where a grouped layout puts it: (its KV group, its index in the cache tensor)
@@ -213,22 +245,30 @@ class Decoder(nn.Module):
     @property
     def quantized(self) -> bool:
         """Whether some projection keeps its weight quantized (conveyor.model.quant.linear)."""
-        return any(not isinstance(module, Linear) for _, module in self._projections())
+        return any(not isinstance(module, (Linear, ExpertLinears))
+                   for module in [*(m for _, m in self._projections()), *self._expert_modules()])
 
     def _projections(self) -> list[tuple[str, nn.Module]]:
-        """Every Linear, in the order a step runs them, with the name its shape class goes by (each layer's
-        share one name per projection)."""
+        """Every Linear a step runs on all its rows, in the order a step runs them, with the name its shape class
+        goes by (each layer's share one name per projection); a mixture of experts' are _expert_modules."""
         named = []
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            named += [("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                      ("down", mlp.down_proj)]
+            named += [("qkv", attn.qkv_proj), ("o", attn.o_proj)]
+            if not isinstance(mlp, SparseMoE):
+                named += [("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)]
         return [*named, ("lm_head", self.lm_head)]
 
+    def _expert_modules(self) -> list[nn.Module]:
+        """Each mixture of experts' router and stacked projections, in layer order."""
+        return [module for layer in self.layers if isinstance(layer.mlp, SparseMoE)
+                for module in (layer.mlp.router, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
     def stored_weight_bits(self) -> tuple[float, float]:
-        """Bits a weight takes as the model stores it, scales included: over the layers' projections, and over
-        the LM head (what a decode step reads: the roofline's and the cost model's weight format)."""
-        layers = [module for name, module in self._projections() if name != "lm_head"]
+        """Bits a weight takes as the model stores it, scales included: over the layers' projections (every
+        expert's included), and over the LM head (what a decode step reads: the roofline's and the cost model's
+        weight format)."""
+        layers = [module for name, module in self._projections() if name != "lm_head"] + self._expert_modules()
         return _bits_per_weight(layers), _bits_per_weight([self.lm_head])
 
     def quantized_weights(self) -> dict[str, object]:
@@ -286,7 +326,9 @@ def _bits_per_weight(modules: list[nn.Module]) -> float:
     for module in modules:
         weights += module.in_features * module.out_features
         quantized = getattr(module, "quantized", None)
-        if quantized is not None:
+        if hasattr(module, "stored_bytes"):  # a mixture's experts, each its own weight
+            stored += module.stored_bytes()
+        elif quantized is not None:
             stored += quantized.bytes
         else:
             tensor = module.packed if module.packed is not None else module.weight
@@ -306,8 +348,11 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-def _stack_weight(layer: nn.Module) -> object:
-    """A projection's weight as the native stack takes it: packed (Linear.pack), or quantized as it is."""
+def _stack_weight(layer: nn.Module | None) -> object:
+    """A projection's weight as the native stack takes it: packed (Linear.pack), or quantized as it is; None (a
+    mixture of experts' layer has no MLP weights of its own): empty."""
+    if layer is None:
+        return torch.empty(0)
     quantized = getattr(layer, "quantized", None)
     return quantized if quantized is not None else layer.packed
 
@@ -326,6 +371,6 @@ def _no_weight(bfloat16: bool) -> torch.Tensor:
     return torch.empty(0, dtype=torch.bfloat16 if bfloat16 else torch.float32)
 
 
-def _bias(layer: Linear) -> torch.Tensor:
+def _bias(layer: Linear | None) -> torch.Tensor:
     """The native stack takes an empty tensor for "no bias"."""
-    return torch.empty(0) if layer.bias is None else _f32(layer.bias)
+    return torch.empty(0) if layer is None or layer.bias is None else _f32(layer.bias)

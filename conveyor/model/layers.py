@@ -270,14 +270,32 @@ class MLP(nn.Module):
 
 class ExpertLinears(nn.Module):
     """One projection of every expert, stacked: weight [experts, out, in]. ``in_features`` and ``out_features``
-    count all experts' outputs, so the weight counts of a model's projections (stored bits, the roofline) hold."""
-
-    packed = None  # never packed: a mixture of experts runs on PyTorch ops
+    count all experts' outputs, so the weight counts of a model's projections (stored bits, the roofline) hold.
+    Packed (:meth:`pack`), each expert's weight becomes a packed tile layout of its own, as a Linear's does,
+    for the native stack's expert-grouped step."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, num_experts * out_features
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.packed: list[torch.Tensor] | None = None
+
+    def pack(self, kernels: ModuleType, width: int = 256, bfloat16: bool = False) -> None:
+        """Pack each expert for the kernels of ``width`` bits (bfloat16 if asked); the stacked weight is freed."""
+        self.packed = [kernels.pack_linear_weight(matrix.detach().contiguous(), width, bfloat16, None)
+                       for matrix in self.weight]
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+
+    def expert_weights(self) -> list[object]:
+        """Each expert's weight as the native stack takes it (packed)."""
+        if self.packed is None:
+            raise RuntimeError("the experts are not packed for the native kernels (pack)")
+        return list(self.packed)
+
+    def stored_bytes(self) -> int:
+        """What a step that touches every expert reads of this projection."""
+        tensors = self.packed if self.packed is not None else [self.weight]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class SparseMoE(nn.Module):
@@ -290,6 +308,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         experts, hidden, width = config.num_experts, config.hidden_size, config.moe_intermediate_size
         self.top_k, self.normalize, self.width = config.num_experts_per_tok, config.norm_topk_prob, width
+        self.step_experts = 0  # the distinct experts the last step's rows chose (on PyTorch ops)
         self.act = ACTIVATION_FNS[config.hidden_act]
         self.router = Linear(hidden, experts, bias=False)
         self.gate_up_proj = ExpertLinears(experts, hidden, 2 * width)
@@ -307,7 +326,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
         out = torch.zeros_like(x)
-        for expert in experts.unique().tolist():
+        chosen = experts.unique().tolist()
+        self.step_experts = len(chosen)  # the distinct experts this step's rows chose (Decoder.step_experts)
+        for expert in chosen:
             rows, slot = torch.where(experts == expert)
             gate, up = F.linear(x[rows], self.gate_up_proj.weight[expert]).chunk(2, dim=-1)
             y = F.linear(self.act(gate) * up, self.down_proj.weight[expert])

@@ -74,6 +74,30 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.source}"
 
 
+class QuantizedExperts(nn.Module):
+    """One projection of every expert of a mixture, each expert's weight kept quantized (a GGUF file's stacked
+    3-D tensor, one ``QuantizedWeight`` per expert), for the native stack's expert-grouped step. ``in_features``
+    and ``out_features`` count all experts' outputs, as ExpertLinears' do."""
+
+    def __init__(self, weights: list[object], source: str) -> None:
+        super().__init__()
+        self.quantized_experts = list(weights)
+        self.in_features, self.out_features = weights[0].k, sum(weight.n for weight in weights)
+        self.source = source  # the GGUF type its codes came from, e.g. "Q4_K"
+
+    def expert_weights(self) -> list[object]:
+        """Each expert's weight as the native stack takes it."""
+        return list(self.quantized_experts)
+
+    def stored_bytes(self) -> int:
+        """What a step that touches every expert reads of this projection."""
+        return sum(weight.bytes for weight in self.quantized_experts)
+
+    def extra_repr(self) -> str:
+        return (f"experts={len(self.quantized_experts)}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, {self.source}")
+
+
 class QuantizedEmbedding(nn.Module):
     """Token embeddings looked up from a quantized table (tied models share it with their LM head). ``weight`` is
     an empty float32 tensor: it tells the executor the model's device and activation dtype."""

@@ -15,6 +15,7 @@ import mmap
 import os
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -31,6 +32,15 @@ from conveyor.model.weights.gguf import ROPE_TENSORS, hf_name, hf_norm, rope_hea
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16"})
 
 Weight = QuantizedMatrix | RawBlocks | JoinedRows | np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """A mixture of experts' stacked projection, one weight per expert in expert order: a GGUF file's 3-D tensor
+    with each expert's matrix kept as the file stores it (or as ``convert`` made it), so that quantized experts
+    stay quantized and a step reads only the experts its rows chose."""
+
+    experts: tuple[Any, ...]
 
 
 def read_gguf_weights(path: Path, config: ModelConfig,
@@ -139,14 +149,18 @@ def _read_tensor(tensor: TensorEntry, fd: int) -> Weight:
     if kind not in SUPPORTED_TYPES:
         raise ValueError(f"{tensor.name}: GGUF type {kind} is not supported (supported: "
                          f"{', '.join(sorted(SUPPORTED_TYPES | FLOAT_TYPES))})")
-    if len(n_k) == 3:  # a mixture of experts' stacked projections: dequantized (they run on PyTorch ops)
-        values = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
-        return np.asarray(values, dtype=np.float32).reshape(n_k)
+    if len(n_k) == 3:  # a mixture of experts' stacked projection: expert-major, each expert's rows contiguous
+        experts, rows, cols = n_k
+        size = tensor.n_bytes // experts
+        return ExpertWeights(tuple(_matrix(raw[e * size:(e + 1) * size], kind, rows, cols) for e in range(experts)))
     if len(n_k) != 2:
         raise ValueError(f"{tensor.name}: a quantized tensor of {len(n_k)} dimensions")
-    if kind in K_TYPES:
-        return RawBlocks.from_file(raw, kind, n_k[0], n_k[1])
-    return decode(raw, kind, n_k[0], n_k[1])
+    return _matrix(raw, kind, n_k[0], n_k[1])
+
+
+def _matrix(raw: np.ndarray, kind: str, n: int, k: int) -> Weight:
+    """A quantized matrix [n, k] from its bytes: a K-quant's blocks as they are, other formats decoded."""
+    return RawBlocks.from_file(raw, kind, n, k) if kind in K_TYPES else decode(raw, kind, n, k)
 
 
 def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConfig,
@@ -164,7 +178,7 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
     for i in range(config.num_layers):
         p = f"layers.{i}."
         if config.layer_has_experts(i):
-            ours.update(_experts(hf, p, family))
+            ours.update(_experts(hf, p, family, convert))
         for fused, parts in checkpoint_projections(family).items():
             if fused.startswith("mlp.") and config.layer_has_experts(i):
                 continue
@@ -178,14 +192,20 @@ def _our_names(read: Callable[[str], Weight], names: set[str], config: ModelConf
     return ours
 
 
-def _experts(hf: _Reads, layer: str, family: Family) -> dict[str, np.ndarray]:
-    """A mixture of experts' router and stacked projections as SparseMoE holds them (float32: they run on
-    PyTorch ops): every expert's gate and up joined, [experts, 2 x width, hidden], and its down."""
+def _experts(hf: _Reads, layer: str, family: Family, convert: Callable[[Weight], Any]) -> dict[str, Any]:
+    """A mixture of experts' router and projections as SparseMoE holds them: the router, every expert's gate and
+    up joined [2 x width, hidden] and its down, each expert's passed through ``convert`` as soon as it is made."""
     block = f"{layer}{family.moe_block}."
-    gate, up, down = (as_float(hf[f"{block}experts.{name}.weight"]) for name in family.expert_projections)
-    return {f"{layer}mlp.router.weight": as_float(hf[f"{block}gate.weight"]),
-            f"{layer}mlp.gate_up_proj.weight": np.concatenate([gate, up], axis=1),
-            f"{layer}mlp.down_proj.weight": down}
+    gate, up, down = (_per_expert(hf[f"{block}experts.{name}.weight"]) for name in family.expert_projections)
+    return {f"{layer}mlp.router.weight": convert(hf[f"{block}gate.weight"]),
+            f"{layer}mlp.gate_up_proj.weight": ExpertWeights(tuple(convert(join_rows([g, u]))
+                                                                   for g, u in zip(gate, up, strict=True))),
+            f"{layer}mlp.down_proj.weight": ExpertWeights(tuple(convert(d) for d in down))}
+
+
+def _per_expert(weight: ExpertWeights | np.ndarray) -> tuple[Weight, ...]:
+    """A stacked projection's experts: a float file's [experts, out, in] array by its first axis."""
+    return tuple(weight) if isinstance(weight, np.ndarray) else weight.experts
 
 
 class _Reads:
@@ -231,8 +251,11 @@ def join_rows(parts: list[Weight]) -> Weight:
     return JoinedRows(tuple(parts))
 
 
-def as_float(weight: Weight) -> np.ndarray:
-    """The float32 weights of any form (the PyTorch path's, exact: see quant_formats.dequantize)."""
+def as_float(weight: Weight | ExpertWeights) -> np.ndarray:
+    """The float32 weights of any form (the PyTorch path's, exact: see quant_formats.dequantize); a mixture's
+    experts stacked [experts, out, in]."""
+    if isinstance(weight, ExpertWeights):
+        return np.stack([as_float(expert) for expert in weight.experts])
     if isinstance(weight, JoinedRows):
         return np.concatenate([as_float(part) for part in weight.parts])
     if isinstance(weight, RawBlocks):

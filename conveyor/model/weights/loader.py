@@ -20,7 +20,7 @@ from safetensors import safe_open
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.decoder import LAYER_PROJECTIONS, Decoder, Linear
 from conveyor.model.families import family_for
-from conveyor.model.layers import checkpoint_projections
+from conveyor.model.layers import SparseMoE, checkpoint_projections
 from conveyor.model.weights.gguf_export import export_gguf_to_hf
 from conveyor.model.weights.paths import cached_conversion, gguf_source, model_source
 
@@ -151,6 +151,7 @@ def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernel
     llama.cpp's Q4 files and OpenVINO's int4 export make too); norms and biases float32."""
     from conveyor.model.quant.formats import quantize_matrix
     from conveyor.model.quant.linear import native_weight
+    from conveyor.model.weights.gguf_weights import ExpertWeights
 
     state = _our_state_dict(_read_safetensors(folder), config)
     if config.tie_word_embeddings:
@@ -160,7 +161,11 @@ def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernel
         values = state.pop(name).float().numpy()
         if name.endswith("_proj.weight") or name in ("embed_tokens.weight", "lm_head.weight"):
             kind = scheme if name.endswith("_proj.weight") else "int8"
-            weights[name] = (native_weight(kernels, quantize_matrix(values, kind)), kind)
+            if values.ndim == 3:  # a mixture's experts: each quantized on its own
+                weights[name] = ExpertWeights(tuple((native_weight(kernels, quantize_matrix(m, kind)), kind)
+                                                    for m in values))
+            else:
+                weights[name] = (native_weight(kernels, quantize_matrix(values, kind)), kind)
         else:
             weights[name] = values
     return weights
@@ -188,9 +193,14 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
         return Linear(weight.shape[1], weight.shape[0], bias=bias_t is not None, device="meta")
 
     for i, layer in enumerate(model.layers):
+        moe = isinstance(layer.mlp, SparseMoE)
         for ours in LAYER_PROJECTIONS:  # "self_attn.qkv_proj": the module's parent and its attribute
+            if moe and ours.startswith("mlp."):
+                continue
             parent, attribute = ours.split(".")
             setattr(getattr(layer, parent), attribute, linear(f"layers.{i}.{ours}.weight", f"layers.{i}.{ours}.bias"))
+        if moe:
+            _expert_modules(layer.mlp, weights, f"layers.{i}.mlp.", linear)
     embedding = weights.pop("embed_tokens.weight")
     if not isinstance(embedding, tuple):
         raise ValueError(f"{source}: the token embedding is stored in float; only quantized embeddings are read "
@@ -212,10 +222,27 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
     return model.eval().requires_grad_(False)
 
 
+def _expert_modules(moe: SparseMoE, weights: dict[str, object], prefix: str, linear: object) -> None:
+    """A mixture of experts' router (``linear``: quantized, or a plain Linear) and projections: each expert kept
+    quantized, or (a file that stores them in float) stacked into ``weights`` to load with the norms."""
+    from conveyor.model.quant.linear import QuantizedExperts
+
+    moe.router = linear(f"{prefix}router.weight")
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"{prefix}{name}.weight"
+        experts = weights[key].experts
+        if isinstance(experts[0], tuple):
+            del weights[key]
+            kinds = sorted({kind for _, kind in experts})
+            setattr(moe, name, QuantizedExperts([native for native, _ in experts], "+".join(kinds)))
+        else:
+            weights[key] = np.stack(experts)
+
+
 def quantized_kinds(model: Decoder) -> set[str]:
     """The GGUF types a model's quantized projections came from (a fused projection's parts may differ: Gemma's
     Q5_0 queries beside Q8_0 keys and values come as "Q5_0+Q8_0")."""
-    from conveyor.model.quant.linear import QuantizedLinear
+    from conveyor.model.quant.linear import QuantizedExperts, QuantizedLinear
 
-    return {kind for module in model.modules() if isinstance(module, QuantizedLinear)
+    return {kind for module in model.modules() if isinstance(module, QuantizedLinear | QuantizedExperts)
             for kind in module.source.split("+")}

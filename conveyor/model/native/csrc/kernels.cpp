@@ -6,6 +6,7 @@
 //   quant_gemm.h    linear layers on quantized weights (GGUF's integer codes), int8 activations
 //   quant_tiles.h   their micro-kernels, one per dot-product kind (VNNI, AVX2, portable)
 //   kquant_tiles.h  the super-block formats (K-quants, IQ4_XS) at the file's size, and their micro-kernels
+//   experts.h       a mixture of experts' MLP: routing, rows grouped per expert, each expert's weights read once
 //   attention.h     attention straight over the paged KV cache
 //   rows.h          RMSNorm, rotary embedding, SwiGLU's activation, argmax
 //   tensors.h       the checks at the tensor boundary
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "experts.h"
 #include "gemm.h"
 #include "native_decoder.h"
 #include "quant_gemm.h"
@@ -303,6 +305,61 @@ torch::Tensor quantized_rows(const QuantWeight& weight, const std::vector<int64_
   return out;
 }
 
+// Each row's top-k experts [T, k] int64 and their weights [T, k] from router logits [T, experts] (experts.h).
+std::tuple<torch::Tensor, torch::Tensor> route_experts(const torch::Tensor& logits, int64_t top_k, bool normalize) {
+  check_float_rows(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "logits must be [rows, experts]");
+  auto chosen = torch::empty({logits.size(0), top_k}, torch::kInt64);
+  auto weights = torch::empty({logits.size(0), top_k}, torch::kFloat32);
+  route_rows(logits.data_ptr<float>(), logits.size(0), logits.size(1), top_k, normalize, chosen.data_ptr<int64_t>(),
+             weights.data_ptr<float>());
+  return {chosen, weights};
+}
+
+// One expert's weight [n, k] for expert_mlp: quantized, or packed float32 for `width` bits.
+ExpertMatrix expert_weight(const ProjectionWeight& weight, int64_t n, int64_t k, int64_t width) {
+  if (const auto* quant = std::get_if<QuantWeight>(&weight)) {
+    TORCH_CHECK(quant->n == n && quant->k == k, "an expert weight [", n, ", ", k, "] expected, not [", quant->n, ", ",
+                quant->k, "]");
+    return {nullptr, quant, n, k};
+  }
+  const torch::Tensor& packed = std::get<torch::Tensor>(weight);
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat32 && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed_width(packed) == width && packed.size(1) == k && packed.size(0) * packed.size(2) >= n,
+              "an expert weight [", n, ", ", k, "] packed in float32 for ", width, " bits expected");
+  return {packed.data_ptr(), nullptr, n, k};
+}
+
+// x [T, hidden] through a mixture of experts on a given routing (chosen and weights [T, k], as route_experts
+// gives them): each expert's gate and up joined [2 expert_width, hidden] and its down [hidden, expert_width],
+// quantized or packed for `width` bits; the quantized ones on dot-product kind `dot` (empty: the build's best).
+// What the tests hold to the reference's loop over experts.
+torch::Tensor expert_mlp(const torch::Tensor& x, const torch::Tensor& chosen, const torch::Tensor& weights,
+                         const std::vector<ProjectionWeight>& gate_up, const std::vector<ProjectionWeight>& down,
+                         int64_t expert_width, int64_t width, bool gelu, const std::string& dot) {
+  check_float_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2 && chosen.dim() == 2 && chosen.size(0) == x.size(0) && chosen.scalar_type() == torch::kInt64 &&
+                  chosen.is_contiguous() && weights.sizes() == chosen.sizes(),
+              "chosen (int64) and weights must be [rows, k] for x's rows");
+  check_float_rows(weights, "weights");
+  const int64_t hidden = x.size(1), experts = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(experts >= 1 && static_cast<int64_t>(down.size()) == experts, "as many down as gate_up weights");
+  std::vector<ExpertMatrix> gate_up_m, down_m;
+  for (int64_t e = 0; e < experts; ++e) {
+    gate_up_m.push_back(expert_weight(gate_up[e], 2 * expert_width, hidden, width));
+    down_m.push_back(expert_weight(down[e], hidden, expert_width, width));
+  }
+  const ExpertGroups groups = group_by_expert(chosen.data_ptr<int64_t>(), weights.data_ptr<float>(), x.size(0),
+                                              chosen.size(1), experts);
+  const QuantDot kind = dot.empty() ? default_quant_dot(width) : parse_quant_dot(dot);
+  auto out = torch::empty_like(x);
+  with_gemm_path(width, false, [&](auto path) {
+    expert_rows<decltype(path)>(x.data_ptr<float>(), x.size(0), hidden, expert_width, groups, gate_up_m.data(),
+                                down_m.data(), gelu, [&](int64_t) { return kind; }, out.data_ptr<float>());
+  });
+  return out;
+}
+
 }  // namespace conveyor
 
 // The compute releases the GIL: it touches no Python object (arguments are converted before, the result
@@ -354,6 +411,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("x"), arg("group"), release_gil());
   m.def("quantized_rows", &quantized_rows, "rows of a quantized weight as float32", arg("weight"), arg("ids"),
         release_gil());
+  m.def("route_experts", &route_experts, "each row's top-k experts and weights from router logits", arg("logits"),
+        arg("top_k"), arg("normalize"), release_gil());
+  m.def("expert_mlp", &expert_mlp, "x through a mixture of experts on a given routing", arg("x"), arg("chosen"),
+        arg("weights"), arg("gate_up"), arg("down"), arg("expert_width"), arg("width") = 256, arg("gelu") = false,
+        arg("dot") = "", release_gil());
   pybind11::class_<NativeDecoder>(m, "NativeDecoder", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, int64_t, bool>(),
            arg("heads"), arg("kv_heads"), arg("head_dim"), arg("hidden"), arg("intermediate"), arg("eps"),
@@ -370,6 +432,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_layer_traits", &NativeDecoder::set_layer_traits, arg("layer"), arg("q_norm"), arg("k_norm"),
            arg("attn_out_norm"), arg("mlp_out_norm"), arg("window"), arg("local_rope"), arg("kv_group"),
            arg("cache_index"))
+      .def("set_layer_experts", &NativeDecoder::set_layer_experts, arg("layer"), arg("router"), arg("gate_up"),
+           arg("down"), arg("top_k"), arg("normalize"), arg("width"))
+      .def("step_experts", &NativeDecoder::step_experts)
       .def("step", &NativeDecoder::step, arg("token_ids"), arg("positions"), arg("kv_cache"), arg("slots"),
            arg("block_tables"), arg("row_seq"), arg("logit_rows"),
            arg("group_slots") = std::vector<std::vector<int64_t>>{},

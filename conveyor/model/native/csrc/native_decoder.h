@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "experts.h"
 #include "family_rows.h"
 #include "gemm.h"
 #include "quant_gemm.h"
@@ -77,6 +78,7 @@ class NativeDecoder {
   // may be an empty tensor). A projection that route_to_torch will send to torch's GEMM also needs its plain
   // weight [N, K] (float32, or bf16 on a bf16 stack); the others take an empty tensor.
   // A quantized projection runs on the quantized kernels (use_quant_dot's kind), whatever the stack's width.
+  // A layer whose MLP is a mixture of experts takes empty gate_up and down weights, and set_layer_experts.
   void add_layer(torch::Tensor input_norm, ProjectionWeight qkv, torch::Tensor qkv_bias, ProjectionWeight o,
                  torch::Tensor post_norm, ProjectionWeight gate_up, torch::Tensor gate_up_bias, ProjectionWeight down,
                  torch::Tensor down_bias, torch::Tensor qkv_plain, torch::Tensor o_plain, torch::Tensor gate_up_plain,
@@ -93,7 +95,8 @@ class NativeDecoder {
       TORCH_CHECK(t->scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
     }
     for (size_t which = 0; which < kProjections; ++which) {
-      TORCH_CHECK(torch_rows_[which].empty() || layer.projections[which].plain.numel() > 0, kProjectionNames[which],
+      const Projection& p = layer.projections[which];
+      TORCH_CHECK(torch_rows_[which].empty() || p.absent() || p.plain.numel() > 0, kProjectionNames[which],
                   " is routed to torch's GEMM: every layer needs its plain weight");
     }
     layers_.push_back(std::move(layer));
@@ -113,7 +116,8 @@ class NativeDecoder {
     TORCH_CHECK(it != kProjectionNames.end(), "no projection named ", name, " (qkv, o, gate_up, down, lm_head)");
     const auto which = static_cast<size_t>(it - kProjectionNames.begin());
     for (const Layer& layer : layers_) {
-      TORCH_CHECK(layer.projections[which].plain.numel() > 0, name, " has no plain weight to hand torch's GEMM");
+      const Projection& p = layer.projections[which];
+      TORCH_CHECK(p.absent() || p.plain.numel() > 0, name, " has no plain weight to hand torch's GEMM");
     }
     torch_rows_[which].push_back({lo, hi});
   }
@@ -177,6 +181,33 @@ class NativeDecoder {
     w.kv_group = kv_group;
     w.cache_index = cache_index;
   }
+
+  // Layer `layer` (added with empty gate_up and down) runs a mixture of experts for its MLP: the router [experts,
+  // hidden] (packed or quantized, as the layers' projections), and each expert's gate and up joined [2 width,
+  // hidden] (gate first) and its down [hidden, width]; each row takes its top_k experts by the router's
+  // softmax, their weights scaled to sum to 1 if `normalize` (experts.h).
+  void set_layer_experts(int64_t layer, ProjectionWeight router, const std::vector<ProjectionWeight>& gate_up,
+                         const std::vector<ProjectionWeight>& down, int64_t top_k, bool normalize, int64_t width) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()), "no layer ", layer);
+    Layer& w = layers_[layer];
+    TORCH_CHECK(w.projections[kGateUp].absent() && w.projections[kDown].absent(),
+                "a layer with experts is added with empty gate_up and down weights");
+    const int64_t experts = static_cast<int64_t>(gate_up.size());
+    TORCH_CHECK(experts >= 1 && static_cast<int64_t>(down.size()) == experts, "as many down as gate_up weights");
+    TORCH_CHECK(top_k >= 1 && top_k <= experts, "top-", top_k, " of ", experts, " experts");
+    TORCH_CHECK(width >= 1, "an expert's width must be positive");
+    Experts moe{projection(router, torch::empty({0}), torch::empty({0}), hidden_, experts), {}, {}, top_k, width,
+                normalize};
+    for (int64_t e = 0; e < experts; ++e) {
+      moe.gate_up.push_back(projection(gate_up[e], torch::empty({0}), torch::empty({0}), hidden_, 2 * width));
+      moe.down.push_back(projection(down[e], torch::empty({0}), torch::empty({0}), width, hidden_));
+    }
+    w.experts = std::move(moe);
+  }
+
+  // The experts each mixture-of-experts layer's rows chose in the last step, distinct ones counted, in layer order
+  // (what the step profile reports beside the cost model's expectation).
+  std::vector<int64_t> step_experts() const { return step_experts_; }
 
   // From now on, quantized projections run on the dot-product kind `name` (quant_dots(): portable, avx2,
   // vnni256, vnni512): all of them (`projection` empty; the default is the build's best at the stack's
@@ -255,6 +286,8 @@ class NativeDecoder {
                   " of a cache of ", kv_cache.size(0));
       TORCH_CHECK(layer.kv_group <= static_cast<int64_t>(group_slots.size()), "a layer of KV group ",
                   layer.kv_group, ", but the step has ", group_slots.size() + 1);
+      TORCH_CHECK(!layer.projections[kGateUp].absent() || layer.experts, "a layer without gate_up has no experts "
+                  "either (set_layer_experts)");
     }
     const int64_t tokens = static_cast<int64_t>(token_ids.size());
     TORCH_CHECK(positions.size() == token_ids.size() && slots.size() == token_ids.size() &&
@@ -405,6 +438,7 @@ class NativeDecoder {
   void run(const Step& step, float* out) {
     using V = typename P::Vec;
     const int64_t tokens = step.tokens;
+    step_experts_.clear();
     const int64_t q_width = heads_ * dim_, qkv_width = (heads_ + 2 * kv_heads_) * dim_;
     auto opts = final_norm_.options();
     auto normed = torch::empty({tokens, hidden_}, opts), qkv = torch::empty({tokens, qkv_width}, opts);
@@ -444,7 +478,9 @@ class NativeDecoder {
         rms_norm_rows<V>(dp, nullptr, w.attn_out_norm.data_ptr<float>(), tokens, hidden_, eps_, dp);
       }
       rms_norm_rows<V>(xp, dp, w.post_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
-      if (fused_swiglu) {
+      if (w.experts) {
+        run_experts<P>(*w.experts, np, tokens, dp);
+      } else if (fused_swiglu) {
         const Projection& gate_up = w.projections[kGateUp];
         swiglu_rows<P>(np, tokens, hidden_, weight_data<P>(gate_up.packed), intermediate_,
                        optional_data(gate_up.bias), actp);
@@ -456,7 +492,7 @@ class NativeDecoder {
           silu_and_mul_rows<V>(gp, tokens, intermediate_, actp);
         }
       }
-      project<P>(w, kDown, actp, tokens, intermediate_, dp);
+      if (!w.experts) project<P>(w, kDown, actp, tokens, intermediate_, dp);
       if (w.mlp_out_norm.numel() != 0) {
         rms_norm_rows<V>(dp, nullptr, w.mlp_out_norm.data_ptr<float>(), tokens, hidden_, eps_, dp);
       }
@@ -470,6 +506,15 @@ class NativeDecoder {
     torch::Tensor packed, bias, plain;
     int64_t n;
     std::optional<QuantWeight> quant;  // set: the weight is quantized (packed and plain are empty)
+
+    bool absent() const { return n == 0; }  // a mixture of experts' layer has no gate_up or down of its own
+  };
+  // A mixture of experts in place of a layer's MLP (set_layer_experts).
+  struct Experts {
+    Projection router;
+    std::vector<Projection> gate_up, down;
+    int64_t top_k, width;
+    bool normalize;
   };
   enum Which : size_t { kQkv, kO, kGateUp, kDown, kProjections };
   static constexpr std::array<const char*, kProjections> kProjectionNames{"qkv", "o", "gate_up", "down"};
@@ -482,6 +527,7 @@ class NativeDecoder {
     int64_t window = 0;
     bool local_rope = false;
     int64_t kv_group = 0, cache_index = 0;
+    std::optional<Experts> experts;  // set_layer_experts': the MLP is a mixture of experts
   };
   struct RowRange {
     int64_t lo, hi;
@@ -490,6 +536,33 @@ class NativeDecoder {
     int64_t lo, hi;
     QuantDot dot;
   };
+
+  // A mixture of experts' MLP over x [tokens, hidden] into out: route, group by expert, run (experts.h).
+  template <typename P>
+  void run_experts(const Experts& moe, const float* x, int64_t tokens, float* out) {
+    const int64_t experts = static_cast<int64_t>(moe.gate_up.size());
+    std::vector<float> logits(tokens * experts), weights(tokens * moe.top_k);
+    std::vector<int64_t> chosen(tokens * moe.top_k);
+    if (moe.router.quant) {  // the router on the stack's own kernels: it is never routed to torch's GEMM
+      quant_linear_rows(x, tokens, *moe.router.quant, nullptr, logits.data(), quant_dot_);
+    } else {
+      linear_rows<P>(x, tokens, hidden_, weight_data<P>(moe.router.packed), experts, nullptr, logits.data());
+    }
+    route_rows(logits.data(), tokens, experts, moe.top_k, moe.normalize, chosen.data(), weights.data());
+    const ExpertGroups groups = group_by_expert(chosen.data(), weights.data(), tokens, moe.top_k, experts);
+    step_experts_.push_back(groups.distinct);
+    std::vector<ExpertMatrix> gate_up(experts), down(experts);
+    for (int64_t e = 0; e < experts; ++e) {
+      gate_up[e] = expert_matrix(moe.gate_up[e], hidden_);
+      down[e] = expert_matrix(moe.down[e], moe.width);
+    }
+    expert_rows<P>(x, tokens, hidden_, moe.width, groups, gate_up.data(), down.data(), gelu_,
+                   [&](int64_t rows) { return quant_dot_for(kGateUp, rows); }, out);
+  }
+
+  static ExpertMatrix expert_matrix(const Projection& p, int64_t k) {
+    return {p.quant ? nullptr : p.packed.data_ptr(), p.quant ? &*p.quant : nullptr, p.n, k};
+  }
 
   Projection projection(const ProjectionWeight& weight, const torch::Tensor& bias, const torch::Tensor& plain,
                         int64_t k, int64_t n) const {
@@ -502,6 +575,7 @@ class NativeDecoder {
       quant = *q;
     } else {
       packed = std::get<torch::Tensor>(weight);
+      if (packed.numel() == 0) return {packed, torch::empty({0}), torch::empty({0}), 0, std::nullopt};  // absent
       check_packed(packed, k, n);
     }
     TORCH_CHECK(bias.scalar_type() == torch::kFloat32, "norm weights and biases must be float32 (on every stack)");
@@ -559,7 +633,8 @@ class NativeDecoder {
   bool gelu_ = false;
   torch::Tensor local_cos_ = torch::empty({0}), local_sin_ = torch::empty({0});
   std::optional<QuantWeight> embedding_quant_;  // set_io's, when the embedding is quantized
-  bool quantized_gate_up_ = false;  // some layer's gate/up is quantized: SwiGLU is never fused
+  bool quantized_gate_up_ = false;
+  std::vector<int64_t> step_experts_;  // the last step's distinct experts per mixture-of-experts layer  // some layer's gate/up is quantized: SwiGLU is never fused
   QuantDot quant_dot_;
   std::array<std::vector<DotRange>, kProjections + 1> quant_dot_rows_;  // the layers' projections, then the LM head
   Projection lm_head_;

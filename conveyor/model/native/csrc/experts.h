@@ -1,0 +1,148 @@
+// A mixture of experts' feed-forward, grouped by expert: each row's top-k experts by the router's softmax, then
+// the rows gathered per expert, so that an expert's weights stream once per step for all the rows that chose it
+// (a batch of B rows reads E(1 - (1 - k/E)^B) experts, not B k), and the results added back to each row with
+// its router weight. Like the other kernels, plain pointers and shapes: no torch.
+//
+// Threads: each expert's GEMMs split their output tiles over the threads (for_each_tile_pass), so the work
+// divides by each expert's rows and columns, never by whole experts per thread, which a batch routed
+// unevenly (most rows on a few experts) would leave idle.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "family_rows.h"
+#include "gemm.h"
+#include "parallel.h"
+#include "quant_gemm.h"
+#include "rows.h"
+
+namespace conveyor {
+
+// Each row's top-k experts and their weights from router logits [rows, experts]: a float32 softmax, the k
+// most probable (the lower index first among equals, best first), scaled to sum to 1 if `normalize` (Qwen3-MoE,
+// Mixtral; OLMoE keeps the probabilities). chosen and weights are [rows, top_k].
+inline void route_rows(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool normalize,
+                       int64_t* chosen, float* weights) {
+  CONVEYOR_CHECK(top_k >= 1 && top_k <= experts, "top-", top_k, " of ", experts, " experts");
+  std::vector<float> probs(experts);
+  std::vector<int64_t> order(experts);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* l = logits + r * experts;
+    const float top = *std::max_element(l, l + experts);
+    float sum = 0.f;
+    for (int64_t e = 0; e < experts; ++e) sum += probs[e] = std::exp(l[e] - top);
+    for (int64_t e = 0; e < experts; ++e) probs[e] /= sum;
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int64_t a, int64_t b) {
+      return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
+    });
+    float kept = 0.f;
+    for (int64_t j = 0; j < top_k; ++j) kept += probs[order[j]];
+    for (int64_t j = 0; j < top_k; ++j) {
+      chosen[r * top_k + j] = order[j];
+      weights[r * top_k + j] = normalize ? probs[order[j]] / kept : probs[order[j]];
+    }
+  }
+}
+
+// A step's routing grouped by expert: entries offsets[e] .. offsets[e + 1] are expert e's, each a row and the
+// router weight it gives that expert, rows in ascending order. `distinct`: the experts some row chose.
+struct ExpertGroups {
+  std::vector<int64_t> offsets, rows;
+  std::vector<float> weights;
+  int64_t distinct = 0;
+
+  int64_t count(int64_t expert) const { return offsets[expert + 1] - offsets[expert]; }
+};
+
+inline ExpertGroups group_by_expert(const int64_t* chosen, const float* weights, int64_t rows, int64_t top_k,
+                                    int64_t experts) {
+  ExpertGroups groups;
+  groups.offsets.assign(experts + 1, 0);
+  for (int64_t i = 0; i < rows * top_k; ++i) {
+    CONVEYOR_CHECK(chosen[i] >= 0 && chosen[i] < experts, "expert ", chosen[i], " of ", experts);
+    ++groups.offsets[chosen[i] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    groups.distinct += groups.offsets[e + 1] > 0;
+    groups.offsets[e + 1] += groups.offsets[e];
+  }
+  groups.rows.resize(rows * top_k);
+  groups.weights.resize(rows * top_k);
+  std::vector<int64_t> next(groups.offsets.begin(), groups.offsets.end() - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int64_t at = next[chosen[r * top_k + j]]++;
+      groups.rows[at] = r;
+      groups.weights[at] = weights[r * top_k + j];
+    }
+  }
+  return groups;
+}
+
+// One expert's projection [n, k] as the kernels take it: packed for the step's path (`packed`, P::Weight), or
+// quantized (`quant`).
+struct ExpertMatrix {
+  const void* packed = nullptr;
+  const QuantWeight* quant = nullptr;
+  int64_t n = 0, k = 0;
+};
+
+// y [m, n] = x [m, k] . W^T through one expert's projection.
+template <typename P>
+void expert_linear(const ExpertMatrix& w, const float* x, int64_t m, float* y, QuantDot dot) {
+  if (w.quant != nullptr) return quant_linear_rows(x, m, *w.quant, nullptr, y, dot);
+  linear_rows<P>(x, m, w.k, static_cast<const typename P::Weight*>(w.packed), w.n, nullptr, y);
+}
+
+// out [rows, hidden] = sum over each row's experts of weight * down(act(gate(x)) * up(x)), each expert's gate
+// and up one [2 width, hidden] projection (gate first) and its down [hidden, width]; `gelu`: GeGLU's activation,
+// else SwiGLU's. Experts add up in ascending order, as the reference's loop over experts does. dot_for(m): the
+// quantized dot-product kind for an expert's GEMM of m rows.
+template <typename P, typename DotFor>
+void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, const ExpertGroups& groups,
+                 const ExpertMatrix* gate_up, const ExpertMatrix* down, bool gelu, const DotFor& dot_for, float* out) {
+  using V = typename P::Vec;
+  const int64_t experts = static_cast<int64_t>(groups.offsets.size()) - 1;
+  const int64_t total = static_cast<int64_t>(groups.rows.size());
+  thread_local std::vector<float> xs, gate_up_out, act, ys;  // reused by every layer of every step
+  xs.resize(total * hidden);
+  gate_up_out.resize(total * 2 * width);
+  act.resize(total * width);
+  ys.resize(total * hidden);
+  for (int64_t i = 0; i < total; ++i) {
+    std::memcpy(xs.data() + i * hidden, x + groups.rows[i] * hidden, sizeof(float) * hidden);
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    if (const int64_t m = groups.count(e); m > 0) {
+      const int64_t at = groups.offsets[e];
+      expert_linear<P>(gate_up[e], xs.data() + at * hidden, m, gate_up_out.data() + at * 2 * width, dot_for(m));
+    }
+  }
+  if (gelu) {
+    gelu_tanh_and_mul_rows<V>(gate_up_out.data(), total, width, act.data());
+  } else {
+    silu_and_mul_rows<V>(gate_up_out.data(), total, width, act.data());
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    if (const int64_t m = groups.count(e); m > 0) {
+      const int64_t at = groups.offsets[e];
+      expert_linear<P>(down[e], act.data() + at * width, m, ys.data() + at * hidden, dot_for(m));
+    }
+  }
+  std::fill(out, out + rows * hidden, 0.f);
+  for (int64_t i = 0; i < total; ++i) {  // in expert order: each row's experts add up in ascending order
+    float* row = out + groups.rows[i] * hidden;
+    const float* y = ys.data() + i * hidden;
+    const float w = groups.weights[i];
+    for (int64_t c = 0; c < hidden; ++c) row[c] += y[c] * w;
+  }
+}
+
+}  // namespace conveyor
