@@ -1,9 +1,11 @@
-"""Mixtures of experts: tiny random Qwen3-MoE and Mixtral checkpoints written by transformers.
+"""Mixtures of experts: tiny random Qwen3-MoE, Mixtral and OLMoE checkpoints written by transformers.
 
 Greedy output equals transformers' ``generate`` on the same weights, one prompt at a time and all prompts
 batched (chunked too, so a step's rows pick many experts at once), on the native stack's expert-grouped step
-and on PyTorch ops; the router picks the experts transformers' router picks, with the same weights. GGUF files
-of both run natively with their experts kept quantized.
+and on PyTorch ops; the router picks the experts transformers' router picks, with the same weights. OLMoE's
+QK-norm over whole projections and its clamp (clip_qkv) are held to the same greedy tokens. A tiny GGUF file of
+each, laid out as llama.cpp writes it, runs as transformers runs its float32 export, and runs natively with its
+experts kept quantized.
 """
 
 from __future__ import annotations
@@ -30,14 +32,28 @@ CONFIGS = {
     "qwen3_moe": dict(ATTENTION, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
                       num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], head_dim=16),
     "mixtral": dict(ATTENTION, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+    # QK-norm over the whole projections, experts as wide as intermediate_size, Q and K clamped where the norm
+    # leaves them past 1.5 (a few in ten: test_the_clamp_changes_olmoes_tokens).
+    "olmoe": dict(ATTENTION, intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=1.5),
 }
+# What ModelConfig reads of each: experts, top k, their width, norm_topk_prob, the dense layers, clip_qkv.
+EXPECTED = {"qwen3_moe": (8, 2, 32, False, (1,), None), "mixtral": (4, 2, 48, True, (), None),
+            "olmoe": (8, 2, 32, False, (), 1.5)}
 
 
 def _write(kind: str, folder: Path, tokenizer_from: Path) -> Path:
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     config_class, model_class = {"qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-                                 "mixtral": (MixtralConfig, MixtralForCausalLM)}[kind]
+                                 "mixtral": (MixtralConfig, MixtralForCausalLM),
+                                 "olmoe": (OlmoeConfig, OlmoeForCausalLM)}[kind]
     torch.manual_seed(1)
     model = model_class(config_class(**CONFIGS[kind]))
     with torch.no_grad():  # routers wide apart: a tie between two experts' probabilities would pick either
@@ -68,12 +84,8 @@ def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
 def test_the_config_says_which_layers_have_experts(moe):
     folder, _ = moe
     config = ModelConfig.from_folder(folder)
-    if config.model_type == "qwen3_moe":
-        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 32)
-        assert config.dense_layers == (1,) and not config.norm_topk_prob
-    else:
-        assert (config.num_experts, config.moe_intermediate_size, config.norm_topk_prob) == (4, 48, True)
-        assert config.dense_layers == ()
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size, config.norm_topk_prob,
+            config.dense_layers, config.clip_qkv) == EXPECTED[config.model_type]
 
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
@@ -107,11 +119,31 @@ def test_the_router_picks_what_transformers_picks(moe):
         assert torch.allclose(ours(x), block(x[None])[0], atol=1e-6)
 
 
+def test_the_clamp_moves_olmoes_tokens(tmp_path, default_model_dir):
+    """transformers' greedy tokens of the tiny OLMoE differ without its clip_qkv: the greedy test above holds
+    Conveyor to the clamp, not only to the rest."""
+    from transformers import AutoModelForCausalLM
+
+    folder = _write("olmoe", tmp_path, default_model_dir)
+    clipped = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    unclipped = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, clip_qkv=None).eval()
+    prompts = _prompts([1, 5, 17, 40, 90], seed=2)
+    assert any(hf_greedy(clipped, p, 12) != hf_greedy(unclipped, p, 12) for p in prompts)
+
+
+def test_the_native_stack_runs_olmoe():
+    """OLMoE's experts, its QK-norm over whole projections and its clamp all run on the native stack."""
+    from conveyor.model.native.kernels import native_gaps
+
+    assert native_gaps(ModelConfig.from_hf_dict(dict(CONFIGS["olmoe"], model_type="olmoe"))) == []
+
+
 # ----- GGUF files, laid out as llama.cpp writes them -----
 
 GGUF_CONFIGS = {  # every layer a mixture (llama.cpp's qwen3moe has no dense layers), widths in Q8_0 blocks of 32
     "qwen3moe": ("qwen3_moe", dict(CONFIGS["qwen3_moe"], mlp_only_layers=[], norm_topk_prob=True)),
     "llama": ("mixtral", dict(CONFIGS["mixtral"], intermediate_size=64)),
+    "olmoe": ("olmoe", dict(CONFIGS["olmoe"], clip_qkv=None)),  # llama.cpp's olmoe clamps nothing
 }
 
 
@@ -211,7 +243,7 @@ def test_a_gguf_file_runs_as_transformers_runs_its_export(moe_gguf):
         exported = reference.state_dict()[name]
         assert torch.allclose(exported, tensor, atol=tensor.abs().max().item() / 127), name
     llm = LLM(str(path), num_kv_blocks=256, kernels="torch")
-    assert llm.engine.model_config.num_experts == (8 if kind == "qwen3_moe" else 4)
+    assert llm.engine.model_config.num_experts == EXPECTED[kind][0]
     prompts = _prompts([3, 20, 45], seed=4)
     outputs = llm.generate(prompts, GREEDY_12, use_tqdm=False)
     assert [output.token_ids for output in outputs] == [hf_greedy(reference, p, 12) for p in prompts]

@@ -47,6 +47,8 @@ class ModelConfig:
     local_rope_scaling: dict[str, Any] = field(default_factory=dict)
     query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
     partial_rotary_factor: float = 1.0  # the share of each head that rope rotates (Phi-4-mini: 0.75)
+    # Q, K and V each clamped to [-clip_qkv, clip_qkv] after the QK-norm (OLMoE's config key; None: not clamped).
+    clip_qkv: float | None = None
     # A mixture of experts (none: a dense model): in each of its MoE layers a router picks ``num_experts_per_tok``
     # of ``num_experts`` experts per token, each a gated MLP of ``moe_intermediate_size``, their outputs summed
     # by the router's probabilities (scaled to sum to 1 with ``norm_topk_prob``); ``dense_layers`` have a
@@ -106,6 +108,7 @@ class ModelConfig:
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
             partial_rotary_factor=float(raw.get("partial_rotary_factor")
                                         or (raw.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)),
+            clip_qkv=_clip_qkv(raw, model_type),
             **_experts(raw),
         )
 
@@ -152,6 +155,13 @@ def _experts(raw: dict[str, Any]) -> dict[str, Any]:
             "dense_layers": tuple(i for i in range(raw["num_hidden_layers"]) if i in dense or (i + 1) % step)}
 
 
+def _clip_qkv(raw: dict[str, Any], model_type: str) -> float | None:
+    """The clamp of Q, K and V, read only where the family's model applies it (transformers' other models ignore
+    a stray key; so does this)."""
+    clip = raw.get("clip_qkv") if model_type in CLIPS_QKV else None
+    return None if clip is None else float(clip)
+
+
 def _stored_as(quantization: dict[str, Any] | None) -> str | None:
     """``{"quant_method": "gguf", "layer_type": "Q4_1", "lm_head_type": "Q8_0"}`` -> "Q4_1/Q8_0"."""
     if not quantization or quantization.get("quant_method") != "gguf":
@@ -159,6 +169,7 @@ def _stored_as(quantization: dict[str, Any] | None) -> str | None:
     return f"{quantization.get('layer_type')}/{quantization.get('lm_head_type')}"
 
 
+CLIPS_QKV = ("olmoe",)  # the model types whose attention clamps Q, K and V by clip_qkv
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 # What each family's HF config class fills in when a config.json leaves a key out (transformers' defaults).
@@ -170,6 +181,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
 _FAMILY_DEFAULTS["mixtral"] = {"norm_topk_prob": True, "rope_theta": 1e6}
+_FAMILY_DEFAULTS["olmoe"] = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "num_experts": 64,
+                             "num_experts_per_tok": 8}
 _FAMILY_DEFAULTS["phi3"] = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
                             "original_max_position_embeddings": 4096}
 

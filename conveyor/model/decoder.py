@@ -218,7 +218,8 @@ class Decoder(nn.Module):
         local = self.rotary_local
         self.native.set_family(c.hidden_size**0.5 if self.family.embedding_scale else 1.0,
                                self.layers[0].self_attn.scale if self.layers else 1.0, c.hidden_act,
-                               none if local is None else local.cos, none if local is None else local.sin)
+                               none if local is None else local.cos, none if local is None else local.sin,
+                               c.clip_qkv or 0.0)
         for i, (layer, (group, slot)) in enumerate(zip(self.layers, self.kv_slots, strict=True)):
             attn = layer.self_attn
             q_norm, k_norm = ((_norm_weight(attn.q_norm), _norm_weight(attn.k_norm)) if hasattr(attn, "q_norm")

@@ -220,8 +220,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over the paged cache; with the family's QK-norm over each head before rope,
-    and over the last ``window`` positions only where the layer has one."""
+    """Grouped-query attention over the paged cache; with the family's QK-norm before rope (over each head, or
+    over the whole query and key projections before they are split into heads), Q, K and V clamped where the
+    config clips them, and over the last ``window`` positions only where the layer has one."""
 
     def __init__(self, config: ModelConfig, family: Family, window: int | None) -> None:
         super().__init__()
@@ -234,16 +235,22 @@ class Attention(nn.Module):
         self.window = window
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm, self.clip = family.qk_norm, config.clip_qkv
         if family.qk_norm:
-            self.q_norm = make_norm(family, config.head_dim, config.rms_norm_eps)
-            self.k_norm = make_norm(family, config.head_dim, config.rms_norm_eps)
+            per_head = family.qk_norm == "head"
+            self.q_norm = make_norm(family, config.head_dim if per_head else self.q_size, config.rms_norm_eps)
+            self.k_norm = make_norm(family, config.head_dim if per_head else self.kv_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(n, self.num_heads, self.head_dim), k.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)

@@ -12,12 +12,13 @@ from conveyor.core.model_config import ModelConfig
 from conveyor.model.families.base import Family
 from conveyor.model.families.gemma import GEMMA3
 from conveyor.model.families.llama import LLAMA, MISTRAL, MIXTRAL
+from conveyor.model.families.olmoe import OLMOE
 from conveyor.model.families.phi import PHI3
 from conveyor.model.families.qwen import QWEN2, QWEN3, QWEN3_MOE
 
 __all__ = ["FAMILIES", "ROPE_SCALINGS", "Family", "family_for", "gguf_family", "rope_kind"]
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, GEMMA3, PHI3)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE, OLMOE, GEMMA3, PHI3)
 _BY_MODEL_TYPE = {model_type: family for family in FAMILIES for model_type in family.model_types}
 _BY_GGUF = {family.gguf_architecture: family for family in FAMILIES if family.gguf_architecture}
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # what RotaryEmbedding computes

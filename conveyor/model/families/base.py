@@ -18,6 +18,10 @@ PRE_NORMS = ("input_layernorm", "post_attention_layernorm")  # Llama's: before a
 SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                   "post_feedforward_layernorm")  # Gemma's: before and after attention, before and after the MLP
 QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
+# QK-norm kinds: "head" normalises each head's queries and keys on its own, by one weight of head_dim (Qwen3,
+# Gemma 3); "projection" the whole query projection and the whole key projection, each by one RMS and a weight
+# as wide (OLMoE), before they are split into heads.
+QK_NORM_KINDS = ("head", "projection")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +35,13 @@ class Family:
     hf_architecture: str = "LlamaForCausalLM"  # what an export's config.json names
     norm: str = "rms"
     sandwich_norms: bool = False  # a norm after attention and after the MLP too, each before the residual add
-    qk_norm: bool = False  # a norm over each head's queries and keys, before rope
+    qk_norm: str | None = None  # one of QK_NORM_KINDS: a norm over queries and keys before rope; None: none
     embedding_scale: bool = False  # embeddings times sqrt(hidden_size)
     activations: tuple[str, ...] = ("silu",)
     # llama.cpp reorders Q and K rows for its rope only for some architectures (Llama's); others keep HF's.
     gguf_permuted_qk: bool = False
     gguf_norm_offset: float = 0.0  # llama.cpp stores Gemma's norm weights as 1 + w: what reading subtracts
+    hf_reads_gguf: bool = True  # transformers' GGUF reader knows its architecture (a file's tokenizer: gguf.py)
     # Its checkpoints (and llama.cpp's files of it) store Q, K and V as one projection and gate and up as one, as
     # Conveyor's layers hold them (Phi-3's qkv_proj and gate_up_proj), instead of one tensor each.
     fused_projections: bool = False

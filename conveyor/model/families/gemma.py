@@ -8,6 +8,6 @@ from conveyor.model.families.base import Family
 
 GEMMA3 = Family(
     "gemma3", ("gemma3_text", "gemma3"), gguf_architecture="gemma3", hf_architecture="Gemma3ForCausalLM",
-    norm="rms_one_plus", sandwich_norms=True, qk_norm=True, embedding_scale=True,
+    norm="rms_one_plus", sandwich_norms=True, qk_norm="head", embedding_scale=True,
     activations=("gelu_pytorch_tanh",), gguf_norm_offset=1.0,
 )

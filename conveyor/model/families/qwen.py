@@ -6,6 +6,6 @@ from __future__ import annotations
 from conveyor.model.families.base import Family
 
 QWEN2 = Family("qwen2", ("qwen2",), gguf_architecture="qwen2", hf_architecture="Qwen2ForCausalLM")
-QWEN3 = Family("qwen3", ("qwen3",), gguf_architecture="qwen3", hf_architecture="Qwen3ForCausalLM", qk_norm=True)
+QWEN3 = Family("qwen3", ("qwen3",), gguf_architecture="qwen3", hf_architecture="Qwen3ForCausalLM", qk_norm="head")
 QWEN3_MOE = Family("qwen3_moe", ("qwen3_moe",), gguf_architecture="qwen3moe", hf_architecture="Qwen3MoeForCausalLM",
-                   qk_norm=True)
+                   qk_norm="head")

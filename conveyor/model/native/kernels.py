@@ -44,8 +44,9 @@ NATIVE_HEAD_SIZES = (8, 16, 32, 64, 96, 128, 256)  # attention is unrolled for t
 def native_gaps(config: ModelConfig) -> list[str]:
     """What the native stack (native_decoder.h) lacks to run ``config`` (empty: it runs it). It has every
     family's layers here (set_family, set_layer_traits: QK-norm, (1 + w) and sandwich norms, GeGLU, the
-    embedding and attention scales, a rope per layer kind, windows and KV groups, mixtures of experts); its
-    attention is unrolled for some head sizes only."""
+    embedding and attention scales, a rope per layer kind, windows and KV groups, mixtures of experts, a
+    QK-norm over each head or over the whole projection, OLMoE's clamp of Q, K and V); its attention is
+    unrolled for some head sizes only."""
     family_for(config)
     if config.head_dim not in NATIVE_HEAD_SIZES:
         return [f"attention over heads of {config.head_dim} (it has {', '.join(map(str, NATIVE_HEAD_SIZES))})"]

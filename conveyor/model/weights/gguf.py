@@ -6,9 +6,9 @@ way, so a GGUF file gets a small folder of those, without weights. This module w
 no torch: finding a model (:mod:`conveyor.model.weights.paths`) does not load the model's runtime. With weights
 (:mod:`conveyor.model.weights.gguf_export`), every tensor is dequantized once, llama.cpp's layout changes
 undone, and the folder is one that both Conveyor and ``transformers`` load: the export other engines are
-compared on. Nothing is downloaded. The architectures
-read are those of :mod:`conveyor.model.families` with a GGUF name (llama, qwen2, qwen3, gemma3); what
-each names or leaves out is in :mod:`conveyor.model.weights.gguf_families`.
+compared on. Nothing is downloaded. The architectures read are those of :mod:`conveyor.model.families` with a
+GGUF name (llama, qwen2, qwen3, qwen3moe, olmoe, phi3, gemma3); what each names or leaves out is in
+:mod:`conveyor.model.weights.gguf_families`.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def convert_gguf_to_hf(
             write_weights(reader, family, hparams, staging)
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", _generation_config(config))
-        _save_tokenizer(src, staging, config["max_position_embeddings"], default_chat_template(family))
+        _save_tokenizer(src, staging, config["max_position_embeddings"], family)
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -416,19 +416,25 @@ def _write_json(path: pathlib.Path, data: dict[str, Any]) -> None:
 # Tokenizer and final move
 
 
-def _save_tokenizer(src: pathlib.Path, out: pathlib.Path, max_length: int, default_template: str | None) -> None:
+def _save_tokenizer(src: pathlib.Path, out: pathlib.Path, max_length: int, family: Family) -> None:
     """Rebuild the tokenizer with transformers' own GGUF converter and save it in plain HF form.
 
+    AutoTokenizer builds the model's config from the file first, which its GGUF reader refuses for an
+    architecture it lacks (``Family.hf_reads_gguf``); the tokenizer itself is the file's metadata whatever the
+    architecture, so for those it is built by the class AutoTokenizer falls back to, from the same converter.
     The chat template is kept inside tokenizer_config.json (``save_jinja_files=False``) so readers that predate
     chat_template.jinja still find it. Load-time flags that transformers records as init arguments are dropped:
     they describe how we loaded the GGUF, not how the saved folder should be loaded. A file without a chat
-    template gets its family's ``default_template`` where there is one.
+    template gets its family's default template where there is one.
     """
     from transformers import AutoTokenizer  # heavy import, only needed here
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
+    reader = AutoTokenizer if family.hf_reads_gguf else TokenizersBackend
+    tokenizer = reader.from_pretrained(str(src.parent), gguf_file=src.name, local_files_only=True)
     if not tokenizer.chat_template:
-        tokenizer.chat_template = default_template  # None keeps "no template" explicit, not an empty string
+        # None keeps "no template" explicit, not an empty string
+        tokenizer.chat_template = default_chat_template(family)
     tokenizer.model_max_length = max_length
     for key in ("is_local", "local_files_only", "gguf_file"):
         tokenizer.init_kwargs.pop(key, None)

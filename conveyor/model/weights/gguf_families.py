@@ -115,13 +115,16 @@ def family_config(family: Family, meta: Callable[[str, Any], Any], hparams: dict
 def _experts_config(family: Family, meta: Callable[[str, Any], Any]) -> dict[str, Any]:
     """A mixture of experts' config keys, in its family's HF names: Qwen3-MoE's experts and their width,
     their weights scaled to sum to 1 as llama.cpp runs it unless the file says otherwise; Mixtral's
-    ``num_local_experts``, as wide as its feed_forward_length."""
+    ``num_local_experts``, as wide as its feed_forward_length; OLMoE's, as wide too, their weights never scaled
+    (llama.cpp's olmoe graph does not, whatever the file says)."""
     experts = meta("expert_count", 0)
     if not experts:
         return {}
     used = meta("expert_used_count", None)
     if family.name == "mixtral":
         return {"num_local_experts": experts, "num_experts_per_tok": used}
+    if family.name == "olmoe":
+        return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": False}
     return {"num_experts": experts, "num_experts_per_tok": used,
             "moe_intermediate_size": meta("expert_feed_forward_length", None),
             "norm_topk_prob": bool(meta("expert_weights_norm", True)), "decoder_sparse_step": 1,

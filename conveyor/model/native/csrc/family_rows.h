@@ -1,10 +1,11 @@
 // Row-wise kernels some families need beside Llama's (rows.h): RMSNorm over each head's queries and keys
-// (QK-norm: Qwen3, Gemma 3), GeGLU's activation with tanh GELU (Gemma), and a scale over whole rows (Gemma's
+// (QK-norm: Qwen3, Gemma 3; over a whole projection: OLMoE) and OLMoE's clamp, GeGLU's activation with tanh GELU (Gemma), and a scale over whole rows (Gemma's
 // embedding times sqrt(hidden)). Like rows.h, on vectors V, whatever is left past the last whole vector lane by
 // lane.
 
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -53,6 +54,11 @@ struct GeluTanhMul {
 template <typename V>
 void gelu_tanh_and_mul_rows(const float* gate_up, int64_t rows, int64_t size, float* out) {
   gated_rows<V>(gate_up, rows, size, out, GeluTanhMul{});
+}
+
+// x clamped to [-limit, limit] over n floats, in place (OLMoE's clip_qkv).
+inline void clamp_in_place(float* x, int64_t n, float limit) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::min(std::max(x[i], -limit), limit);
 }
 
 // x *= factor over n floats.

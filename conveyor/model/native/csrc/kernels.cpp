@@ -428,7 +428,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_io", &NativeDecoder::set_io, arg("embedding"), arg("cos"), arg("sin"), arg("lm_head"),
            arg("lm_head_plain"))
       .def("set_family", &NativeDecoder::set_family, arg("embedding_scale"), arg("attention_scale"),
-           arg("activation"), arg("local_cos"), arg("local_sin"))
+           arg("activation"), arg("local_cos"), arg("local_sin"), arg("clip_qkv") = 0.0)
       .def("set_layer_traits", &NativeDecoder::set_layer_traits, arg("layer"), arg("q_norm"), arg("k_norm"),
            arg("attn_out_norm"), arg("mlp_out_norm"), arg("window"), arg("local_rope"), arg("kv_group"),
            arg("cache_index"))

@@ -133,9 +133,12 @@ class NativeDecoder {
 
   // What the family changes model-wide: the embedding's scale (1: none; Gemma's sqrt(hidden)), attention's score
   // scale (1/sqrt(head_dim) for Llama; Gemma's query_pre_attn_scalar^-1/2), the MLP's gate activation ("silu":
-  // SwiGLU, "gelu_pytorch_tanh": GeGLU), and the windowed layers' own rotary tables (empty: one rope for all).
+  // SwiGLU, "gelu_pytorch_tanh": GeGLU), the windowed layers' own rotary tables (empty: one rope for all), and
+  // clip_qkv: OLMoE's clamp of Q, K and V to +-clip_qkv after the QK-norm (0: none).
   void set_family(double embedding_scale, double attention_scale, const std::string& activation,
-                  torch::Tensor local_cos, torch::Tensor local_sin) {
+                  torch::Tensor local_cos, torch::Tensor local_sin, double clip_qkv = 0.0) {
+    TORCH_CHECK(clip_qkv >= 0.0, "clip_qkv must be positive (0: no clamp)");
+    clip_ = static_cast<float>(clip_qkv);
     TORCH_CHECK(activation == "silu" || activation == "gelu_pytorch_tanh", "no activation ", activation,
                 " (silu, gelu_pytorch_tanh)");
     TORCH_CHECK(attention_scale > 0.0, "the attention scale must be positive");
@@ -165,7 +168,10 @@ class NativeDecoder {
     TORCH_CHECK((q_norm.numel() == 0) == (k_norm.numel() == 0), "QK-norm needs both q_norm and k_norm");
     TORCH_CHECK((attn_out_norm.numel() == 0) == (mlp_out_norm.numel() == 0),
                 "norms after attention and the MLP come together");
-    for (const auto& [t, size] : {std::pair{&q_norm, dim_}, {&k_norm, dim_}, {&attn_out_norm, hidden_},
+    // A QK-norm over each head (head_dim floats: Qwen3, Gemma 3) or over the whole projection (OLMoE).
+    const bool whole = q_norm.numel() == heads_ * dim_ && k_norm.numel() == kv_heads_ * dim_ && heads_ > 1;
+    for (const auto& [t, size] : {std::pair{&q_norm, whole ? heads_ * dim_ : dim_},
+                                  {&k_norm, whole ? kv_heads_ * dim_ : dim_}, {&attn_out_norm, hidden_},
                                   {&mlp_out_norm, hidden_}}) {
       TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == torch::kFloat32 && t->numel() == size),
                   "a norm weight of ", size, " floats expected");
@@ -463,10 +469,13 @@ class NativeDecoder {
       // The previous layer's MLP output joins the residual stream on the way into this layer's norm.
       rms_norm_rows<V>(xp, l == 0 ? nullptr : dp, w.input_norm.data_ptr<float>(), tokens, hidden_, eps_, np);
       project<P>(w, kQkv, np, tokens, hidden_, qkvp);
-      if (w.q_norm.numel() != 0) {
-        head_norm_rows<V>(qkvp, tokens, qkv_width, heads_, dim_, w.q_norm.data_ptr<float>(), eps_);
-        head_norm_rows<V>(qkvp + q_width, tokens, qkv_width, kv_heads_, dim_, w.k_norm.data_ptr<float>(), eps_);
+      if (w.q_norm.numel() != 0) {  // over each head, or (a weight as wide as the projection) over all at once
+        const int64_t q_span = w.q_norm.numel(), k_span = w.k_norm.numel();
+        head_norm_rows<V>(qkvp, tokens, qkv_width, q_width / q_span, q_span, w.q_norm.data_ptr<float>(), eps_);
+        head_norm_rows<V>(qkvp + q_width, tokens, qkv_width, kv_heads_ * dim_ / k_span, k_span,
+                          w.k_norm.data_ptr<float>(), eps_);
       }
+      if (clip_ > 0.f) clamp_in_place(qkvp, tokens * qkv_width, clip_);
       rotary_rows<V>(qkvp, tokens, qkv_width, heads_ + kv_heads_, dim_, rope.cos, rope.sin);
       write_kv_rows(qkvp + q_width, qkvp + q_width + kv_heads_ * dim_, tokens, qkv_width, group.slots, step.shape,
                     k_cache, v_cache);
@@ -630,6 +639,7 @@ class NativeDecoder {
   torch::Tensor embedding_, cos_, sin_;  // set_io's
   // set_family's: 1 and 0 (1/sqrt(head_dim)) are Llama's; local tables empty: every layer rotates by cos_, sin_.
   float embedding_scale_ = 1.f, attention_scale_ = 0.f;
+  float clip_ = 0.f;  // set_family's clip_qkv: Q, K and V clamped to +-clip_ after the QK-norm (0: none)
   bool gelu_ = false;
   torch::Tensor local_cos_ = torch::empty({0}), local_sin_ = torch::empty({0});
   std::optional<QuantWeight> embedding_quant_;  // set_io's, when the embedding is quantized
