@@ -267,3 +267,26 @@ def test_a_gguf_file_runs_natively_with_its_experts_kept_quantized(moe_gguf):
         assert ours.token_ids[0] == want.token_ids[0], (kind, len(ours.prompt_token_ids))
         second = dict(want.logprobs[1].top)
         assert ours.token_ids[1] in second and second[ours.token_ids[1]] >= want.logprobs[1].logprob - 0.05
+
+
+def test_each_step_counts_the_experts_its_rows_chose(moe):
+    """Decoder.step_experts, what calibration sets beside the simulator's expectation: one count per
+    mixture-of-experts layer, the same on the native stack as on PyTorch ops (the same routing), between top-k
+    and every expert, and top-k exactly for a step of one row."""
+    folder, _ = moe
+    config = ModelConfig.from_folder(folder)
+    counts = {}
+    for kernels in ("native", "torch"):
+        llm = LLM(str(folder), num_kv_blocks=256, kernels=kernels)
+        engine, model = llm.engine, llm.engine.executor.model
+        engine.add_request(_prompts([60], seed=5)[0], SamplingParams(temperature=0.0, max_tokens=2))
+        engine.step()
+        prompt_step = model.step_experts()
+        engine.step()
+        counts[kernels] = (prompt_step, model.step_experts())
+    moe_layers = config.num_layers - len(config.dense_layers)
+    prompt_step, decode_step = counts["native"]
+    assert counts["native"] == counts["torch"]
+    assert len(prompt_step) == moe_layers and all(
+        config.num_experts_per_tok <= n <= config.num_experts for n in prompt_step)
+    assert decode_step == [config.num_experts_per_tok] * moe_layers

@@ -217,3 +217,29 @@ def test_a_profiles_age_is_read_from_its_stamp_and_an_unreadable_stamp_has_none(
     assert stamped.age_s(now=calendar.timegm((2026, 12, 3, 6, 30, 0, 0, 0, 0))) == 1800.0
     assert synthetic_profile(measured_at="").age_s() is None
     assert synthetic_profile(measured_at="now").age_s() is None  # edited by hand: no age, no failure
+
+
+def test_a_mixture_of_experts_prices_a_step_between_entries_by_the_experts_it_touches():
+    """Decode steps whose time is the shared weights plus each distinct expert read (64 experts, top-8):
+    priced from the entries at 8 and 16 tokens, a 12-token step comes out as the experts it touches say; placed
+    by its tokens instead, as a dense model's is, it would be 3% off."""
+    from conveyor.sim.cost import expected_experts
+
+    experts = (64, 8)
+    knots = (1, 2, 4, 8, 16, 32)
+
+    def step_s(tokens: int) -> float:
+        return 0.004 + 0.0004 * expected_experts(*experts, tokens)
+
+    profile = synthetic_profile(dense_tokens=knots, dense_s=tuple(step_s(t) for t in knots), experts=experts)
+    assert profile.dense_time(12) == pytest.approx(step_s(12), rel=1e-9)
+    by_tokens = sum(w * step_s(knots[i]) for i, w in dense_weights(knots, 12))
+    assert abs(by_tokens / step_s(12) - 1) > 0.03
+    assert profile.dense_time(64) == pytest.approx(step_s(32) + (step_s(32) - step_s(16)) * 2, rel=1e-9)
+    assert StepProfile.from_json(json.loads(json.dumps(profile.to_json()))).experts == experts
+    samples = [(StepWork(b, b, b, 0, 0, 0, 0, b), step_s(b)) for b in range(1, 33)]
+    fitted = fit_step_times(samples, experts=experts)
+    fitted_profile = new_profile(fitted, 0.0, this_machine(2), MODEL, "float32", 16)
+    assert fitted_profile.experts == experts
+    assert max(abs(fitted_profile.dense_time(b) + fitted_profile.per_sequence_s * b
+                   + fitted_profile.per_sampled_row_s * b - step_s(b)) / step_s(b) for b in range(1, 33)) < 0.02

@@ -7,7 +7,9 @@ samples nothing. Every step of every probe is one sample (its work, from the sch
 its wall time around ``Engine.step``, which is what the simulator's clock stands for), so the decode
 probes' own prompt steps count too. The fit is :func:`conveyor.sim.profile.fit_step_times`; the price of
 a swapped token is not fitted (no grid step swaps) but taken from this machine's measured copy
-bandwidth: a swap is a copy within the same memory, a read and a write.
+bandwidth: a swap is a copy within the same memory, a read and a write. For a mixture of experts, each step's
+distinct experts per layer are counted as the model ran it, and set beside the count the simulator expects
+of uniform routing (sim.cost.expected_experts), by the step's tokens: the profile's ``fit["experts"]``.
 
 This module imports torch (through the engine); the simulator itself does not.
 """
@@ -25,9 +27,16 @@ from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
-from conveyor.sim.cost import CostModel, StepWork, step_work
+from conveyor.sim.cost import CostModel, StepWork, expected_experts, step_work
 from conveyor.sim.hardware import load_hardware, machine_file
-from conveyor.sim.profile import StepProfile, fit_step_times, new_profile, save_profile, this_machine
+from conveyor.sim.profile import (
+    StepProfile,
+    fit_step_times,
+    model_experts,
+    new_profile,
+    save_profile,
+    this_machine,
+)
 
 DECODE_CONTEXTS = ((48, None), (320, 32), (1000, 8))  # (prompt tokens, largest batch decoded over it)
 DECODE_OUTPUT = 10  # tokens each decode probe's requests produce: 9 decode steps
@@ -100,8 +109,11 @@ def mixed_traffic(max_num_seqs: int, seed: int = 7) -> Probe:
         sorted((rng.randrange(60), rng.randint(16, 600), rng.randint(8, 64)) for _ in range(count))))
 
 
-def time_probe(engine: Engine, probe: Probe, rng: random.Random) -> list[tuple[StepWork, float]]:
-    """Run the probe to its end; each step's work and wall seconds (steps with nothing scheduled left out)."""
+def time_probe(engine: Engine, probe: Probe, rng: random.Random,
+               experts: list[tuple[int, float]] | None = None) -> list[tuple[StepWork, float]]:
+    """Run the probe to its end; each step's work and wall seconds (steps with nothing scheduled left out). With
+    ``experts``, each such step's tokens and the distinct experts a mixture-of-experts layer of it ran, on
+    average over its layers, are appended there."""
     vocab = engine.model_config.vocab_size
     prefixes = [[rng.randrange(vocab // 8, vocab) for _ in range(length)] for length in probe.prefixes]
     pending = sorted((join, index, prompt, output) for index, (join, prompt, output) in enumerate(probe.requests))
@@ -115,6 +127,9 @@ def time_probe(engine: Engine, probe: Probe, rng: random.Random) -> list[tuple[S
         _, work, seconds = timed_step(engine)
         if work.num_tokens:
             samples.append((work, seconds))
+            touched = engine.executor.model.step_experts() if experts is not None else []
+            if touched:
+                experts.append((work.num_tokens, sum(touched) / len(touched)))
         step += 1
     return samples
 
@@ -160,17 +175,20 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     time_probe(engine, Probe("warm-up", ((0, 64, 4),) * 4 + ((0, 512, 1),)), rng)
     probes = profiling_grid(config.max_num_seqs, config.max_num_batched_tokens, engine.max_model_len)
     timed: list[tuple[Probe, list[tuple[StepWork, float]]]] = []
+    touched: list[tuple[int, float]] = []
     for probe in probes:
-        samples = time_probe(engine, probe, rng)
+        samples = time_probe(engine, probe, rng, touched)
         timed.append((probe, samples))
         print(f"{probe.name}: {len(samples)} steps, {sum(s for _, s in samples):.2f} s", flush=True)
-    fitted = fit_step_times([sample for _, samples in timed for sample in samples], block_size=config.block_size)
+    fitted = fit_step_times([sample for _, samples in timed for sample in samples], block_size=config.block_size,
+                            experts=model_experts(engine.model_config))
     threads = engine.runner.num_threads
     machine = this_machine(threads, engine.runner.device)
     profile = new_profile(fitted, swap_price(engine, config.dtype), machine, engine.model_config, config.dtype,
                           config.block_size)
     price = functools.partial(profile.step_time, block_size=profile.block_size)
     profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(price, timed),
+                                               **experts_report(touched, profile.experts),
                                                "seconds": round(time.perf_counter() - started, 1)})
     path = save_profile(profile, engine.model_config)
     print_profile(profile)
@@ -185,6 +203,23 @@ def _fit_report(price: Callable[[StepWork], float], timed: list[tuple[Probe, lis
                         "predicted_s": sum(price(w) for w, _ in samples)} for p, samples in timed]}
 
 
+def experts_report(touched: list[tuple[int, float]], experts: tuple[int, int] | None) -> dict:
+    """The distinct experts per layer the steps ran, by step tokens in powers of two (1, 2-3, 4-7, ...), beside
+    what uniform routing gives at the bucket's mean tokens; empty for a dense model."""
+    if experts is None or not touched:
+        return {}
+    buckets: dict[int, list[tuple[int, float]]] = {}
+    for tokens, count in touched:
+        buckets.setdefault(1 << (tokens.bit_length() - 1), []).append((tokens, count))
+    rows = []
+    for low, steps in sorted(buckets.items()):
+        tokens = sum(t for t, _ in steps) / len(steps)
+        rows.append({"tokens_from": low, "steps": len(steps), "mean_tokens": round(tokens, 1),
+                     "measured": round(sum(c for _, c in steps) / len(steps), 2),
+                     "expected": round(expected_experts(experts[0], experts[1], round(tokens)), 2)})
+    return {"experts": rows}
+
+
 def print_profile(profile: StepProfile) -> None:
     """The profile, and how well it predicts each probe (``fit["probes"]``, as saved)."""
     rows = [[p["probe"], p["steps"], p["measured_s"], p["predicted_s"],
@@ -192,6 +227,11 @@ def print_profile(profile: StepProfile) -> None:
     print(format_table(["probe (all its steps)", "steps", "measured s", "predicted s", "error"], rows))
     print(format_table(["tokens in the step", "dense part + fixed cost, ms"],
                        [[t, s * 1000] for t, s in zip(profile.dense_tokens, profile.dense_s)]))
+    if profile.fit.get("experts"):
+        print(format_table(["step tokens from", "steps", "mean tokens", "distinct experts per layer, measured",
+                            "expected of uniform routing"],
+                           [[r["tokens_from"], r["steps"], r["mean_tokens"], r["measured"], r["expected"]]
+                            for r in profile.fit["experts"]]))
     print(f"per request {profile.per_sequence_s * 1e6:.0f} us, per sampled row {profile.per_sampled_row_s * 1e6:.0f} "
           f"us, per decode key {'/'.join(f'{k * 1e9:.0f}' for k in profile.per_decode_key_s)} ns (1, 2-3, 4-7, "
           f"8-15, 16+ decode rows), {shared_key_price(profile)}, per prompt query-key pair "

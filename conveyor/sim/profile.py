@@ -49,13 +49,14 @@ from conveyor.core.formats import FLOAT_BYTES
 from conveyor.core.model_config import ModelConfig
 from conveyor.platform.cache_dir import cache_dir, write_cache_file
 from conveyor.platform.cpu import this_cpu
-from conveyor.sim.cost import CostModel, StepWork
+from conveyor.sim.cost import CostModel, StepWork, expected_experts
 from conveyor.sim.hardware import HardwareSpec
 
 ENGINE_PACKAGES = ("core", "engine", "executor", "model", "csrc")  # the code a real step runs
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 MODEL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "tie_word_embeddings", "stored_as")
+                "head_dim", "tie_word_embeddings", "stored_as", "num_experts", "num_experts_per_tok",
+                "moe_intermediate_size")
 MEASURED_AT_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # a profile's measured_at: UTC, to the second
 LINEAR_PARTS = ("per_sequence_s", "per_sampled_row_s", "per_prompt_pair_s")
 DECODE_ROW_BUCKETS = (1, 2, 4, 8, 16)  # lower bounds: a key's price by how many decode rows share the step
@@ -82,9 +83,10 @@ class StepProfile:
     measured_at: str = ""
     fit: dict[str, Any] = field(default_factory=dict)  # samples, errors, shapes: how well it describes them
     per_shared_decode_key_s: float | None = None  # None: no probe shared blocks; such keys cost as the others
+    experts: tuple[int, int] | None = None  # a mixture of experts' (experts, top-k): the table's axis (dense_weights)
 
     def dense_time(self, num_tokens: int) -> float:
-        weights = dense_weights(self.dense_tokens, num_tokens)
+        weights = dense_weights(self.dense_tokens, num_tokens, self.experts)
         return sum(w * self.dense_s[i] for i, w in weights)
 
     def step_time(self, work: StepWork, block_size: int = 16) -> float:
@@ -122,7 +124,7 @@ class StepProfile:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StepProfile:
-        optional = ("measured_at", "fit", "per_shared_decode_key_s")
+        optional = ("measured_at", "fit", "per_shared_decode_key_s", "experts")
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw and f.name not in optional]
         if missing:
             raise ProfileError(f"not a step profile: missing {', '.join(missing)}")
@@ -135,6 +137,8 @@ class StepProfile:
             raise ProfileError(f"step profile: per_decode_key_s needs one price per bucket of decode rows "
                                f"{DECODE_ROW_BUCKETS}; measure it again with `conveyor simulate calibrate`")
         values["per_decode_key_s"] = tuple(float(k) for k in keys)
+        if values.get("experts") is not None:
+            values["experts"] = tuple(int(n) for n in values["experts"])
         return cls(**values)
 
 
@@ -143,18 +147,28 @@ def decode_bucket(decode_rows: int) -> int:
     return max(i for i, low in enumerate(DECODE_ROW_BUCKETS) if decode_rows >= low) if decode_rows else 0
 
 
-def dense_weights(knots: Sequence[int], num_tokens: int) -> list[tuple[int, float]]:
+def dense_weights(knots: Sequence[int], num_tokens: int,
+                  experts: tuple[int, int] | None = None) -> list[tuple[int, float]]:
     """Linear interpolation weights of ``num_tokens`` over the table's entries: (index, weight) pairs.
 
     Outside the table the nearest segment is extended, so a step larger than any measured grows at the
-    last measured rate instead of stopping at the last entry.
+    last measured rate instead of stopping at the last entry. For a mixture of experts (``experts``: how many,
+    and the top-k each token takes), a step between two entries is placed by the distinct experts its tokens
+    are expected to pick (sim.cost.expected_experts), not by its tokens: a few-row step reads the weights of
+    each expert it touches, and the 12th token of a batch adds fewer new experts than the 2nd did. Where the
+    entries' experts hardly differ (every expert touched), by tokens.
     """
     if len(knots) == 1:
         return [(0, 1.0)]
     i = 0
     while i < len(knots) - 2 and num_tokens > knots[i + 1]:
         i += 1
-    u = (num_tokens - knots[i]) / (knots[i + 1] - knots[i])
+    lo, hi = knots[i], knots[i + 1]
+    u = (num_tokens - lo) / (hi - lo)
+    if experts is not None and lo <= num_tokens <= hi:
+        picked = [expected_experts(experts[0], experts[1], t) for t in (lo, num_tokens, hi)]
+        if picked[2] - picked[0] > 0.01 * experts[0]:
+            u = (picked[1] - picked[0]) / (picked[2] - picked[0])
     return [(i, 1.0 - u), (i + 1, u)]
 
 
@@ -171,12 +185,13 @@ def dense_knots(token_counts: Sequence[int]) -> tuple[int, ...]:
     return tuple(knots)
 
 
-def features(work: StepWork, knots: Sequence[int], block_size: int = 16) -> list[float]:
+def features(work: StepWork, knots: Sequence[int], block_size: int = 16,
+             experts: tuple[int, int] | None = None) -> list[float]:
     """The row of the least-squares problem: dense-table weights, the linear parts' quantities, the decode
     keys in their bucket's column (less those in blocks read again), then the keys read again."""
     linear = len(knots) + len(LINEAR_PARTS)
     row = [0.0] * (linear + len(DECODE_ROW_BUCKETS) + 1)
-    for index, weight in dense_weights(knots, work.num_tokens):
+    for index, weight in dense_weights(knots, work.num_tokens, experts):
         row[index] = weight
     row[len(knots):linear] = [work.num_seqs, work.num_sampled, work.prompt_pairs]
     shared = work.shared_decode_blocks * block_size
@@ -186,7 +201,7 @@ def features(work: StepWork, knots: Sequence[int], block_size: int = 16) -> list
 
 
 def fit_step_times(samples: Sequence[tuple[StepWork, float]], outlier_factor: float = 4.0,
-                   rounds: int = 3, block_size: int = 16) -> dict[str, Any]:
+                   rounds: int = 3, block_size: int = 16, experts: tuple[int, int] | None = None) -> dict[str, Any]:
     """The dense table and linear parts that best predict ``samples`` (work, seconds), by relative error.
 
     Swap-free steps with tokens only (the swap price is not fitted: see ``calibrate``). Each further
@@ -199,30 +214,32 @@ def fit_step_times(samples: Sequence[tuple[StepWork, float]], outlier_factor: fl
         raise ValueError("no timed steps with tokens to fit")
     knots = dense_knots([w.num_tokens for w, _ in usable])
     kept = usable
-    params = _fit(kept, knots, block_size)
+    params = _fit(kept, knots, block_size, experts)
     for _ in range(rounds - 1):
-        errors = [abs(_predict(params, knots, w, block_size) / t - 1) for w, t in usable]
+        errors = [abs(_predict(params, knots, w, block_size, experts) / t - 1) for w, t in usable]
         limit = max(outlier_factor * sorted(errors)[len(errors) // 2], 0.10)
         kept = [sample for sample, error in zip(usable, errors) if error <= limit]
-        params = _fit(kept, knots, block_size)
+        params = _fit(kept, knots, block_size, experts)
     dense = _fill_unmeasured(params[: len(knots)], knots)
     linear = len(knots) + len(LINEAR_PARTS)
     fitted = dict(zip(LINEAR_PARTS, params[len(knots):linear]))
     keys = _fill_unmeasured_buckets(params[linear:-1], [w.decode_rows for w, _ in kept])
     shared = params[-1] if any(w.shared_decode_blocks for w, _ in kept) else None
     return {"dense_tokens": knots, "dense_s": tuple(dense), **fitted, "per_decode_key_s": keys,
-            "per_shared_decode_key_s": shared,
+            "per_shared_decode_key_s": shared, "experts": experts,
             "fit": {"samples": len(usable), "outliers_dropped": len(usable) - len(kept)}}
 
 
-def _fit(samples: Sequence[tuple[StepWork, float]], knots: Sequence[int], block_size: int) -> list[float]:
+def _fit(samples: Sequence[tuple[StepWork, float]], knots: Sequence[int], block_size: int,
+         experts: tuple[int, int] | None) -> list[float]:
     # Relative error: each row over its time.
-    rows = [[x / t for x in features(w, knots, block_size)] for w, t in samples]
+    rows = [[x / t for x in features(w, knots, block_size, experts)] for w, t in samples]
     return nonnegative_least_squares(rows, [1.0] * len(rows))
 
 
-def _predict(params: Sequence[float], knots: Sequence[int], work: StepWork, block_size: int) -> float:
-    return sum(p * x for p, x in zip(params, features(work, knots, block_size)))
+def _predict(params: Sequence[float], knots: Sequence[int], work: StepWork, block_size: int,
+             experts: tuple[int, int] | None) -> float:
+    return sum(p * x for p, x in zip(params, features(work, knots, block_size, experts)))
 
 
 def _fill_unmeasured(dense: Sequence[float], knots: Sequence[int]) -> list[float]:
@@ -314,6 +331,11 @@ def this_machine(threads: int, device: str = "cpu") -> dict[str, Any]:
 
 def model_signature(model: ModelConfig) -> dict[str, Any]:
     return {name: getattr(model, name) for name in MODEL_FIELDS}
+
+
+def model_experts(model: ModelConfig) -> tuple[int, int] | None:
+    """A mixture of experts' (experts, top-k), the step profile's axis between its entries; None for a dense model."""
+    return (model.num_experts, model.num_experts_per_tok) if model.num_experts else None
 
 
 def engine_version() -> str:
