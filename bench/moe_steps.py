@@ -1,0 +1,75 @@
+"""A mixture of experts' decode steps on the real engine against the simulator's price of the same steps.
+
+For each batch (1, 8 and 32 requests by default) the requests' prompts are computed first, then a number of
+decode steps of every request at once are timed around ``Engine.step`` (what the simulator's clock stands
+for). Each step's work is priced by the cost model the simulator would use on this machine: the measured step
+profile when ``conveyor simulate calibrate`` has fitted a current one of this model, else the roofline. Beside
+the times, the distinct experts each step's layers ran (counted as the model ran them) and the count the
+simulator expects of uniform routing, E (1 - (1 - k/E)^B).
+
+    .venv/bin/conveyor simulate calibrate --model out/models/olmoe-1b-7b-Q4_K_M.gguf --no-validate
+    .venv/bin/python bench/moe_steps.py --model out/models/olmoe-1b-7b-Q4_K_M.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from conveyor.benchmarks.calibrate import timed_step
+from conveyor.benchmarks.report import format_table
+from conveyor.core.config import EngineConfig
+from conveyor.core.sampling import SamplingParams
+from conveyor.engine import Engine
+from conveyor.sim.cost import expected_experts
+from conveyor.sim.hardware import load_hardware
+from conveyor.sim.profile import step_cost_model
+
+PROMPT_TOKENS = 64
+
+
+def timed_decodes(engine: Engine, batch: int, steps: int, seed: int) -> list[tuple[float, float, list[int]]]:
+    """``batch`` requests' prompts computed, then ``steps`` decode steps of all of them: each step's wall
+    seconds, its simulated seconds and its distinct experts per mixture-of-experts layer."""
+    cost, _ = step_cost_model(engine.model_config, load_hardware("cpu-local"), engine.config.dtype)
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([rng.randrange(vocab // 8, vocab) for _ in range(PROMPT_TOKENS)], params)
+    rows = []
+    while engine.has_unfinished_requests():
+        _, work, seconds = timed_step(engine)
+        if work.decode_rows == batch and work.num_tokens == batch and len(rows) < steps:
+            rows.append((seconds, cost.step_time(work, engine.config.block_size),
+                         engine.executor.model.step_experts()))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--steps", type=int, default=12, help="decode steps timed per batch")
+    args = parser.parse_args()
+    engine = Engine(EngineConfig(model=args.model, max_model_len=1024))
+    config = engine.model_config
+    _, source = step_cost_model(config, load_hardware("cpu-local"), engine.config.dtype)
+    timed_decodes(engine, 1, 2, seed=0)  # warm-up
+    table = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        rows = timed_decodes(engine, batch, args.steps, seed=batch)
+        real = statistics.median(seconds for seconds, _, _ in rows)
+        simulated = statistics.median(price for _, price, _ in rows)
+        touched = statistics.mean(statistics.mean(counts) for _, _, counts in rows)
+        expected = expected_experts(config.num_experts, config.num_experts_per_tok, batch)
+        table.append([batch, len(rows), real * 1e3, simulated * 1e3, f"{simulated / real - 1:+.1%}",
+                      f"{touched:.1f}", f"{expected:.1f}"])
+    print(f"model {args.model}; simulated by the {source}")
+    print(format_table(["requests", "steps", "engine ms (median)", "simulator ms", "simulator error",
+                        "distinct experts per layer, measured", "expected"], table))
+
+
+if __name__ == "__main__":
+    main()
