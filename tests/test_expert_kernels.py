@@ -3,8 +3,9 @@
 Routing: the router's softmax top-k, scaled or not, equals torch's. The grouped MLP, on given routings
 (random ones, experts with no rows, every row on one expert, one row): with float experts packed for each
 vector width, equal to PyTorch's loop over the experts within float rounding; with quantized experts (a K-quant
-and a uniform format), equal to the same loop run through the quantized kernels expert by expert, on every
-dot-product kind, so the grouping, gathering and weighted sum are exact. The ``kernels`` and ``width``
+and a uniform format, run in one pass over every expert's tiles, and the two mixed, run expert by expert),
+equal to the same loop run through the quantized kernels expert by expert, on every dot-product kind, so the
+grouping, the split of the work, the gathering and the weighted sum are exact. The ``kernels`` and ``width``
 fixtures are conftest's.
 """
 
@@ -80,6 +81,11 @@ def test_float_experts_equal_the_loop_over_experts(kernels, width, rows) -> None
 
 
 def _quantized_experts(kernels, kind: str, n: int, k: int) -> list:
+    """Every expert in format ``kind`` (one pass runs them all), or with "mixed" Q4_K and int8 in turn (expert
+    by expert)."""
+    if kind == "mixed":
+        q4k, int8 = _quantized_experts(kernels, "Q4_K", n, k), _quantized_experts(kernels, "int8", n, k)
+        return [q4k[e] if e % 2 else int8[e] for e in range(EXPERTS)]
     if kind == "Q4_K":
         return [native_weight(kernels, random_blocks(kind, n, k, seed)) for seed in range(EXPERTS)]
     rng = np.random.default_rng(n)
@@ -87,7 +93,7 @@ def _quantized_experts(kernels, kind: str, n: int, k: int) -> list:
             for _ in range(EXPERTS)]
 
 
-@pytest.mark.parametrize("kind", ["Q4_K", "int8"])
+@pytest.mark.parametrize("kind", ["Q4_K", "int8", "mixed"])
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_quantized_experts_equal_the_loop_over_their_kernels(kernels, kind: str, rows: int) -> None:
     gate_up = _quantized_experts(kernels, kind, 2 * WIDTH, HIDDEN)

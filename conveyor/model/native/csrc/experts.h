@@ -3,9 +3,11 @@
 // (a batch of B rows reads E(1 - (1 - k/E)^B) experts, not B k), and the results added back to each row with
 // its router weight. Like the other kernels, plain pointers and shapes: no torch.
 //
-// Threads: each expert's GEMMs split their output tiles over the threads (for_each_tile_pass), so the work
-// divides by each expert's rows and columns, never by whole experts per thread, which a batch routed
-// unevenly (most rows on a few experts) would leave idle.
+// Threads: where every expert's weight has one quantized form (a GGUF file's stacked tensor), one pass runs
+// all the step's experts, its (expert, tile) items split over the threads by what each costs: a tile's stream
+// and its expert's rows (for_each_expert_tile). One fork a projection instead of one an expert, and a batch
+// routed unevenly (most rows on a few experts) leaves no thread idle. Otherwise each expert's GEMMs split
+// their own tiles over the threads.
 
 #pragma once
 
@@ -94,6 +96,87 @@ struct ExpertMatrix {
   int64_t n = 0, k = 0;
 };
 
+// An (expert, tile) item's cost against the rows it runs: a tile's weights stream in about the time 4.5 rows of
+// them take to multiply (the K-quant kernels at one row, memory-bound: 48 G weights/s; at 16 rows 218 G
+// multiply-adds/s, docs/quantized-weights.md), in half-rows.
+inline constexpr int64_t kTileCost = 9;
+
+// Runs pass(tile, row, rows, expert) over every tile of every expert with rows, each expert's rows in passes of
+// at most max_rows (row: the first of them, in the grouped rows), the items split over the threads into runs
+// of equal cost, kTileCost + 2 rows each, expert by expert.
+template <typename Pass>
+void for_each_expert_tile(const ExpertGroups& groups, int64_t tiles, int64_t max_rows, const Pass& pass) {
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(groups.offsets.size()); ++e) {
+    if (groups.count(e) > 0) active.push_back(e);
+  }
+  const int64_t items = static_cast<int64_t>(active.size()) * tiles;
+  std::vector<int64_t> cost(items + 1, 0);  // cost[i]: of the items before i
+  for (int64_t i = 0; i < items; ++i) cost[i + 1] = cost[i] + kTileCost + 2 * groups.count(active[i / tiles]);
+  const int64_t threads = std::max<int64_t>(1, std::min(num_threads(), items));
+  parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto first = std::lower_bound(cost.begin(), cost.end(), cost.back() * t / threads) - cost.begin();
+      const auto last = std::lower_bound(cost.begin(), cost.end(), cost.back() * (t + 1) / threads) - cost.begin();
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t expert = active[item / tiles], at = groups.offsets[expert], m = groups.count(expert);
+        for (int64_t row = 0; row < m; row += max_rows) pass(item % tiles, at + row, std::min(max_rows, m - row), expert);
+      }
+    }
+  });
+}
+
+// Whether every expert's weight is quantized in one form (layout, group, bits, scales), none joined of parts:
+// then grouped_quant_rows runs them all in one pass.
+inline bool one_quant_form(const ExpertMatrix* w, int64_t experts) {
+  const QuantWeight* first = w[0].quant;
+  for (int64_t e = 0; e < experts; ++e) {
+    const QuantWeight* q = w[e].quant;
+    if (q == nullptr || !q->parts.empty() || q->layout != first->layout || q->group != first->group ||
+        q->storage_bits != first->storage_bits || q->code_bits != first->code_bits ||
+        q->scales_f16 != first->scales_f16 || q->has_mins() != first->has_mins() || q->levels != first->levels ||
+        q->n != first->n || q->k != first->k) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// y [total, n] = x [total, k] . W_e^T for each row's expert e, the rows grouped by expert (groups), every W_e of
+// one quantized form: x quantized once, then one pass over all experts' tiles (for_each_expert_tile).
+inline void grouped_quant_rows(const float* x, const ExpertGroups& groups, const ExpertMatrix* w, float* y,
+                               QuantDot dot) {
+  const QuantWeight& form = *w[0].quant;
+  const int64_t total = static_cast<int64_t>(groups.rows.size()), n = form.n, tiles = form.tiles();
+  const QuantizedRows xq = quantize_rows(x, total, form.k, form.group);
+  if (form.layout != QuantLayout::kTiles) {
+    return with_k_format(form.layout, [&](auto format) {
+      using F = decltype(format);
+      const int64_t blocks = form.k / kSuperBlock;
+      with_quant_dot(dot, [&](auto kind) {
+        using T = KQuantKernels<F, decltype(kind)::value>;
+        for_each_expert_tile(groups, tiles, T::kMaxRows, [&](int64_t tile, int64_t row, int64_t rows, int64_t e) {
+          const int64_t col = tile * kQuantTile;
+          T::at(static_cast<int>(rows))(xq, row, KTileView{w[e].quant->codes_data + tile * blocks * F::kBlockBytes,
+                                                           blocks},
+                                        y + row * n + col, n, std::min(kQuantTile, n - col));
+        });
+      });
+    });
+  }
+  with_quant_format(form, [&](auto format) {
+    using F = decltype(format);
+    with_quant_dot(dot, [&](auto kind) {
+      using K = QuantKernels<F, decltype(kind)::value>;
+      for_each_expert_tile(groups, tiles, K::kMaxRows, [&](int64_t tile, int64_t row, int64_t rows, int64_t e) {
+        const int64_t col = tile * kQuantTile;
+        K::at(static_cast<int>(rows))(xq, row, tile_view<F>(*w[e].quant, tile), y + row * n + col, n,
+                                      std::min(kQuantTile, n - col));
+      });
+    });
+  });
+}
+
 // y [m, n] = x [m, k] . W^T through one expert's projection.
 template <typename P>
 void expert_linear(const ExpertMatrix& w, const float* x, int64_t m, float* y, QuantDot dot) {
@@ -119,10 +202,15 @@ void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, co
   for (int64_t i = 0; i < total; ++i) {
     std::memcpy(xs.data() + i * hidden, x + groups.rows[i] * hidden, sizeof(float) * hidden);
   }
-  for (int64_t e = 0; e < experts; ++e) {
-    if (const int64_t m = groups.count(e); m > 0) {
-      const int64_t at = groups.offsets[e];
-      expert_linear<P>(gate_up[e], xs.data() + at * hidden, m, gate_up_out.data() + at * 2 * width, dot_for(m));
+  const int64_t per_expert = (total + groups.distinct - 1) / std::max<int64_t>(groups.distinct, 1);
+  if (one_quant_form(gate_up, experts)) {
+    grouped_quant_rows(xs.data(), groups, gate_up, gate_up_out.data(), dot_for(per_expert));
+  } else {
+    for (int64_t e = 0; e < experts; ++e) {
+      if (const int64_t m = groups.count(e); m > 0) {
+        const int64_t at = groups.offsets[e];
+        expert_linear<P>(gate_up[e], xs.data() + at * hidden, m, gate_up_out.data() + at * 2 * width, dot_for(m));
+      }
     }
   }
   if (gelu) {
@@ -130,10 +218,14 @@ void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, co
   } else {
     silu_and_mul_rows<V>(gate_up_out.data(), total, width, act.data());
   }
-  for (int64_t e = 0; e < experts; ++e) {
-    if (const int64_t m = groups.count(e); m > 0) {
-      const int64_t at = groups.offsets[e];
-      expert_linear<P>(down[e], act.data() + at * width, m, ys.data() + at * hidden, dot_for(m));
+  if (one_quant_form(down, experts)) {
+    grouped_quant_rows(act.data(), groups, down, ys.data(), dot_for(per_expert));
+  } else {
+    for (int64_t e = 0; e < experts; ++e) {
+      if (const int64_t m = groups.count(e); m > 0) {
+        const int64_t at = groups.offsets[e];
+        expert_linear<P>(down[e], act.data() + at * width, m, ys.data() + at * hidden, dot_for(m));
+      }
     }
   }
   std::fill(out, out + rows * hidden, 0.f);
