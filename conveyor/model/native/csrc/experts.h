@@ -202,32 +202,24 @@ void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, co
   for (int64_t i = 0; i < total; ++i) {
     std::memcpy(xs.data() + i * hidden, x + groups.rows[i] * hidden, sizeof(float) * hidden);
   }
+  // x_e [rows of e, k] -> y_e [rows of e, n] through each expert's weight w[e]: in one pass where they share a
+  // quantized form, else expert by expert.
   const int64_t per_expert = (total + groups.distinct - 1) / std::max<int64_t>(groups.distinct, 1);
-  if (one_quant_form(gate_up, experts)) {
-    grouped_quant_rows(xs.data(), groups, gate_up, gate_up_out.data(), dot_for(per_expert));
-  } else {
+  const auto project = [&](const ExpertMatrix* w, const float* in, int64_t k, float* y, int64_t n) {
+    if (one_quant_form(w, experts)) return grouped_quant_rows(in, groups, w, y, dot_for(per_expert));
     for (int64_t e = 0; e < experts; ++e) {
       if (const int64_t m = groups.count(e); m > 0) {
-        const int64_t at = groups.offsets[e];
-        expert_linear<P>(gate_up[e], xs.data() + at * hidden, m, gate_up_out.data() + at * 2 * width, dot_for(m));
+        expert_linear<P>(w[e], in + groups.offsets[e] * k, m, y + groups.offsets[e] * n, dot_for(m));
       }
     }
-  }
+  };
+  project(gate_up, xs.data(), hidden, gate_up_out.data(), 2 * width);
   if (gelu) {
     gelu_tanh_and_mul_rows<V>(gate_up_out.data(), total, width, act.data());
   } else {
     silu_and_mul_rows<V>(gate_up_out.data(), total, width, act.data());
   }
-  if (one_quant_form(down, experts)) {
-    grouped_quant_rows(act.data(), groups, down, ys.data(), dot_for(per_expert));
-  } else {
-    for (int64_t e = 0; e < experts; ++e) {
-      if (const int64_t m = groups.count(e); m > 0) {
-        const int64_t at = groups.offsets[e];
-        expert_linear<P>(down[e], act.data() + at * width, m, ys.data() + at * hidden, dot_for(m));
-      }
-    }
-  }
+  project(down, act.data(), width, ys.data(), hidden);
   std::fill(out, out + rows * hidden, 0.f);
   for (int64_t i = 0; i < total; ++i) {  // in expert order: each row's experts add up in ascending order
     float* row = out + groups.rows[i] * hidden;
