@@ -290,3 +290,23 @@ def test_each_step_counts_the_experts_its_rows_chose(moe):
     assert len(prompt_step) == moe_layers and all(
         config.num_experts_per_tok <= n <= config.num_experts for n in prompt_step)
     assert decode_step == [config.num_experts_per_tok] * moe_layers
+
+
+def test_bfloat16_runs_natively_as_the_torch_bfloat16_path_does(moe, kernels):
+    """With --dtype bfloat16 the experts (and router) are packed in bf16 and run on the native stack: each
+    prompt's first greedy token is the torch bf16 path's, or within 0.05 of its logprob (random tiny weights
+    leave near-ties: OLMoE's first two candidates measured 0.002 apart in float32, equal in bf16)."""
+    from conveyor.model.native.kernels import BF16_FEATURE
+
+    if not kernels.has_bfloat16():
+        pytest.skip(f"CPU lacks {BF16_FEATURE}: no bfloat16 kernels to check")
+    folder, _ = moe
+    native = LLM(str(folder), num_kv_blocks=128, dtype="bfloat16", kernels="native")
+    assert native.engine.runner.kernel_dtype == "bfloat16"
+    reference = LLM(str(folder), num_kv_blocks=128, dtype="bfloat16", kernels="torch")
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
+    prompts = _prompts([5, 17, 40], seed=2)
+    for ours, want in zip(native.generate(prompts, params, use_tqdm=False),
+                          reference.generate(prompts, params, use_tqdm=False), strict=True):
+        top = dict(want.logprobs[0].top)
+        assert ours.token_ids[0] in top and top[ours.token_ids[0]] >= want.logprobs[0].logprob - 0.05
