@@ -200,7 +200,7 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
             parent, attribute = ours.split(".")
             setattr(getattr(layer, parent), attribute, linear(f"layers.{i}.{ours}.weight", f"layers.{i}.{ours}.bias"))
         if moe:
-            _expert_modules(layer.mlp, weights, f"layers.{i}.mlp.", linear)
+            _set_experts(layer.mlp, weights, f"layers.{i}.mlp.", linear)
     embedding = weights.pop("embed_tokens.weight")
     if not isinstance(embedding, tuple):
         raise ValueError(f"{source}: the token embedding is stored in float; only quantized embeddings are read "
@@ -222,7 +222,7 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
     return model.eval().requires_grad_(False)
 
 
-def _expert_modules(moe: SparseMoE, weights: dict[str, object], prefix: str, linear: object) -> None:
+def _set_experts(moe: SparseMoE, weights: dict[str, object], prefix: str, linear: object) -> None:
     """A mixture of experts' router (``linear``: quantized, or a plain Linear) and projections: each expert kept
     quantized, or (a file that stores them in float) stacked into ``weights`` to load with the norms."""
     from conveyor.model.quant.linear import QuantizedExperts

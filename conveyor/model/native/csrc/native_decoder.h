@@ -202,13 +202,17 @@ class NativeDecoder {
     TORCH_CHECK(experts >= 1 && static_cast<int64_t>(down.size()) == experts, "as many down as gate_up weights");
     TORCH_CHECK(top_k >= 1 && top_k <= experts, "top-", top_k, " of ", experts, " experts");
     TORCH_CHECK(width >= 1, "an expert's width must be positive");
-    Experts moe{projection(router, torch::empty({0}), torch::empty({0}), hidden_, experts), {}, {}, top_k, width,
-                normalize};
+    Experts moe{projection(router, torch::empty({0}), torch::empty({0}), hidden_, experts), {}, {}, {}, {}, top_k,
+                width, normalize};
     for (int64_t e = 0; e < experts; ++e) {
       moe.gate_up.push_back(projection(gate_up[e], torch::empty({0}), torch::empty({0}), hidden_, 2 * width));
       moe.down.push_back(projection(down[e], torch::empty({0}), torch::empty({0}), width, hidden_));
     }
     w.experts = std::move(moe);
+    for (int64_t e = 0; e < experts; ++e) {  // views of the weights the Projections just stored keep alive
+      w.experts->gate_up_matrices.push_back(expert_matrix(w.experts->gate_up[e], hidden_));
+      w.experts->down_matrices.push_back(expert_matrix(w.experts->down[e], width));
+    }
   }
 
   // The experts each mixture-of-experts layer's rows chose in the last step, distinct ones counted, in layer order
@@ -522,6 +526,7 @@ class NativeDecoder {
   struct Experts {
     Projection router;
     std::vector<Projection> gate_up, down;
+    std::vector<ExpertMatrix> gate_up_matrices, down_matrices;  // the kernels' views of gate_up and down
     int64_t top_k, width;
     bool normalize;
   };
@@ -560,12 +565,7 @@ class NativeDecoder {
     route_rows(logits.data(), tokens, experts, moe.top_k, moe.normalize, chosen.data(), weights.data());
     const ExpertGroups groups = group_by_expert(chosen.data(), weights.data(), tokens, moe.top_k, experts);
     step_experts_.push_back(groups.distinct);
-    std::vector<ExpertMatrix> gate_up(experts), down(experts);
-    for (int64_t e = 0; e < experts; ++e) {
-      gate_up[e] = expert_matrix(moe.gate_up[e], hidden_);
-      down[e] = expert_matrix(moe.down[e], moe.width);
-    }
-    expert_rows<P>(x, tokens, hidden_, moe.width, groups, gate_up.data(), down.data(), gelu_,
+    expert_rows<P>(x, tokens, hidden_, moe.width, groups, moe.gate_up_matrices.data(), moe.down_matrices.data(), gelu_,
                    [&](int64_t rows) { return quant_dot_for(kGateUp, rows); }, out);
   }
 
@@ -643,8 +643,8 @@ class NativeDecoder {
   bool gelu_ = false;
   torch::Tensor local_cos_ = torch::empty({0}), local_sin_ = torch::empty({0});
   std::optional<QuantWeight> embedding_quant_;  // set_io's, when the embedding is quantized
-  bool quantized_gate_up_ = false;
-  std::vector<int64_t> step_experts_;  // the last step's distinct experts per mixture-of-experts layer  // some layer's gate/up is quantized: SwiGLU is never fused
+  bool quantized_gate_up_ = false;  // some layer's gate/up is quantized: SwiGLU is never fused
+  std::vector<int64_t> step_experts_;  // the last step's distinct experts per mixture-of-experts layer
   QuantDot quant_dot_;
   std::array<std::vector<DotRange>, kProjections + 1> quant_dot_rows_;  // the layers' projections, then the LM head
   Projection lm_head_;
