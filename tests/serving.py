@@ -65,7 +65,7 @@ def start_server(model_dir, *flags: str, api_key: str | None = None, env: dict[s
             if httpx.get(f"{server.base}/health", timeout=1).status_code == 200:
                 return server
         assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.3)
+        time.sleep(0.05)
 
 
 def stop_server(server: Server) -> None:

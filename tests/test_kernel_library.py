@@ -29,7 +29,9 @@ def test_only_the_binding_includes_torch() -> None:
 @pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"no C++ compiler ({COMPILER})")
 def test_the_kernel_check_builds_without_torch_and_passes(tmp_path: Path) -> None:
     binary = tmp_path / "kernel_check"
-    build = subprocess.run([COMPILER, "-std=c++17", "-O2", "-march=native", "-fopenmp", "-Werror=return-type",
+    # -O0: what is checked is that the kernels build and compute right without torch; the optimiser's work is the
+    # extension's (test_kernels and the rest run it). On a 2-core Zen 4 the build took 6 s at -O0, 29 s at -O2.
+    build = subprocess.run([COMPILER, "-std=c++17", "-O0", "-march=native", "-fopenmp", "-Werror=return-type",
                             str(CSRC / "kernel_check.cpp"), "-o", str(binary)],
                            capture_output=True, text=True, timeout=600, env={**os.environ, "CPATH": ""})
     assert build.returncode == 0, build.stderr[-3000:]

@@ -106,7 +106,7 @@ def load_model(folder: Path, dtype: torch.dtype, device: torch.device, max_posit
         return _quantized_model(weights, source.name, config, max_positions, quantized_kernels)
     with torch.device("meta"):
         model = Decoder(config, max_positions)
-    model.to_empty(device=device)
+    _to_empty(model, device)
     model.build_rotary(max_positions, device)
     state = _gguf_state_dict(source, config) if source is not None else _our_state_dict(_read_safetensors(folder),
                                                                                         config)
@@ -171,6 +171,20 @@ def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernel
     return weights
 
 
+
+def _to_empty(model: torch.nn.Module, device: str | torch.device) -> None:
+    """``model.to_empty(device=device)``: every parameter and buffer replaced by uninitialised memory of its shape
+    and dtype. Written out because torch's own takes ``empty_like`` of a meta tensor through its reference
+    implementations, whose first use imports sympy: a quarter of a second of every server's start."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                module._parameters[name] = torch.nn.Parameter(empty, requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
 def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfig, max_positions: int,
                      kernels: ModuleType) -> Decoder:
     """The model with every quantized weight kept as the kernels' QuantizedWeight; float ones (norms, biases, a
@@ -182,7 +196,7 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
 
     def linear(name: str, bias_name: str | None = None) -> torch.nn.Module:
         """The projection ``name``: quantized, or a plain Linear. Float tensors (a plain weight, a bias) stay in
-        ``weights`` and are loaded with the norms below, after ``to_empty``, which would clear them here."""
+        ``weights`` and are loaded with the norms below, after ``_to_empty``, which would clear them here."""
         weight = weights[name]
         bias = weights.get(bias_name) if bias_name else None
         bias_t = None if bias is None else torch.from_numpy(bias)
@@ -211,7 +225,7 @@ def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfi
         model.lm_head = QuantizedLinear(kernels, native_embedding, None, embedding_type)
     else:
         model.lm_head = linear("lm_head.weight")
-    model.to_empty(device="cpu")  # what is left on meta: norms (loaded below) and the rotary tables
+    _to_empty(model, "cpu")  # what is left on meta: norms (loaded below) and the rotary tables
     model.build_rotary(max_positions, "cpu")
     state = {name: torch.from_numpy(np.ascontiguousarray(weight)) for name, weight in weights.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
