@@ -99,6 +99,41 @@ def test_top_p_keeps_the_smallest_set_reaching_top_p(top_p: float, allowed: set[
         assert abs(drawn[1] / 4000 - 0.625) < 0.04
 
 
+@pytest.mark.parametrize("shape", ["peaked", "flat", "masked"])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_over_a_whole_vocabulary_keeps_what_sorting_it_keeps(shape: str, top_p: float) -> None:
+    """On a 49k-token vocabulary top-p ranks the likeliest 256 first and sorts everything only when they fall
+    short of top_p (the flat rows): either way the kept set is the one the whole sort defines."""
+    from conveyor.executor.sampler import TOP_P_CANDIDATES, _top_p_drops
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(49152, generator=generator) * (6.0 if shape == "peaked" else 0.5)
+    if shape == "masked":  # what top-k leaves: all but 300 tokens at -inf
+        logits[torch.randperm(49152, generator=generator)[300:]] = float("-inf")
+    probs = logits.softmax(-1)
+    ranked, order = torch.sort(probs, descending=True)
+    kept = ranked.cumsum(-1) - ranked < top_p
+    kept[0] = True
+    expected = torch.ones(49152, dtype=torch.bool)
+    expected[order] = ~kept
+    assert torch.equal(_top_p_drops(logits, top_p), expected)
+    if shape == "flat":
+        assert int(kept.sum()) > TOP_P_CANDIDATES, "the whole sort was needed"
+
+
+def test_a_draw_never_picks_a_token_of_zero_weight() -> None:
+    """Tokens top-k, top-p or a rejected draft leave at zero are never drawn, the last token included, however
+    the uniform number falls."""
+    from conveyor.executor.sampler import _draw
+
+    probs = torch.zeros(49152)
+    probs[[5, 17, 40000]] = torch.tensor([0.25, 0.5, 0.25])
+    generator = torch.Generator().manual_seed(0)
+    drawn = Counter(_draw(probs, generator) for _ in range(2000))
+    assert set(drawn) == {5, 17, 40000}
+    assert abs(drawn[17] / 2000 - 0.5) < 0.05
+
+
 def test_seeded_draw_ignores_batch_neighbours_and_row_position() -> None:
     """A seeded request's token depends only on (seed, token index, its logits): not on the other rows."""
     gen = torch.Generator().manual_seed(4)
