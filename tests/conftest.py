@@ -18,6 +18,31 @@ import pytest
 
 from conveyor.model.native.kernels import WIDTH_FEATURES, native_kernels
 
+
+def _one_ssl_context_for_every_client() -> None:
+    """httpx builds a new SSL context for every client (certifi's bundle read: 36 ms of CPU), and the tests make
+    thousands on loopback: each httpx.get, each official client, each /health poll while a server starts. One
+    context, built once, serves them all (a context may be shared; none of these speaks TLS)."""
+    import functools
+
+    import httpx._transports.default as transports
+
+    build = transports.create_ssl_context
+
+    @functools.lru_cache(maxsize=1)
+    def default_context():
+        return build()
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        if verify is True and cert is None and trust_env:
+            return default_context()
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_one_ssl_context_for_every_client()
+
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
