@@ -318,7 +318,7 @@ def test_overload_gets_503_with_retry_after(tiny_model_dir):
 def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tiny_model_dir):
     port = free_port()
     command = [sys.executable, "-m", "conveyor.entrypoints.cli", "serve", "--model", str(tiny_model_dir),
-               "--port", str(port), "--num-kv-blocks", "512", "--shutdown-timeout", "2"]
+               "--port", str(port), "--num-kv-blocks", "512", "--shutdown-timeout", "0.2"]  # 1000 tokens: 0.7 s
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -356,7 +356,7 @@ def test_sigterm_lets_streams_finish_or_end_them_with_an_error(tiny_model_dir):
         assert events[-1] == "[DONE]"
         last = events[-2]
         assert '"finish_reason": "length"' in last or '"error"' in last, last
-    assert any('"error"' in events[-2] for events in results), "the 1000-token streams outlast the 2 s timeout"
+    assert any('"error"' in events[-2] for events in results), "the 1000-token streams outlast the 0.2 s timeout"
     assert '"finish_reason": "length"' in results[0][-2], "a short stream finishes normally"
 
 
