@@ -18,6 +18,7 @@ Every test that drives a scheduler imports from here, never from another test mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -497,6 +498,36 @@ def hf_greedy(hf_model, prompt_token_ids: list[int], max_new_tokens: int) -> lis
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
     return out[0, len(prompt_token_ids) :].tolist()
+
+
+def read_gguf_once_per_file(monkeypatch) -> None:
+    """gguf's reader and tensor-name map, memoized while ``monkeypatch`` holds. transformers' GGUF loader parses a
+    file's metadata twice (the config, then the weights; the tokenizer a third time) and builds the name map again
+    for every tensor (397 times for the default model): 10 of its 17 s there. Both are pure, so one reader per file
+    (for the rest of the run: a file's bytes do not change under it) and one map per (architecture, layers) serve
+    every call; what is read from them is unchanged."""
+    import gguf
+
+    monkeypatch.setattr(gguf, "GGUFReader", _one_gguf_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", _tensor_name_map)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_reader(path: str, mode: str):
+    from gguf.gguf_reader import GGUFReader  # the class itself, where the patch does not reach
+
+    return GGUFReader(path, mode)
+
+
+def _one_gguf_reader(path, mode: str = "r"):
+    return _gguf_reader(str(path), mode)
+
+
+@functools.lru_cache(maxsize=16)
+def _tensor_name_map(arch, n_blocks: int):
+    from gguf.tensor_mapping import get_tensor_name_map
+
+    return get_tensor_name_map(arch, n_blocks)
 
 
 def write_gpt2_gguf(path) -> None:

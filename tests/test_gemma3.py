@@ -72,11 +72,14 @@ def references(gemma_folder):
 
 
 @pytest.mark.slow  # transformers dequantizes the whole file again (minutes): `make test-slow`
-def test_the_export_is_what_transformers_reads_from_the_file(gemma_file, gemma_folder):
+def test_the_export_is_what_transformers_reads_from_the_file(gemma_file, gemma_folder, monkeypatch):
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from tests.harness import read_gguf_once_per_file
+
+    read_gguf_once_per_file(monkeypatch)
     theirs = AutoModelForCausalLM.from_pretrained(gemma_file.parent, gguf_file=gemma_file.name, dtype=torch.float32)
     their_tensors = theirs.state_dict()
     ours = load_file(gemma_folder / "model.safetensors")

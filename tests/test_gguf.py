@@ -16,7 +16,7 @@ import torch
 from conveyor.model.weights.gguf import STALE_PARTIAL_S, _remove_stale_partials, unpermute_rope_rows
 from conveyor.model.weights.gguf_export import export_gguf_to_hf
 from conveyor.model.weights.paths import conversion_key, default_model_path
-from tests.harness import write_gpt2_gguf
+from tests.harness import read_gguf_once_per_file, write_gpt2_gguf
 
 # transformers (imported lazily, inside the tests) and huggingface_hub read these once, on import.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -31,9 +31,11 @@ MODEL_DIR = default_model_path().parent
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    """Convert once for the whole module; conversion takes ~20 s on CPU."""
+    """Convert once for the whole module."""
     out = tmp_path_factory.mktemp("gguf") / "smollm2"
-    result = export_gguf_to_hf(MODEL_DIR / GGUF_NAME, out)
+    with pytest.MonkeyPatch.context() as patch:
+        read_gguf_once_per_file(patch)  # the converter's reader, and transformers' for the tokenizer: one parse
+        result = export_gguf_to_hf(MODEL_DIR / GGUF_NAME, out)
     assert result == out
     return out
 
@@ -66,9 +68,10 @@ def test_folder_contents_and_config(converted: pathlib.Path) -> None:
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 2)
 
 
-def test_parameters_match_transformers_gguf_loader(converted_model) -> None:
+def test_parameters_match_transformers_gguf_loader(converted_model, monkeypatch) -> None:
     from transformers import LlamaForCausalLM
 
+    read_gguf_once_per_file(monkeypatch)
     reference = LlamaForCausalLM.from_pretrained(MODEL_DIR, gguf_file=GGUF_NAME, torch_dtype=torch.float32)
     ours, theirs = converted_model.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys()
