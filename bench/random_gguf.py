@@ -35,6 +35,7 @@ trained one is taught to; one request reads its top-k experts in every layer eit
 from __future__ import annotations
 
 import argparse
+import functools
 import subprocess
 import sys
 import time
@@ -96,7 +97,10 @@ SHAPES = {
 NORM, ROUTER, MATRIX = "norm", "router", "matrix"  # a tensor's kind: float32 ones, float32 random, quantizable
 
 
+@functools.lru_cache(maxsize=1)
 def default_tokenizer() -> gguf.GGUFReader:
+    """The default model's file, whose tokenizer every shape takes: read once per process (gguf's reader takes
+    about 2 s over its 49k tokens and merges)."""
     from conveyor.model.weights.paths import default_model_path
 
     return gguf.GGUFReader(str(default_model_path()))
