@@ -73,11 +73,11 @@ test: lint docs-check
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow || { status=$$?; [ $$status -eq 5 ] && echo "no test is marked slow"; [ $$status -eq 5 ]; }
 
-# The long soak of the server (tests/test_soak.py; minutes): thousands of requests on the default model, random
+# The long soak of the server (tests/entrypoints/test_soak.py; minutes): thousands of requests on the default model, random
 # disconnects and bad input; prints its figures and writes them to out/soak.json. Also part of `make test-slow`.
 soak: install
 	mkdir -p out
-	CONVEYOR_SOAK_REPORT=out/soak.json $(BIN)/python -m pytest -q -s -m soak tests/test_soak.py
+	CONVEYOR_SOAK_REPORT=out/soak.json $(BIN)/python -m pytest -q -s -m soak tests/entrypoints/test_soak.py
 
 bench-decode: install
 	$(BIN)/conveyor bench decode --batch-sizes 1,2,4,8,16,32,64

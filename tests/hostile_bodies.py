@@ -1,5 +1,5 @@
 """Hypothesis strategies of hostile request bodies, one per endpoint, shared by the fuzz suite
-(tests/test_fuzz_bodies.py) and the soak (tests/test_soak.py).
+(tests/entrypoints/test_fuzz_bodies.py) and the soak (tests/entrypoints/test_soak.py).
 
 Each body starts from a valid one (so that most reach the engine, not only the first validation) and puts
 hostile values into some of its fields: text with lone surrogates and control characters, nesting far past

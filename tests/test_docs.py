@@ -1,7 +1,7 @@
 """The README stays a front page, its links lead somewhere, and the docs' tables follow the code and carry their
 provenance: the request-parameter table names every field the server takes, and every figure table (the
 benchmark pages, quantized weights, reliability, the KV cache) is stamped with its machine, date, commit and
-command. (The flag tables: tests/test_flags.py.)"""
+command. (The flag tables: tests/entrypoints/test_flags.py.)"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``EngineConfig`` is the one place an option is written: its default, help text,
 choices and minimum live in the field, and from them come the validation here,
 the command-line flags (:mod:`conveyor.entrypoints.args`) and the check of
-the flag table of docs/configuration.md (tests/test_flags.py).
+the flag table of docs/configuration.md (tests/entrypoints/test_flags.py).
 """
 
 from __future__ import annotations

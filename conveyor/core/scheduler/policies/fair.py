@@ -14,7 +14,7 @@ preemption is the engine's doing, so it costs the tenant neither share nor place
 from the most-served tenant, and swapped requests resume least-served first: otherwise a tenant that
 holds the batch would keep it through preemption, its earlier arrivals outranking everyone's later ones.
 
-The bound (VTC's theorem, checked by tests/test_fair_property.py): while two tenants are both backlogged,
+The bound (VTC's theorem, checked by tests/core/test_fair_property.py): while two tenants are both backlogged,
 the difference of their services, each divided by its weight, stays within ``2 * U / w_min``, where ``U``
 is the largest single charge a tenant can take before the others catch up: one prompt
 (``PROMPT_TOKEN_WEIGHT * longest prompt``) plus the output its running requests can still draw
