@@ -121,6 +121,18 @@ def test_top_p_over_a_whole_vocabulary_keeps_what_sorting_it_keeps(shape: str, t
         assert int(kept.sum()) > TOP_P_CANDIDATES, "the whole sort was needed"
 
 
+def test_top_p_over_tied_probabilities_keeps_as_many_as_sorting_does_lowest_ids_first() -> None:
+    """A uniform row (every probability tied): as many tokens kept as the sort's rule gives, and which of the
+    tied ones is decided by id, so the same row always keeps the same tokens."""
+    from conveyor.executor.sampler import _top_p_drops
+
+    logits = torch.zeros(49152)
+    ranked = torch.sort(logits.softmax(-1), descending=True).values
+    count = int((ranked.cumsum(-1) - ranked < 0.5).sum())
+    kept = (~_top_p_drops(logits, 0.5)).nonzero().flatten()
+    assert torch.equal(kept, torch.arange(count))
+
+
 def test_a_draw_never_picks_a_token_of_zero_weight() -> None:
     """Tokens top-k, top-p or a rejected draft leave at zero are never drawn, the last token included, however
     the uniform number falls."""
