@@ -149,30 +149,9 @@ inline void grouped_quant_rows(const float* x, const ExpertGroups& groups, const
   const QuantWeight& form = *w[0].quant;
   const int64_t total = static_cast<int64_t>(groups.rows.size()), n = form.n, tiles = form.tiles();
   const QuantizedRows xq = quantize_rows(x, total, form.k, form.group);
-  if (form.layout != QuantLayout::kTiles) {
-    return with_k_format(form.layout, [&](auto format) {
-      using F = decltype(format);
-      const int64_t blocks = form.k / kSuperBlock;
-      with_quant_dot(dot, [&](auto kind) {
-        using T = KQuantKernels<F, decltype(kind)::value>;
-        for_each_expert_tile(groups, tiles, T::kMaxRows, [&](int64_t tile, int64_t row, int64_t rows, int64_t e) {
-          const int64_t col = tile * kQuantTile;
-          T::at(static_cast<int>(rows))(xq, row, KTileView{w[e].quant->codes_data + tile * blocks * F::kBlockBytes,
-                                                           blocks},
-                                        y + row * n + col, n, std::min(kQuantTile, n - col));
-        });
-      });
-    });
-  }
-  with_quant_format(form, [&](auto format) {
-    using F = decltype(format);
-    with_quant_dot(dot, [&](auto kind) {
-      using K = QuantKernels<F, decltype(kind)::value>;
-      for_each_expert_tile(groups, tiles, K::kMaxRows, [&](int64_t tile, int64_t row, int64_t rows, int64_t e) {
-        const int64_t col = tile * kQuantTile;
-        K::at(static_cast<int>(rows))(xq, row, tile_view<F>(*w[e].quant, tile), y + row * n + col, n,
-                                      std::min(kQuantTile, n - col));
-      });
+  with_quant_tile_kernel(form, dot, [&](int max_rows, auto run) {
+    for_each_expert_tile(groups, tiles, max_rows, [&](int64_t tile, int64_t row, int64_t rows, int64_t e) {
+      run(*w[e].quant, xq, tile, row, static_cast<int>(rows), y + row * n + tile * kQuantTile, n);
     });
   });
 }

@@ -344,18 +344,35 @@ void with_quant_dot(QuantDot dot, const Fn& f) {
   }
 }
 
-// The rows of a super-block weight (kquant_tiles.h) from activations quantized already.
-template <typename K>
-void k_linear_rows(const QuantizedRows& xq, int64_t m, const QuantWeight& w, const float* bias, float* y,
-                   int64_t ldy, QuantDot dot) {
-  const int64_t blocks = w.k / kSuperBlock;
-  with_quant_dot(dot, [&](auto kind) {
-    using T = KQuantKernels<K, decltype(kind)::value>;
-    for_each_tile_pass(m, w.tiles(), T::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
-      const int64_t col = tile * kQuantTile, cols = std::min(kQuantTile, w.n - col);
-      T::at(rows)(xq, row, KTileView{w.codes_data + tile * blocks * K::kBlockBytes, blocks}, y + row * ldy + col, ldy,
-                  cols);
-      if (bias != nullptr) add_bias(y, ldy, row, rows, col, cols, bias);
+// Runs f(max_rows, run) with the micro-kernels of `form`'s quantized format on `dot`: run(w, xq, tile, row, rows,
+// y, ldy) computes rows [row, row + rows) (rows <= max_rows) of output tile `tile` of w, a weight of that same
+// form, from activations quantized already, into y (at the tile's first column, rows ldy apart). The one place
+// that picks a quantized weight's kernel: quant_linear_rows runs it over one weight's tiles, the grouped expert
+// step (experts.h) over many experts' tiles at once.
+template <typename Fn>
+void with_quant_tile_kernel(const QuantWeight& form, QuantDot dot, const Fn& f) {
+  if (form.layout != QuantLayout::kTiles) {
+    return with_k_format(form.layout, [&](auto format) {
+      using F = decltype(format);
+      with_quant_dot(dot, [&](auto kind) {
+        using T = KQuantKernels<F, decltype(kind)::value>;
+        f(T::kMaxRows, [](const QuantWeight& w, const QuantizedRows& xq, int64_t tile, int64_t row, int rows,
+                          float* y, int64_t ldy) {
+          const int64_t blocks = w.k / kSuperBlock;
+          T::at(rows)(xq, row, KTileView{w.codes_data + tile * blocks * F::kBlockBytes, blocks}, y, ldy,
+                      std::min(kQuantTile, w.n - tile * kQuantTile));
+        });
+      });
+    });
+  }
+  with_quant_format(form, [&](auto format) {
+    using F = decltype(format);
+    with_quant_dot(dot, [&](auto kind) {
+      using K = QuantKernels<F, decltype(kind)::value>;
+      f(K::kMaxRows, [](const QuantWeight& w, const QuantizedRows& xq, int64_t tile, int64_t row, int rows,
+                        float* y, int64_t ldy) {
+        K::at(rows)(xq, row, tile_view<F>(w, tile), y, ldy, std::min(kQuantTile, w.n - tile * kQuantTile));
+      });
     });
   });
 }
@@ -376,21 +393,11 @@ inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, c
     return;
   }
   const QuantizedRows xq = quantize_rows(x, m, w.k, w.group);
-  if (w.layout != QuantLayout::kTiles) {
-    return with_k_format(w.layout, [&](auto format) {
-      k_linear_rows<decltype(format)>(xq, m, w, bias, y, ldy, dot);
-    });
-  }
-  const int64_t n = w.n;
-  with_quant_format(w, [&](auto format) {
-    using F = decltype(format);
-    with_quant_dot(dot, [&](auto kind) {
-      using K = QuantKernels<F, decltype(kind)::value>;
-      for_each_tile_pass(m, w.tiles(), K::kMaxRows, [&](int64_t tile, int64_t row, int rows) {
-        const int64_t col = tile * kQuantTile, cols = std::min(kQuantTile, n - col);
-        K::at(rows)(xq, row, tile_view<F>(w, tile), y + row * ldy + col, ldy, cols);
-        if (bias != nullptr) add_bias(y, ldy, row, rows, col, cols, bias);
-      });
+  with_quant_tile_kernel(w, dot, [&](int max_rows, auto run) {
+    for_each_tile_pass(m, w.tiles(), max_rows, [&](int64_t tile, int64_t row, int rows) {
+      const int64_t col = tile * kQuantTile;
+      run(w, xq, tile, row, rows, y + row * ldy + col, ldy);
+      if (bias != nullptr) add_bias(y, ldy, row, rows, col, std::min(kQuantTile, w.n - col), bias);
     });
   });
 }
