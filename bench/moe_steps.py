@@ -22,17 +22,17 @@ from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
-from conveyor.sim.cost import expected_experts
+from conveyor.sim.cost import CostModel, expected_experts
 from conveyor.sim.hardware import load_hardware
 from conveyor.sim.profile import step_cost_model
 
 PROMPT_TOKENS = 64
 
 
-def timed_decodes(engine: Engine, batch: int, steps: int, seed: int) -> list[tuple[float, float, list[int]]]:
+def timed_decodes(engine: Engine, cost: CostModel, batch: int, steps: int,
+                  seed: int) -> list[tuple[float, float, list[int]]]:
     """``batch`` requests' prompts computed, then ``steps`` decode steps of all of them: each step's wall
-    seconds, its simulated seconds and its distinct experts per mixture-of-experts layer."""
-    cost, _ = step_cost_model(engine.model_config, load_hardware("cpu-local"), engine.config.dtype)
+    seconds, its price by ``cost`` and its distinct experts per mixture-of-experts layer."""
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
@@ -55,11 +55,11 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, max_model_len=1024))
     config = engine.model_config
-    _, source = step_cost_model(config, load_hardware("cpu-local"), engine.config.dtype)
-    timed_decodes(engine, 1, 2, seed=0)  # warm-up
+    cost, source = step_cost_model(config, load_hardware("cpu-local"), engine.config.dtype)
+    timed_decodes(engine, cost, 1, 2, seed=0)  # warm-up
     table = []
     for batch in (int(b) for b in args.batches.split(",")):
-        rows = timed_decodes(engine, batch, args.steps, seed=batch)
+        rows = timed_decodes(engine, cost, batch, args.steps, seed=batch)
         real = statistics.median(seconds for seconds, _, _ in rows)
         simulated = statistics.median(price for _, price, _ in rows)
         touched = statistics.mean(statistics.mean(counts) for _, _, counts in rows)
