@@ -57,8 +57,10 @@ class TorchExecutor:
             (cache_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim), kv_dtype or param.dtype,
             self.device,
         )
-        # The swap space: same layout, in host memory (pinned when the device is a GPU, for fast copies).
-        self.cpu_kv_cache = torch.zeros(
+        # The swap space: same layout, in host memory (pinned when the device is a GPU, for fast copies). Empty,
+        # not zeroed: a swap-in reads only blocks a swap-out wrote, so its pages become resident as swapping
+        # first reaches them; zeroing the default 4 GiB took seconds at every start of an engine that swaps.
+        self.cpu_kv_cache = torch.empty(
             (*self.kv_cache.shape[:2], num_cpu_blocks, *self.kv_cache.shape[3:]),
             dtype=self.kv_cache.dtype,
             pin_memory=self.device.type == "cuda" and num_cpu_blocks > 0,
