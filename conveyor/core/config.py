@@ -121,6 +121,10 @@ class EngineConfig:
     admission_control: bool = _option(False, "refuse (429 with Retry-After; offline: RequestRefused) a request "
                                       "whose time-to-first-token target the wait ahead of it, predicted from the "
                                       "measured step times, already misses")
+    grammar_compile_timeout_ms: int = _option(5000, "time a structured-output constraint's grammar may take to "
+                                              "compile, in ms; a compile still running then is abandoned (its "
+                                              "process ended) and the request refused (400), and a constraint that "
+                                              "waits that long for a free compiler gets 429", minimum=1)
     swap_space: int | str = _option("4GiB", "CPU memory for swapped KV (with --preemption-mode swap)", minimum=0,
                                     size=True)
     kv_layout: str = _option("paged", "paged: blocks on demand; contiguous: a --max-model-len slab reserved per "

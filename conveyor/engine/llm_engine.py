@@ -75,7 +75,8 @@ class Engine:
         self.max_model_len = kv.max_model_len
         model, self.runner = runner.load(plan, self.max_model_len, config.kernels)
         vocab_size = self.model_config.vocab_size
-        self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id)
+        self.grammars = LazyGrammarBackend(self.tokenizer.hf_tokenizer, vocab_size, self.tokenizer.eos_token_id,
+                                           config.grammar_compile_timeout_ms / 1000)
         self.executor = TorchExecutor(
             model, kv.num_blocks, config.block_size, config.seed, kv.num_cpu_blocks,
             constrain=self.grammars.constrain, forget=self.grammars.forget, kv_layout=kv.layout,

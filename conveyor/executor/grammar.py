@@ -84,14 +84,14 @@ class GrammarBackend:
     """One per engine: the xgrammar compiler over the model's vocabulary, the compiled grammars by
     constraint, and the matchers of the constrained requests in the engine."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None, compile_budget_s: float) -> None:
         import xgrammar
 
         self._xgr = xgrammar
         stop_ids = [eos_token_id] if eos_token_id is not None else None
         self._info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                              stop_token_ids=stop_ids)
-        self._compilers = GrammarCompilers(self._info.serialize_json())
+        self._compilers = GrammarCompilers(self._info.serialize_json(), compile_budget_s)
         self.vocab_size = vocab_size
         self.cache = CompiledCache()
         self._matchers: dict[str, _Matcher] = {}
@@ -149,8 +149,8 @@ class LazyGrammarBackend:
     """A GrammarBackend built on the first constrained request: an engine that never sees one never
     imports xgrammar nor builds its token table."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
-        self._args = (hf_tokenizer, vocab_size, eos_token_id)
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None, compile_budget_s: float) -> None:
+        self._args = (hf_tokenizer, vocab_size, eos_token_id, compile_budget_s)
         self._backend: GrammarBackend | None = None
         self._lock = threading.Lock()
 

@@ -24,7 +24,6 @@ from conveyor.executor.faults import grammar_hang_marker
 
 logger = logging.getLogger("conveyor.grammar")
 
-COMPILE_BUDGET_S = 5.0  # a compile still running after this is abandoned (its process ended), and refused
 NUM_COMPILERS = 2  # compiler processes: at most this many compiles at once
 _START_TIMEOUT_S = 120.0  # a compiler process starting (it imports xgrammar, which imports torch)
 
@@ -129,8 +128,10 @@ class GrammarCompilers:
     """A bounded pool of compiler processes; ``compile`` blocks its calling thread (waiting on a pipe, which
     holds no core) until the grammar comes back, the budget runs out, or no compiler comes free in time."""
 
-    def __init__(self, tokenizer_info_json: str, num_compilers: int = NUM_COMPILERS,
-                 budget_s: float = COMPILE_BUDGET_S) -> None:
+    def __init__(self, tokenizer_info_json: str, budget_s: float, num_compilers: int = NUM_COMPILERS) -> None:
+        """``budget_s``: a compile still running after this is abandoned (its process ended) and refused, and
+        a compile that waits this long for a free compiler is told they are busy (the engine's
+        ``grammar_compile_timeout_ms``)."""
         self.budget_s = budget_s
         self._idle: queue.Queue[_Compiler] = queue.Queue()
         self._all = [_Compiler(tokenizer_info_json) for _ in range(num_compilers)]
