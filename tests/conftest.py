@@ -10,6 +10,7 @@ same weights as the reference.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 from pathlib import Path
@@ -76,6 +77,26 @@ LONGEST_FIRST = (
     "test_load_shedding_server.py", "test_fuzz_bodies.py", "test_sim_fast_forward.py", "test_sampling.py",
     "test_window_attention.py", "test_sim_goodput.py", "test_random_gguf.py", "test_several_models.py",
 )
+
+
+# The garbage collector, tuned for a run that builds engines, tokenizers and GGUF readers by the hundred: a young
+# collection every 10,000 allocations rather than 700, so that full collections (each walking every tracked object,
+# 0.1-0.4 s) come about a tenth as often: 49 of them, 7.0 s, in test_gemma3 and test_low_bit_formats, against 6 and
+# 2.6 s (2-core Zen 4). Garbage in cycles lives a little longer; nothing else changes.
+gc.set_threshold(10_000, 10, 10)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """At the end of each file, once its fixtures are torn down: its garbage collected, then what outlives it
+    (imported modules, caches, the session's fixtures) frozen out of the collector's way. Python's full
+    collection walks every tracked object; a worker holds 1.2-1.7 million of them by its last files (torch,
+    transformers, tokenizers, hypothesis), and its 50-60 full collections took 16-26 s of each worker's run, 6-15
+    s with this. A collection here walks only what the file left."""
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        gc.collect()
+        gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

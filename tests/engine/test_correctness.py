@@ -139,7 +139,9 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def default_llm(default_model_dir):
-    return LLM(str(default_model_dir))
+    """The default model, every option its default but the pool: 256 blocks hold the batch of eight, where the
+    default pool (1.5 GB, written through at start) would hold 128 requests."""
+    return LLM(str(default_model_dir), num_kv_blocks=256)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,9 @@ CHATS = [
     "Name three rivers.",  # no repetition to draft from
 ]
 MAX_TOKENS = 40
+# The engines' pool, unless a case sets its own: 4,096 tokens hold every batch here, where the default pool (1.5 GB,
+# written through as each engine starts) would hold 128 requests.
+POOL = {"num_kv_blocks": 256}
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +44,12 @@ def prompts(default_model_dir) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def plain_llm(default_model_dir) -> LLM:
     """The default model without drafts."""
-    return LLM(str(default_model_dir))
+    return LLM(str(default_model_dir), **POOL)
 
 
 @pytest.fixture(scope="module")
 def spec_llm(default_model_dir) -> LLM:
-    """The default model with drafts (SPEC), the engine options otherwise the defaults."""
+    """The default model with drafts (SPEC), the engine options otherwise the defaults (but the pool: POOL)."""
     return _spec_llm(default_model_dir)
 
 
@@ -58,7 +61,7 @@ def plain(plain_llm, prompts):
 
 
 def _spec_llm(default_model_dir, **options) -> LLM:
-    return LLM(str(default_model_dir), speculative_config=SPEC, **options)
+    return LLM(str(default_model_dir), speculative_config=SPEC, **(POOL | options))
 
 
 def _accepted(llm: LLM) -> int:
@@ -191,7 +194,7 @@ def test_a_server_with_drafts_streams_the_plain_answer_and_counts_its_drafts(def
     offline engine's without drafts, and /metrics counts the drafts (vLLM's names)."""
     from tests.serving import metric, openai_client, running_server
 
-    with running_server(default_model_dir, "--speculative-config", SPEC) as server:
+    with running_server(default_model_dir, "--speculative-config", SPEC, "--num-kv-blocks", "256") as server:
         client = openai_client(server.base)
         stream = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=MAX_TOKENS,
                                                 temperature=0, stream=True,
