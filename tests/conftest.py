@@ -67,15 +67,15 @@ TINY_CONFIG = dict(
 # order files by how many tests they hold), and the rest, each a few seconds at most, come after them, so that no
 # long file is left to one worker at the end while the other waits.
 LONGEST_FIRST = (
-    "test_gemma3.py", "test_speculative.py", "test_quantized.py", "test_grammar_bombs.py", "test_correctness.py",
-    "test_server.py", "test_soak.py", "test_structured_output.py", "test_replicas.py", "test_hostile_input.py",
-    "test_dashboard.py", "test_reasoning.py", "test_low_bit_formats.py", "test_chat_page.py",
-    "test_auto_tool_choice.py", "test_replica_exposure.py", "test_policy_properties.py", "test_rope_scaling.py",
-    "test_api_fuzz.py", "test_batch_invariance_property.py", "test_families.py", "test_ollama_api.py",
-    "test_docs_examples.py", "test_sim_calibrate.py", "test_gguf.py", "test_moe.py", "test_compare.py",
-    "test_responsiveness.py", "test_faults.py", "test_kernel_library.py", "test_roofline.py", "test_gguf_families.py",
-    "test_load_shedding_server.py", "test_fuzz_bodies.py", "test_sim_fast_forward.py", "test_sampling.py",
-    "test_window_attention.py", "test_sim_goodput.py", "test_random_gguf.py", "test_several_models.py",
+    "test_gemma3.py", "test_speculative.py", "test_quantized.py", "test_correctness.py", "test_hostile_input.py",
+    "test_replicas.py", "test_soak.py", "test_server.py", "test_structured_output.py", "test_grammar_bombs.py",
+    "test_auto_tool_choice.py", "test_reasoning.py", "test_replica_exposure.py", "test_chat_page.py",
+    "test_low_bit_formats.py", "test_dashboard.py", "test_policy_properties.py", "test_batch_invariance_property.py",
+    "test_families.py", "test_docs_examples.py", "test_kernel_library.py", "test_compare.py", "test_rope_scaling.py",
+    "test_ollama_api.py", "test_gguf.py", "test_sim_calibrate.py", "test_responsiveness.py", "test_roofline.py",
+    "test_faults.py", "test_moe.py", "test_load_shedding_server.py", "test_api_fuzz.py", "test_fuzz_bodies.py",
+    "test_sampling.py", "test_sim_fast_forward.py", "test_sim_goodput.py", "test_several_models.py",
+    "test_server_sampling.py", "test_kernels.py", "test_server_limits.py",
 )
 
 
