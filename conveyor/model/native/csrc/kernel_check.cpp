@@ -5,7 +5,7 @@
 //   ./kernel_check test      every quantized layout, every dot-product kind this CPU has, 1 to 100 rows:
 //                            against a double-precision reference, and each row bit-equal to its run alone;
 //                            attention over a paged cache likewise (decodes, drafts, windows; 1 and 2 threads)
-//   ./kernel_check bench [N K [LAYOUTS [KINDS]]]   one quantized GEMV and 16- and 64-row GEMMs per layout and
+//   ./kernel_check bench [N K [LAYOUTS [KINDS]]]   one quantized GEMV and 8-, 16- and 64-row GEMMs per layout and
 //                            kind (or those named, comma-separated: Q4_K,IQ4_XS vnni512): GB/s and weights times
 //                            rows a second
 //
@@ -298,7 +298,7 @@ int run_bench(int64_t n, int64_t k, const std::string& layouts_named, const std:
     for (const std::string& name : conveyor::quant_dots()) {
       if (!named(kinds_named, name)) continue;
       const QuantDot dot = conveyor::parse_quant_dot(name);
-      for (int64_t m : {1, 16, 64}) {
+      for (int64_t m : {1, 8, 16, 64}) {
         const std::vector<float> x = random_rows(m, k, rng);
         std::vector<float> y(m * n);
         conveyor::quant_linear_rows(x.data(), m, w, nullptr, y.data(), dot);  // warm

@@ -510,13 +510,15 @@ inline void k_operands_512(const uint8_t* block, int g, __m512i* operand) {
   }
 }
 
-// 512 bits: one zmm holds a row's 16 outputs, so the tile takes one pass. As quant_tile_vnni512, the rows
-// sum each group in two chains (even and odd operands) that the core overlaps; the scaling is that kernel's,
-// so a super-block layout and its uniform form give the same bits.
+// 512 bits: one zmm holds a row's 16 outputs, so the tile takes one pass. As quant_tile_vnni512, up to 4 rows
+// sum each group in two chains (even and odd operands) that the core overlaps; 5 to 8 rows are independent chains
+// enough, and one chain a row leaves registers for the operands, 8 sums and 8 accumulators (two chains of 8 rows
+// spilled). The scaling is that kernel's, so a super-block layout and its uniform form give the same bits.
 template <typename K, int Rows>
 void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
+  constexpr int kChains = Rows > 4 ? 1 : 2;
   __m512 acc[Rows];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   alignas(64) float scales[K::kGroups * 16], mins[K::kGroups * 16];
   for (int64_t b = 0; b < t.blocks; ++b) {
@@ -528,22 +530,23 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
       k_prefetch_group_ahead<K>(block, g);
       __m512i operand[K::kGroup / 4];
       k_operands_512<K>(block, g, operand);
-      __m512i sums[2][Rows];
-#pragma GCC unroll 4
+      __m512i sums[kChains][Rows];
+#pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
         const int8_t* xq = x.q + (row + r) * x.k + group * K::kGroup;
-        sums[0][r] = sums[1][r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int chain = 0; chain < kChains; ++chain) sums[chain][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int q = 0; q < K::kGroup / 4; ++q) {
-          __m512i& sum = sums[q % 2][r];
+          __m512i& sum = sums[q % kChains][r];
           sum = _mm512_dpbusd_epi32(sum, operand[q], _mm512_set1_epi32(load_i32(xq + 4 * q)));
         }
       }
       const __m512 s = _mm512_load_ps(scales + 16 * g);
       const __m512 m = K::kMins ? _mm512_load_ps(mins + 16 * g) : _mm512_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
-        const __m512i sum = _mm512_add_epi32(sums[0][r], sums[1][r]);
+        const __m512i sum = kChains == 1 ? sums[0][r] : _mm512_add_epi32(sums[0][r], sums[kChains - 1][r]);
         const int64_t at = (row + r) * x.groups + group;
         const float d = x.d[at];
         if constexpr (K::kMins) {
@@ -557,20 +560,22 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
     }
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, mask, acc[r]);
 }
 #endif
 
 using KTileFn = void (*)(const QuantizedRows&, int64_t, const KTileView&, float*, int64_t, int64_t);
 
-// A kind's super-block micro-kernels by rows (1 to 4, on every kind). A group's operands are all unpacked before
-// the rows run (8 registers for Q4_K and Q5_K), so 8 rows in one vnni512 tile ran out of registers: on a Zen 4,
-// 8 rows of one 4,096 x 14,336 Q6_K weight took 4.0 ms in one tile where two tiles of 4 take 2.4 (Q4_K: 2.4 and
-// 1.9 ms), and 64 rows the same either way.
+// A kind's super-block micro-kernels by rows: 1 to 8 on vnni512, 1 to 4 on the 256-bit kinds (16 registers). A
+// group's operands are unpacked once for all the tile's rows (8 registers for Q4_K and Q5_K), so the more rows a
+// pass takes, the fewer times they are unpacked: on a Zen 4 (2 threads), 8 rows of a 14,336 x 4,096 weight in one
+// pass rather than two of 4 took 1.82-1.86 ms against 2.04-2.09 (Q4_K), 2.17-2.21 against 2.77-2.84 (Q5_K) and
+// 2.17-2.30 against 3.16-3.26 (Q6_K); 64 rows 13.6-13.7 against 14.3 (Q4_K), 16.4-16.6 against 19.8 (Q6_K)
+// (`kernel_check bench 14336 4096 Q4_K,Q5_K,Q6_K vnni512`). Two chains a row, as up to 4 rows take, spilled at 8.
 template <typename K, QuantDot Dot>
 struct KQuantKernels {
-  static constexpr int kMaxRows = 4;
+  static constexpr int kMaxRows = Dot == QuantDot::kVnni512 ? 8 : 4;
 
   template <int Rows>
   static void tile(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
