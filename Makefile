@@ -67,8 +67,8 @@ docs-check: install
 # model's tokenizer loaded once per process (about 240 engines are built, most on the same few folders), 312-321 s,
 # `make test` 5:23-5:24 (a fresh clone, the install not counted: 5:24). On a 2-core Zen 4, 2026-12-05, 2,060 tests,
 # the peers absent as on a fresh clone: `make test` 6:15-6:17, from 8:43 (1,653 tests) and 7:35 (pytest alone, 2,045
-# tests) that morning; three workers took 6:54. The same machine, 2,060 tests: 6:05, then 5:28 with the collector
-# tuned (tests/conftest.py: full collections had taken 42 s of the two workers' time, now 5).
+# tests) that morning; three workers took 6:54. The same machine, 2,060 tests: 6:05, then 5:21-5:49 in four runs with
+# the collector tuned (tests/conftest.py: full collections had taken 42 s of the two workers' time, now 5).
 test: lint docs-check
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
