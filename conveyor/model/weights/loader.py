@@ -171,7 +171,6 @@ def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernel
     return weights
 
 
-
 def _to_empty(model: torch.nn.Module, device: str | torch.device) -> None:
     """``model.to_empty(device=device)``: every parameter and buffer replaced by uninitialised memory of its shape
     and dtype. Written out because torch's own takes ``empty_like`` of a meta tensor through its reference
@@ -184,6 +183,7 @@ def _to_empty(model: torch.nn.Module, device: str | torch.device) -> None:
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+
 
 def _quantized_model(weights: dict[str, Packed], source: str, config: ModelConfig, max_positions: int,
                      kernels: ModuleType) -> Decoder:

@@ -546,7 +546,8 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
       const __m512 m = K::kMins ? _mm512_load_ps(mins + 16 * g) : _mm512_setzero_ps();
 #pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
-        const __m512i sum = kChains == 1 ? sums[0][r] : _mm512_add_epi32(sums[0][r], sums[kChains - 1][r]);
+        __m512i sum = sums[0][r];
+        if constexpr (kChains == 2) sum = _mm512_add_epi32(sum, sums[1][r]);
         const int64_t at = (row + r) * x.groups + group;
         const float d = x.d[at];
         if constexpr (K::kMins) {
