@@ -167,16 +167,20 @@ void k_tile_portable(const QuantizedRows& x, int64_t row, const KTileView& t, fl
   }
 }
 
-// Asks for the bytes kQuantAhead further on (see prefetch_group_ahead), group g's share of the block at a time:
-// the whole block's lines asked for at once left the stream as slow as not asking. Into L2 (prefetcht1), not
-// L1, as attention's prefetch_slice does: on a Zen 4, 8 Q4_K weights of 14,336 x 4,096 (264 MB) at one row
-// streamed at 27.2-30.8 GB/s against 24.7-29.0 in alternating runs, and the 8B-shaped Q4_K_M file decoded at
-// 7.5 and 6.7 tokens a second against 7.1 and 5.6 (8 KB or 2 KB ahead instead of 4 were no better).
+// Asks for the bytes kSuperBlockAhead further on, group g's share of the block at a time (the whole block's
+// lines asked for at once left the stream as slow as not asking), into L2 (prefetcht1), as attention's
+// prefetch_slice does. A thread's tiles lie one after another, so "further on" runs into its next tiles. On a
+// Zen 4 (2 threads, `kernel_check bench 57344 4096 Q4_K,Q6_K vnni512`, 1 row), 16 KiB ahead streamed Q4_K at
+// 40-41 GB/s and Q6_K at 52-53 against 30-32 and 31 at 4 KiB; on weights in 2 MiB pages, 57-63 and 55-57
+// against 38 and 30. Nearer, the reads stall the kernel: it computes about as fast as memory delivers, and the
+// two did not overlap. 32 KiB was no better.
+constexpr int64_t kSuperBlockAhead = 16384;
+
 template <typename K>
 inline void k_prefetch_group_ahead(const uint8_t* block, int g) {
   constexpr int64_t share = K::kBlockBytes / K::kGroups;
 #pragma GCC unroll 8
-  for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kQuantAhead + g * share + line, 0, 2);
+  for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kSuperBlockAhead + g * share + line, 0, 2);
 }
 
 // Where sub-block g's 16 bytes (one a row) lie in the buffer the 512-bit scale unpacking writes: per 8
