@@ -169,11 +169,11 @@ void k_tile_portable(const QuantizedRows& x, int64_t row, const KTileView& t, fl
 
 // Asks for the bytes kSuperBlockAhead further on, group g's share of the block at a time (the whole block's
 // lines asked for at once left the stream as slow as not asking), into L2 (prefetcht1), as attention's
-// prefetch_slice does. A thread's tiles lie one after another, so "further on" runs into its next tiles. On a
-// Zen 4 (2 threads, `kernel_check bench 57344 4096 Q4_K,Q6_K vnni512`, 1 row), 16 KiB ahead streamed Q4_K at
-// 40-41 GB/s and Q6_K at 52-53 against 30-32 and 31 at 4 KiB; on weights in 2 MiB pages, 57-63 and 55-57
-// against 38 and 30. Nearer, the reads stall the kernel: it computes about as fast as memory delivers, and the
-// two did not overlap. 32 KiB was no better.
+// prefetch_slice does. A thread's tiles lie one after another, so "further on" runs into its next tiles. At one
+// row the kernel computes about as fast as memory delivers, and nearer requests did not overlap the two: on a
+// 2-core Zen 4, six alternating runs of `kernel_check bench 57344 4096 Q4_K,Q6_K vnni512` streamed Q4_K at
+// 35-55 GB/s and Q6_K at 35-54 against 31-33 and 30-33 at 4 KiB (the spread is the machine's: other tenants'
+// traffic); 32 KiB was no better.
 constexpr int64_t kSuperBlockAhead = 16384;
 
 template <typename K>
