@@ -168,19 +168,21 @@ void k_tile_portable(const QuantizedRows& x, int64_t row, const KTileView& t, fl
 }
 
 // Asks for the bytes kSuperBlockAhead further on, group g's share of the block at a time (the whole block's
-// lines asked for at once left the stream as slow as not asking), into L2 (prefetcht1), as attention's
+// lines asked for at once left the stream as slow as not asking), into L2 (prefetcht1) as attention's
 // prefetch_slice does. A thread's tiles lie one after another, so "further on" runs into its next tiles. At one
 // row the kernel computes about as fast as memory delivers, and nearer requests did not overlap the two: on a
 // 2-core Zen 4, six alternating runs of `kernel_check bench 57344 4096 Q4_K,Q6_K vnni512` streamed Q4_K at
-// 35-55 GB/s and Q6_K at 35-54 against 31-33 and 30-33 at 4 KiB (the spread is the machine's: other tenants'
-// traffic); 32 KiB was no better.
+// 35-55 GB/s and Q6_K at 35-54 against 31-33 and 30-33 at 4 KiB (the spread is the machine's memory speed,
+// which moves from one quarter hour to the next). 32 KiB was no better; 16 KiB into L1 was slower.
 constexpr int64_t kSuperBlockAhead = 16384;
 
 template <typename K>
 inline void k_prefetch_group_ahead(const uint8_t* block, int g) {
   constexpr int64_t share = K::kBlockBytes / K::kGroups;
 #pragma GCC unroll 8
-  for (int64_t line = 0; line < share + 63; line += 64) __builtin_prefetch(block + kSuperBlockAhead + g * share + line, 0, 2);
+  for (int64_t line = 0; line < share + 63; line += 64) {
+    __builtin_prefetch(block + kSuperBlockAhead + g * share + line, 0, 2);
+  }
 }
 
 // Where sub-block g's 16 bytes (one a row) lie in the buffer the 512-bit scale unpacking writes: per 8
