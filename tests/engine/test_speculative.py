@@ -194,7 +194,8 @@ def test_a_server_with_drafts_streams_the_plain_answer_and_counts_its_drafts(def
     offline engine's without drafts, and /metrics counts the drafts (vLLM's names)."""
     from tests.serving import metric, openai_client, running_server
 
-    with running_server(default_model_dir, "--speculative-config", SPEC, "--num-kv-blocks", "256") as server:
+    with running_server(default_model_dir, "--speculative-config", SPEC, "--num-kv-blocks",
+                        str(POOL["num_kv_blocks"])) as server:
         client = openai_client(server.base)
         stream = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=MAX_TOKENS,
                                                 temperature=0, stream=True,
