@@ -229,41 +229,31 @@ inline void six_bit_scales_256(const uint8_t* scales, int8_t* out) {
   }
 }
 
-// A block's sub-block scales (and mins) of one half of the tile (outputs 8 * Half ..), as float32 [group][8].
+// A block's sub-block scales (and mins) of one half of the tile (outputs 8 * Half ..), unpacked once a block to
+// bytes, 8 a group (Q6_K and Q2_K read theirs from the header as they are), and d (and -dmin) as float32; the
+// floats are formed in the group's loop (k_group_scales_256), as the 512-bit kernel does (KScales512).
+template <typename K>
+struct KScales256 {
+  __m256 d, negative_dmin;
+  alignas(32) uint8_t sc[K::kScales == KScales::kSixBitSigned ? K::kGroups * 8 : 64];
+  alignas(32) uint8_t m[64];
+};
+
 template <typename K, int Half>
-inline void k_scales_256(const uint8_t* block, float* scales, float* mins) {
-  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * Half)));
-  [[maybe_unused]] const __m256 negative_dmin = _mm256_sub_ps(
-      _mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * Half))));
-  const auto eight = [](const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
-  if constexpr (K::kScales == KScales::kInt8) {
-#pragma GCC unroll 16
-    for (int g = 0; g < K::kGroups; ++g) {
-      const __m256i sc = _mm256_cvtepi8_epi32(eight(block + 32 + 16 * g + 8 * Half));
-      _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
-    }
-  } else if constexpr (K::kScales == KScales::kSixBitSigned) {
-    alignas(32) int8_t sc[K::kGroups * 8];
-    six_bit_scales_256<K::kGroups, Half>(block + 32, sc);
-#pragma GCC unroll 16
-    for (int g = 0; g < K::kGroups; ++g) {
-      _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eight(sc + 8 * g)))));
-    }
-  } else if constexpr (K::kScales == KScales::kNibbleMins) {
-    const __m256i low = _mm256_set1_epi32(15);
-#pragma GCC unroll 16
-    for (int g = 0; g < K::kGroups; ++g) {
-      const __m256i bytes = _mm256_cvtepu8_epi32(eight(block + 64 + 16 * g + 8 * Half));
-      _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low))));
-      _mm256_store_ps(mins + 8 * g, _mm256_mul_ps(negative_dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4))));
-    }
-  } else {
+inline void k_scale_bytes_256(const uint8_t* block, KScales256<K>& out) {
+  out.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * Half)));
+  if constexpr (K::kMins) {
+    out.negative_dmin = _mm256_sub_ps(
+        _mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * Half))));
+  }
+  if constexpr (K::kScales == KScales::kSixBitSigned) {
+    six_bit_scales_256<K::kGroups, Half>(block + 32, reinterpret_cast<int8_t*>(out.sc));
+  } else if constexpr (K::kScales == KScales::kSixBitMins) {
     // All 8 sub-blocks' 6-bit values at once, as bytes [sub-block][row of the half]: low nibbles, then top bits.
     const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
     const auto load = [&](int64_t offset, int part) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + offset + 32 * part));
     };
-    alignas(32) uint8_t sc[64], m[64];
 #pragma GCC unroll 2
     for (int part = 0; part < 2; ++part) {
       const __m256i hi = load(192, part);
@@ -272,16 +262,28 @@ inline void k_scales_256(const uint8_t* block, float* scales, float* mins) {
       // sc's top bits at 2 * half, m's at 4 + 2 * half: each moved to bits 4-5
       const __m256i sc_hi = _mm256_and_si256(Half ? _mm256_slli_epi16(hi, 2) : _mm256_slli_epi16(hi, 4), top);
       const __m256i m_hi = _mm256_and_si256(Half ? _mm256_srli_epi16(hi, 2) : hi, top);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(sc + 32 * part), _mm256_or_si256(sc_lo, sc_hi));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(m + 32 * part), _mm256_or_si256(m_lo, m_hi));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out.sc + 32 * part), _mm256_or_si256(sc_lo, sc_hi));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out.m + 32 * part), _mm256_or_si256(m_lo, m_hi));
     }
-#pragma GCC unroll 8
-    for (int g = 0; g < K::kGroups; ++g) {
-      const __m256i s8 = _mm256_cvtepu8_epi32(eight(sc + 8 * g));
-      const __m256i m8 = _mm256_cvtepu8_epi32(eight(m + 8 * g));
-      _mm256_store_ps(scales + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(s8)));
-      _mm256_store_ps(mins + 8 * g, _mm256_mul_ps(negative_dmin, _mm256_cvtepi32_ps(m8)));
-    }
+  }
+}
+
+// Sub-block g's scale and min (zero where the format has none) of the half's 8 outputs in float32.
+template <typename K, int Half>
+inline void k_group_scales_256(const uint8_t* block, const KScales256<K>& t, int g, __m256* scale, __m256* min) {
+  const auto eight = [](const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); };
+  const auto times = [](__m256 f, __m256i v) { return _mm256_mul_ps(f, _mm256_cvtepi32_ps(v)); };
+  if constexpr (K::kScales == KScales::kInt8) {
+    *scale = times(t.d, _mm256_cvtepi8_epi32(eight(block + 32 + 16 * g + 8 * Half)));
+  } else if constexpr (K::kScales == KScales::kSixBitSigned) {
+    *scale = times(t.d, _mm256_cvtepi8_epi32(eight(t.sc + 8 * g)));
+  } else if constexpr (K::kScales == KScales::kNibbleMins) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(eight(block + 64 + 16 * g + 8 * Half));
+    *scale = times(t.d, _mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    *min = times(t.negative_dmin, _mm256_srli_epi32(bytes, 4));
+  } else {
+    *scale = times(t.d, _mm256_cvtepu8_epi32(eight(t.sc + 8 * g)));
+    *min = times(t.negative_dmin, _mm256_cvtepu8_epi32(eight(t.m + 8 * g)));
   }
 }
 
@@ -373,18 +375,18 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, fl
   __m256 acc[Rows];
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) acc[r] = _mm256_setzero_ps();
-  alignas(32) float scales[K::kGroups * 8], mins[K::kGroups * 8];
+  KScales256<K> unpacked;
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* block = t.data + b * K::kBlockBytes;
-    k_scales_256<K, Half>(block, scales, mins);
+    k_scale_bytes_256<K, Half>(block, unpacked);
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
       if constexpr (Half == 0) k_prefetch_group_ahead<K>(block, g);  // the second half finds the tile in L1
       __m256i sum[Rows];
       k_group_sums_256<K, Half, Rows, Vnni>(x, row, group, block, g, sum);
-      const __m256 s = _mm256_load_ps(scales + 8 * g);
-      const __m256 m = K::kMins ? _mm256_load_ps(mins + 8 * g) : _mm256_setzero_ps();
+      __m256 s, m = _mm256_setzero_ps();
+      k_group_scales_256<K, Half>(block, unpacked, g, &s, &m);
 #pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
         acc[r] = scale_group_256<K::kMins>(acc[r], sum[r], s, m, x, (row + r) * x.groups + group, K::kZero);
@@ -432,39 +434,28 @@ inline void six_bit_scales_512(const uint8_t* scales, int8_t* out) {
   }
 }
 
-// A block's sub-block scales and mins of all 16 outputs, as float32 [group][16]: k_scales_256's numbers, both
-// halves at once.
+// A block's sub-block scales (and mins) of all 16 outputs, unpacked once a block to what a group's float
+// scale is formed from: int8 or uint8 bytes, 16 a group at rows_at(g) (Q6_K and Q2_K read theirs from the
+// header as they are), and d (and -dmin) as float32. The floats are formed in the group's loop
+// (k_group_scales_512): a table of them, written per block and read back per group, cost a tenth of the
+// one-row kernel on weights in L2 (`kernel_check bench`, Zen 4) for the same numbers.
 template <typename K>
-inline void k_scales_512(const uint8_t* block, float* scales, float* mins) {
+struct KScales512 {
+  __m512 d, negative_dmin;
+  alignas(64) uint8_t sc[K::kScales == KScales::kSixBitSigned ? K::kGroups * 16 : 128];
+  alignas(64) uint8_t m[128];
+};
+
+template <typename K>
+inline void k_scale_bytes_512(const uint8_t* block, KScales512<K>& out) {
   const auto halves = [](const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   };
-  const __m512 d = halves(block);
-  [[maybe_unused]] const __m512 negative_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(block + 32));
-  const auto sixteen = [](const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
-  if constexpr (K::kScales == KScales::kInt8) {
-#pragma GCC unroll 16
-    for (int g = 0; g < K::kGroups; ++g) {
-      const __m512i sc = _mm512_cvtepi8_epi32(sixteen(block + 32 + 16 * g));
-      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-    }
-  } else if constexpr (K::kScales == KScales::kSixBitSigned) {
-    alignas(64) int8_t sc[K::kGroups * 16];
-    six_bit_scales_512<K::kGroups>(block + 32, sc);
-#pragma GCC unroll 16
-    for (int g = 0; g < K::kGroups; ++g) {
-      const __m512i s32 = _mm512_cvtepi8_epi32(sixteen(sc + rows_at(g)));
-      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s32)));
-    }
-  } else if constexpr (K::kScales == KScales::kNibbleMins) {
-    const __m512i low = _mm512_set1_epi32(15);
-#pragma GCC unroll 16
-    for (int g = 0; g < K::kGroups; ++g) {
-      const __m512i bytes = _mm512_cvtepu8_epi32(sixteen(block + 64 + 16 * g));
-      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low))));
-      _mm512_store_ps(mins + 16 * g, _mm512_mul_ps(negative_dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4))));
-    }
-  } else {
+  out.d = halves(block);
+  if constexpr (K::kMins) out.negative_dmin = _mm512_sub_ps(_mm512_setzero_ps(), halves(block + 32));
+  if constexpr (K::kScales == KScales::kSixBitSigned) {
+    six_bit_scales_512<K::kGroups>(block + 32, reinterpret_cast<int8_t*>(out.sc));
+  } else if constexpr (K::kScales == KScales::kSixBitMins) {
     const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
     const auto load = [&](int64_t offset) { return _mm512_loadu_si512(block + offset); };
     const __m512i sc_lo = load(64), m_lo = load(128), hi = load(192);
@@ -478,18 +469,30 @@ inline void k_scales_512(const uint8_t* block, float* scales, float* mins) {
                                         _mm512_and_si512(_mm512_srli_epi16(hi, 2), top));
     // Sub-block g's 16 rows side by side at rows_at(g): the even sub-blocks in one vector's 128-bit lanes, the odd
     // in another.
-    alignas(64) uint8_t sc[128], m[128];
-    _mm512_store_si512(sc, _mm512_unpacklo_epi64(sc_a, sc_b));
-    _mm512_store_si512(sc + 64, _mm512_unpackhi_epi64(sc_a, sc_b));
-    _mm512_store_si512(m, _mm512_unpacklo_epi64(m_a, m_b));
-    _mm512_store_si512(m + 64, _mm512_unpackhi_epi64(m_a, m_b));
-#pragma GCC unroll 8
-    for (int g = 0; g < K::kGroups; ++g) {
-      const __m512i s8 = _mm512_cvtepu8_epi32(sixteen(sc + rows_at(g)));
-      const __m512i m8 = _mm512_cvtepu8_epi32(sixteen(m + rows_at(g)));
-      _mm512_store_ps(scales + 16 * g, _mm512_mul_ps(d, _mm512_cvtepi32_ps(s8)));
-      _mm512_store_ps(mins + 16 * g, _mm512_mul_ps(negative_dmin, _mm512_cvtepi32_ps(m8)));
-    }
+    _mm512_store_si512(out.sc, _mm512_unpacklo_epi64(sc_a, sc_b));
+    _mm512_store_si512(out.sc + 64, _mm512_unpackhi_epi64(sc_a, sc_b));
+    _mm512_store_si512(out.m, _mm512_unpacklo_epi64(m_a, m_b));
+    _mm512_store_si512(out.m + 64, _mm512_unpackhi_epi64(m_a, m_b));
+  }
+}
+
+// Sub-block g's scale and min (zero where the format has none) of all 16 outputs in float32: k_scale_min's
+// numbers, d times the small integer.
+template <typename K>
+inline void k_group_scales_512(const uint8_t* block, const KScales512<K>& t, int g, __m512* scale, __m512* min) {
+  const auto sixteen = [](const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
+  const auto times = [](__m512 f, __m512i v) { return _mm512_mul_ps(f, _mm512_cvtepi32_ps(v)); };
+  if constexpr (K::kScales == KScales::kInt8) {
+    *scale = times(t.d, _mm512_cvtepi8_epi32(sixteen(block + 32 + 16 * g)));
+  } else if constexpr (K::kScales == KScales::kSixBitSigned) {
+    *scale = times(t.d, _mm512_cvtepi8_epi32(sixteen(t.sc + rows_at(g))));
+  } else if constexpr (K::kScales == KScales::kNibbleMins) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(sixteen(block + 64 + 16 * g));
+    *scale = times(t.d, _mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    *min = times(t.negative_dmin, _mm512_srli_epi32(bytes, 4));
+  } else {
+    *scale = times(t.d, _mm512_cvtepu8_epi32(sixteen(t.sc + rows_at(g))));
+    *min = times(t.negative_dmin, _mm512_cvtepu8_epi32(sixteen(t.m + rows_at(g))));
   }
 }
 
@@ -526,10 +529,10 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
   __m512 acc[Rows];
 #pragma GCC unroll 8
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
-  alignas(64) float scales[K::kGroups * 16], mins[K::kGroups * 16];
+  KScales512<K> unpacked;
   for (int64_t b = 0; b < t.blocks; ++b) {
     const uint8_t* block = t.data + b * K::kBlockBytes;
-    k_scales_512<K>(block, scales, mins);
+    k_scale_bytes_512<K>(block, unpacked);
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
@@ -548,8 +551,8 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
           sum = _mm512_dpbusd_epi32(sum, operand[q], _mm512_set1_epi32(load_i32(xq + 4 * q)));
         }
       }
-      const __m512 s = _mm512_load_ps(scales + 16 * g);
-      const __m512 m = K::kMins ? _mm512_load_ps(mins + 16 * g) : _mm512_setzero_ps();
+      __m512 s, m = _mm512_setzero_ps();
+      k_group_scales_512<K>(block, unpacked, g, &s, &m);
 #pragma GCC unroll 8
       for (int r = 0; r < Rows; ++r) {
         __m512i sum = sums[0][r];
