@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -262,11 +263,16 @@ def _figure(result: EngineResult, workload: str, attribute: str) -> float | None
     return getattr(run, attribute) if run is not None else None
 
 
-def _ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> str:
+def _ratio_value(ours: float | None, theirs: float | None, higher_is_better: bool) -> float | None:
     """How far Conveyor is ahead: > 1 means Conveyor is faster, whichever way the figure runs."""
     if ours is None or theirs is None or not ours or not theirs:
-        return "-"
-    return f"{(ours / theirs if higher_is_better else theirs / ours):.2f}x"
+        return None
+    return ours / theirs if higher_is_better else theirs / ours
+
+
+def _ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> str:
+    value = _ratio_value(ours, theirs, higher_is_better)
+    return "-" if value is None else f"{value:.2f}x"
 
 
 @dataclass(slots=True)
@@ -286,6 +292,11 @@ class Comparison:
         """The table's columns: those of the workloads some engine ran."""
         ran = {name for result in (self.conveyor, *self.peers) for name in result.results}
         return [column for column in COLUMNS if column[0] in ran]
+
+    def ratios(self, result: EngineResult) -> dict[str, float | None]:
+        """Conveyor's ratio to ``result`` under each ratio column's header."""
+        return {header: _ratio_value(_figure(self.conveyor, w, a), _figure(result, w, a), a == "output_tokens_per_s")
+                for w, a, _, header in self.columns()}
 
     def rows(self) -> list[list[object]]:
         columns, rows = self.columns(), []
@@ -314,6 +325,41 @@ class Comparison:
                          "results": {name: run.figures() for name, run in r.results.items()}}
                         for r in (self.conveyor, *self.peers)],
         }
+
+
+@dataclass(slots=True)
+class Rounds:
+    """Several comparisons of the same engines run in turn (Conveyor, the peers, Conveyor again, ...). These
+    machines change speed by a third within minutes, under every engine alike, so a ratio means most between
+    neighbours: each round's ratio is taken, and their median is the figure (the spread beside it)."""
+
+    comparisons: list[Comparison]
+
+    def median_ratios(self) -> dict[str, dict[str, tuple[float, float, float]]]:
+        """By peer, by ratio column: (median, lowest, highest) of the rounds' ratios that exist."""
+        found: dict[str, dict[str, list[float]]] = {}
+        for comparison in self.comparisons:
+            for peer in comparison.peers:
+                for header, value in comparison.ratios(peer).items():
+                    if value is not None:
+                        found.setdefault(peer.engine, {}).setdefault(header, []).append(value)
+        return {engine: {header: (statistics.median(values), min(values), max(values))
+                         for header, values in by_header.items()} for engine, by_header in found.items()}
+
+    def table(self) -> str:
+        medians = self.median_ratios()
+        headers = sorted({h for by_header in medians.values() for h in by_header},
+                         key=[c[3] for c in COLUMNS].index)
+        rows = [[engine, *(f"{by[h][0]:.2f}x ({by[h][1]:.2f}-{by[h][2]:.2f})" if h in by else "-" for h in headers)]
+                for engine, by in medians.items()]
+        return format_table(["engine", *(f"{h}, median of {len(self.comparisons)} rounds" for h in headers)], rows)
+
+    def to_json(self) -> dict[str, Any]:
+        first = self.comparisons[0].to_json()
+        return {"machine": first["machine"], "workloads": first["workloads"],
+                "rounds": [c.to_json()["engines"] for c in self.comparisons],
+                "median_ratios": {engine: {h: dict(zip(("median", "lowest", "highest"), v)) for h, v in by.items()}
+                                  for engine, by in self.median_ratios().items()}}
 
 
 def machine_info(threads: int) -> dict[str, Any]:
@@ -399,12 +445,15 @@ def model_workloads(model: str | None, names: tuple[str, ...], w1_single: int, l
 def compare(workload_names: list[str], peer_names: list[str], w1_single: int, limit: int | None = None,
             max_output_len: int | None = None, output: str | None = None, num_threads: int | None = None,
             dtype: str = "float32", model: str | None = None, float32: bool = False, in_process: bool = False,
-            serve_args: str = "") -> int:
+            serve_args: str = "", rounds: int = 1) -> int:
     """Run everything on ``num_threads`` threads each (default: the usable cores): Conveyor's server in
     ``dtype`` on ``model`` (with ``float32``, on its float32 weights too; with ``in_process``, its engine called
-    in this process as well), then each peer; print machine info and the table, write JSON to ``output``."""
+    in this process as well), then each peer, ``rounds`` times in turn; print machine info and each round's
+    table (and with more than one, the median of the rounds' ratios), write JSON to ``output``."""
     if not 1 <= w1_single <= 64:
         raise ValueError(f"--w1-single must be in [1, 64], got {w1_single}")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
     if (limit is not None and limit < 1) or (max_output_len is not None and max_output_len < 1):
         raise ValueError("--limit and --max-output-len must be >= 1")
     peers = on_the_file(select_peers(peer_names), model)
@@ -421,14 +470,19 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
         from conveyor.model.weights.loader import float32_folder
 
         ours.append(conveyor_server(str(float32_folder(model)), "float32", serve_args, "Conveyor server (float32)"))
-    results = run_peers(ours + peers, workloads, threads=threads)
-    if not results or results[0].engine != CONVEYOR_SERVER_NAME:
-        raise RuntimeError("bench compare: Conveyor's own server did not run; see the messages above")
-    if in_process:
-        results.insert(1, conveyor_on_workloads((), w1_single, None, None, threads, dtype, model, workloads)[1])
-    comparison = Comparison(machine, workloads, eos_token_id, results[0], results[1:])
-    print(comparison.table())
+    comparisons = []
+    for round_number in range(1, rounds + 1):
+        results = run_peers(ours + peers, workloads, threads=threads)
+        if not results or results[0].engine != CONVEYOR_SERVER_NAME:
+            raise RuntimeError("bench compare: Conveyor's own server did not run; see the messages above")
+        if in_process:
+            results.insert(1, conveyor_on_workloads((), w1_single, None, None, threads, dtype, model, workloads)[1])
+        comparisons.append(Comparison(machine, workloads, eos_token_id, results[0], results[1:]))
+        print((f"round {round_number} of {rounds}\n" if rounds > 1 else "") + comparisons[-1].table(), flush=True)
+    saved = comparisons[0].to_json() if rounds == 1 else Rounds(comparisons).to_json()
+    if rounds > 1:
+        print(Rounds(comparisons).table())
     if output:
-        Path(output).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")
+        Path(output).write_text(json.dumps(saved, indent=2) + "\n")
         print(f"wrote {output}")
     return 0

@@ -160,6 +160,9 @@ def _add_bench_compare(bench: Commands) -> None:
                           "as a row of its own")
     cmp.add_argument("--serve-args", default="",
                      help="more flags for Conveyor's `conveyor serve`, as one string (e.g. \"--max-num-seqs 64\")")
+    cmp.add_argument("--rounds", type=int, default=1,
+                     help="run every engine this many times in turn (Conveyor, the peers, Conveyor, ...) and report "
+                          "the median of each round's ratios: the machine's speed drifts within minutes")
 
 
 def _add_bench_serve(bench: Commands) -> None:
@@ -338,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return compare(args.workloads.split(","), args.peers.split(",") if args.peers else [], args.w1_single,
                            args.limit, args.max_output_len, args.output, args.num_threads, args.dtype, args.model,
-                           args.float32, args.in_process, args.serve_args)
+                           args.float32, args.in_process, args.serve_args, args.rounds)
         if args.command == "plot":
             return _plot_timeline(args) if args.plot == "timeline" else _plot_memory(args)
         if args.command == "generate":

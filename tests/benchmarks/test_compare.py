@@ -18,6 +18,7 @@ from safetensors import safe_open
 from conveyor.benchmarks.compare import (
     ROOT,
     Comparison,
+    Rounds,
     EngineResult,
     Peer,
     WorkloadResult,
@@ -310,6 +311,24 @@ def test_compare_refuses_unknown_peers_and_bad_sizes_before_running_anything():
     assert main(["bench", "compare", "--peers", "openvino,elsewhere"]) == 2
     assert main(["bench", "compare", "--w1-single", "65"]) == 2
     assert main(["bench", "compare", "--limit", "0"]) == 2
+    assert main(["bench", "compare", "--rounds", "0"]) == 2
+
+
+def test_rounds_report_the_median_of_each_rounds_ratio_and_its_spread():
+    outputs = [[1, 2, 3, 4]]
+
+    def round_of(ours: float, theirs: float, ours_at_once: float) -> Comparison:
+        conveyor = _result("Conveyor", {"W1@1": ours, "W1@64": ours_at_once}, outputs)
+        return Comparison({"cpu": "test"}, [], 0, conveyor, [_result("peer", {"W1@1": theirs}, outputs)])
+
+    # The machine slows down in round 2 under both engines; the ratios are 1.5, 1.5 and 1.2.
+    rounds = Rounds([round_of(30.0, 20.0, 90.0), round_of(15.0, 10.0, 80.0), round_of(36.0, 30.0, 70.0)])
+    medians = rounds.median_ratios()
+    assert medians == {"peer": {"W1@1 Conveyor/peer": pytest.approx((1.5, 1.2, 1.5))}}  # no W1@64 of the peer
+    assert "1.50x (1.20-1.50)" in rounds.table() and "median of 3 rounds" in rounds.table()
+    saved = rounds.to_json()
+    assert len(saved["rounds"]) == 3 and saved["rounds"][1][1]["results"]["W1@1"]["output_tokens_per_s"] == 10.0
+    assert saved["median_ratios"]["peer"]["W1@1 Conveyor/peer"]["median"] == pytest.approx(1.5)
 
 
 def test_conveyor_runs_the_comparison_in_the_dtype_asked_and_says_so():
