@@ -18,9 +18,9 @@ from safetensors import safe_open
 from conveyor.benchmarks.compare import (
     ROOT,
     Comparison,
-    Rounds,
     EngineResult,
     Peer,
+    Rounds,
     WorkloadResult,
     agreement,
     run_conveyor,
