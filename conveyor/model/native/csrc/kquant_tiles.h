@@ -437,8 +437,8 @@ inline void six_bit_scales_512(const uint8_t* scales, int8_t* out) {
 // A block's sub-block scales (and mins) of all 16 outputs, unpacked once a block to what a group's float
 // scale is formed from: int8 or uint8 bytes, 16 a group at rows_at(g) (Q6_K and Q2_K read theirs from the
 // header as they are), and d (and -dmin) as float32. The floats are formed in the group's loop
-// (k_group_scales_512): a table of them, written per block and read back per group, cost a tenth of the
-// one-row kernel on weights in L2 (`kernel_check bench`, Zen 4) for the same numbers.
+// (k_group_scales_512): a table of them, written per block and read back per group, cost 5-10% of the one-row
+// kernel on weights in L2 (`kernel_check bench 256 4096`, one thread, Zen 4) for the same numbers.
 template <typename K>
 struct KScales512 {
   __m512 d, negative_dmin;
