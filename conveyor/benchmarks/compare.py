@@ -263,16 +263,11 @@ def _figure(result: EngineResult, workload: str, attribute: str) -> float | None
     return getattr(run, attribute) if run is not None else None
 
 
-def _ratio_value(ours: float | None, theirs: float | None, higher_is_better: bool) -> float | None:
+def _ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> float | None:
     """How far Conveyor is ahead: > 1 means Conveyor is faster, whichever way the figure runs."""
     if ours is None or theirs is None or not ours or not theirs:
         return None
     return ours / theirs if higher_is_better else theirs / ours
-
-
-def _ratio(ours: float | None, theirs: float | None, higher_is_better: bool) -> str:
-    value = _ratio_value(ours, theirs, higher_is_better)
-    return "-" if value is None else f"{value:.2f}x"
 
 
 @dataclass(slots=True)
@@ -295,15 +290,14 @@ class Comparison:
 
     def ratios(self, result: EngineResult) -> dict[str, float | None]:
         """Conveyor's ratio to ``result`` under each ratio column's header."""
-        return {header: _ratio_value(_figure(self.conveyor, w, a), _figure(result, w, a), a == "output_tokens_per_s")
+        return {header: _ratio(_figure(self.conveyor, w, a), _figure(result, w, a), a == "output_tokens_per_s")
                 for w, a, _, header in self.columns()}
 
     def rows(self) -> list[list[object]]:
         columns, rows = self.columns(), []
         for result in (self.conveyor, *self.peers):
             figures = [_figure(result, w, a) for w, a, _, _ in columns]
-            ratios = [_ratio(_figure(self.conveyor, w, a), value, a == "output_tokens_per_s")
-                      for (w, a, _, _), value in zip(columns, figures)]
+            ratios = ["-" if r is None else f"{r:.2f}x" for r in self.ratios(result).values()]
             agree = "reference" if result is self.conveyor else "{}/{}".format(*self.agreement(result))
             rows.append([result.engine, result.version, *("-" if f is None else f for f in figures), *ratios, agree])
         return rows
@@ -479,10 +473,11 @@ def compare(workload_names: list[str], peer_names: list[str], w1_single: int, li
             results.insert(1, conveyor_on_workloads((), w1_single, None, None, threads, dtype, model, workloads)[1])
         comparisons.append(Comparison(machine, workloads, eos_token_id, results[0], results[1:]))
         print((f"round {round_number} of {rounds}\n" if rounds > 1 else "") + comparisons[-1].table(), flush=True)
-    saved = comparisons[0].to_json() if rounds == 1 else Rounds(comparisons).to_json()
-    if rounds > 1:
-        print(Rounds(comparisons).table())
+    summary = Rounds(comparisons) if rounds > 1 else None
+    if summary is not None:
+        print(summary.table())
     if output:
+        saved = comparisons[0].to_json() if summary is None else summary.to_json()
         Path(output).write_text(json.dumps(saved, indent=2) + "\n")
         print(f"wrote {output}")
     return 0
