@@ -142,13 +142,40 @@ inline bool one_quant_form(const ExpertMatrix* w, int64_t experts) {
   return true;
 }
 
-// y [total, n] = x [total, k] . W_e^T for each row's expert e, the rows grouped by expert (groups), every W_e of
-// one quantized form: x quantized once, then one pass over all experts' tiles (for_each_expert_tile).
-inline void grouped_quant_rows(const float* x, const ExpertGroups& groups, const ExpertMatrix* w, float* y,
+// Rows `rows` of xq, one after another, in buffers of the calling thread's: a grouped step's input gathered after
+// quantizing, so that a token is quantized once rather than once for each of its top-k experts, and its copies
+// are int8 codes, a quarter of its floats.
+inline QuantizedRows gather_quantized_rows(const QuantizedRows& xq, const std::vector<int64_t>& rows) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d, d_sums;
+  thread_local std::vector<int32_t> sums;
+  const int64_t total = static_cast<int64_t>(rows.size()), k = xq.k, groups = xq.groups;
+  q.resize(total * k);
+  d.resize(total * groups);
+  d_sums.resize(total * groups);
+  sums.resize(total * groups);
+  // The buffers' own pointers: in the workers' threads the names are other (empty) buffers.
+  int8_t* qp = q.data();
+  float *dp = d.data(), *dsp = d_sums.data();
+  int32_t* sp = sums.data();
+  parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t from = rows[i];
+      std::memcpy(qp + i * k, xq.q + from * k, k);
+      std::memcpy(dp + i * groups, xq.d + from * groups, sizeof(float) * groups);
+      std::memcpy(sp + i * groups, xq.sums + from * groups, sizeof(int32_t) * groups);
+      std::memcpy(dsp + i * groups, xq.d_sums + from * groups, sizeof(float) * groups);
+    }
+  });
+  return {qp, dp, sp, dsp, k, groups};
+}
+
+// y [total, n] = x_e . W_e^T for each row's expert e, from its rows quantized already (xq: [total, k], grouped by
+// expert as `groups`), every W_e of one quantized form: one pass over all experts' tiles (for_each_expert_tile).
+inline void grouped_quant_rows(const QuantizedRows& xq, const ExpertGroups& groups, const ExpertMatrix* w, float* y,
                                QuantDot dot) {
   const QuantWeight& form = *w[0].quant;
-  const int64_t total = static_cast<int64_t>(groups.rows.size()), n = form.n, tiles = form.tiles();
-  const QuantizedRows xq = quantize_rows(x, total, form.k, form.group);
+  const int64_t n = form.n, tiles = form.tiles();
   with_quant_tile_kernel(form, dot, [&](int max_rows, auto run) {
     for_each_expert_tile(groups, tiles, max_rows, [&](int64_t tile, int64_t row, int64_t rows, int64_t e) {
       run(*w[e].quant, xq, tile, row, static_cast<int>(rows), y + row * n + tile * kQuantTile, n);
@@ -163,6 +190,30 @@ void expert_linear(const ExpertMatrix& w, const float* x, int64_t m, float* y, Q
   linear_rows<P>(x, m, w.k, static_cast<const typename P::Weight*>(w.packed), w.n, nullptr, y);
 }
 
+// out [rows, hidden] = the sum of each row's experts' outputs ys (by entry, as groups orders them) times their
+// router weights, the experts of a row added in ascending order (as the reference's loop over experts adds them),
+// the rows split over the threads.
+inline void add_expert_outputs(const ExpertGroups& groups, const float* ys, int64_t rows, int64_t hidden,
+                               float* out) {
+  const int64_t total = static_cast<int64_t>(groups.rows.size());
+  std::vector<int64_t> starts(rows + 1, 0), entries(total);  // each row's entries, in expert order
+  for (int64_t i = 0; i < total; ++i) ++starts[groups.rows[i] + 1];
+  std::partial_sum(starts.begin(), starts.end(), starts.begin());
+  std::vector<int64_t> next(starts.begin(), starts.end() - 1);
+  for (int64_t i = 0; i < total; ++i) entries[next[groups.rows[i]]++] = i;
+  parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = out + r * hidden;
+      std::fill(row, row + hidden, 0.f);
+      for (int64_t at = starts[r]; at < starts[r + 1]; ++at) {
+        const float* y = ys + entries[at] * hidden;
+        const float w = groups.weights[entries[at]];
+        for (int64_t c = 0; c < hidden; ++c) row[c] += y[c] * w;
+      }
+    }
+  });
+}
+
 // out [rows, hidden] = sum over each row's experts of weight * down(act(gate(x)) * up(x)), each expert's gate
 // and up one [2 width, hidden] projection (gate first) and its down [hidden, width]; `gelu`: GeGLU's activation,
 // else SwiGLU's. Experts add up in ascending order, as the reference's loop over experts does. dot_for(m): the
@@ -174,38 +225,44 @@ void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, co
   const int64_t experts = static_cast<int64_t>(groups.offsets.size()) - 1;
   const int64_t total = static_cast<int64_t>(groups.rows.size());
   thread_local std::vector<float> xs, gate_up_out, act, ys;  // reused by every layer of every step
-  xs.resize(total * hidden);
   gate_up_out.resize(total * 2 * width);
   act.resize(total * width);
   ys.resize(total * hidden);
-  for (int64_t i = 0; i < total; ++i) {
-    std::memcpy(xs.data() + i * hidden, x + groups.rows[i] * hidden, sizeof(float) * hidden);
-  }
-  // x_e [rows of e, k] -> y_e [rows of e, n] through each expert's weight w[e]: in one pass where they share a
-  // quantized form, else expert by expert.
   const int64_t per_expert = (total + groups.distinct - 1) / std::max<int64_t>(groups.distinct, 1);
-  const auto project = [&](const ExpertMatrix* w, const float* in, int64_t k, float* y, int64_t n) {
-    if (one_quant_form(w, experts)) return grouped_quant_rows(in, groups, w, y, dot_for(per_expert));
+  // x_e [rows of e, k] -> y_e [rows of e, n] through each expert's weight w[e], the rows grouped already
+  // (grouped_in: in by entry): in one pass where they share a quantized form, else expert by expert.
+  const auto project = [&](const ExpertMatrix* w, const float* grouped_in, int64_t k, float* y, int64_t n) {
+    if (one_quant_form(w, experts)) {
+      const QuantWeight& form = *w[0].quant;
+      return grouped_quant_rows(quantize_rows(grouped_in, total, k, form.group), groups, w, y, dot_for(per_expert));
+    }
     for (int64_t e = 0; e < experts; ++e) {
       if (const int64_t m = groups.count(e); m > 0) {
-        expert_linear<P>(w[e], in + groups.offsets[e] * k, m, y + groups.offsets[e] * n, dot_for(m));
+        expert_linear<P>(w[e], grouped_in + groups.offsets[e] * k, m, y + groups.offsets[e] * n, dot_for(m));
       }
     }
   };
-  project(gate_up, xs.data(), hidden, gate_up_out.data(), 2 * width);
+  if (one_quant_form(gate_up, experts)) {  // each token quantized once, then its codes gathered
+    const QuantizedRows xq = quantize_rows(x, rows, hidden, gate_up[0].quant->group);
+    grouped_quant_rows(gather_quantized_rows(xq, groups.rows), groups, gate_up, gate_up_out.data(),
+                       dot_for(per_expert));
+  } else {
+    xs.resize(total * hidden);
+    float* gathered = xs.data();  // this thread's buffer, which the workers' name would not reach
+    parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        std::memcpy(gathered + i * hidden, x + groups.rows[i] * hidden, sizeof(float) * hidden);
+      }
+    });
+    project(gate_up, xs.data(), hidden, gate_up_out.data(), 2 * width);
+  }
   if (gelu) {
     gelu_tanh_and_mul_rows<V>(gate_up_out.data(), total, width, act.data());
   } else {
     silu_and_mul_rows<V>(gate_up_out.data(), total, width, act.data());
   }
   project(down, act.data(), width, ys.data(), hidden);
-  std::fill(out, out + rows * hidden, 0.f);
-  for (int64_t i = 0; i < total; ++i) {  // in expert order: each row's experts add up in ascending order
-    float* row = out + groups.rows[i] * hidden;
-    const float* y = ys.data() + i * hidden;
-    const float w = groups.weights[i];
-    for (int64_t c = 0; c < hidden; ++c) row[c] += y[c] * w;
-  }
+  add_expert_outputs(groups, ys.data(), rows, hidden, out);
 }
 
 }  // namespace conveyor
