@@ -13,6 +13,7 @@ median ratios.
 
     .venv/bin/python bench/server_overhead.py --rounds 9
     .venv/bin/python bench/server_overhead.py --model FILE.gguf -- --num-threads 2
+    .venv/bin/python bench/server_overhead.py --model FILE.gguf --tokens 64 --at-once 16
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -57,12 +59,28 @@ def through_server(client: httpx.Client, base: str, prompt: list[int], tokens: i
     return tokens / (answer["timings"]["predicted_ms"] / 1000), (tokens + 1) / latency
 
 
+def at_once_both_ways(engine: Engine, client: httpx.Client, base: str, prompt: list[int], tokens: int,
+                      count: int) -> tuple[float, float]:
+    """Output tokens/s of ``count`` copies of one request sent together, whole (prompts, decodes and, through
+    the server, HTTP), in this process and then through the server (each copy a client thread of its own)."""
+    start = time.perf_counter()
+    run_all_at_once(engine, [SyntheticRequest(prompt, tokens)] * count)
+    ours = count * tokens / (time.perf_counter() - start)
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(count) as pool:
+        list(pool.map(lambda _: client.post(f"{base}/v1/completions", json=body).raise_for_status(), range(count)))
+    return ours, count * tokens / (time.perf_counter() - start)
+
+
 def main() -> int:
     parser = server_script_parser(__doc__)
     parser.add_argument("--model", default=None, help="a GGUF file or HF folder (default: the default model)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--prompt-len", type=int, default=41)
     parser.add_argument("--tokens", type=int, default=128, help="decode steps timed per round and side")
+    parser.add_argument("--at-once", type=int, default=0,
+                        help="also time this many copies of the request sent together, whole, both ways")
     args = parser.parse_args()
     flags = [*(["--model", args.model] if args.model else []), *args.engine_flags]
     engine = Engine(EngineConfig(model=args.model))
@@ -78,14 +96,26 @@ def main() -> int:
             rows.append({"in_process_tok_s": ours, "server_tok_s": served, "ratio": served / ours,
                          "whole_in_process_tok_s": whole, "whole_server_tok_s": served_whole,
                          "whole_ratio": served_whole / whole})
-            print(f"round {round_ + 1}: decode in process {ours:.1f} tok/s, server {served:.1f} "
-                  f"({served / ours:.3f}); whole request {whole:.1f}, server {served_whole:.1f} "
-                  f"({served_whole / whole:.3f})", flush=True)
+            line = (f"round {round_ + 1}: decode in process {ours:.1f} tok/s, server {served:.1f} "
+                    f"({served / ours:.3f}); whole request {whole:.1f}, server {served_whole:.1f} "
+                    f"({served_whole / whole:.3f})")
+            if args.at_once:
+                together, served_together = at_once_both_ways(engine, client, base, prompt, args.tokens,
+                                                              args.at_once)
+                rows[-1].update(at_once_in_process_tok_s=together, at_once_server_tok_s=served_together,
+                                at_once_ratio=served_together / together)
+                line += f"; {args.at_once} at once {together:.1f}, server {served_together:.1f} " \
+                        f"({served_together / together:.3f})"
+            print(line, flush=True)
     median = statistics.median(r["ratio"] for r in rows)
     whole_median = statistics.median(r["whole_ratio"] for r in rows)
-    print(f"median server / in process: decode {median:.3f}, whole request {whole_median:.3f}")
-    save_results(args.json, {"rounds": rows, "median_ratio": median, "whole_median_ratio": whole_median,
-                             "flags": flags})
+    summary = f"median server / in process: decode {median:.3f}, whole request {whole_median:.3f}"
+    results = {"rounds": rows, "median_ratio": median, "whole_median_ratio": whole_median, "flags": flags}
+    if args.at_once:
+        results["at_once_median_ratio"] = statistics.median(r["at_once_ratio"] for r in rows)
+        summary += f", {args.at_once} at once {results['at_once_median_ratio']:.3f}"
+    print(summary)
+    save_results(args.json, results)
     return 0
 
 
