@@ -10,6 +10,7 @@ they differ only by float32 rounding, which is what the tolerance here bounds.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ from conveyor.model.quant.formats import (
     quantize_activations,
     reference_linear,
 )
-from conveyor.model.quant.linear import native_weight
+from conveyor.model.quant.linear import WeightArena, native_weight
 from tests.model.test_quant_formats import random_raw
 
 RTOL = 2e-6  # of the largest output: float32 rounding of a few hundred per-group terms
@@ -122,6 +123,28 @@ def test_a_bias_and_a_wrong_shape(kernels) -> None:
         kernels.quantized_linear(torch.zeros(2, 32), weight)
     with pytest.raises(RuntimeError, match="no quantized dot product 'sse9'"):
         kernels.quantized_linear(torch.zeros(2, 64), weight, "sse9")
+
+
+def test_weights_packed_into_an_arena_compute_what_their_own_allocations_do(kernels) -> None:
+    """Weights carved one after another out of the same chunk (and one too large for a chunk, given its own) give
+    the same outputs, bit for bit, as the same weights in ordinary allocations; each starts 64-byte aligned and
+    none overlaps another."""
+    arena = WeightArena(kernels, chunk_bytes=64 << 10)
+    x = np.random.default_rng(3).standard_normal((5, 512)).astype(np.float32)
+    weights = [random_matrix(name, n, 512, seed) for seed, (name, n) in
+               enumerate([("Q4_K", 40), ("Q8_0", 33), ("Q6_K", 300), ("Q4_1", 16)])]  # Q6_K: 300 rows > a chunk
+    for matrix in weights:
+        alone = kernels.quantized_linear(torch.from_numpy(x), native_weight(kernels, matrix)).numpy()
+        packed = kernels.quantized_linear(torch.from_numpy(x), native_weight(kernels, matrix, arena)).numpy()
+        assert np.array_equal(alone, packed), matrix.source
+    spans = []
+    for shape, dtype in [((3, 7), torch.uint8), ((5,), torch.float16), ((0,), torch.float32), ((2, 9), torch.float32)]:
+        tensor = arena.empty(shape, dtype)
+        assert tensor.shape == shape and tensor.dtype == dtype and tensor.data_ptr() % 64 == 0
+        tensor.fill_(1)
+        spans.append((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in itertools.pairwise(spans))
 
 
 # ----- The default model from its own GGUF file -----

@@ -136,11 +136,13 @@ Packed = tuple[object, str] | np.ndarray
 
 def _packed_gguf(source: Path, config: ModelConfig, kernels: ModuleType) -> dict[str, Packed]:
     """A GGUF file's weights under our names, each quantized one packed as soon as it is read."""
-    from conveyor.model.quant.linear import native_weight
+    from conveyor.model.quant.linear import WeightArena, native_weight
     from conveyor.model.weights.gguf_weights import Weight, read_gguf_weights
 
+    arena = WeightArena(kernels)
+
     def packed(weight: Weight) -> Packed:
-        return weight if isinstance(weight, np.ndarray) else (native_weight(kernels, weight), weight.source)
+        return weight if isinstance(weight, np.ndarray) else (native_weight(kernels, weight, arena), weight.source)
 
     return read_gguf_weights(source, config, packed)
 
@@ -150,9 +152,10 @@ def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernel
     and LM head by int8 (a 4-bit vocabulary table costs the most accuracy for the least memory, the choice
     llama.cpp's Q4 files and OpenVINO's int4 export make too); norms and biases float32."""
     from conveyor.model.quant.formats import quantize_matrix
-    from conveyor.model.quant.linear import native_weight
+    from conveyor.model.quant.linear import WeightArena, native_weight
     from conveyor.model.weights.gguf_weights import ExpertWeights
 
+    arena = WeightArena(kernels)
     state = _our_state_dict(_read_safetensors(folder), config)
     if config.tie_word_embeddings:
         del state["lm_head.weight"]  # the embedding's own tensor: _quantized_model ties them again
@@ -162,10 +165,10 @@ def _quantized_checkpoint(folder: Path, config: ModelConfig, scheme: str, kernel
         if name.endswith("_proj.weight") or name in ("embed_tokens.weight", "lm_head.weight"):
             kind = scheme if name.endswith("_proj.weight") else "int8"
             if values.ndim == 3:  # a mixture's experts: each quantized on its own
-                weights[name] = ExpertWeights(tuple((native_weight(kernels, quantize_matrix(m, kind)), kind)
+                weights[name] = ExpertWeights(tuple((native_weight(kernels, quantize_matrix(m, kind), arena), kind)
                                                     for m in values))
             else:
-                weights[name] = (native_weight(kernels, quantize_matrix(values, kind)), kind)
+                weights[name] = (native_weight(kernels, quantize_matrix(values, kind), arena), kind)
         else:
             weights[name] = values
     return weights
