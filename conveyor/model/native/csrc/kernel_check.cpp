@@ -18,9 +18,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "attention.h"
 #include "quant_gemm.h"
@@ -31,6 +34,34 @@ namespace {
 using conveyor::QuantDot;
 using conveyor::QuantLayout;
 using conveyor::QuantWeight;
+
+// An allocator whose blocks of 2 MiB and more lie on transparent huge pages where Linux grants them, as the
+// engine's weights do (conveyor/model/quant/linear.py, WeightArena): one thread streamed a one-row Q4_K weight
+// from 4 KiB pages at 16-17 GB/s against 26-27 from huge pages, so without it the bench would time the pages.
+template <typename T>
+struct HugePageAllocator {
+  using value_type = T;
+  static constexpr size_t kHugePage = size_t{1} << 21;
+  HugePageAllocator() = default;
+  template <typename U>
+  HugePageAllocator(const HugePageAllocator<U>&) {}
+  T* allocate(size_t count) {
+    const size_t bytes = count * sizeof(T);
+    if (bytes < kHugePage) return static_cast<T*>(::operator new(bytes));
+    void* data = std::aligned_alloc(kHugePage, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+    if (data == nullptr) throw std::bad_alloc();
+    madvise(data, bytes, MADV_HUGEPAGE);  // advice: an error leaves ordinary pages
+    return static_cast<T*>(data);
+  }
+  void deallocate(T* data, size_t count) {
+    if (count * sizeof(T) < kHugePage) return ::operator delete(data);
+    std::free(data);
+  }
+  template <typename U>
+  bool operator==(const HugePageAllocator<U>&) const { return true; }
+};
+
+using WeightBytes = std::vector<uint8_t, HugePageAllocator<uint8_t>>;  // a random weight's storage
 
 // float -> IEEE half, for normal values (all the scales made here are).
 uint16_t to_half(float value) {
@@ -65,7 +96,7 @@ const std::vector<Layout>& layouts() {
 }
 
 // Random memory in `layout` for [n, k], and the weight over it (the memory lives in `bytes`).
-QuantWeight random_weight(const Layout& layout, int64_t n, int64_t k, std::mt19937& rng, std::vector<uint8_t>& bytes) {
+QuantWeight random_weight(const Layout& layout, int64_t n, int64_t k, std::mt19937& rng, WeightBytes& bytes) {
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.002f, 0.02f);
   const int64_t tiles = (n + conveyor::kQuantTile - 1) / conveyor::kQuantTile;
@@ -134,7 +165,7 @@ void expect(bool ok, const std::string& what) {
 
 void test_layout(const Layout& layout, QuantDot dot, std::mt19937& rng) {
   const int64_t n = 40, k = 512;  // a ragged last tile; two super-blocks
-  std::vector<uint8_t> bytes;
+  WeightBytes bytes;
   const QuantWeight w = random_weight(layout, n, k, rng, bytes);
   const std::string label = layout.name + " on " + conveyor::quant_dot_name(dot);
   for (int64_t m : {1, 3, 16, 17, 64, 100}) {
@@ -293,7 +324,7 @@ int run_bench(int64_t n, int64_t k, const std::string& layouts_named, const std:
               static_cast<long long>(conveyor::num_threads()));
   for (const Layout& layout : layouts()) {
     if (!named(layouts_named, layout.name)) continue;
-    std::vector<uint8_t> bytes;
+    WeightBytes bytes;
     const QuantWeight w = random_weight(layout, n, k, rng, bytes);
     for (const std::string& name : conveyor::quant_dots()) {
       if (!named(kinds_named, name)) continue;
