@@ -61,7 +61,7 @@ def native_weight(kernels: ModuleType, matrix: QuantizedMatrix | RawBlocks | Joi
     peaks at one part decoded plus the packed copy, not at several."""
     if isinstance(matrix, JoinedRows):
         return kernels.QuantizedWeight.join([native_weight(kernels, part, arena) for part in matrix.parts])
-    empty = torch.empty if arena is None else (lambda shape, dtype: arena.empty(shape, dtype))
+    empty = torch.empty if arena is None else arena.empty
     if isinstance(matrix, RawBlocks):
         return _native_k_quant(kernels, matrix, empty)
     tiles, groups = -(-matrix.n // TILE), matrix.k // matrix.group

@@ -23,9 +23,8 @@
 #include <string>
 #include <vector>
 
-#include <sys/mman.h>
-
 #include "attention.h"
+#include "huge_pages.h"
 #include "quant_gemm.h"
 #include "rows.h"
 
@@ -35,28 +34,21 @@ using conveyor::QuantDot;
 using conveyor::QuantLayout;
 using conveyor::QuantWeight;
 
-// An allocator whose blocks of 2 MiB and more lie on transparent huge pages where Linux grants them, as the
-// engine's weights do (conveyor/model/quant/linear.py, WeightArena): one thread streamed a one-row Q4_K weight
-// from 4 KiB pages at 16-17 GB/s against 26-27 from huge pages, so without it the bench would time the pages.
+// An allocator of memory on huge pages (huge_pages.h), as the engine's weights lie on (conveyor/model/quant/
+// linear.py, WeightArena): one thread streamed a one-row Q4_K weight from 4 KiB pages at 16-17 GB/s against
+// 26-27 from huge pages, so without it the bench would time the pages.
 template <typename T>
 struct HugePageAllocator {
   using value_type = T;
-  static constexpr size_t kHugePage = size_t{1} << 21;
   HugePageAllocator() = default;
   template <typename U>
   HugePageAllocator(const HugePageAllocator<U>&) {}
   T* allocate(size_t count) {
-    const size_t bytes = count * sizeof(T);
-    if (bytes < kHugePage) return static_cast<T*>(::operator new(bytes));
-    void* data = std::aligned_alloc(kHugePage, (bytes + kHugePage - 1) / kHugePage * kHugePage);
+    void* data = conveyor::huge_page_alloc(count * sizeof(T));
     if (data == nullptr) throw std::bad_alloc();
-    madvise(data, bytes, MADV_HUGEPAGE);  // advice: an error leaves ordinary pages
     return static_cast<T*>(data);
   }
-  void deallocate(T* data, size_t count) {
-    if (count * sizeof(T) < kHugePage) return ::operator delete(data);
-    std::free(data);
-  }
+  void deallocate(T* data, size_t count) { conveyor::huge_page_free(data, count * sizeof(T)); }
   template <typename U>
   bool operator==(const HugePageAllocator<U>&) const { return true; }
 };

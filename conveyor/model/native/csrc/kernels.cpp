@@ -25,8 +25,6 @@
 
 #include <torch/extension.h>
 
-#include <sys/mman.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -36,6 +34,7 @@
 #include "attention.h"
 #include "experts.h"
 #include "gemm.h"
+#include "huge_pages.h"
 #include "native_decoder.h"
 #include "quant_gemm.h"
 #include "rows.h"
@@ -46,33 +45,17 @@ namespace conveyor {
 
 // ----- Tensor-level entry points (also what the tests compare with PyTorch) -----
 
-// A contiguous tensor of zeros in memory that Linux may back with 2 MiB pages (transparent huge pages, asked
-// for with madvise: most distributions enable them only on request). A decode step streams every weight once;
-// on 4 KiB pages the stream crosses a page every 4 KiB, each a TLB miss and a restart for the hardware
-// prefetcher. Measured over all the default model's weights, both kinds in one process and in turn, at 1 and 8
-// rows: 6-16% faster. Where the kernel declines, the memory is ordinary pages; nothing else changes. The pages
-// are fresh anonymous ones, zero until written and resident only where written (the KV pool is written through
-// once when it is made: Decoder.zeroed_kv_cache says why).
+// A contiguous tensor of zeros on huge pages where Linux grants them (huge_pages.h). Measured over all the default
+// model's weights, both kinds in one process and in turn, at 1 and 8 rows: 6-16% faster than 4 KiB pages. The KV
+// pool is written through once when it is made: Decoder.zeroed_kv_cache says why.
 torch::Tensor empty_on_huge_pages(at::IntArrayRef sizes, torch::ScalarType dtype) {
-  constexpr size_t kHugePage = size_t{1} << 21;
   int64_t numel = 1;
   for (const int64_t size : sizes) numel *= size;
-  const size_t bytes = std::max<size_t>((static_cast<size_t>(numel) * c10::elementSize(dtype) + 4095) / 4096 * 4096,
-                                        4096);
-  // Mapped with a huge page to spare, then trimmed to start on a 2 MiB boundary: a huge page must lie wholly
-  // inside the advised range, aligned.
-  const size_t mapped = bytes + kHugePage;
-  void* base = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(base != MAP_FAILED, "out of memory for a buffer of ", bytes, " bytes");
-  auto* start = static_cast<char*>(base);
-  auto* data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(start) + kHugePage - 1) & ~(kHugePage - 1));
-  if (data > start) munmap(start, static_cast<size_t>(data - start));
-  const size_t tail = static_cast<size_t>(start + mapped - (data + bytes));
-  if (tail > 0) munmap(data + bytes, tail);
-#if defined(MADV_HUGEPAGE)
-  madvise(data, bytes, MADV_HUGEPAGE);  // advice: an error leaves ordinary pages
-#endif
-  return torch::from_blob(data, sizes, [bytes](void* p) { munmap(p, bytes); }, torch::TensorOptions().dtype(dtype));
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
+  void* data = huge_page_alloc(bytes);
+  TORCH_CHECK(data != nullptr, "out of memory for a buffer of ", huge_page_span(bytes), " bytes");
+  return torch::from_blob(data, sizes, [bytes](void* p) { huge_page_free(p, bytes); },
+                          torch::TensorOptions().dtype(dtype));
 }
 
 // The shape pack_linear_weight gives a weight [n, k] on the path of `width` bits (bf16 if asked).
