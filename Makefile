@@ -96,7 +96,7 @@ bench-roofline: install
 KERNEL_CHECK := build/kernel_check
 kernel-check:
 	mkdir -p build
-	$${CXX:-c++} -std=c++17 -O3 -march=native -fopenmp conveyor/model/native/csrc/kernel_check.cpp -o $(KERNEL_CHECK)
+	$${CXX:-c++} -std=c++17 -O3 -march=native -fopenmp -falign-loops=64 conveyor/model/native/csrc/kernel_check.cpp -o $(KERNEL_CHECK)
 	$(KERNEL_CHECK) test
 	$(KERNEL_CHECK) bench
 

@@ -3,10 +3,9 @@ levels), kept at the file's size in the uniform tiles, its codes looked up in re
 256-weight super-blocks with 6-bit sub-block scales), Q3_K and Q2_K, kept in their super-blocks.
 
 What the shared tests hold of every format (tests/model/test_quant_formats.py: the decode bit for bit against
-gguf's; tests/model/test_quantized.py: every dot-product kind against the reference at a few shapes) holds of these
-too; here, and tests/model/test_k_quants.py of the super-block formats (their layout equal to the uniform form's to
-the bit on every kind), holds of these too; here, what is theirs: the levels' table, 1 to 600 rows on every kind,
-and a tiny file of each type served natively.
+gguf's; tests/model/test_quantized.py: every dot-product kind against the reference at a few shapes;
+tests/model/test_k_quants.py, of the super-block formats: every kind to the same bits) holds of these too; here,
+what is theirs: the levels' table, 1 to 600 rows on every kind, and a tiny file of each type served natively.
 The ``kernels`` fixture is conftest's (the native kernels must build on the test machine).
 """
 
@@ -80,7 +79,7 @@ def test_row_counts_from_1_to_600_on_every_kind(kernels, type_name: str) -> None
     weight = native_weight(kernels, matrix)
     x_all = np.random.default_rng(2).standard_normal((600, 512)).astype(np.float32) * 3
     for rows in [*range(1, 10), 17, 63, 64, 65, 129, 600]:
-        want = reference_linear(x_all[:rows], uniform(matrix))
+        want = reference_linear(x_all[:rows], uniform(matrix), 256 if type_name in K_TYPES else None)
         for dot in kernels.quant_dots():
             got = run(kernels, x_all[:rows], weight, dot)
             assert np.abs(got - want).max() <= RTOL * np.abs(want).max(), (rows, dot)

@@ -97,13 +97,16 @@ def test_a_few_rows_cover_every_tile_once_whatever_the_thread_count(kernels, thr
 
 
 def test_activations_are_quantized_as_the_reference_does(kernels) -> None:
+    """Per group (the uniform layouts) and per super-block of 256 inputs (the K layouts), sums per group."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((5, 96)).astype(np.float32) * rng.uniform(0.01, 100, (5, 1)).astype(np.float32)
+    x = rng.standard_normal((5, 512)).astype(np.float32) * rng.uniform(0.01, 100, (5, 1)).astype(np.float32)
     x[1, 32:64] = 0.0  # a zero group: step 0, codes 0
+    x[3, 256:] = 0.0  # a zero super-block
     x[2, 5] = 127.5 * x[2, :32].max() / 127  # a tie at the rounding boundary is possible; it rounds to even
-    for group in (16, 32):
-        q, d, sums = kernels.quantize_activations(torch.from_numpy(x), group)
-        want_q, want_d, want_sums = quantize_activations(x, group)
+    for group, span in [(16, 16), (32, 32), (16, 256), (32, 256)]:
+        q, d, sums = kernels.quantize_activations(torch.from_numpy(x), group, span)
+        want_q, want_d, want_sums = quantize_activations(x, group, span)
+        assert d.shape == (5, 512 // span) and sums.shape == (5, 512 // group)
         assert np.array_equal(q.numpy(), want_q) and np.array_equal(d.numpy(), want_d)
         assert np.array_equal(sums.numpy(), want_sums)
 

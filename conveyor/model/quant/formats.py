@@ -470,24 +470,28 @@ def unpack_tiles(p: PackedTiles, *, keep_padding: bool = False) -> tuple[np.ndar
 # The quantized kernels' arithmetic, in numpy: the reference the native kernels are held to
 
 
-def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize_activations(x: np.ndarray, group: int,
+                         span: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows of float32 activations as the quantized kernels take them (native/csrc/quant_gemm.h): int8 codes
-    [m, k], each group's step d = max|x| / 127 [m, k / group] and code sum [m, k / group]. The codes are
+    [m, k], each span's step d = max|x| / 127 [m, k / span] and each group's code sum [m, k / group]. The span is
+    the group (the uniform layouts) unless given (the super-block layouts: 256). The codes are
     round(x * (127 / max|x|)) to nearest even, all in float32, as the kernels compute them; bit for bit the same."""
     m, k = x.shape
-    grouped = np.asarray(x, dtype=np.float32).reshape(m, k // group, group)
-    amax = np.abs(grouped).max(axis=-1)
+    span = span or group
+    spans = np.asarray(x, dtype=np.float32).reshape(m, k // span, span)
+    amax = np.abs(spans).max(axis=-1)
     step = (amax / np.float32(127)).astype(np.float32)
     with np.errstate(divide="ignore"):
         inverse = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
-    codes = np.rint(grouped * inverse[..., None]).astype(np.int32)
-    return codes.reshape(m, k).astype(np.int8), step, codes.sum(axis=-1).astype(np.int32)
+    codes = np.rint(spans * inverse[..., None]).astype(np.int32).reshape(m, k)
+    return codes.astype(np.int8), step, codes.reshape(m, k // group, group).sum(axis=-1).astype(np.int32)
 
 
-def reference_linear(x: np.ndarray, m: QuantizedMatrix) -> np.ndarray:
-    """y = x . W^T as the quantized kernels define it (activations quantized per group, integer sums, one scale per
-    group), in float64: the kernels differ from it only by float32 rounding of the per-group terms."""
-    codes, step, sums = quantize_activations(x, m.group)
+def reference_linear(x: np.ndarray, m: QuantizedMatrix, span: int | None = None) -> np.ndarray:
+    """y = x . W^T as the quantized kernels define it (activations quantized per span, integer sums per group, one
+    scale per group), in float64: the kernels differ from it only by float32 rounding. ``span``: as
+    quantize_activations takes it (256 for a super-block format's decoded form)."""
+    codes, step, sums = quantize_activations(x, m.group, span)
     rows, groups = x.shape[0], m.k // m.group
     products = np.einsum("rgj,ngj->rng", codes.reshape(rows, groups, m.group).astype(np.int64),
                          m.values().reshape(m.n, groups, m.group).astype(np.int64))
@@ -496,7 +500,8 @@ def reference_linear(x: np.ndarray, m: QuantizedMatrix) -> np.ndarray:
         terms = (products - m.zero_point * sums[:, None, :]) * scales
     else:
         terms = products * scales + m.mins.astype(np.float64)[None] * sums[:, None, :]
-    return (terms * step.astype(np.float64)[:, None, :]).sum(axis=-1)
+    steps = np.repeat(step.astype(np.float64), groups // step.shape[1], axis=1)  # each group's span's step
+    return (terms * steps[:, None, :]).sum(axis=-1)
 
 
 # ---------------------------------------------------------------------------------------------------------

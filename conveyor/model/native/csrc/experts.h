@@ -149,9 +149,9 @@ inline QuantizedRows gather_quantized_rows(const QuantizedRows& xq, const std::v
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, d_sums;
   thread_local std::vector<int32_t> sums;
-  const int64_t total = static_cast<int64_t>(rows.size()), k = xq.k, groups = xq.groups;
+  const int64_t total = static_cast<int64_t>(rows.size()), k = xq.k, groups = xq.groups, spans = xq.spans;
   q.resize(total * k);
-  d.resize(total * groups);
+  d.resize(total * spans);
   d_sums.resize(total * groups);
   sums.resize(total * groups);
   // The buffers' own pointers: in the workers' threads the names are other (empty) buffers.
@@ -162,12 +162,12 @@ inline QuantizedRows gather_quantized_rows(const QuantizedRows& xq, const std::v
     for (int64_t i = begin; i < end; ++i) {
       const int64_t from = rows[i];
       std::memcpy(qp + i * k, xq.q + from * k, k);
-      std::memcpy(dp + i * groups, xq.d + from * groups, sizeof(float) * groups);
+      std::memcpy(dp + i * spans, xq.d + from * spans, sizeof(float) * spans);
       std::memcpy(sp + i * groups, xq.sums + from * groups, sizeof(int32_t) * groups);
       std::memcpy(dsp + i * groups, xq.d_sums + from * groups, sizeof(float) * groups);
     }
   });
-  return {qp, dp, sp, dsp, k, groups};
+  return {qp, dp, sp, dsp, k, groups, spans};
 }
 
 // y [total, n] = x_e . W_e^T for each row's expert e, from its rows quantized already (xq: [total, k], grouped by
@@ -234,7 +234,7 @@ void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, co
   const auto project = [&](const ExpertMatrix* w, const float* grouped_in, int64_t k, float* y, int64_t n) {
     if (one_quant_form(w, experts)) {
       const QuantWeight& form = *w[0].quant;
-      return grouped_quant_rows(quantize_rows(grouped_in, total, k, form.group), groups, w, y, dot_for(per_expert));
+      return grouped_quant_rows(quantize_rows(grouped_in, total, k, form.group, form.activation_span()), groups, w, y, dot_for(per_expert));
     }
     for (int64_t e = 0; e < experts; ++e) {
       if (const int64_t m = groups.count(e); m > 0) {
@@ -243,7 +243,7 @@ void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, co
     }
   };
   if (one_quant_form(gate_up, experts)) {  // each token quantized once, then its codes gathered
-    const QuantizedRows xq = quantize_rows(x, rows, hidden, gate_up[0].quant->group);
+    const QuantizedRows xq = quantize_rows(x, rows, hidden, gate_up[0].quant->group, gate_up[0].quant->activation_span());
     grouped_quant_rows(gather_quantized_rows(xq, groups.rows), groups, gate_up, gate_up_out.data(),
                        dot_for(per_expert));
   } else {

@@ -1,7 +1,7 @@
 // The kernels' own test and microbenchmark, built with a C++ compiler alone (no Python, no torch), so that the
 // kernels can be checked and profiled (`perf record ./kernel_check bench`) as a plain library:
 //
-//   c++ -std=c++17 -O3 -march=native -fopenmp kernel_check.cpp -o kernel_check     (`make kernel-check`)
+//   c++ -std=c++17 -O3 -march=native -fopenmp -falign-loops=64 kernel_check.cpp -o kernel_check   (`make kernel-check`)
 //   ./kernel_check test      every quantized layout, every dot-product kind this CPU has, 1 to 100 rows:
 //                            against a double-precision reference, and each row bit-equal to its run alone;
 //                            attention over a paged cache likewise (decodes, drafts, windows; 1 and 2 threads)
@@ -122,10 +122,11 @@ std::vector<float> random_rows(int64_t m, int64_t k, std::mt19937& rng) {
   return x;
 }
 
-// What the kernels compute, in double: each row quantized to int8 per group as the kernels quantize it, times
+// What the kernels compute, in double: each row quantized to int8 per span as the kernels quantize it, times
 // the weight's rows as dequantize_rows gives them.
 std::vector<double> reference(const std::vector<float>& x, int64_t m, const QuantWeight& w, double* magnitude) {
-  const conveyor::QuantizedRows xq = conveyor::quantize_rows(x.data(), m, w.k, w.group);
+  const int64_t span = w.activation_span();
+  const conveyor::QuantizedRows xq = conveyor::quantize_rows(x.data(), m, w.k, w.group, span);
   std::vector<float> row(w.k);
   std::vector<double> y(m * w.n);
   *magnitude = 0;
@@ -135,7 +136,7 @@ std::vector<double> reference(const std::vector<float>& x, int64_t m, const Quan
     for (int64_t r = 0; r < m; ++r) {
       double sum = 0, size = 0;
       for (int64_t i = 0; i < w.k; ++i) {
-        const double term = double(xq.d[r * xq.groups + i / w.group]) * xq.q[r * w.k + i] * row[i];
+        const double term = double(xq.d[r * xq.spans + i / span]) * xq.q[r * w.k + i] * row[i];
         sum += term;
         size += std::fabs(term);
       }

@@ -263,19 +263,22 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const QuantWeight& weight
   return y;
 }
 
-// x [M, K] float32 as the quantized kernels see it: int8 codes [M, K], each group's step [M, K / group] and
-// code sum [M, K / group] (what the tests hold the Python reference to).
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t group) {
+// x [M, K] float32 as the quantized kernels see it: int8 codes [M, K], each span's step [M, K / span] and each
+// group's code sum [M, K / group] (what the tests hold the Python reference to); span 0: the group.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t group,
+                                                                             int64_t span) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(group > 0 && x.size(1) % group == 0, "x's ", x.size(1), " features are no whole number of groups");
+  if (span == 0) span = group;
+  TORCH_CHECK(group > 0 && span % group == 0 && x.size(1) % span == 0, "x's ", x.size(1),
+              " features are no whole number of spans of ", span, " in groups of ", group);
   auto xc = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), groups = k / group;
-  const QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), m, k, group);
+  const int64_t m = x.size(0), k = x.size(1), groups = k / group, spans = k / span;
+  const QuantizedRows rows = quantize_rows(xc.data_ptr<float>(), m, k, group, span);
   auto q = torch::empty({m, k}, torch::kInt8);
-  auto d = torch::empty({m, groups}, torch::kFloat32);
+  auto d = torch::empty({m, spans}, torch::kFloat32);
   auto sums = torch::empty({m, groups}, torch::kInt32);
   std::copy(rows.q, rows.q + m * k, q.data_ptr<int8_t>());
-  std::copy(rows.d, rows.d + m * groups, d.data_ptr<float>());
+  std::copy(rows.d, rows.d + m * spans, d.data_ptr<float>());
   std::copy(rows.sums, rows.sums + m * groups, sums.data_ptr<int32_t>());
   return {q, d, sums};
 }
@@ -390,8 +393,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("bytes", &QuantWeight::bytes);
   m.def("quantized_linear", &quantized_linear, "x [M, K] through a quantized weight -> [M, N]", arg("x"),
         arg("weight"), arg("dot") = "", release_gil());
-  m.def("quantize_activations", &quantize_activations, "x as int8 codes per group, with steps and code sums",
-        arg("x"), arg("group"), release_gil());
+  m.def("quantize_activations", &quantize_activations, "x as int8 codes, a step per span and a code sum per group",
+        arg("x"), arg("group"), arg("span") = 0, release_gil());
   m.def("quantized_rows", &quantized_rows, "rows of a quantized weight as float32", arg("weight"), arg("ids"),
         release_gil());
   m.def("route_experts", &route_experts, "each row's top-k experts and weights from router logits", arg("logits"),

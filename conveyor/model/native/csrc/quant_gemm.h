@@ -116,6 +116,8 @@ struct QuantWeight {
 
   int64_t tiles() const { return (n + kQuantTile - 1) / kQuantTile; }
   int64_t groups() const { return k / group; }
+  // The inputs one activation step covers: a group of the uniform layouts, a super-block of the others.
+  int64_t activation_span() const { return layout == QuantLayout::kTiles ? group : kSuperBlock; }
   int64_t group_bytes() const { return kQuantTile * group * storage_bits / 8; }
   bool f16() const { return scales_f16; }
   bool has_mins() const { return mins_data != nullptr; }
@@ -225,59 +227,69 @@ inline QuantWeight join_quant_weights(const std::vector<QuantWeight>& parts) {
   return w;
 }
 
-// ----- Activations quantized to int8 per group (QuantizedRows, quant_tiles.h) -----
+// ----- Activations quantized to int8 per span (QuantizedRows, quant_tiles.h) -----
 
-// Row by row: d = max|x| / 127 over each group, q = round(x * (127 / max|x|)) to nearest even (a zero group: all
-// zero). In float32 throughout, so that the Python reference (quant_formats.quantize_activations) rounds alike:
-// the product is rounded to float first, then to an integer (never fused into one rounding).
-inline void quantize_group(const float* x, int64_t group, int8_t* q, float* d, int32_t* sum) {
+// One span of a row: d = max|x| / 127 over the span, q = round(x * (127 / max|x|)) to nearest even (a zero span:
+// all zero), and each group's code sum. In float32 throughout, so that the Python reference
+// (quant_formats.quantize_activations) rounds alike: the product is rounded to float first, then to an integer
+// (never fused into one rounding).
+inline void quantize_span(const float* x, int64_t span, int64_t group, int8_t* q, float* d, int32_t* sums) {
 #if defined(CONVEYOR_AVX2)
   // A step runs over a hundred of these per row; scalar nearbyint cost a tenth of a batch-1 step.
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 top = _mm256_setzero_ps();
-  for (int64_t i = 0; i < group; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  for (int64_t i = 0; i < span; i += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, top);
   float amax = 0.f;
   for (const float lane : lanes) amax = std::max(amax, lane);
   *d = amax / 127.f;
   const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-  __m256i total = _mm256_setzero_si256();
-  for (int64_t i = 0; i < group; i += 8) {
-    const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), id));  // MXCSR: nearest even
-    total = _mm256_add_epi32(total, v);
-    const __m128i packed16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    const __m128i packed8 = _mm_packs_epi16(packed16, packed16);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), packed8);
+  for (int64_t g = 0; g < span; g += group) {
+    __m256i total = _mm256_setzero_si256();
+    for (int64_t i = g; i < g + group; i += 8) {
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), id));  // MXCSR: nearest even
+      total = _mm256_add_epi32(total, v);
+      const __m128i packed16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      const __m128i packed8 = _mm_packs_epi16(packed16, packed16);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + i), packed8);
+    }
+    alignas(32) int32_t lane_sums[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_sums), total);
+    int32_t sum = 0;
+    for (const int32_t lane : lane_sums) sum += lane;
+    sums[g / group] = sum;
   }
-  alignas(32) int32_t sums[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(sums), total);
-  *sum = sums[0] + sums[1] + sums[2] + sums[3] + sums[4] + sums[5] + sums[6] + sums[7];
 #else
   float amax = 0.f;
-  for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(x[i]));
+  for (int64_t i = 0; i < span; ++i) amax = std::max(amax, std::fabs(x[i]));
   *d = amax / 127.f;
   const float id = amax > 0.f ? 127.f / amax : 0.f;
-  int32_t total = 0;
-  for (int64_t i = 0; i < group; ++i) {
-    const float scaled = x[i] * id;
-    const int32_t v = static_cast<int32_t>(std::nearbyint(scaled));
-    q[i] = static_cast<int8_t>(v);
-    total += v;
+  for (int64_t g = 0; g < span; g += group) {
+    int32_t total = 0;
+    for (int64_t i = g; i < g + group; ++i) {
+      const float scaled = x[i] * id;
+      const int32_t v = static_cast<int32_t>(std::nearbyint(scaled));
+      q[i] = static_cast<int8_t>(v);
+      total += v;
+    }
+    sums[g / group] = total;
   }
-  *sum = total;
 #endif
 }
 
-// Into buffers of the calling thread's, reused by every GEMM it runs (a step runs over a hundred).
-inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group) {
+// Into buffers of the calling thread's, reused by every GEMM it runs (a step runs over a hundred). `span`: the
+// inputs one step covers, a multiple of `group` (the weight's activation_span()).
+inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, int64_t span) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
   thread_local std::vector<int32_t> sums;
   thread_local std::vector<float> d_sums;
-  const int64_t groups = k / group;
+  CONVEYOR_CHECK(span % group == 0 && k % span == 0, "activations of ", k, " inputs in spans of ", span,
+                 " and groups of ", group);
+  const int64_t groups = k / group, spans = k / span, per_span = span / group;
   if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
-  if (static_cast<int64_t>(d.size()) < m * groups) {
+  if (static_cast<int64_t>(sums.size()) < m * groups) {
     d.resize(m * groups);
     sums.resize(m * groups);
     d_sums.resize(m * groups);
@@ -288,14 +300,14 @@ inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t
   float* dsp = d_sums.data();
   parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t at = row * groups + g;
-        quantize_group(x + row * k + g * group, group, qp + row * k + g * group, dp + at, sp + at);
-        dsp[at] = dp[at] * static_cast<float>(sp[at]);
+      for (int64_t s = 0; s < spans; ++s) {
+        const int64_t at = row * groups + s * per_span;
+        quantize_span(x + row * k + s * span, span, group, qp + row * k + s * span, dp + row * spans + s, sp + at);
+        for (int64_t g = at; g < at + per_span; ++g) dsp[g] = dp[row * spans + s] * static_cast<float>(sp[g]);
       }
     }
   });
-  return {qp, dp, sp, dsp, k, groups};
+  return {qp, dp, sp, dsp, k, groups, spans};
 }
 
 template <typename F>
@@ -392,7 +404,7 @@ inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, c
     }
     return;
   }
-  const QuantizedRows xq = quantize_rows(x, m, w.k, w.group);
+  const QuantizedRows xq = quantize_rows(x, m, w.k, w.group, w.activation_span());
   with_quant_tile_kernel(w, dot, [&](int max_rows, auto run) {
     for_each_tile_pass(m, w.tiles(), max_rows, [&](int64_t tile, int64_t row, int rows) {
       const int64_t col = tile * kQuantTile;
