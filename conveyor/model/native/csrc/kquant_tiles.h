@@ -201,21 +201,25 @@ void k_tile_portable(const QuantizedRows& x, int64_t row, const KTileView& t, fl
   }
 }
 
-// Asks for the bytes kSuperBlockAhead further on, group g's share of the block at a time (the whole block's
-// lines asked for at once left the stream as slow as not asking), into L2 (prefetcht1) as attention's
-// prefetch_slice does. A thread's tiles lie one after another, so "further on" runs into its next tiles. At one
-// row the kernel computes about as fast as memory delivers, and nearer requests did not overlap the two: on a
-// 2-core Zen 4, six alternating runs of `kernel_check bench 57344 4096 Q4_K,Q6_K vnni512` streamed Q4_K at
-// 35-55 GB/s and Q6_K at 35-54 against 31-33 and 30-33 at 4 KiB (the spread is the machine's memory speed,
-// which moves from one quarter hour to the next). 32 KiB was no better; 16 KiB into L1 was slower.
-constexpr int64_t kSuperBlockAhead = 16384;
+// Asks for bytes further on, group g's share of a block at a time (the whole block's lines asked for at once left
+// the stream as slow as not asking). A thread's tiles lie one after another, so "further on" runs into its next
+// tiles. At 1 or 2 rows (Stream) the kernel waits on memory: the block kBlocksAhead on, into L1 (prefetcht0).
+// Timed on weights streamed from memory (kernel_check with four distinct weights taking turns, as a decode step's
+// layers do: one weight timed again and again is partly served from the host's caches), 2 threads, a 2-core
+// Zen 4: 2 blocks into L1 streamed Q4_K at 44.5-51.2 GB/s and Q6_K at 50.0-52.1, against 29-48 and 33-49 for
+// 16 KiB into L2; no prefetch left Q6_K at 20-21 (its planes are two streams the hardware's prefetcher does not
+// follow). With more rows the kernel computes longer per byte, and there the near requests into L1 cost the
+// 8B-shaped file's decode of 8 requests 7% (222 against 208 ms a step): those take 16 KiB ahead into L2.
+constexpr int64_t kBlocksAhead = 2;
+constexpr int64_t kBytesAhead = 16384;
 
-template <typename K>
+template <typename K, bool Stream>
 inline void k_prefetch_group_ahead(const uint8_t* block, int g) {
   constexpr int64_t share = K::kBlockBytes / K::kGroups;
+  constexpr int64_t ahead = Stream ? kBlocksAhead * K::kBlockBytes : kBytesAhead;
 #pragma GCC unroll 8
   for (int64_t line = 0; line < share + 63; line += 64) {
-    __builtin_prefetch(block + kSuperBlockAhead + g * share + line, 0, 2);
+    __builtin_prefetch(block + ahead + g * share + line, 0, Stream ? 3 : 2);
   }
 }
 
@@ -431,7 +435,7 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, fl
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      if constexpr (Half == 0) k_prefetch_group_ahead<K>(block, g);  // the second half finds the tile in L1
+      if constexpr (Half == 0) k_prefetch_group_ahead<K, (Rows <= 2)>(block, g);  // the second half finds the tile in L1
       __m256i dot[Rows];
       k_group_sums_256<K, Half, Rows, Vnni>(x, row, group, block, g, dot);
       const __m256i sc = k_group_scales_256<K, Half>(block, unpacked, g);
@@ -616,7 +620,7 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      k_prefetch_group_ahead<K>(block, g);
+      k_prefetch_group_ahead<K, (Rows <= 2)>(block, g);
       __m512i operand[K::kGroup / 4];
       k_operands_512<K>(block, g, operand);
       __m512i dots[kChains][Rows];
