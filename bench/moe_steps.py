@@ -18,6 +18,7 @@ import random
 import statistics
 
 from conveyor.benchmarks.calibrate import timed_step
+from conveyor.benchmarks.decode import add_random_requests
 from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
@@ -34,10 +35,8 @@ def timed_decodes(engine: Engine, cost: CostModel, batch: int, steps: int,
     """``batch`` requests' prompts computed, then ``steps`` decode steps of all of them: each step's wall
     seconds, its price by ``cost`` and its distinct experts per mixture-of-experts layer."""
     rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(vocab // 8, vocab) for _ in range(PROMPT_TOKENS)], params)
+    add_random_requests(engine, batch, PROMPT_TOKENS, params, rng)
     rows = []
     while engine.has_unfinished_requests():
         _, work, seconds = timed_step(engine)

@@ -13,6 +13,7 @@ import random
 import statistics
 import time
 
+from conveyor.benchmarks.decode import add_random_requests
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
@@ -23,10 +24,8 @@ PROMPT_TOKENS = 41  # the comparison's W1 prompts
 def phases(engine: Engine, batch: int, steps: int, rng: random.Random) -> tuple[float, float]:
     """``batch`` random prompts added at once and run to ``steps`` new tokens each: the first step's seconds (all
     the prompts) and the median of the decode steps'."""
-    vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request([rng.randrange(vocab // 8, vocab) for _ in range(PROMPT_TOKENS)], params)
+    add_random_requests(engine, batch, PROMPT_TOKENS, params, rng)
     times = []
     while engine.has_unfinished_requests():
         start = time.perf_counter()

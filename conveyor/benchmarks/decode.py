@@ -15,6 +15,19 @@ from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 
 
+def random_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]:
+    """``length`` token ids from the upper seven eighths of the vocabulary, clear of the special tokens that
+    tokenizers put first: a benchmark's prompt, whose content does not change a step's time."""
+    return [rng.randrange(vocab_size // 8, vocab_size) for _ in range(length)]
+
+
+def add_random_requests(engine: Engine, count: int, prompt_len: int, params: SamplingParams,
+                        rng: random.Random) -> None:
+    """``count`` requests of random prompts (random_prompt) added to ``engine`` at once."""
+    for _ in range(count):
+        engine.add_request(random_prompt(rng, engine.model_config.vocab_size, prompt_len), params)
+
+
 def measure_decode(engine: Engine, batch_size: int, prompt_len: int, steps: int, seed: int) -> float:
     """Output tokens/s over ``steps`` steps in which all ``batch_size`` requests decode."""
     runs = decode_slices(engine, batch_size, prompt_len, steps, seed, slices=1)
@@ -37,7 +50,7 @@ def decode_slices(
     params = SamplingParams(temperature=0.0, max_tokens=engine.max_model_len - prompt_len, ignore_eos=True)
     ids = [f"decode-{i}" for i in range(batch_size)]
     for request_id in ids:
-        engine.add_request([rng.randrange(vocab // 8, vocab) for _ in range(prompt_len)], params, request_id)
+        engine.add_request(random_prompt(rng, vocab, prompt_len), params, request_id)
     try:
         # Prefill (it may take several steps under the token budget), then a couple of warm-up decodes.
         produced = dict.fromkeys(ids, 0)  # output tokens per request, as the step outputs report them
