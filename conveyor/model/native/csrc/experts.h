@@ -234,7 +234,7 @@ void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, co
   const auto project = [&](const ExpertMatrix* w, const float* grouped_in, int64_t k, float* y, int64_t n) {
     if (one_quant_form(w, experts)) {
       const QuantWeight& form = *w[0].quant;
-      return grouped_quant_rows(quantize_rows(grouped_in, total, k, form.group, form.activation_span()), groups, w, y, dot_for(per_expert));
+      return grouped_quant_rows(quantize_rows(grouped_in, total, form), groups, w, y, dot_for(per_expert));
     }
     for (int64_t e = 0; e < experts; ++e) {
       if (const int64_t m = groups.count(e); m > 0) {
@@ -243,7 +243,7 @@ void expert_rows(const float* x, int64_t rows, int64_t hidden, int64_t width, co
     }
   };
   if (one_quant_form(gate_up, experts)) {  // each token quantized once, then its codes gathered
-    const QuantizedRows xq = quantize_rows(x, rows, hidden, gate_up[0].quant->group, gate_up[0].quant->activation_span());
+    const QuantizedRows xq = quantize_rows(x, rows, *gate_up[0].quant);
     grouped_quant_rows(gather_quantized_rows(xq, groups.rows), groups, gate_up, gate_up_out.data(),
                        dot_for(per_expert));
   } else {

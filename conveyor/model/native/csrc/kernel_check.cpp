@@ -130,7 +130,7 @@ std::vector<float> random_rows(int64_t m, int64_t k, std::mt19937& rng) {
 // the weight's rows as dequantize_rows gives them.
 std::vector<double> reference(const std::vector<float>& x, int64_t m, const QuantWeight& w, double* magnitude) {
   const int64_t span = w.activation_span();
-  const conveyor::QuantizedRows xq = conveyor::quantize_rows(x.data(), m, w.k, w.group, span);
+  const conveyor::QuantizedRows xq = conveyor::quantize_rows(x.data(), m, w);
   std::vector<float> row(w.k);
   std::vector<double> y(m * w.n);
   *magnitude = 0;

@@ -140,7 +140,7 @@ inline void k_scale_min(const uint8_t* block, int g, int c, float* scale, float*
   k_row_scales<K>(block, c, &d, &negative_dmin);
   k_sub_scale<K>(block, g, c, &sc, &m);
   *scale = d * static_cast<float>(sc);
-  *min = K::kMins ? -(-negative_dmin * static_cast<float>(m)) : 0.f;  // -0.0 where m is 0
+  *min = negative_dmin * static_cast<float>(m);  // -(dmin * m) to the bit: -0.0 where m is 0; 0 with no mins
 }
 
 // A super-block's integer sums of one row and output added to its output: acc + dx * (d * sums + -dmin * mins),
@@ -370,14 +370,20 @@ inline __m256i k_dot(__m256i acc, __m256i codes, __m256i x) {
   return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, x));
 }
 
-// One group's integer sums sum(code * xq) for Rows rows against one half of the tile (8 outputs, int32 lanes).
+// Whether k_group_sums_256's sums come centred already: IQ4_XS's levels less 128 without VNNI (as magnitudes and
+// signs), which the zero point then leaves alone.
+template <typename K, bool Vnni>
+inline constexpr bool kCentredSums = K::kLevels && !Vnni;
+
+// One group's integer sums sum(code * xq) for Rows rows against one half of the tile (8 outputs, int32 lanes),
+// less the zero point's share where kCentredSums.
 // Without VNNI vpmaddubsw's int16 pair sums are added up while they fit (a pair is at most 2 * 63 * 127 for Q6_K,
 // 2 * 31 * 127 for Q5_K) before one vpmaddwd widens them; IQ4_XS's levels go through it as quant_tiles.h's
 // group_sums_256 takes IQ4_NL's (signed, as magnitudes, the signs moved onto the activations).
 template <typename K, int Half, int Rows, bool Vnni>
 inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group, const uint8_t* block, int g,
                              __m256i* sum) {
-  constexpr bool kSigned = K::kLevels && !Vnni;  // the levels less 128, as magnitudes and signs
+  constexpr bool kSigned = kCentredSums<K, Vnni>;  // the levels less 128, as magnitudes and signs
   const __m256i ones = _mm256_set1_epi16(1);
   const auto xq = [&](int r, int input) {
     return _mm256_set1_epi32(load_i32(x.q + (row + r) * x.k + group * K::kGroup + input));
@@ -411,9 +417,6 @@ inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group,
       }
     }
     sum[r] = Vnni ? part : total;
-    if constexpr (kSigned) {  // back to the levels' sum, which the zero point then centres
-      sum[r] = _mm256_add_epi32(sum[r], _mm256_set1_epi32(kIq4Zero * x.sums[(row + r) * x.groups + group]));
-    }
   }
 }
 
@@ -441,7 +444,7 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, fl
       const __m256i sc = k_group_scales_256<K, Half>(block, unpacked, g);
 #pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
-        if constexpr (K::kZero != 0) {
+        if constexpr (K::kZero != 0 && !kCentredSums<K, Vnni>) {
           dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(K::kZero * x.sums[(row + r) * x.groups + group]));
         }
         sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(dot[r], sc));

@@ -310,6 +310,11 @@ inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t
   return {qp, dp, sp, dsp, k, groups, spans};
 }
 
+// x [m, w.k] quantized as w's kernels take it: per w's group, one step per its activation_span().
+inline QuantizedRows quantize_rows(const float* x, int64_t m, const QuantWeight& w) {
+  return quantize_rows(x, m, w.k, w.group, w.activation_span());
+}
+
 template <typename F>
 inline QuantTileView tile_view(const QuantWeight& w, int64_t tile) {
   const int64_t scale_bytes = F::kF16 ? 2 : 4, groups = w.k / F::kGroup;
@@ -404,7 +409,7 @@ inline void quant_linear_rows(const float* x, int64_t m, const QuantWeight& w, c
     }
     return;
   }
-  const QuantizedRows xq = quantize_rows(x, m, w.k, w.group, w.activation_span());
+  const QuantizedRows xq = quantize_rows(x, m, w);
   with_quant_tile_kernel(w, dot, [&](int max_rows, auto run) {
     for_each_tile_pass(m, w.tiles(), max_rows, [&](int64_t tile, int64_t row, int rows) {
       const int64_t col = tile * kQuantTile;
