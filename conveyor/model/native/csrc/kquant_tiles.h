@@ -203,15 +203,25 @@ void k_tile_portable(const QuantizedRows& x, int64_t row, const KTileView& t, fl
 
 // Asks for bytes further on, group g's share of a block at a time (the whole block's lines asked for at once left
 // the stream as slow as not asking). A thread's tiles lie one after another, so "further on" runs into its next
-// tiles. At 1 or 2 rows (Stream) the kernel waits on memory: the block kBlocksAhead on, into L1 (prefetcht0).
-// Timed on weights streamed from memory (kernel_check with four distinct weights taking turns, as a decode step's
-// layers do: one weight timed again and again is partly served from the host's caches), 2 threads, a 2-core
-// Zen 4: 2 blocks into L1 streamed Q4_K at 44.5-51.2 GB/s and Q6_K at 50.0-52.1, against 29-48 and 33-49 for
-// 16 KiB into L2; no prefetch left Q6_K at 20-21 (its planes are two streams the hardware's prefetcher does not
-// follow). With more rows the kernel computes longer per byte, and there the near requests into L1 cost the
-// 8B-shaped file's decode of 8 requests 7% (222 against 208 ms a step): those take 16 KiB ahead into L2.
+// tiles. At 1 or 2 rows (Stream) the kernel waits on memory, and asks for the block kBlocksAhead on, into L1
+// (prefetcht0), but where the hardware prefetcher does better alone (kHardwareStream). With more rows the kernel
+// computes longer per byte, and there the near requests into L1 cost the 8B-shaped file's decode of 8 requests 7%
+// (222 against 208 ms a step): those take 16 KiB ahead into L2.
 constexpr int64_t kBlocksAhead = 2;
 constexpr int64_t kBytesAhead = 16384;
+
+// Whether the 512-bit kernel at 1 or 2 rows leaves a layout to the hardware prefetcher: 4-bit codes in one plane
+// (Q4_K, IQ4_XS), read front to back, one stream. Timed on weights streamed from memory (four distinct 57,344 x
+// 4,096 weights taking turns, as a decode step's layers do: one weight timed again and again is partly served
+// from the host's caches), 2 threads, a 2-core Zen 4, medians of 40-60 turns of each variant in one process:
+// Q4_K 52.9-57.6 GB/s without requests against 47.5-49.7 with them, IQ4_XS 49.7 against 48.0. The others ask:
+//  - two planes (Q5_K, Q6_K, Q3_K) are two streams the hardware does not follow: Q6_K 20-21 GB/s without
+//    requests against 50-51, Q5_K 18-19 against 50. Interleaved in strips, so that a block is one stream, Q6_K
+//    went without requests at its old speed, but Q5_K fell to 37.
+//  - Q2_K, more arithmetic a byte, was as fast either way (41-45 GB/s).
+//  - the 256-bit kernels read a tile twice, a half each time: without requests Q2_K fell from 26.8 to 22.1.
+template <typename K>
+inline constexpr bool kHardwareStream = K::kHighBits == 0 && K::kLowBits == 4;
 
 template <typename K, bool Stream>
 inline void k_prefetch_group_ahead(const uint8_t* block, int g) {
@@ -623,7 +633,7 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      k_prefetch_group_ahead<K, (Rows <= 2)>(block, g);
+      if constexpr (Rows > 2 || !kHardwareStream<K>) k_prefetch_group_ahead<K, (Rows <= 2)>(block, g);
       __m512i operand[K::kGroup / 4];
       k_operands_512<K>(block, g, operand);
       __m512i dots[kChains][Rows];
