@@ -5,7 +5,9 @@ decode steps of every request at once are timed around ``Engine.step`` (what the
 for). Each step's work is priced by the cost model the simulator would use on this machine: the measured step
 profile when ``conveyor simulate calibrate`` has fitted a current one of this model, else the roofline. Beside
 the times, the distinct experts each step's layers ran (counted as the model ran them) and the count the
-simulator expects of uniform routing, E (1 - (1 - k/E)^B).
+simulator expects of uniform routing, E (1 - (1 - k/E)^B). And the machine's read bandwidth before and after
+each batch, beside the one read around the profile's calibration: this host's memory changes speed from one
+minute to the next, and a memory-bound step with it.
 
     .venv/bin/conveyor simulate calibrate --model out/models/olmoe-1b-7b-Q4_K_M.gguf --no-validate
     .venv/bin/python bench/moe_steps.py --model out/models/olmoe-1b-7b-Q4_K_M.gguf
@@ -17,8 +19,9 @@ import argparse
 import random
 import statistics
 
-from conveyor.benchmarks.calibrate import timed_step
+from conveyor.benchmarks.calibrate import read_gb_s, timed_step
 from conveyor.benchmarks.decode import add_random_requests
+from conveyor.benchmarks.machine import ReadProbe
 from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
@@ -56,18 +59,24 @@ def main() -> None:
     config = engine.model_config
     cost, source = step_cost_model(config, load_hardware("cpu-local"), engine.config.dtype)
     timed_decodes(engine, cost, 1, 2, seed=0)  # warm-up
+    bandwidth = ReadProbe()
     table = []
     for batch in (int(b) for b in args.batches.split(",")):
+        before = bandwidth.measure()[0]
         rows = timed_decodes(engine, cost, batch, args.steps, seed=batch)
+        read = f"{before / 1e9:.1f}-{bandwidth.measure()[0] / 1e9:.1f}"
         real = statistics.median(seconds for seconds, _, _ in rows)
         simulated = statistics.median(price for _, price, _ in rows)
         touched = statistics.mean(statistics.mean(counts) for _, _, counts in rows)
         expected = expected_experts(config.num_experts, config.num_experts_per_tok, batch)
         table.append([batch, len(rows), real * 1e3, simulated * 1e3, f"{simulated / real - 1:+.1%}",
-                      f"{touched:.1f}", f"{expected:.1f}"])
-    print(f"model {args.model}; simulated by the {source}")
+                      f"{touched:.1f}", f"{expected:.1f}", read])
+    profile = getattr(cost, "profile", None)
+    calibrated = f", memory read {read_gb_s(profile)} GB/s around its grid" if profile else ""
+    print(f"model {args.model}; simulated by the {source}{calibrated}")
     print(format_table(["requests", "steps", "engine ms (median)", "simulator ms", "simulator error",
-                        "distinct experts per layer, measured", "expected"], table))
+                        "distinct experts per layer, measured", "expected", "memory read GB/s, before-after"],
+                       table))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ probes' own prompt steps count too. The fit is :func:`conveyor.sim.profile.fit_s
 a swapped token is not fitted (no grid step swaps) but taken from this machine's measured copy
 bandwidth: a swap is a copy within the same memory, a read and a write. For a mixture of experts, each step's
 distinct experts per layer are counted as the model ran it, and set beside the count the simulator expects
-of uniform routing (sim.cost.expected_experts), by the step's tokens: the profile's ``fit["experts"]``.
+of uniform routing (sim.cost.expected_experts), by the step's tokens: the profile's ``fit["experts"]``. The
+machine's read bandwidth is measured before and after the grid (``fit["read_gb_s"]``): on a host whose memory
+changes speed from one minute to the next, a profile holds for the minutes that read as it did.
 
 This module imports torch (through the engine); the simulator itself does not.
 """
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from conveyor.benchmarks.machine import ReadProbe
 from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
@@ -171,6 +174,8 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     """Time the grid, fit, save this machine's profile, and print measured against predicted per probe."""
     started = time.perf_counter()
     engine = Engine(calibration_config(config))
+    bandwidth = ReadProbe()
+    read_before = bandwidth.measure()[0]
     rng = random.Random(seed)
     time_probe(engine, Probe("warm-up", ((0, 64, 4),) * 4 + ((0, 512, 1),)), rng)
     probes = profiling_grid(config.max_num_seqs, config.max_num_batched_tokens, engine.max_model_len)
@@ -189,6 +194,8 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     price = functools.partial(profile.step_time, block_size=profile.block_size)
     profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(price, timed),
                                                **experts_report(touched, profile.experts),
+                                               "read_gb_s": [round(read_before / 1e9, 1),
+                                                             round(bandwidth.measure()[0] / 1e9, 1)],
                                                "seconds": round(time.perf_counter() - started, 1)})
     path = save_profile(profile, engine.model_config)
     print_profile(profile)
@@ -236,7 +243,13 @@ def print_profile(profile: StepProfile) -> None:
           f"us, per decode key {'/'.join(f'{k * 1e9:.0f}' for k in profile.per_decode_key_s)} ns (1, 2-3, 4-7, "
           f"8-15, 16+ decode rows), {shared_key_price(profile)}, per prompt query-key pair "
           f"{profile.per_prompt_pair_s * 1e9:.2f} ns, per swapped token {profile.per_swapped_token_s * 1e9:.0f} ns; "
-          f"median step error {profile.fit['median_step_error']:.1%}, p90 {profile.fit['p90_step_error']:.1%}")
+          f"median step error {profile.fit['median_step_error']:.1%}, p90 {profile.fit['p90_step_error']:.1%}; "
+          f"memory read {read_gb_s(profile)} GB/s before and after")
+
+
+def read_gb_s(profile: StepProfile) -> str:
+    """The read bandwidth measured around the profile's grid, as 'before-after' (older profiles: '?')."""
+    return "-".join(str(gb) for gb in profile.fit.get("read_gb_s", ["?"]))
 
 
 def shared_key_price(profile: StepProfile) -> str:
