@@ -32,10 +32,7 @@ int main(int argc, char** argv) {
   std::vector<void*> states;
   for (const Variant& v : variants) {
     states.push_back(v.setup(argv[1], argv[2], n, k, copies));
-    if (states.back() == nullptr) {
-      std::printf("no layout %s\n", argv[1]);
-      return 2;
-    }
+    if (states.back() == nullptr) return 2;  // setup said why
   }
   std::vector<std::vector<double>> seconds(variants.size());
   for (int turn = 0; turn < turns; ++turn) {

@@ -11,6 +11,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 checkouts=()
 while [[ $# -gt 0 && "$1" != "--" ]]; do checkouts+=("$(cd "$1" && pwd)"); shift; done
 [[ $# -gt 0 ]] && shift
+if [[ ${#checkouts[@]} -eq 0 ]]; then
+  echo "usage: $0 CHECKOUT... [-- LAYOUTS [KIND [N K [WEIGHTS [TURNS]]]]]" >&2
+  exit 2
+fi
 layouts=${1:-Q4_K,Q6_K} kind=${2:-vnni512} n=${3:-57344} k=${4:-4096} weights=${5:-4} turns=${6:-40}
 out=${KERNEL_AB_BUILD:-build/kernel_ab}
 mkdir -p "$out"

@@ -2,6 +2,9 @@
 // renamed (run.sh passes -Dconveyor=conveyor_abN -Dmain=main_abN -DKERNEL_AB_V=abN), so that several checkouts'
 // kernels link into one process and take turns on the same minute of the machine.
 
+#include <memory>
+#include <stdexcept>
+
 #include "kernel_check.cpp"
 
 #define KERNEL_AB_CAT2(a, b) a##b
@@ -20,23 +23,26 @@ struct Variant {
 
 }  // namespace
 
+// The variant's weights and row, or nullptr with the reason on stderr (no such layout or kind).
 extern "C" void* KERNEL_AB_CAT(setup_, KERNEL_AB_V)(const char* layout_name, const char* dot, long n, long k,
                                                     long copies) {
-  std::mt19937 rng(11);
-  auto* v = new Variant;
-  v->bytes.resize(copies);
-  for (const Layout& layout : layouts()) {
-    if (layout.name != layout_name) continue;
-    for (WeightBytes& copy : v->bytes) v->weights.push_back(random_weight(layout, n, k, rng, copy));
-  }
-  if (v->weights.empty()) {
-    delete v;
+  try {
+    auto v = std::make_unique<Variant>();
+    v->dot = conveyor::parse_quant_dot(dot);
+    std::mt19937 rng(11);
+    v->bytes.resize(copies);
+    for (const Layout& layout : layouts()) {
+      if (layout.name != layout_name) continue;
+      for (WeightBytes& copy : v->bytes) v->weights.push_back(random_weight(layout, n, k, rng, copy));
+    }
+    if (v->weights.empty()) throw std::invalid_argument(std::string("no layout ") + layout_name);
+    v->x = random_rows(1, k, rng);
+    v->y.resize(n);
+    return v.release();
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "error: %s\n", error.what());
     return nullptr;
   }
-  v->x = random_rows(1, k, rng);
-  v->y.resize(n);
-  v->dot = conveyor::parse_quant_dot(dot);
-  return v;
 }
 
 // Seconds a call, over `calls` one-row GEMVs on the weights in turn.
