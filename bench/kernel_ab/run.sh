@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Two or more checkouts' quantized kernels in one process, taking turns on one-row GEMVs (a decode step's
-# projections) over distinct weights streamed from memory:
+# projections; or GEMMs of ROWS rows, a batch's) over distinct weights streamed from memory:
 #
-#   bench/kernel_ab/run.sh CHECKOUT... [-- LAYOUTS [KIND [N K [WEIGHTS [TURNS]]]]]
+#   bench/kernel_ab/run.sh CHECKOUT... [-- LAYOUTS [KIND [N K [WEIGHTS [TURNS [ROWS]]]]]]
 #   bench/kernel_ab/run.sh /work/base . -- Q4_K,Q6_K vnni512 57344 4096 4 40
 #
 # Each checkout's kernel_check.cpp is compiled with its namespace renamed, so that the builds link side by side.
@@ -12,10 +12,10 @@ checkouts=()
 while [[ $# -gt 0 && "$1" != "--" ]]; do checkouts+=("$(cd "$1" && pwd)"); shift; done
 [[ $# -gt 0 ]] && shift
 if [[ ${#checkouts[@]} -eq 0 ]]; then
-  echo "usage: $0 CHECKOUT... [-- LAYOUTS [KIND [N K [WEIGHTS [TURNS]]]]]" >&2
+  echo "usage: $0 CHECKOUT... [-- LAYOUTS [KIND [N K [WEIGHTS [TURNS [ROWS]]]]]]" >&2
   exit 2
 fi
-layouts=${1:-Q4_K,Q6_K} kind=${2:-vnni512} n=${3:-57344} k=${4:-4096} weights=${5:-4} turns=${6:-40}
+layouts=${1:-Q4_K,Q6_K} kind=${2:-vnni512} n=${3:-57344} k=${4:-4096} weights=${5:-4} turns=${6:-40} rows=${7:-1}
 out=${KERNEL_AB_BUILD:-build/kernel_ab}
 mkdir -p "$out"
 declarations="" list="" objects=() pids=()
@@ -34,5 +34,5 @@ for pid in "${pids[@]}"; do wait "$pid"; done
 c++ -std=c++17 -O2 -fopenmp "-DVARIANT_DECLARATIONS=$declarations" "-DVARIANT_LIST=$list" "$here/driver.cpp" \
   "${objects[@]}" -o "$out/driver"
 for layout in ${layouts//,/ }; do
-  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$out/driver" "$layout" "$kind" "$n" "$k" "$weights" "$turns"
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$out/driver" "$layout" "$kind" "$n" "$k" "$weights" "$turns" "$rows"
 done

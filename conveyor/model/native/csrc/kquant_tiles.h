@@ -219,7 +219,9 @@ constexpr int64_t kBytesAhead = 16384;
 //    requests against 50-51, Q5_K 18-19 against 50. Interleaved in strips, so that a block is one stream, Q6_K
 //    went without requests at its old speed, but Q5_K fell to 37.
 //  - Q2_K, more arithmetic a byte, was as fast either way (41-45 GB/s).
-//  - the 256-bit kernels read a tile twice, a half each time: without requests Q2_K fell from 26.8 to 22.1.
+//  - the 256-bit kernels at 3-4 rows read a tile twice, a half each time: without requests Q2_K fell from 26.8 to
+//    22.1. At 1-2 rows (k_stream_tile_256) they read it once, and on a 2-core Zen 3 the requests still paid: Q4_K
+//    29.5 GB/s with them against 26.3 without, IQ4_XS 29.8 against 24.8.
 template <typename K>
 inline constexpr bool kHardwareStream = K::kHighBits == 0 && K::kLowBits == 4;
 
@@ -347,30 +349,38 @@ inline __m256i k_min_pair_256(const uint8_t* block, const KScales256<K>& t, int 
   return _mm256_or_si256(even, _mm256_slli_epi32(odd, 16));
 }
 
-// One group's codes of one half of the tile as bytes: operand t holds inputs 4t .. 4t + 3 of every output, the low
-// plane's bits or'ed with the high plane's above them (IQ4_XS: the codes still, not their levels). The shifts are
-// the unrolled loop's constants, but for a high plane two groups share (Q3_K: one shift by the group's place).
+// Group g's high plane of one half of the tile (Q5_K, Q6_K, Q3_K), shifted to where the group's bits start.
+template <typename K, int Half>
+inline __m256i k_high_plane_256(const uint8_t* block, int g) {
+  using High = PlaneAt<K, K::kHighBits>;
+  __m256i high = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(block + K::kHeader + K::kLowBytes + High::vector(g) * 64 + 32 * Half));
+  if constexpr (High::kShare > 1) high = _mm256_srl_epi16(high, _mm_cvtsi32_si128(High::shift(g)));
+  return high;
+}
+
+// Operand t of group g of one half of the tile as bytes: inputs 4t .. 4t + 3 of every output, the low plane's bits
+// or'ed with the high plane's (k_high_plane_256's, unused without one) above them (IQ4_XS: the codes still, not
+// their levels). The shifts are constants where t is (an unrolled loop's).
+template <typename K, int Half>
+inline __m256i k_operand_256(const uint8_t* block, int g, int t, [[maybe_unused]] __m256i high) {
+  using Low = PlaneAt<K, K::kLowBits>;
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      block + K::kHeader + (Low::vector(g) + 4 * t / Low::kSpan) * 64 + 32 * Half));
+  __m256i operand = move_bits_256<0, K::kLowBits>(v, 4 * t % Low::kSpan / 4 * K::kLowBits);
+  if constexpr (K::kHighBits > 0) {
+    operand = _mm256_or_si256(operand, move_bits_256<K::kLowBits, K::kHighBits>(high, t * K::kHighBits));
+  }
+  return operand;
+}
+
+// One group's codes of one half of the tile, operand t for inputs 4t .. 4t + 3 (k_operand_256).
 template <typename K, int Half>
 inline void k_codes_256(const uint8_t* block, int g, __m256i* operand) {
-  using Low = PlaneAt<K, K::kLowBits>;
-  const auto load = [&](const uint8_t* plane, int64_t vector) {
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(plane + vector * 64 + 32 * Half));
-  };
-  const uint8_t* low = block + K::kHeader;
-  [[maybe_unused]] __m256i high;
-  if constexpr (K::kHighBits > 0) {
-    using High = PlaneAt<K, K::kHighBits>;
-    high = load(block + K::kHeader + K::kLowBytes, High::vector(g));
-    if constexpr (High::kShare > 1) high = _mm256_srl_epi16(high, _mm_cvtsi32_si128(High::shift(g)));
-  }
+  [[maybe_unused]] __m256i high{};
+  if constexpr (K::kHighBits > 0) high = k_high_plane_256<K, Half>(block, g);
 #pragma GCC unroll 8
-  for (int t = 0; t < K::kGroup / 4; ++t) {
-    const __m256i v = load(low, Low::vector(g) + 4 * t / Low::kSpan);
-    operand[t] = move_bits_256<0, K::kLowBits>(v, 4 * t % Low::kSpan / 4 * K::kLowBits);
-    if constexpr (K::kHighBits > 0) {
-      operand[t] = _mm256_or_si256(operand[t], move_bits_256<K::kLowBits, K::kHighBits>(high, t * K::kHighBits));
-    }
-  }
+  for (int t = 0; t < K::kGroup / 4; ++t) operand[t] = k_operand_256<K, Half>(block, g, t, high);
 }
 
 // u8 codes of 4 inputs . s8 activations, pairs summed to int16 (vpmaddubsw) or, with VNNI, fours to int32.
@@ -430,9 +440,9 @@ inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group,
   }
 }
 
-// One half of the tile for Rows rows; the tile takes two passes, the second finding the tile's bytes in L1. The
-// half is a template argument: left to the compiler to propagate, the generic planes' addressing stopped it doing
-// so, and Q5_K and Q6_K ran 6-13% slower at one row. The arithmetic is k_tile_vnni512's, 8 lanes at a time.
+// One half of the tile for 3 or 4 rows (the rows' sums and a group's operands fill the registers); the tile takes
+// two passes, the second finding the tile's bytes in L1. The half is a template argument: left to the compiler to
+// propagate, the generic planes' addressing stopped it doing so, and Q5_K and Q6_K ran 6-13% slower at one row. The arithmetic is k_tile_vnni512's, 8 lanes at a time.
 template <typename K, int Half, int Rows, bool Vnni>
 void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
   __m256 acc[Rows];
@@ -448,7 +458,7 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, fl
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      if constexpr (Half == 0) k_prefetch_group_ahead<K, (Rows <= 2)>(block, g);  // the second half finds the tile in L1
+      if constexpr (Half == 0) k_prefetch_group_ahead<K, false>(block, g);  // the second half finds the tile in L1
       __m256i dot[Rows];
       k_group_sums_256<K, Half, Rows, Vnni>(x, row, group, block, g, dot);
       const __m256i sc = k_group_scales_256<K, Half>(block, unpacked, g);
@@ -485,10 +495,113 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, fl
   for (int r = 0; r < Rows; ++r) store_outputs_256(y + r * ldy, acc[r], cols);
 }
 
+// f(std::integral_constant<int, I>{}) for each I of the sequence, in order: a loop whose index is a constant
+// (the operands' shifts are), however large its body.
+template <typename F, int... I>
+inline void for_each_index(const F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+// One or two rows against the whole tile in one pass: each broadcast of 4 activations serves both halves'
+// vpmaddubsw, and the block is walked once where k_half_tile_256 walks it twice. A few rows use each operand once
+// or twice, so both halves' operands are formed as they are needed and few registers are live. On a 2-core Zen 3
+// (bench/kernel_ab, one row, four distinct 57,344 x 4,096 weights streamed from memory, 2 threads) Q4_K went from
+// 23.7 to 33.5 GB/s, Q6_K from 22.5 to 27.6, Q5_K 28.2 to 40.7, IQ4_XS 22.9 to 33.2; from cache (one thread)
+// every layout 11-18% faster. The arithmetic is k_half_tile_256's: the same bits.
+template <typename K, int Rows, bool Vnni>
+void k_stream_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy,
+                       int64_t cols) {
+  constexpr bool kSigned = kCentredSums<K, Vnni>;
+  constexpr int largest = kSigned ? 127 : K::kLargest;
+  constexpr int per_widen = Vnni ? K::kGroup / 4 : std::min(K::kGroup / 4, 32767 / (2 * largest * 127));
+  using H0 = std::integral_constant<int, 0>;
+  using H1 = std::integral_constant<int, 1>;
+  const auto both_halves = [](const auto& f) { f(H0{}), f(H1{}); };
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2][Rows];
+  for (auto& half : acc) for (__m256& a : half) a = _mm256_setzero_ps();
+  KScales256<K> unpacked[2];
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const uint8_t* block = t.data + b * K::kBlockBytes;
+    both_halves([&](auto h) { k_scale_bytes_256<K, decltype(h)::value>(block, unpacked[h]); });
+    __m256i sums[2][Rows];
+    for (auto& half : sums) for (__m256i& sum : half) sum = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int g = 0; g < K::kGroups; ++g) {
+      const int64_t group = b * K::kGroups + g;
+      k_prefetch_group_ahead<K, true>(block, g);
+      [[maybe_unused]] __m256i high[2]{};
+      if constexpr (K::kHighBits > 0) {
+        both_halves([&](auto h) { high[h] = k_high_plane_256<K, decltype(h)::value>(block, g); });
+      }
+      __m256i part[2][Rows], total[2][Rows];
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < Rows; ++r) part[h][r] = total[h][r] = _mm256_setzero_si256();
+      }
+      for_each_index([&](auto index) {
+        constexpr int q = decltype(index)::value;
+        __m256i activations[Rows];
+        for (int r = 0; r < Rows; ++r) {
+          activations[r] = _mm256_set1_epi32(load_i32(x.q + (row + r) * x.k + group * K::kGroup + 4 * q));
+        }
+        both_halves([&](auto h) {
+          __m256i operand = k_operand_256<K, decltype(h)::value>(block, g, q, high[h]);
+          if constexpr (K::kLevels) operand = levels_256<kSigned>(operand);
+          [[maybe_unused]] const __m256i sign = operand;
+          if constexpr (kSigned) operand = _mm256_abs_epi8(operand);
+          for (int r = 0; r < Rows; ++r) {
+            const __m256i a = kSigned ? _mm256_sign_epi8(activations[r], sign) : activations[r];
+            part[h][r] = k_dot<Vnni>(part[h][r], operand, a);
+            if constexpr (!Vnni && (q + 1) % per_widen == 0) {
+              total[h][r] = _mm256_add_epi32(total[h][r], _mm256_madd_epi16(part[h][r], ones));
+              part[h][r] = _mm256_setzero_si256();
+            }
+          }
+        });
+      }, std::make_integer_sequence<int, K::kGroup / 4>{});
+      both_halves([&](auto h) {
+        const __m256i sc = k_group_scales_256<K, decltype(h)::value>(block, unpacked[h], g);
+        for (int r = 0; r < Rows; ++r) {
+          __m256i dot = Vnni ? part[h][r] : total[h][r];
+          if constexpr (K::kZero != 0 && !kSigned) {
+            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(K::kZero * x.sums[(row + r) * x.groups + group]));
+          }
+          sums[h][r] = _mm256_add_epi32(sums[h][r], _mm256_mullo_epi32(dot, sc));
+        }
+      });
+    }
+    both_halves([&](auto h) {
+      constexpr int kHalf = decltype(h)::value;
+      for (int r = 0; r < Rows; ++r) {
+        __m256 v = _mm256_mul_ps(unpacked[h].d, _mm256_cvtepi32_ps(sums[h][r]));
+        if constexpr (K::kMins) {
+          __m256i mins = _mm256_setzero_si256();
+#pragma GCC unroll 8
+          for (int p = 0; p < K::kGroups / 2; ++p) {
+            const int32_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups + 2 * p;
+            mins = _mm256_add_epi32(mins, _mm256_madd_epi16(k_min_pair_256<K, kHalf>(block, unpacked[h], p),
+                                                            _mm256_set1_epi32(sum_pair(xsums))));
+          }
+          v = _mm256_fmadd_ps(unpacked[h].negative_dmin, _mm256_cvtepi32_ps(mins), v);
+        }
+        acc[h][r] = _mm256_fmadd_ps(v, _mm256_set1_ps(x.d[(row + r) * x.spans + b]), acc[h][r]);
+      }
+    });
+  }
+  for (int r = 0; r < Rows; ++r) {
+    store_outputs_256(y + r * ldy, acc[0][r], std::min<int64_t>(cols, 8));
+    if (cols > 8) store_outputs_256(y + r * ldy + 8, acc[1][r], cols - 8);
+  }
+}
+
 template <typename K, int Rows, bool Vnni>
 void k_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
-  k_half_tile_256<K, 0, Rows, Vnni>(x, row, t, y, ldy, std::min<int64_t>(cols, 8));
-  if (cols > 8) k_half_tile_256<K, 1, Rows, Vnni>(x, row, t, y + 8, ldy, cols - 8);
+  if constexpr (Rows <= 2) {
+    k_stream_tile_256<K, Rows, Vnni>(x, row, t, y, ldy, cols);
+  } else {
+    k_half_tile_256<K, 0, Rows, Vnni>(x, row, t, y, ldy, std::min<int64_t>(cols, 8));
+    if (cols > 8) k_half_tile_256<K, 1, Rows, Vnni>(x, row, t, y + 8, ldy, cols - 8);
+  }
 }
 #endif
 
