@@ -1,7 +1,8 @@
 // bench/kernel_ab's driver: the variants (VARIANTS, from run.sh) take turns, a few GEMVs (or GEMMs of ROWS rows)
-// each, and each prints the median, 25th and 75th percentile of its GB/s of weights (times ROWS: weight-rows). This host's memory bandwidth changes by
-// half from one minute to the next, so two builds timed one after the other, in two processes, differ by more
-// than most kernel changes do; taking turns within seconds, they see the same machine.
+// each, and each prints the median, 25th and 75th percentile of its GB/s of weights (times ROWS: weight-rows).
+// This host's memory bandwidth changes by half from one minute to the next, so two builds timed one after the
+// other, in two processes, differ by more than most kernel changes do; taking turns within seconds, they see the
+// same machine.
 
 #include <algorithm>
 #include <cstdio>
@@ -9,7 +10,7 @@
 #include <vector>
 
 #define KERNEL_AB_DECLARE(v)                                                      \
-  extern "C" void* setup_##v(const char*, const char*, long, long, long, long);        \
+  extern "C" void* setup_##v(const char*, const char*, long, long, long, long);  \
   extern "C" double time_##v(void*, int);                                         \
   extern "C" double bytes_##v(void*);
 VARIANT_DECLARATIONS

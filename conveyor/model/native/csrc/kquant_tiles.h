@@ -395,6 +395,12 @@ inline __m256i k_dot(__m256i acc, __m256i codes, __m256i x) {
 template <typename K, bool Vnni>
 inline constexpr bool kCentredSums = K::kLevels && !Vnni;
 
+// Without VNNI: how many vpmaddubsw results an int16 lane holds before a vpmaddwd widens them (Q4_K: all 8 of a
+// group; Q5_K: 4; Q6_K: 2; IQ4_XS's signed levels: 1); with VNNI the sums are int32 from the start.
+template <typename K, bool Vnni>
+inline constexpr int kPerWiden =
+    Vnni ? K::kGroup / 4 : std::min(K::kGroup / 4, 32767 / (2 * (kCentredSums<K, Vnni> ? 127 : K::kLargest) * 127));
+
 // One group's integer sums sum(code * xq) for Rows rows against one half of the tile (8 outputs, int32 lanes),
 // less the zero point's share where kCentredSums.
 // Without VNNI vpmaddubsw's int16 pair sums are added up while they fit (a pair is at most 2 * 63 * 127 for Q6_K,
@@ -418,9 +424,7 @@ inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group,
       if constexpr (kSigned) sign[t] = operand[t], operand[t] = _mm256_abs_epi8(operand[t]);
     }
   }
-  // Without VNNI: how many vpmaddubsw results an int16 lane holds (Q4_K: all 8; Q5_K: 4; Q6_K: 2; IQ4_XS: 1).
-  constexpr int largest = kSigned ? 127 : K::kLargest;
-  constexpr int per_widen = Vnni ? K::kGroup / 4 : std::min(K::kGroup / 4, 32767 / (2 * largest * 127));
+  constexpr int per_widen = kPerWiden<K, Vnni>;
   static_assert(K::kGroup / 4 % per_widen == 0, "the widenings split a group evenly");
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) {
@@ -440,9 +444,48 @@ inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group,
   }
 }
 
+// A group's integer sums of one row (k_group_sums_256's) scaled by its sub-block scales into the row's super-block
+// sum: sum + sc * (dot - zero * xsum), the zero point's share taken here where the sums are not centred already.
+template <typename K, bool Vnni>
+inline __m256i k_scaled_group_256(const QuantizedRows& x, int64_t row, int64_t group, __m256i dot, __m256i sc,
+                                  __m256i sum) {
+  if constexpr (K::kZero != 0 && !kCentredSums<K, Vnni>) {
+    dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(K::kZero * x.sums[row * x.groups + group]));
+  }
+  return _mm256_add_epi32(sum, _mm256_mullo_epi32(dot, sc));
+}
+
+// Super-block b's integer sums of Rows rows against one half of the tile into the rows' float outputs: the mins'
+// share (one vpmaddwd a row for two sub-blocks), then k_block_output's three float operations, lane by lane.
+template <typename K, int Half, int Rows>
+inline void k_block_outputs_256(const QuantizedRows& x, int64_t row, int64_t b, const uint8_t* block,
+                                const KScales256<K>& unpacked, const __m256i* sums, __m256* acc) {
+  [[maybe_unused]] __m256i mins[Rows];
+  if constexpr (K::kMins) {
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) mins[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int p = 0; p < K::kGroups / 2; ++p) {
+      const __m256i pair = k_min_pair_256<K, Half>(block, unpacked, p);
+#pragma GCC unroll 4
+      for (int r = 0; r < Rows; ++r) {
+        const int32_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups + 2 * p;
+        mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(pair, _mm256_set1_epi32(sum_pair(xsums))));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < Rows; ++r) {
+    __m256 v = _mm256_mul_ps(unpacked.d, _mm256_cvtepi32_ps(sums[r]));
+    if constexpr (K::kMins) v = _mm256_fmadd_ps(unpacked.negative_dmin, _mm256_cvtepi32_ps(mins[r]), v);
+    acc[r] = _mm256_fmadd_ps(v, _mm256_set1_ps(x.d[(row + r) * x.spans + b]), acc[r]);
+  }
+}
+
 // One half of the tile for 3 or 4 rows (the rows' sums and a group's operands fill the registers); the tile takes
 // two passes, the second finding the tile's bytes in L1. The half is a template argument: left to the compiler to
-// propagate, the generic planes' addressing stopped it doing so, and Q5_K and Q6_K ran 6-13% slower at one row. The arithmetic is k_tile_vnni512's, 8 lanes at a time.
+// propagate, the generic planes' addressing stopped it doing so, and Q5_K and Q6_K ran 6-13% slower at one row.
+// The arithmetic is k_tile_vnni512's, 8 lanes at a time.
 template <typename K, int Half, int Rows, bool Vnni>
 void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
   __m256 acc[Rows];
@@ -463,33 +506,9 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, fl
       k_group_sums_256<K, Half, Rows, Vnni>(x, row, group, block, g, dot);
       const __m256i sc = k_group_scales_256<K, Half>(block, unpacked, g);
 #pragma GCC unroll 4
-      for (int r = 0; r < Rows; ++r) {
-        if constexpr (K::kZero != 0 && !kCentredSums<K, Vnni>) {
-          dot[r] = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(K::kZero * x.sums[(row + r) * x.groups + group]));
-        }
-        sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(dot[r], sc));
-      }
+      for (int r = 0; r < Rows; ++r) sums[r] = k_scaled_group_256<K, Vnni>(x, row + r, group, dot[r], sc, sums[r]);
     }
-    [[maybe_unused]] __m256i mins[Rows];
-    if constexpr (K::kMins) {
-#pragma GCC unroll 4
-      for (int r = 0; r < Rows; ++r) mins[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int p = 0; p < K::kGroups / 2; ++p) {
-        const __m256i pair = k_min_pair_256<K, Half>(block, unpacked, p);
-#pragma GCC unroll 4
-        for (int r = 0; r < Rows; ++r) {
-          const int32_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups + 2 * p;
-          mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(pair, _mm256_set1_epi32(sum_pair(xsums))));
-        }
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) {
-      __m256 v = _mm256_mul_ps(unpacked.d, _mm256_cvtepi32_ps(sums[r]));
-      if constexpr (K::kMins) v = _mm256_fmadd_ps(unpacked.negative_dmin, _mm256_cvtepi32_ps(mins[r]), v);
-      acc[r] = _mm256_fmadd_ps(v, _mm256_set1_ps(x.d[(row + r) * x.spans + b]), acc[r]);
-    }
+    k_block_outputs_256<K, Half, Rows>(x, row, b, block, unpacked, sums, acc);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) store_outputs_256(y + r * ldy, acc[r], cols);
@@ -512,8 +531,7 @@ template <typename K, int Rows, bool Vnni>
 void k_stream_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy,
                        int64_t cols) {
   constexpr bool kSigned = kCentredSums<K, Vnni>;
-  constexpr int largest = kSigned ? 127 : K::kLargest;
-  constexpr int per_widen = Vnni ? K::kGroup / 4 : std::min(K::kGroup / 4, 32767 / (2 * largest * 127));
+  constexpr int per_widen = kPerWiden<K, Vnni>;
   using H0 = std::integral_constant<int, 0>;
   using H1 = std::integral_constant<int, 1>;
   const auto both_halves = [](const auto& f) { f(H0{}), f(H1{}); };
@@ -562,30 +580,12 @@ void k_stream_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, 
       both_halves([&](auto h) {
         const __m256i sc = k_group_scales_256<K, decltype(h)::value>(block, unpacked[h], g);
         for (int r = 0; r < Rows; ++r) {
-          __m256i dot = Vnni ? part[h][r] : total[h][r];
-          if constexpr (K::kZero != 0 && !kSigned) {
-            dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(K::kZero * x.sums[(row + r) * x.groups + group]));
-          }
-          sums[h][r] = _mm256_add_epi32(sums[h][r], _mm256_mullo_epi32(dot, sc));
+          sums[h][r] = k_scaled_group_256<K, Vnni>(x, row + r, group, Vnni ? part[h][r] : total[h][r], sc, sums[h][r]);
         }
       });
     }
     both_halves([&](auto h) {
-      constexpr int kHalf = decltype(h)::value;
-      for (int r = 0; r < Rows; ++r) {
-        __m256 v = _mm256_mul_ps(unpacked[h].d, _mm256_cvtepi32_ps(sums[h][r]));
-        if constexpr (K::kMins) {
-          __m256i mins = _mm256_setzero_si256();
-#pragma GCC unroll 8
-          for (int p = 0; p < K::kGroups / 2; ++p) {
-            const int32_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups + 2 * p;
-            mins = _mm256_add_epi32(mins, _mm256_madd_epi16(k_min_pair_256<K, kHalf>(block, unpacked[h], p),
-                                                            _mm256_set1_epi32(sum_pair(xsums))));
-          }
-          v = _mm256_fmadd_ps(unpacked[h].negative_dmin, _mm256_cvtepi32_ps(mins), v);
-        }
-        acc[h][r] = _mm256_fmadd_ps(v, _mm256_set1_ps(x.d[(row + r) * x.spans + b]), acc[h][r]);
-      }
+      k_block_outputs_256<K, decltype(h)::value, Rows>(x, row, b, block, unpacked[h], sums[h], acc[h]);
     });
   }
   for (int r = 0; r < Rows; ++r) {
