@@ -482,10 +482,10 @@ inline void k_block_outputs_256(const QuantizedRows& x, int64_t row, int64_t b, 
   }
 }
 
-// One half of the tile for 3 or 4 rows (the rows' sums and a group's operands fill the registers); the tile takes
-// two passes, the second finding the tile's bytes in L1. The half is a template argument: left to the compiler to
-// propagate, the generic planes' addressing stopped it doing so, and Q5_K and Q6_K ran 6-13% slower at one row.
-// The arithmetic is k_tile_vnni512's, 8 lanes at a time.
+// One half of the tile for 3 or 4 rows (without VNNI of Q4_K and Q2_K only: kStreamAtFourRows) (the rows' sums and a
+// group's operands fill the registers); the tile takes two passes, the second finding the tile's bytes in L1. The half
+// is a template argument: left to the compiler to propagate, the generic planes' addressing stopped it doing so, and
+// Q5_K and Q6_K ran 6-13% slower at one row. The arithmetic is k_tile_vnni512's, 8 lanes at a time.
 template <typename K, int Half, int Rows, bool Vnni>
 void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
   __m256 acc[Rows];
@@ -521,12 +521,12 @@ inline void for_each_index(const F& f, std::integer_sequence<int, I...>) {
   (f(std::integral_constant<int, I>{}), ...);
 }
 
-// One or two rows against the whole tile in one pass: each broadcast of 4 activations serves both halves'
-// vpmaddubsw, and the block is walked once where k_half_tile_256 walks it twice. A few rows use each operand once
-// or twice, so both halves' operands are formed as they are needed and few registers are live. On a 2-core Zen 3
-// (bench/kernel_ab, one row, four distinct 57,344 x 4,096 weights streamed from memory, 2 threads) Q4_K went from
-// 23.7 to 33.5 GB/s, Q6_K from 22.5 to 27.6, Q5_K 28.2 to 40.7, IQ4_XS 22.9 to 33.2; from cache (one thread)
-// every layout 11-18% faster. The arithmetic is k_half_tile_256's: the same bits.
+// One or two rows (and 3-4 of the layouts kStreamAtFourRows names) against the whole tile in one pass: each broadcast
+// of 4 activations serves both halves' vpmaddubsw, and the block is walked once where k_half_tile_256 walks it twice. A
+// few rows use each operand once or twice, so both halves' operands are formed as they are needed and few registers are
+// live. On a 2-core Zen 3 (bench/kernel_ab, one row, four distinct 57,344 x 4,096 weights streamed from memory, 2
+// threads) Q4_K went from 23.7 to 33.5 GB/s, Q6_K from 22.5 to 27.6, Q5_K 28.2 to 40.7, IQ4_XS 22.9 to 33.2; from cache
+// (one thread) every layout 11-18% faster. The arithmetic is k_half_tile_256's: the same bits.
 template <typename K, int Rows, bool Vnni>
 void k_stream_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy,
                        int64_t cols) {
@@ -594,9 +594,19 @@ void k_stream_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, 
   }
 }
 
+// Whether 3-4 rows also take the one-pass kernel: where forming an operand takes a high plane or levels (Q5_K,
+// Q6_K, Q3_K, IQ4_XS). The half-tile kernel forms a group's 8 operands (and IQ4_XS's 8 signs) before its rows use
+// them, more than the registers hold; the one-pass kernel forms each as its rows need it. bench/kernel_ab on a
+// 2-core Zen 3, weights from cache, one thread, both builds in one process: at 4 rows Q6_K 11.9 -> 13.0 GB/s,
+// IQ4_XS 6.4 -> 7.2, Q3_K 6.2 -> 6.3, Q5_K 10.9 -> 10.7; at 3 rows Q6_K 8.7 -> 9.3, IQ4_XS 4.9 -> 5.3, Q3_K 7.6 ->
+// 8.3. Q4_K and Q2_K stay with the half tile: one pass took them at 4 rows from 10.2 to 9.6 and 5.6 to 5.3.
+// Without VNNI only: the AVX-VNNI build was not timed.
+template <typename K, bool Vnni>
+inline constexpr bool kStreamAtFourRows = !Vnni && (K::kHighBits > 0 || K::kLevels);
+
 template <typename K, int Rows, bool Vnni>
 void k_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
-  if constexpr (Rows <= 2) {
+  if constexpr (Rows <= 2 || kStreamAtFourRows<K, Vnni>) {
     k_stream_tile_256<K, Rows, Vnni>(x, row, t, y, ldy, cols);
   } else {
     k_half_tile_256<K, 0, Rows, Vnni>(x, row, t, y, ldy, std::min<int64_t>(cols, 8));
