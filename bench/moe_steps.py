@@ -19,7 +19,7 @@ import argparse
 import random
 import statistics
 
-from conveyor.benchmarks.calibrate import read_gb_s, timed_step
+from conveyor.benchmarks.calibrate import gb_s_readings, read_gb_s, timed_step
 from conveyor.benchmarks.decode import add_random_requests
 from conveyor.benchmarks.machine import ReadProbe
 from conveyor.benchmarks.report import format_table
@@ -28,7 +28,7 @@ from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 from conveyor.sim.cost import CostModel, expected_experts
 from conveyor.sim.hardware import load_hardware
-from conveyor.sim.profile import step_cost_model
+from conveyor.sim.profile import ProfiledCostModel, step_cost_model
 
 PROMPT_TOKENS = 64
 
@@ -64,15 +64,16 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         before = bandwidth.measure()[0]
         rows = timed_decodes(engine, cost, batch, args.steps, seed=batch)
-        read = f"{before / 1e9:.1f}-{bandwidth.measure()[0] / 1e9:.1f}"
+        read = "-".join(map(str, gb_s_readings(before, bandwidth.measure()[0])))
         real = statistics.median(seconds for seconds, _, _ in rows)
         simulated = statistics.median(price for _, price, _ in rows)
         touched = statistics.mean(statistics.mean(counts) for _, _, counts in rows)
         expected = expected_experts(config.num_experts, config.num_experts_per_tok, batch)
         table.append([batch, len(rows), real * 1e3, simulated * 1e3, f"{simulated / real - 1:+.1%}",
                       f"{touched:.1f}", f"{expected:.1f}", read])
-    profile = getattr(cost, "profile", None)
-    calibrated = f", memory read {read_gb_s(profile)} GB/s around its grid" if profile else ""
+    calibrated = ""
+    if isinstance(cost, ProfiledCostModel):
+        calibrated = f", memory read {read_gb_s(cost.profile)} GB/s around its grid"
     print(f"model {args.model}; simulated by the {source}{calibrated}")
     print(format_table(["requests", "steps", "engine ms (median)", "simulator ms", "simulator error",
                         "distinct experts per layer, measured", "expected", "memory read GB/s, before-after"],

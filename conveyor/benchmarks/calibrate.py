@@ -194,8 +194,7 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     price = functools.partial(profile.step_time, block_size=profile.block_size)
     profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(price, timed),
                                                **experts_report(touched, profile.experts),
-                                               "read_gb_s": [round(read_before / 1e9, 1),
-                                                             round(bandwidth.measure()[0] / 1e9, 1)],
+                                               "read_gb_s": gb_s_readings(read_before, bandwidth.measure()[0]),
                                                "seconds": round(time.perf_counter() - started, 1)})
     path = save_profile(profile, engine.model_config)
     print_profile(profile)
@@ -245,6 +244,11 @@ def print_profile(profile: StepProfile) -> None:
           f"{profile.per_prompt_pair_s * 1e9:.2f} ns, per swapped token {profile.per_swapped_token_s * 1e9:.0f} ns; "
           f"median step error {profile.fit['median_step_error']:.1%}, p90 {profile.fit['p90_step_error']:.1%}; "
           f"memory read {read_gb_s(profile)} GB/s before and after")
+
+
+def gb_s_readings(*bytes_per_s: float) -> list[float]:
+    """Bandwidth readings (bytes a second) as GB/s to a tenth, as a profile stores them and reports print them."""
+    return [round(reading / 1e9, 1) for reading in bytes_per_s]
 
 
 def read_gb_s(profile: StepProfile) -> str:
