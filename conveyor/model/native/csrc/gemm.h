@@ -221,13 +221,14 @@ GemmInput<P> gemm_input(const float* x, [[maybe_unused]] int64_t m, int64_t k) {
 // The GEMMs' schedule over m rows and `tiles` weight tiles: work items are (row block, tile), row block
 // outermost, so that neighbouring items share x rows and each tile is reused by up to 64 rows; each item calls
 // pass(tile, row, rows) for its rows, up to max_rows at a time. The blocks are of equal size (65 rows make two
-// blocks of 33 and 32, not 64 and 1): the threads take contiguous runs of items, and a short last block would
-// leave one thread with nearly all the rows (a 65-row step cost what a 128-row one did).
+// blocks of 33 and 32, not 64 and 1): each thread's share is a contiguous run of items, and a short last block
+// would leave one thread with nearly all the rows (a 65-row step cost what a 128-row one did). The threads share
+// the items out by claim_runs: a thread done with its own share takes runs from the others'.
 template <typename Pass>
 void for_each_tile_pass(int64_t m, int64_t tiles, int max_rows, const Pass& pass) {
   const int64_t row_blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t block_rows = (m + row_blocks - 1) / row_blocks;
-  parallel_for(0, row_blocks * tiles, 1, [&](int64_t begin, int64_t end) {
+  claim_runs(row_blocks * tiles, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t block = item / tiles, tile = item % tiles;
       const int64_t row_end = std::min(m, (block + 1) * block_rows);

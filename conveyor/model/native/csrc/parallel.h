@@ -6,9 +6,11 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 #if defined(CONVEYOR_ATEN)
 #include <ATen/Parallel.h>
@@ -78,4 +80,56 @@ template <typename... Args>
 
 #endif
 
+// f(begin, end) over [0, items): each thread owns an even share and takes it in runs from the front; a thread
+// done with its own takes runs from the back of the others' (`stolen`). On a shared host one core is often slower
+// for a while, and with fixed shares the other waited for it at the end of every GEMM: libgomp's wait took 5.1% of
+// an 8B-shaped file's decode steps on a 2-core Zen 3 (perf, one request), 3.2% with the shares claimed. Each thread
+// still streams its own share front to back, as the prefetchers follow, until the shares meet.
+constexpr int64_t kRunsPerShare = 8;
+
+// A share's unclaimed items [front, back), packed in one word so that either end is claimed by one CAS.
+class ClaimedShare {
+ public:
+  void reset(int64_t front, int64_t back) { bounds_.store(pack(front, back)); }
+
+  // The next run of up to `run` items from the front (stolen: from the back); false when none is left.
+  bool claim(int64_t run, bool stolen, int64_t* begin, int64_t* end) {
+    uint64_t seen = bounds_.load();
+    for (;;) {
+      const int64_t front = static_cast<int64_t>(seen >> 32), back = static_cast<int64_t>(seen & 0xffffffffu);
+      if (front >= back) return false;
+      *begin = stolen ? std::max(front, back - run) : front;
+      *end = stolen ? back : std::min(back, front + run);
+      if (bounds_.compare_exchange_weak(seen, stolen ? pack(front, *begin) : pack(*end, back))) return true;
+    }
+  }
+
+ private:
+  static uint64_t pack(int64_t front, int64_t back) {
+    return static_cast<uint64_t>(front) << 32 | static_cast<uint64_t>(back);
+  }
+  std::atomic<uint64_t> bounds_{0};
+};
+
+template <typename F>
+inline void claim_runs(int64_t items, const F& f) {
+  const int64_t threads = std::min(num_threads(), items);
+  if (threads <= 1) {
+    if (items > 0) f(0, items);
+    return;
+  }
+  CONVEYOR_CHECK(items < (int64_t{1} << 31), "too many work items to share out: ", items);
+  const int64_t share = (items + threads - 1) / threads, run = std::max<int64_t>(1, share / kRunsPerShare);
+  std::vector<ClaimedShare> shares(threads);
+  for (int64_t t = 0; t < threads; ++t) shares[t].reset(std::min(items, t * share), std::min(items, (t + 1) * share));
+  parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    int64_t begin, end;
+    for (int64_t t = first; t < last; ++t) {
+      while (shares[t].claim(run, false, &begin, &end)) f(begin, end);
+    }
+    for (int64_t t = 0; t < threads; ++t) {
+      while (shares[(last + t) % threads].claim(run, true, &begin, &end)) f(begin, end);
+    }
+  });
+}
 }  // namespace conveyor
