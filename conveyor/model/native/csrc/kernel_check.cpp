@@ -16,6 +16,7 @@
 // The weights are random bytes in each layout (scales kept finite), which the kernels read like any other.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -25,6 +26,7 @@
 #include <new>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attention.h"
@@ -291,6 +293,37 @@ void test_attention(std::mt19937& rng) {
   }
 }
 
+// claim_runs visits every item once, for any count of items and threads; and a thread slowed in its share (each
+// of thread 0's items takes 200 us) leaves part of it to the other, who takes it from the back.
+void test_claim_runs() {
+#if defined(_OPENMP)
+  const int threads = omp_get_max_threads();
+  for (const int use : {1, 2, 3, 4}) {
+    omp_set_num_threads(use);
+    for (const int64_t items : {0, 1, 2, 3, 7, 8, 9, 63, 64, 65, 1000}) {
+      std::vector<std::atomic<int>> visits(items);
+      conveyor::claim_runs(items, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) visits[i].fetch_add(1);
+      });
+      bool once = true;
+      for (const auto& count : visits) once = once && count.load() == 1;
+      expect(once, "claim_runs over " + std::to_string(items) + " items on " + std::to_string(use) +
+                       " threads visits some item other than once");
+    }
+  }
+  omp_set_num_threads(2);
+  std::atomic<int64_t> by_second{0};
+  conveyor::claim_runs(64, [&](int64_t begin, int64_t end) {
+    if (omp_get_thread_num() == 0) std::this_thread::sleep_for(std::chrono::microseconds(200 * (end - begin)));
+    if (omp_get_thread_num() == 1) by_second.fetch_add(end - begin);
+  });
+  expect(omp_get_max_threads() < 2 || by_second.load() > 32, "claim_runs: the idle thread took " +
+                                                                 std::to_string(by_second.load()) +
+                                                                 " of 64 items, none of the slow one's");
+  omp_set_num_threads(threads);
+#endif
+}
+
 int run_tests() {
   std::mt19937 rng(7);
   int cases = 0;
@@ -303,6 +336,7 @@ int run_tests() {
   }
   test_rows(rng);
   test_attention(rng);
+  test_claim_runs();
   std::printf("%d layout x kind cases (kinds: ", cases);
   for (const std::string& name : conveyor::quant_dots()) std::printf("%s ", name.c_str());
   std::printf("), threads %lld: %s\n", static_cast<long long>(conveyor::num_threads()),

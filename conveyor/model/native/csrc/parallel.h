@@ -132,4 +132,5 @@ inline void claim_runs(int64_t items, const F& f) {
     }
   });
 }
+
 }  // namespace conveyor
