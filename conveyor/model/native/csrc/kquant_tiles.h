@@ -298,7 +298,8 @@ inline void k_scale_bytes_256(const uint8_t* block, KScales256<K>& out) {
   out.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * Half)));
   if constexpr (K::kMins) {
     out.negative_dmin = _mm256_sub_ps(
-        _mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * Half))));
+        _mm256_setzero_ps(),
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * Half))));
   }
   if constexpr (K::kScales == KScales::kSixBitSigned) {
     six_bit_scales_256<K::kGroups, Half>(block + 32, reinterpret_cast<int8_t*>(out.sc));
@@ -401,14 +402,71 @@ template <typename K, bool Vnni>
 inline constexpr int kPerWiden =
     Vnni ? K::kGroup / 4 : std::min(K::kGroup / 4, 32767 / (2 * (kCentredSums<K, Vnni> ? 127 : K::kLargest) * 127));
 
+// Whether the half tile's rows run k_row_sums_asm: without VNNI, the layouts with no zero point to take off a group's
+// sums (Q4_K, Q5_K, Q2_K). The vpmaddwd that widens the int16 sums multiplies them by the sub-block scales too (an
+// int16 pair a lane), where vpmaddwd by ones and then vpmulld took two instructions of the two multiply pipes. The
+// same int32 sums: widened, a lane is at most 2 * 4 * 2 * 31 * 127 * 63 (Q5_K), and a group's at most twice that.
+template <typename K, bool Vnni>
+inline constexpr bool kAsmRows = !Vnni && K::kZero == 0 && !kCentredSums<K, Vnni>;
+
+// Product t (activations at + 0..3 against operand t) into register reg, or added to it through tmp.
+#define K_ASM_FIRST(reg, t, at) \
+  "vpbroadcastd " #at "(%[x]), %t[" #reg "]\n\tvpmaddubsw %t[" #reg "], %t[o" #t "], %t[" #reg "]\n\t"
+#define K_ASM_NEXT(reg, t, at)                                                           \
+  "vpbroadcastd " #at "(%[x]), %t[tmp]\n\tvpmaddubsw %t[tmp], %t[o" #t "], %t[tmp]\n\t" \
+  "vpaddw %t[tmp], %t[" #reg "], %t[" #reg "]\n\t"
+#define K_ASM_WIDEN "vpmaddwd %t[w], %t[part], %t[dot]\n\t"
+#define K_ASM_WIDEN_ADD "vpmaddwd %t[w], %t[part], %t[part]\n\tvpaddd %t[part], %t[dot], %t[dot]\n\t"
+#define K_ASM_OUT [dot] "=&x"(dot), [part] "=&x"(part), [part2] "=&x"(part2), [tmp] "=&x"(tmp)
+#define K_ASM_IN(ops)                                                                                          \
+  [x] "r"(xq), "m"(*reinterpret_cast<const int8_t(*)[4 * (ops)]>(xq)), [w] "x"(widen), [o0] "x"(operand[0]), \
+      [o1] "x"(operand[1]), [o2] "x"(operand[2]), [o3] "x"(operand[3])
+#define K_ASM_IN_8 K_ASM_IN(8), [o4] "x"(operand[4]), [o5] "x"(operand[5]), [o6] "x"(operand[6]), [o7] "x"(operand[7])
+
+// One row's sums against a group's Ops operands (4 activations each, from xq): vpmaddubsw's int16 pair sums added
+// up PerWiden at a time, each run widened by vpmaddwd with widen (the scales). In assembly because GCC, given the
+// same intrinsics, kept every product live and spilled. Q4_K's 8 products go into two chains of additions, where one
+// chain's latency showed (4 chains: no faster). bench/kernel_ab on a 2-core Zen 3 (weights from cache, one thread,
+// 4 rows, both builds in one process): Q4_K 10.2 -> 10.9 GB/s, Q5_K 10.5 -> 10.9 (from one pass), Q2_K 5.5 -> 5.9.
+template <int Ops, int PerWiden>
+inline __m256i k_row_sums_asm(const __m256i* operand, __m256i widen, const int8_t* xq) {
+  __m256i dot, part, part2, tmp;
+  if constexpr (Ops == 8 && PerWiden == 8) {
+    asm(K_ASM_FIRST(part, 0, 0) K_ASM_FIRST(part2, 1, 4) K_ASM_NEXT(part, 2, 8) K_ASM_NEXT(part2, 3, 12)
+            K_ASM_NEXT(part, 4, 16) K_ASM_NEXT(part2, 5, 20) K_ASM_NEXT(part, 6, 24) K_ASM_NEXT(part2, 7, 28)
+                "vpaddw %t[part2], %t[part], %t[part]\n\t" K_ASM_WIDEN
+        : K_ASM_OUT
+        : K_ASM_IN_8);
+  } else if constexpr (Ops == 8 && PerWiden == 4) {
+    asm(K_ASM_FIRST(part, 0, 0) K_ASM_NEXT(part, 1, 4) K_ASM_NEXT(part, 2, 8) K_ASM_NEXT(part, 3, 12) K_ASM_WIDEN
+            K_ASM_FIRST(part, 4, 16) K_ASM_NEXT(part, 5, 20) K_ASM_NEXT(part, 6, 24) K_ASM_NEXT(part, 7, 28)
+                K_ASM_WIDEN_ADD
+        : K_ASM_OUT
+        : K_ASM_IN_8);
+  } else {
+    static_assert(Ops == 4 && PerWiden == 4, "a group of 8 operands widened every 8 or 4, or of 4 widened once");
+    asm(K_ASM_FIRST(part, 0, 0) K_ASM_NEXT(part, 1, 4) K_ASM_NEXT(part, 2, 8) K_ASM_NEXT(part, 3, 12) K_ASM_WIDEN
+        : K_ASM_OUT
+        : K_ASM_IN(4));
+  }
+  return dot;
+}
+#undef K_ASM_FIRST
+#undef K_ASM_NEXT
+#undef K_ASM_WIDEN
+#undef K_ASM_WIDEN_ADD
+#undef K_ASM_OUT
+#undef K_ASM_IN
+#undef K_ASM_IN_8
+
 // One group's integer sums sum(code * xq) for Rows rows against one half of the tile (8 outputs, int32 lanes),
-// less the zero point's share where kCentredSums.
+// less the zero point's share where kCentredSums; where kAsmRows, times the group's scales sc already.
 // Without VNNI vpmaddubsw's int16 pair sums are added up while they fit (a pair is at most 2 * 63 * 127 for Q6_K,
 // 2 * 31 * 127 for Q5_K) before one vpmaddwd widens them; IQ4_XS's levels go through it as quant_tiles.h's
 // group_sums_256 takes IQ4_NL's (signed, as magnitudes, the signs moved onto the activations).
 template <typename K, int Half, int Rows, bool Vnni>
 inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group, const uint8_t* block, int g,
-                             __m256i* sum) {
+                             __m256i sc, __m256i* sum) {
   constexpr bool kSigned = kCentredSums<K, Vnni>;  // the levels less 128, as magnitudes and signs
   const __m256i ones = _mm256_set1_epi16(1);
   const auto xq = [&](int r, int input) {
@@ -426,6 +484,14 @@ inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group,
   }
   constexpr int per_widen = kPerWiden<K, Vnni>;
   static_assert(K::kGroup / 4 % per_widen == 0, "the widenings split a group evenly");
+  if constexpr (kAsmRows<K, Vnni>) {
+    const __m256i widen = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sc, 16));
+#pragma GCC unroll 4
+    for (int r = 0; r < Rows; ++r) {
+      sum[r] = k_row_sums_asm<K::kGroup / 4, per_widen>(operand, widen, x.q + (row + r) * x.k + group * K::kGroup);
+    }
+    return;
+  }
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) {
     __m256i total = _mm256_setzero_si256(), part = _mm256_setzero_si256();
@@ -455,6 +521,13 @@ inline __m256i k_scaled_group_256(const QuantizedRows& x, int64_t row, int64_t g
   return _mm256_add_epi32(sum, _mm256_mullo_epi32(dot, sc));
 }
 
+// f(std::integral_constant<int, I>{}) for each I of the sequence, in order: a loop whose index is a constant
+// (the operands' shifts are), however large its body.
+template <typename F, int... I>
+inline void for_each_index(const F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
 // Super-block b's integer sums of Rows rows against one half of the tile into the rows' float outputs: the mins'
 // share (one vpmaddwd a row for two sub-blocks), then k_block_output's three float operations, lane by lane.
 template <typename K, int Half, int Rows>
@@ -462,17 +535,29 @@ inline void k_block_outputs_256(const QuantizedRows& x, int64_t row, int64_t b, 
                                 const KScales256<K>& unpacked, const __m256i* sums, __m256* acc) {
   [[maybe_unused]] __m256i mins[Rows];
   if constexpr (K::kMins) {
+    static_assert(K::kGroups % 8 == 0, "whole vectors of sub-block sums");
+    // Each row's activation sums of the block as int16 pairs, 4 pairs to a vector in both 128-bit lanes (one
+    // vpshufd then puts pair p in every lane), where forming each pair in scalar registers took 5 instructions.
+    __m256i xpairs[Rows][K::kGroups / 8];
 #pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) mins[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int p = 0; p < K::kGroups / 2; ++p) {
+    for (int r = 0; r < Rows; ++r) {
+      const int32_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups;
+#pragma GCC unroll 2
+      for (int j = 0; j < K::kGroups / 8; ++j) {
+        const __m128i* at = reinterpret_cast<const __m128i*>(xsums + 8 * j);
+        xpairs[r][j] = _mm256_broadcastsi128_si256(_mm_packs_epi32(_mm_loadu_si128(at), _mm_loadu_si128(at + 1)));
+      }
+      mins[r] = _mm256_setzero_si256();
+    }
+    for_each_index([&](auto index) {
+      constexpr int p = decltype(index)::value;
       const __m256i pair = k_min_pair_256<K, Half>(block, unpacked, p);
 #pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
-        const int32_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups + 2 * p;
-        mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(pair, _mm256_set1_epi32(sum_pair(xsums))));
+        const __m256i xpair = _mm256_shuffle_epi32(xpairs[r][p / 4], (p % 4) * 0x55);
+        mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(pair, xpair));
       }
-    }
+    }, std::make_integer_sequence<int, K::kGroups / 2>{});
   }
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) {
@@ -482,10 +567,10 @@ inline void k_block_outputs_256(const QuantizedRows& x, int64_t row, int64_t b, 
   }
 }
 
-// One half of the tile for 3 or 4 rows (without VNNI of Q4_K and Q2_K only: kStreamAtFourRows) (the rows' sums and a
-// group's operands fill the registers); the tile takes two passes, the second finding the tile's bytes in L1. The half
-// is a template argument: left to the compiler to propagate, the generic planes' addressing stopped it doing so, and
-// Q5_K and Q6_K ran 6-13% slower at one row. The arithmetic is k_tile_vnni512's, 8 lanes at a time.
+// One half of the tile for 3 or 4 rows (without VNNI of Q4_K, Q5_K and Q2_K only: kStreamAtFourRows) (the rows'
+// sums and a group's operands fill the registers); the tile takes two passes, the second finding the tile's bytes in
+// L1. The half is a template argument: left to the compiler to propagate, the generic planes' addressing stopped it
+// doing so, and Q5_K and Q6_K ran 6-13% slower at one row. The arithmetic is k_tile_vnni512's, 8 lanes at a time.
 template <typename K, int Half, int Rows, bool Vnni>
 void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
   __m256 acc[Rows];
@@ -502,23 +587,19 @@ void k_half_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, fl
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
       if constexpr (Half == 0) k_prefetch_group_ahead<K, false>(block, g);  // the second half finds the tile in L1
-      __m256i dot[Rows];
-      k_group_sums_256<K, Half, Rows, Vnni>(x, row, group, block, g, dot);
       const __m256i sc = k_group_scales_256<K, Half>(block, unpacked, g);
+      __m256i dot[Rows];
+      k_group_sums_256<K, Half, Rows, Vnni>(x, row, group, block, g, sc, dot);
 #pragma GCC unroll 4
-      for (int r = 0; r < Rows; ++r) sums[r] = k_scaled_group_256<K, Vnni>(x, row + r, group, dot[r], sc, sums[r]);
+      for (int r = 0; r < Rows; ++r) {
+        sums[r] = kAsmRows<K, Vnni> ? _mm256_add_epi32(sums[r], dot[r])
+                                    : k_scaled_group_256<K, Vnni>(x, row + r, group, dot[r], sc, sums[r]);
+      }
     }
     k_block_outputs_256<K, Half, Rows>(x, row, b, block, unpacked, sums, acc);
   }
 #pragma GCC unroll 4
   for (int r = 0; r < Rows; ++r) store_outputs_256(y + r * ldy, acc[r], cols);
-}
-
-// f(std::integral_constant<int, I>{}) for each I of the sequence, in order: a loop whose index is a constant
-// (the operands' shifts are), however large its body.
-template <typename F, int... I>
-inline void for_each_index(const F& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
 }
 
 // One or two rows (and 3-4 of the layouts kStreamAtFourRows names) against the whole tile in one pass: each broadcast
@@ -594,15 +675,17 @@ void k_stream_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, 
   }
 }
 
-// Whether 3-4 rows also take the one-pass kernel: where forming an operand takes a high plane or levels (Q5_K,
-// Q6_K, Q3_K, IQ4_XS). The half-tile kernel forms a group's 8 operands (and IQ4_XS's 8 signs) before its rows use
-// them, more than the registers hold; the one-pass kernel forms each as its rows need it. bench/kernel_ab on a
-// 2-core Zen 3, weights from cache, one thread, both builds in one process: at 4 rows Q6_K 11.9 -> 13.0 GB/s,
-// IQ4_XS 6.4 -> 7.2, Q3_K 6.2 -> 6.3, Q5_K 10.9 -> 10.7; at 3 rows Q6_K 8.7 -> 9.3, IQ4_XS 4.9 -> 5.3, Q3_K 7.6 ->
-// 8.3. Q4_K and Q2_K stay with the half tile: one pass took them at 4 rows from 10.2 to 9.6 and 5.6 to 5.3.
+// Whether 3-4 rows also take the one-pass kernel: without VNNI, the layouts the half tile's assembly rows do not take
+// (Q6_K, Q3_K and IQ4_XS: a zero point or signed levels), where forming an operand takes a high plane or levels. The
+// half-tile kernel forms a group's 8 operands (and IQ4_XS's 8 signs) before its rows use them; the one-pass kernel
+// forms each as its rows need it, and serves both halves with a broadcast. bench/kernel_ab on a 2-core Zen 3,
+// weights from cache, one thread, both builds in one process, at 4 rows: Q6_K 11.9 -> 13.0 GB/s, IQ4_XS 6.4 -> 7.2,
+// Q3_K 6.2 -> 6.3; Q6_K's groups through the half tile's assembly rows (the zero point taken a block at a time) or a
+// both-halves form of it (8 operands a group) ran 9% and 15% slower than one pass. Q5_K, one pass at 4 rows before
+// the assembly rows, now takes the half tile (4 rows: 10.5 -> 10.9 GB/s).
 // Without VNNI only: the AVX-VNNI build was not timed.
 template <typename K, bool Vnni>
-inline constexpr bool kStreamAtFourRows = !Vnni && (K::kHighBits > 0 || K::kLevels);
+inline constexpr bool kStreamAtFourRows = !Vnni && !kAsmRows<K, Vnni>;
 
 template <typename K, int Rows, bool Vnni>
 void k_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, float* y, int64_t ldy, int64_t cols) {
