@@ -427,7 +427,7 @@ inline constexpr bool kAsmRows = !Vnni && K::kZero == 0 && !kCentredSums<K, Vnni
 // up PerWiden at a time, each run widened by vpmaddwd with widen (the scales). In assembly because GCC, given the
 // same intrinsics, kept every product live and spilled. Q4_K's 8 products go into two chains of additions, where one
 // chain's latency showed (4 chains: no faster). bench/kernel_ab on a 2-core Zen 3 (weights from cache, one thread,
-// 4 rows, both builds in one process): Q4_K 10.2 -> 10.9 GB/s, Q5_K 10.5 -> 10.9 (from one pass), Q2_K 5.5 -> 5.9.
+// 4 rows, both builds in one process): Q4_K 10.2 -> 10.9 GB/s, Q5_K 10.8 -> 11.2 (from one pass), Q2_K 5.6 -> 5.8.
 template <int Ops, int PerWiden>
 inline __m256i k_row_sums_asm(const __m256i* operand, __m256i widen, const int8_t* xq) {
   __m256i dot, part, part2, tmp;
@@ -681,8 +681,8 @@ void k_stream_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, 
 // forms each as its rows need it, and serves both halves with a broadcast. bench/kernel_ab on a 2-core Zen 3,
 // weights from cache, one thread, both builds in one process, at 4 rows: Q6_K 11.9 -> 13.0 GB/s, IQ4_XS 6.4 -> 7.2,
 // Q3_K 6.2 -> 6.3; Q6_K's groups through the half tile's assembly rows (the zero point taken a block at a time) or a
-// both-halves form of it (8 operands a group) ran 9% and 15% slower than one pass. Q5_K, one pass at 4 rows before
-// the assembly rows, now takes the half tile (4 rows: 10.5 -> 10.9 GB/s).
+// both-halves form of it (8 operands a group) ran 9% and 15% slower than one pass. Q5_K, one pass at 3-4 rows before
+// the assembly rows, now takes the half tile (4 rows: 10.8 -> 11.2 GB/s; 3 rows: 13.9 -> 13.6).
 // Without VNNI only: the AVX-VNNI build was not timed.
 template <typename K, bool Vnni>
 inline constexpr bool kStreamAtFourRows = !Vnni && !kAsmRows<K, Vnni>;
