@@ -459,54 +459,35 @@ inline __m256i k_row_sums_asm(const __m256i* operand, __m256i widen, const int8_
 #undef K_ASM_IN
 #undef K_ASM_IN_8
 
-// One group's integer sums sum(code * xq) for Rows rows against one half of the tile (8 outputs, int32 lanes),
-// less the zero point's share where kCentredSums; where kAsmRows, times the group's scales sc already.
-// Without VNNI vpmaddubsw's int16 pair sums are added up while they fit (a pair is at most 2 * 63 * 127 for Q6_K,
-// 2 * 31 * 127 for Q5_K) before one vpmaddwd widens them; IQ4_XS's levels go through it as quant_tiles.h's
-// group_sums_256 takes IQ4_NL's (signed, as magnitudes, the signs moved onto the activations).
+// One group's integer sums sum(code * xq) for Rows rows against one half of the tile (8 outputs, int32 lanes): with
+// VNNI by vpdpbusd (IQ4_XS's levels as unsigned bytes, their 128 taken off with the zero point); without, by
+// k_row_sums_asm, times the group's scales sc already (kAsmRows: the other layouts take the one-pass kernel at 3-4
+// rows, kStreamAtFourRows).
 template <typename K, int Half, int Rows, bool Vnni>
 inline void k_group_sums_256(const QuantizedRows& x, int64_t row, int64_t group, const uint8_t* block, int g,
                              __m256i sc, __m256i* sum) {
-  constexpr bool kSigned = kCentredSums<K, Vnni>;  // the levels less 128, as magnitudes and signs
-  const __m256i ones = _mm256_set1_epi16(1);
-  const auto xq = [&](int r, int input) {
-    return _mm256_set1_epi32(load_i32(x.q + (row + r) * x.k + group * K::kGroup + input));
-  };
+  static_assert(Vnni || kAsmRows<K, Vnni>, "without VNNI the half tile takes only the assembly rows' layouts");
   __m256i operand[K::kGroup / 4];
-  [[maybe_unused]] __m256i sign[K::kGroup / 4];
   k_codes_256<K, Half>(block, g, operand);
   if constexpr (K::kLevels) {
 #pragma GCC unroll 8
-    for (int t = 0; t < K::kGroup / 4; ++t) {
-      operand[t] = levels_256<kSigned>(operand[t]);
-      if constexpr (kSigned) sign[t] = operand[t], operand[t] = _mm256_abs_epi8(operand[t]);
-    }
+    for (int t = 0; t < K::kGroup / 4; ++t) operand[t] = levels_256<false>(operand[t]);
   }
-  constexpr int per_widen = kPerWiden<K, Vnni>;
-  static_assert(K::kGroup / 4 % per_widen == 0, "the widenings split a group evenly");
+  const auto xq = [&](int r) { return x.q + (row + r) * x.k + group * K::kGroup; };
   if constexpr (kAsmRows<K, Vnni>) {
     const __m256i widen = _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(sc, 16));
 #pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) {
-      sum[r] = k_row_sums_asm<K::kGroup / 4, per_widen>(operand, widen, x.q + (row + r) * x.k + group * K::kGroup);
-    }
-    return;
-  }
+    for (int r = 0; r < Rows; ++r) sum[r] = k_row_sums_asm<K::kGroup / 4, kPerWiden<K, Vnni>>(operand, widen, xq(r));
+  } else {
 #pragma GCC unroll 4
-  for (int r = 0; r < Rows; ++r) {
-    __m256i total = _mm256_setzero_si256(), part = _mm256_setzero_si256();
+    for (int r = 0; r < Rows; ++r) {
+      __m256i part = _mm256_setzero_si256();
 #pragma GCC unroll 8
-    for (int t = 0; t < K::kGroup / 4; ++t) {
-      const __m256i activations = kSigned ? _mm256_sign_epi8(xq(r, 4 * t), sign[t]) : xq(r, 4 * t);
-      part = k_dot<Vnni>(part, operand[t], activations);
-      if constexpr (!Vnni) {
-        if ((t + 1) % per_widen == 0) {
-          total = _mm256_add_epi32(total, _mm256_madd_epi16(part, ones));
-          part = _mm256_setzero_si256();
-        }
+      for (int t = 0; t < K::kGroup / 4; ++t) {
+        part = k_dot<Vnni>(part, operand[t], _mm256_set1_epi32(load_i32(xq(r) + 4 * t)));
       }
+      sum[r] = part;
     }
-    sum[r] = Vnni ? part : total;
   }
 }
 
