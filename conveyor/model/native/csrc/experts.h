@@ -148,7 +148,7 @@ inline bool one_quant_form(const ExpertMatrix* w, int64_t experts) {
 inline QuantizedRows gather_quantized_rows(const QuantizedRows& xq, const std::vector<int64_t>& rows) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d, d_sums;
-  thread_local std::vector<int32_t> sums;
+  thread_local std::vector<int16_t> sums;
   const int64_t total = static_cast<int64_t>(rows.size()), k = xq.k, groups = xq.groups, spans = xq.spans;
   q.resize(total * k);
   d.resize(total * spans);
@@ -157,13 +157,13 @@ inline QuantizedRows gather_quantized_rows(const QuantizedRows& xq, const std::v
   // The buffers' own pointers: in the workers' threads the names are other (empty) buffers.
   int8_t* qp = q.data();
   float *dp = d.data(), *dsp = d_sums.data();
-  int32_t* sp = sums.data();
+  int16_t* sp = sums.data();
   parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t from = rows[i];
       std::memcpy(qp + i * k, xq.q + from * k, k);
       std::memcpy(dp + i * spans, xq.d + from * spans, sizeof(float) * spans);
-      std::memcpy(sp + i * groups, xq.sums + from * groups, sizeof(int32_t) * groups);
+      std::memcpy(sp + i * groups, xq.sums + from * groups, sizeof(int16_t) * groups);
       std::memcpy(dsp + i * groups, xq.d_sums + from * groups, sizeof(float) * groups);
     }
   });

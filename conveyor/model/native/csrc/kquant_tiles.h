@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -235,9 +236,11 @@ inline void k_prefetch_group_ahead(const uint8_t* block, int g) {
   }
 }
 
-// Two sub-blocks' activation sums (|sum| <= 32 * 127) as one int16 pair, for vpdpwssd or vpmaddwd.
-inline int32_t sum_pair(const int32_t* sums) {
-  return static_cast<int32_t>((static_cast<uint32_t>(sums[0]) & 0xffffu) | (static_cast<uint32_t>(sums[1]) << 16));
+// Two sub-blocks' activation sums as one int16 pair, for vpdpwssd or vpmaddwd (a broadcast from memory).
+inline int32_t sum_pair(const int16_t* sums) {
+  int32_t pair;
+  std::memcpy(&pair, sums, sizeof(pair));
+  return pair;
 }
 
 // Where sub-block g's 16 bytes (one a row) lie in the buffer the 512-bit scale unpacking writes: per 8
@@ -285,7 +288,9 @@ inline void six_bit_scales_256(const uint8_t* scales, int8_t* out) {
 }
 
 // A block's sub-block scales (and mins) of one half of the tile (outputs 8 * Half ..), unpacked once a block to
-// bytes, 8 a group (Q6_K and Q2_K read theirs from the header as they are), and d (and -dmin) as float32.
+// bytes, 8 a group (Q6_K and Q2_K read theirs from the header as they are), and d (and -dmin) as float32. The
+// mins' bytes go in pairs of sub-blocks, each output's two side by side, so that widening 16 of them to int16 is
+// k_min_pair_256's operand whole.
 template <typename K>
 struct KScales256 {
   __m256 d, negative_dmin;
@@ -309,6 +314,8 @@ inline void k_scale_bytes_256(const uint8_t* block, KScales256<K>& out) {
     const auto load = [&](int64_t offset, int part) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + offset + 32 * part));
     };
+    // In each 128-bit lane (two sub-blocks' 8 bytes) the first's and the second's bytes interleaved.
+    const __m256i pairs = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
 #pragma GCC unroll 2
     for (int part = 0; part < 2; ++part) {
       const __m256i hi = load(192, part);
@@ -318,7 +325,8 @@ inline void k_scale_bytes_256(const uint8_t* block, KScales256<K>& out) {
       const __m256i sc_hi = _mm256_and_si256(Half ? _mm256_slli_epi16(hi, 2) : _mm256_slli_epi16(hi, 4), top);
       const __m256i m_hi = _mm256_and_si256(Half ? _mm256_srli_epi16(hi, 2) : hi, top);
       _mm256_store_si256(reinterpret_cast<__m256i*>(out.sc + 32 * part), _mm256_or_si256(sc_lo, sc_hi));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(out.m + 32 * part), _mm256_or_si256(m_lo, m_hi));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(out.m + 32 * part),
+                         _mm256_shuffle_epi8(_mm256_or_si256(m_lo, m_hi), pairs));
     }
   }
 }
@@ -335,19 +343,17 @@ inline __m256i k_group_scales_256(const uint8_t* block, const KScales256<K>& t, 
   return _mm256_cvtepu8_epi32(eight(t.sc + 8 * g));
 }
 
-// Sub-blocks 2p's and 2p + 1's mins of the half's 8 outputs as int16 pairs, one pair a lane (vpmaddwd's operand).
+// Sub-blocks 2p's and 2p + 1's mins of the half's 8 outputs as int16 pairs, one pair a lane (vpmaddwd's operand):
+// 16 bytes, each output's two side by side, widened. Q2_K's are its header's high nibbles, interleaved here.
 template <typename K, int Half>
 inline __m256i k_min_pair_256(const uint8_t* block, const KScales256<K>& t, int p) {
-  const auto eight = [](const void* at) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)); };
-  __m256i even, odd;
   if constexpr (K::kScales == KScales::kNibbleMins) {
-    even = _mm256_srli_epi32(_mm256_cvtepu8_epi32(eight(block + 64 + 32 * p + 8 * Half)), 4);
-    odd = _mm256_srli_epi32(_mm256_cvtepu8_epi32(eight(block + 80 + 32 * p + 8 * Half)), 4);
+    const auto eight = [](const void* at) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)); };
+    const __m128i both = _mm_unpacklo_epi8(eight(block + 64 + 32 * p + 8 * Half), eight(block + 80 + 32 * p + 8 * Half));
+    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(both, 4), _mm_set1_epi8(15)));
   } else {
-    even = _mm256_cvtepu8_epi32(eight(t.m + 16 * p));
-    odd = _mm256_cvtepu8_epi32(eight(t.m + 16 * p + 8));
+    return _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(t.m + 16 * p)));
   }
-  return _mm256_or_si256(even, _mm256_slli_epi32(odd, 16));
 }
 
 // Group g's high plane of one half of the tile (Q5_K, Q6_K, Q3_K), shifted to where the group's bits start.
@@ -516,26 +522,15 @@ inline void k_block_outputs_256(const QuantizedRows& x, int64_t row, int64_t b, 
                                 const KScales256<K>& unpacked, const __m256i* sums, __m256* acc) {
   [[maybe_unused]] __m256i mins[Rows];
   if constexpr (K::kMins) {
-    static_assert(K::kGroups % 8 == 0, "whole vectors of sub-block sums");
-    // Each row's activation sums of the block as int16 pairs, 4 pairs to a vector in both 128-bit lanes (one
-    // vpshufd then puts pair p in every lane), where forming each pair in scalar registers took 5 instructions.
-    __m256i xpairs[Rows][K::kGroups / 8];
 #pragma GCC unroll 4
-    for (int r = 0; r < Rows; ++r) {
-      const int32_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups;
-#pragma GCC unroll 2
-      for (int j = 0; j < K::kGroups / 8; ++j) {
-        const __m128i* at = reinterpret_cast<const __m128i*>(xsums + 8 * j);
-        xpairs[r][j] = _mm256_broadcastsi128_si256(_mm_packs_epi32(_mm_loadu_si128(at), _mm_loadu_si128(at + 1)));
-      }
-      mins[r] = _mm256_setzero_si256();
-    }
+    for (int r = 0; r < Rows; ++r) mins[r] = _mm256_setzero_si256();
     for_each_index([&](auto index) {
       constexpr int p = decltype(index)::value;
       const __m256i pair = k_min_pair_256<K, Half>(block, unpacked, p);
 #pragma GCC unroll 4
       for (int r = 0; r < Rows; ++r) {
-        const __m256i xpair = _mm256_shuffle_epi32(xpairs[r][p / 4], (p % 4) * 0x55);
+        // Sub-blocks 2p's and 2p + 1's activation sums, an int16 pair read from memory by the broadcast.
+        const __m256i xpair = _mm256_set1_epi32(sum_pair(x.sums + (row + r) * x.groups + b * K::kGroups + 2 * p));
         mins[r] = _mm256_add_epi32(mins[r], _mm256_madd_epi16(pair, xpair));
       }
     }, std::make_integer_sequence<int, K::kGroups / 2>{});
@@ -855,7 +850,7 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
         const __m512i pair = k_min_pair_512<K>(block, unpacked, p);
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
-          const int32_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups + 2 * p;
+          const int16_t* xsums = x.sums + (row + r) * x.groups + b * K::kGroups + 2 * p;
           mins[r] = _mm512_dpwssd_epi32(mins[r], pair, _mm512_set1_epi32(sum_pair(xsums)));
         }
       }

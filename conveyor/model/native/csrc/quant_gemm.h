@@ -233,7 +233,7 @@ inline QuantWeight join_quant_weights(const std::vector<QuantWeight>& parts) {
 // all zero), and each group's code sum. In float32 throughout, so that the Python reference
 // (quant_formats.quantize_activations) rounds alike: the product is rounded to float first, then to an integer
 // (never fused into one rounding).
-inline void quantize_span(const float* x, int64_t span, int64_t group, int8_t* q, float* d, int32_t* sums) {
+inline void quantize_span(const float* x, int64_t span, int64_t group, int8_t* q, float* d, int16_t* sums) {
 #if defined(CONVEYOR_AVX2)
   // A step runs over a hundred of these per row; scalar nearbyint cost a tenth of a batch-1 step.
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -258,7 +258,7 @@ inline void quantize_span(const float* x, int64_t span, int64_t group, int8_t* q
     _mm256_store_si256(reinterpret_cast<__m256i*>(lane_sums), total);
     int32_t sum = 0;
     for (const int32_t lane : lane_sums) sum += lane;
-    sums[g / group] = sum;
+    sums[g / group] = static_cast<int16_t>(sum);
   }
 #else
   float amax = 0.f;
@@ -273,7 +273,7 @@ inline void quantize_span(const float* x, int64_t span, int64_t group, int8_t* q
       q[i] = static_cast<int8_t>(v);
       total += v;
     }
-    sums[g / group] = total;
+    sums[g / group] = static_cast<int16_t>(total);
   }
 #endif
 }
@@ -283,7 +283,7 @@ inline void quantize_span(const float* x, int64_t span, int64_t group, int8_t* q
 inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t group, int64_t span) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
-  thread_local std::vector<int32_t> sums;
+  thread_local std::vector<int16_t> sums;
   thread_local std::vector<float> d_sums;
   CONVEYOR_CHECK(span % group == 0 && k % span == 0, "activations of ", k, " inputs in spans of ", span,
                  " and groups of ", group);
@@ -296,7 +296,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t
   }
   int8_t* qp = q.data();
   float* dp = d.data();
-  int32_t* sp = sums.data();
+  int16_t* sp = sums.data();
   float* dsp = d_sums.data();
   parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
