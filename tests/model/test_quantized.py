@@ -103,12 +103,16 @@ def test_activations_are_quantized_as_the_reference_does(kernels) -> None:
     x[1, 32:64] = 0.0  # a zero group: step 0, codes 0
     x[3, 256:] = 0.0  # a zero super-block
     x[2, 5] = 127.5 * x[2, :32].max() / 127  # a tie at the rounding boundary is possible; it rounds to even
-    for group, span in [(16, 16), (32, 32), (16, 256), (32, 256)]:
+    x[4, :256] = 1.0  # a group of 256 codes of 127: the largest sum an int16 holds here, 32,512
+    for group, span in [(16, 16), (32, 32), (16, 256), (32, 256), (256, 256)]:
         q, d, sums = kernels.quantize_activations(torch.from_numpy(x), group, span)
         want_q, want_d, want_sums = quantize_activations(x, group, span)
         assert d.shape == (5, 512 // span) and sums.shape == (5, 512 // group)
         assert np.array_equal(q.numpy(), want_q) and np.array_equal(d.numpy(), want_d)
         assert np.array_equal(sums.numpy(), want_sums)
+    assert kernels.quantize_activations(torch.from_numpy(x), 256, 256)[2][4, 0] == 256 * 127
+    with pytest.raises(RuntimeError, match="code sums are int16"):
+        kernels.quantize_activations(torch.from_numpy(x), 512, 512)
 
 
 @pytest.mark.parametrize("type_name", sorted(SUPPORTED_TYPES))

@@ -287,6 +287,7 @@ inline QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k, int64_t
   thread_local std::vector<float> d_sums;
   CONVEYOR_CHECK(span % group == 0 && k % span == 0, "activations of ", k, " inputs in spans of ", span,
                  " and groups of ", group);
+  CONVEYOR_CHECK(group * 127 <= INT16_MAX, "groups of ", group, " inputs: their code sums are int16 (at most 258)");
   const int64_t groups = k / group, spans = k / span, per_span = span / group;
   if (static_cast<int64_t>(q.size()) < m * k) q.resize(m * k);
   if (static_cast<int64_t>(sums.size()) < m * groups) {
