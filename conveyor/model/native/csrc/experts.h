@@ -102,8 +102,9 @@ struct ExpertMatrix {
 inline constexpr int64_t kTileCost = 9;
 
 // Runs pass(tile, row, rows, expert) over every tile of every expert with rows, each expert's rows in passes of
-// at most max_rows (row: the first of them, in the grouped rows), the items split over the threads into runs
-// of equal cost, kTileCost + 2 rows each, expert by expert.
+// at most max_rows (row: the first of them, in the grouped rows), the items split over the threads into shares
+// of equal cost, kTileCost + 2 rows each, expert by expert; a thread done with its share takes runs from the back
+// of the other's (claim_runs_in), where with fixed shares it waited for it.
 template <typename Pass>
 void for_each_expert_tile(const ExpertGroups& groups, int64_t tiles, int64_t max_rows, const Pass& pass) {
   std::vector<int64_t> active;
@@ -114,14 +115,14 @@ void for_each_expert_tile(const ExpertGroups& groups, int64_t tiles, int64_t max
   std::vector<int64_t> cost(items + 1, 0);  // cost[i]: of the items before i
   for (int64_t i = 0; i < items; ++i) cost[i + 1] = cost[i] + kTileCost + 2 * groups.count(active[i / tiles]);
   const int64_t threads = std::max<int64_t>(1, std::min(num_threads(), items));
-  parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const auto first = std::lower_bound(cost.begin(), cost.end(), cost.back() * t / threads) - cost.begin();
-      const auto last = std::lower_bound(cost.begin(), cost.end(), cost.back() * (t + 1) / threads) - cost.begin();
-      for (int64_t item = first; item < last; ++item) {
-        const int64_t expert = active[item / tiles], at = groups.offsets[expert], m = groups.count(expert);
-        for (int64_t row = 0; row < m; row += max_rows) pass(item % tiles, at + row, std::min(max_rows, m - row), expert);
-      }
+  std::vector<int64_t> bounds(threads + 1, items);
+  for (int64_t t = 0; t < threads; ++t) {
+    bounds[t] = std::lower_bound(cost.begin(), cost.end(), cost.back() * t / threads) - cost.begin();
+  }
+  claim_runs_in(bounds, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t expert = active[item / tiles], at = groups.offsets[expert], m = groups.count(expert);
+      for (int64_t row = 0; row < m; row += max_rows) pass(item % tiles, at + row, std::min(max_rows, m - row), expert);
     }
   });
 }

@@ -111,26 +111,42 @@ class ClaimedShare {
   std::atomic<uint64_t> bounds_{0};
 };
 
+// claim_runs with the threads' shares given: thread t owns items [bounds[t], bounds[t + 1]) (bounds[0] = 0, the
+// last bound the item count), each taken in about kRunsPerShare runs; shares of unequal length suit items of
+// unequal cost (for_each_expert_tile's).
 template <typename F>
-inline void claim_runs(int64_t items, const F& f) {
-  const int64_t threads = std::min(num_threads(), items);
+inline void claim_runs_in(const std::vector<int64_t>& bounds, const F& f) {
+  const int64_t threads = static_cast<int64_t>(bounds.size()) - 1, items = bounds.back();
   if (threads <= 1) {
     if (items > 0) f(0, items);
     return;
   }
   CONVEYOR_CHECK(items < (int64_t{1} << 31), "too many work items to share out: ", items);
-  const int64_t share = (items + threads - 1) / threads, run = std::max<int64_t>(1, share / kRunsPerShare);
   std::vector<ClaimedShare> shares(threads);
-  for (int64_t t = 0; t < threads; ++t) shares[t].reset(std::min(items, t * share), std::min(items, (t + 1) * share));
+  std::vector<int64_t> runs(threads);
+  for (int64_t t = 0; t < threads; ++t) {
+    shares[t].reset(bounds[t], bounds[t + 1]);
+    runs[t] = std::max<int64_t>(1, (bounds[t + 1] - bounds[t]) / kRunsPerShare);
+  }
   parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     int64_t begin, end;
     for (int64_t t = first; t < last; ++t) {
-      while (shares[t].claim(run, false, &begin, &end)) f(begin, end);
+      while (shares[t].claim(runs[t], false, &begin, &end)) f(begin, end);
     }
     for (int64_t t = 0; t < threads; ++t) {
-      while (shares[(last + t) % threads].claim(run, true, &begin, &end)) f(begin, end);
+      const int64_t other = (last + t) % threads;
+      while (shares[other].claim(runs[other], true, &begin, &end)) f(begin, end);
     }
   });
+}
+
+template <typename F>
+inline void claim_runs(int64_t items, const F& f) {
+  const int64_t threads = std::max<int64_t>(1, std::min(num_threads(), items));
+  const int64_t share = (items + threads - 1) / threads;
+  std::vector<int64_t> bounds(threads + 1);
+  for (int64_t t = 0; t <= threads; ++t) bounds[t] = std::min(items, t * share);
+  claim_runs_in(bounds, f);
 }
 
 }  // namespace conveyor
