@@ -315,7 +315,8 @@ inline void k_scale_bytes_256(const uint8_t* block, KScales256<K>& out) {
       return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + offset + 32 * part));
     };
     // In each 128-bit lane (two sub-blocks' 8 bytes) the first's and the second's bytes interleaved.
-    const __m256i pairs = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
+    const __m256i pairs =
+        _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15));
 #pragma GCC unroll 2
     for (int part = 0; part < 2; ++part) {
       const __m256i hi = load(192, part);
@@ -349,7 +350,8 @@ template <typename K, int Half>
 inline __m256i k_min_pair_256(const uint8_t* block, const KScales256<K>& t, int p) {
   if constexpr (K::kScales == KScales::kNibbleMins) {
     const auto eight = [](const void* at) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)); };
-    const __m128i both = _mm_unpacklo_epi8(eight(block + 64 + 32 * p + 8 * Half), eight(block + 80 + 32 * p + 8 * Half));
+    const __m128i both =
+        _mm_unpacklo_epi8(eight(block + 64 + 32 * p + 8 * Half), eight(block + 80 + 32 * p + 8 * Half));
     return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(both, 4), _mm_set1_epi8(15)));
   } else {
     return _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(t.m + 16 * p)));

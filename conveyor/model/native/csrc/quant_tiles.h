@@ -33,10 +33,11 @@ enum class QuantDot : int { kPortable = 0, kAvx2 = 1, kVnni256 = 2, kVnni512 = 3
 
 // m rows of k activations as int8 codes q [m, k] with one step d per span of inputs [m, spans], each group's
 // code sum [m, groups], and its span's d times it as a float (what a group's min multiplies: computed once per
-// group, not once per tile it meets). The code sums are int16 (a group of at most 32 codes sums to at most
-// 32 * 127): two neighbouring groups' sums are then one int32 pair that a broadcast reads from memory as it is,
-// the operand of the vpmaddwd or vpdpwssd that takes the super-block layouts' mins off. The uniform layouts' span is their group; the super-block layouts'
-// (kquant_tiles.h) is the super-block, 256 inputs, so that their sub-block scales apply to integer sums.
+// group, not once per tile it meets). The uniform layouts' span is their group; the super-block layouts'
+// (kquant_tiles.h) is the super-block, 256 inputs, so that their sub-block scales apply to integer sums. The code
+// sums are int16 (the kernels' groups are 16 or 32 codes, at most 32 * 127; quantize_rows refuses groups whose
+// sums could overflow): two neighbouring groups' sums are then one int32 pair that a broadcast reads from memory
+// as it is, the operand of the vpmaddwd or vpdpwssd that takes the super-block layouts' mins off.
 struct QuantizedRows {
   const int8_t* q;
   const float* d;
