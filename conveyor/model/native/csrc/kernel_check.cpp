@@ -27,6 +27,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "attention.h"
@@ -293,6 +294,31 @@ void test_attention(std::mt19937& rng) {
   }
 }
 
+// A share runs out in shrinking runs: its owner alone takes whole runs while more than two are left, then half of
+// what is left, down to one item; a thread helping it takes half of what is left, from the back.
+void test_claimed_share() {
+  conveyor::ClaimedShare share;
+  share.reset(0, 40);
+  std::vector<int64_t> sizes;
+  int64_t begin, end, next = 0;
+  while (share.claim(8, false, &begin, &end)) {
+    expect(begin == next, "ClaimedShare: the owner's runs skip or repeat items");
+    sizes.push_back(end - begin);
+    next = end;
+  }
+  expect(next == 40 && sizes == std::vector<int64_t>{8, 8, 8, 8, 4, 2, 1, 1},
+         "ClaimedShare: the owner's runs of 40 items are not 8, 8, 8, 8, 4, 2, 1, 1");
+  share.reset(0, 40);
+  const std::vector<std::pair<bool, std::pair<int64_t, int64_t>>> turns{
+      {true, {20, 40}}, {false, {0, 8}}, {true, {14, 20}}, {false, {8, 11}}, {true, {13, 14}}, {false, {11, 12}},
+      {true, {12, 13}}};
+  for (const auto& [stolen, run] : turns) {
+    expect(share.claim(8, stolen, &begin, &end) && begin == run.first && end == run.second,
+           "ClaimedShare: owner and thief took other runs than halves of what was left");
+  }
+  expect(!share.claim(8, true, &begin, &end), "ClaimedShare: items left after all 40 were taken");
+}
+
 // claim_runs visits every item once, for any count of items and threads; and a thread slowed in its share (each
 // of thread 0's items takes 200 us) leaves part of it to the other, who takes it from the back.
 void test_claim_runs() {
@@ -335,6 +361,7 @@ int run_tests() {
   }
   test_rows(rng);
   test_attention(rng);
+  test_claimed_share();
   test_claim_runs();
   std::printf("%d layout x kind cases (kinds: ", cases);
   for (const std::string& name : conveyor::quant_dots()) std::printf("%s ", name.c_str());
