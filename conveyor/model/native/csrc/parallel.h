@@ -122,8 +122,8 @@ class ClaimedShare {
 };
 
 // claim_runs with the threads' shares given: thread t owns items [bounds[t], bounds[t + 1]) (bounds[0] = 0, the
-// last bound the item count), each taken in runs of up to a kRunsPerShare-th of it; shares of unequal length suit items of
-// unequal cost (for_each_expert_tile's).
+// last bound the item count), each taken in runs of up to a kRunsPerShare-th of it; shares of unequal length suit
+// items of unequal cost (for_each_expert_tile's).
 template <typename F>
 inline void claim_runs_in(const std::vector<int64_t>& bounds, const F& f) {
   const int64_t threads = static_cast<int64_t>(bounds.size()) - 1, items = bounds.back();
