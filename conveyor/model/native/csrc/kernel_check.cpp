@@ -294,8 +294,8 @@ void test_attention(std::mt19937& rng) {
   }
 }
 
-// A share runs out in shrinking runs: its owner alone takes whole runs while more than two are left, then half of
-// what is left, down to one item; a thread helping it takes half of what is left, from the back.
+// A share runs out in shrinking runs: its owner alone takes whole runs while two or more runs' worth are left,
+// then half of what is left, down to one item; a thread helping it takes half of what is left, from the back.
 void test_claimed_share() {
   conveyor::ClaimedShare share;
   share.reset(0, 40);

@@ -91,7 +91,8 @@ template <typename... Args>
 // the other nothing, and the one that finished first waited for the other 68 us a GEMV on average (one request,
 // both threads' finishing times taken in claim_runs_in), 12 us with halving runs. Decode steps, one process
 // alternating the two every 5 steps, 2-core Zen 3: one request of the 8B shape 2.4% faster (80 turns; 1.9% and
-// -0.6% over 40 and 25), 8 at once 0.6%, the OLMoE shape at 16 at once 2.2%.
+// -0.6% over 40 and 25; an earlier trial of a near rule, the owner taking a quarter, read 1.004x over 30), 8 at
+// once 0.6%, the OLMoE shape at 16 at once 2.2%: gains near the host's noise, the shorter wait measured directly.
 constexpr int64_t kRunsPerShare = 8;
 
 // A share's unclaimed items [front, back), packed in one word so that either end is claimed by one CAS.
