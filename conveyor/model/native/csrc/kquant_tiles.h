@@ -204,11 +204,19 @@ void k_tile_portable(const QuantizedRows& x, int64_t row, const KTileView& t, fl
 
 // Asks for bytes further on, group g's share of a block at a time (the whole block's lines asked for at once left
 // the stream as slow as not asking). A thread's tiles lie one after another, so "further on" runs into its next
-// tiles. At 1 or 2 rows (Stream) the kernel waits on memory, and asks for the block kBlocksAhead on, into L1
+// tiles. At 1 or 2 rows (Stream) the kernel waits on memory, and asks for the block BlocksAhead on, into L1
 // (prefetcht0), but where the hardware prefetcher does better alone (kHardwareStream). With more rows the kernel
 // computes longer per byte, and there the near requests into L1 cost the 8B-shaped file's decode of 8 requests 7%
 // (222 against 208 ms a step): those take 16 KiB ahead into L2.
-constexpr int64_t kBlocksAhead = 2;
+//
+// How far ahead a stream asks depends on the core. On a 2-core Zen 4 (512-bit kernels) 2 blocks ahead was the
+// fastest of 2, 3, 4, 6 and 8. On a 2-core Zen 3 (256-bit kernels) 1 block ahead (2,304 bytes of Q4_K, 3,360 of
+// Q6_K) beat 2: one request of the 8B-shaped file decoded 1.062x and 1.072x as fast (one process alternating the
+// two every 5 steps, 60 turns each), the OLMoE shape's 16 at once 1.011x; bench/kernel_ab at one row, four distinct
+// 57,344 x 4,096 weights from memory, 2 threads: Q4_K 26.9 -> 29.5 GB/s, Q6_K 26.9 -> 29.0. Half a block was slower
+// for Q6_K (25.4), a quarter slower for both.
+constexpr int64_t kBlocksAhead256 = 1;
+constexpr int64_t kBlocksAhead512 = 2;
 constexpr int64_t kBytesAhead = 16384;
 
 // Whether the 512-bit kernel at 1 or 2 rows leaves a layout to the hardware prefetcher: 4-bit codes in one plane
@@ -226,10 +234,12 @@ constexpr int64_t kBytesAhead = 16384;
 template <typename K>
 inline constexpr bool kHardwareStream = K::kHighBits == 0 && K::kLowBits == 4;
 
-template <typename K, bool Stream>
+// Stream: into L1, BlocksAhead blocks on; else into L2, kBytesAhead on.
+template <typename K, bool Stream, int64_t BlocksAhead = 0>
 inline void k_prefetch_group_ahead(const uint8_t* block, int g) {
   constexpr int64_t share = K::kBlockBytes / K::kGroups;
-  constexpr int64_t ahead = Stream ? kBlocksAhead * K::kBlockBytes : kBytesAhead;
+  constexpr int64_t ahead = Stream ? BlocksAhead * K::kBlockBytes : kBytesAhead;
+  static_assert(ahead > 0, "a stream asks at least one block ahead");
 #pragma GCC unroll 8
   for (int64_t line = 0; line < share + 63; line += 64) {
     __builtin_prefetch(block + ahead + g * share + line, 0, Stream ? 3 : 2);
@@ -606,7 +616,7 @@ void k_stream_tile_256(const QuantizedRows& x, int64_t row, const KTileView& t, 
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      k_prefetch_group_ahead<K, true>(block, g);
+      k_prefetch_group_ahead<K, true, kBlocksAhead256>(block, g);
       [[maybe_unused]] __m256i high[2]{};
       if constexpr (K::kHighBits > 0) {
         both_halves([&](auto h) { high[h] = k_high_plane_256<K, decltype(h)::value>(block, g); });
@@ -817,7 +827,9 @@ void k_tile_vnni512(const QuantizedRows& x, int64_t row, const KTileView& t, flo
 #pragma GCC unroll 2
     for (int g = 0; g < K::kGroups; ++g) {
       const int64_t group = b * K::kGroups + g;
-      if constexpr (Rows > 2 || !kHardwareStream<K>) k_prefetch_group_ahead<K, (Rows <= 2)>(block, g);
+      if constexpr (Rows > 2 || !kHardwareStream<K>) {
+        k_prefetch_group_ahead<K, (Rows <= 2), kBlocksAhead512>(block, g);
+      }
       __m512i operand[K::kGroup / 4];
       k_operands_512<K>(block, g, operand);
       __m512i dots[kChains][Rows];
