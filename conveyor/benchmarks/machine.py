@@ -127,7 +127,7 @@ def measure_int8_gemm(size: int = 2048, rows: int = 256, repeats: int = 3) -> tu
     work (compute-bound), few enough that the activations stay in cache. Both forms, because a roof below the
     engine's own kernels puts a step over 100% of its bound: on a 2-core Zen 3 (AVX2, no VNNI) the 8-bit weight
     ran 142-174 G operations a second and the 8B-shaped Q4_K_M file's decode of 8 requests 147-195% of that bound
-    (commit 3dbb2f7)."""
+    (commit 3dbb2f7; docs/benchmarks/decode.md)."""
     from conveyor.model.native.kernels import native_kernels
     from conveyor.model.quant.formats import quantize_matrix
     from conveyor.model.quant.linear import native_weight
