@@ -1,15 +1,15 @@
-"""``--kv-cache-dtype fp8`` against the model's own dtype: what the pool holds, what it costs in agreement, speed.
+"""``--kv-cache-dtype`` against the model's own dtype: what the pool holds, what it costs in agreement, speed.
 
 Three measurements on one model (the default: the Q4_1 file, on the native kernels), each for ``auto``,
-``bfloat16`` and ``fp8`` in turn:
+``bfloat16``, ``float16`` and ``fp8`` in turn:
 
 - **capacity**: KV blocks in a pool of ``--kv-cache-memory``, and the most requests running at once when
   ``--hold-requests`` prompts of ``--hold-prompt-len`` tokens arrive together and each decodes 16 tokens;
 - **greedy agreement**: the W1 chat prompts (64, 128 greedy tokens each, all at once), each request's
   tokens compared with the ``auto`` run's: how many are identical, and the tokens in common before the
   first that differs (an fp8 cache rounds K and V to 2 mantissa bits, so two near-equal logits may swap);
-- **decode speed** at one request and a long context (``--long-context`` tokens): attention reads a quarter
-  of float32's bytes.
+- **decode speed** at one request and a long context (``--long-context`` tokens): attention reads half
+  (bfloat16, float16) or a quarter (fp8) of float32's bytes.
 
     python bench/kv_cache_dtype.py [--model M] [--kv-cache-memory 256MiB] [--long-context 4000]
 """
@@ -26,7 +26,7 @@ from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 
-DTYPES = ("auto", "bfloat16", "fp8")
+DTYPES = ("auto", "bfloat16", "float16", "fp8")
 
 
 def greedy_outputs(engine: Engine) -> list[list[int]]:

@@ -60,7 +60,8 @@ class EngineConfig:
                                 "$CONVEYOR_MODELS, ORG/NAME in the Hugging Face cache", unset="SmolLM2-135M-Instruct")
     dtype: str = _option("float32", "dtype of the weights, activations and KV cache",
                          choices=tuple(FLOAT_BYTES))
-    kv_cache_dtype: str = _option("auto", "what the KV cache stores: auto (--dtype), bfloat16, or fp8 (fp8_e5m2: "
+    kv_cache_dtype: str = _option("auto", "what the KV cache stores: auto (--dtype), bfloat16, float16 (llama.cpp's "
+                                  "f16 cache: half float32's bytes, rounded to 11 significant bits), or fp8 (fp8_e5m2: "
                                   "one byte an element, as vLLM's CPU backend, so the pool holds four times "
                                   "float32's tokens; attention reads a quarter of the bytes, and greedy output "
                                   "may part from float32's where two tokens are close)",

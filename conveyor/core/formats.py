@@ -15,7 +15,7 @@ from dataclasses import dataclass
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # --kv-cache-dtype: bytes per K or V element (None: the model's dtype). fp8 is e5m2, held as its bits.
-KV_CACHE_BYTES: dict[str, int | None] = {"auto": None, "bfloat16": 2, "fp8": 1, "fp8_e5m2": 1}
+KV_CACHE_BYTES: dict[str, int | None] = {"auto": None, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e5m2": 1}
 
 
 def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:

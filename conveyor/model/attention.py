@@ -22,7 +22,7 @@ reads about its window, not its context; they may be blocks a windowed KV
 group has given back (conveyor.core.kv.groups), whose entries read block 0.
 
 The cache may store K and V in a narrower dtype than the model computes in (``--kv-cache-dtype``):
-bfloat16, or fp8 e5m2 held as its uint8 bits (torch has no index ops on float8 tensors). K and V are
+bfloat16, float16, or fp8 e5m2 held as its uint8 bits (torch has no index ops on float8 tensors). K and V are
 rounded as they are written and widened as they are read, and a first prompt chunk, which attends to
 its own rows without reading the cache, attends to them rounded the same way: every row sees K and V
 as the cache holds them, as the native stack's attention does (it reads everything from the cache).

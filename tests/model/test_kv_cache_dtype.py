@@ -1,9 +1,9 @@
-"""``--kv-cache-dtype``: a KV cache narrower than the model, fp8 e5m2 (one byte an element) or bfloat16.
+"""``--kv-cache-dtype``: a KV cache narrower than the model, fp8 e5m2 (one byte an element), bfloat16 or float16.
 
-The native stack rounds K and V as torch's ``.to(torch.float8_e5m2)`` does (held bit for bit over every
-float16 value, random floats of every magnitude and the edges: the largest finite, the overflow to
-infinity, denormals, NaN), its attention over such a cache matches PyTorch's on the widened values, the
-whole stack matches the torch layers over it, and the pool holds four times the blocks of float32's.
+The native stack rounds K and V as torch's ``.to(torch.float8_e5m2)`` and ``.to(torch.float16)`` do (held bit for
+bit over every float16 value, random floats of every magnitude and the edges: the largest finite, the overflow
+to infinity, denormals, NaN), its attention over such a cache matches PyTorch's on the widened values, the
+whole stack matches the torch layers over it, and the pool holds two or four times the blocks of float32's.
 """
 
 from __future__ import annotations
@@ -32,6 +32,16 @@ def test_fp8_rounding_is_torch_s_bit_for_bit(kernels):
     assert differ.numel() == 0, f"{differ.numel()} values round apart, e.g. {x[differ[:5]].tolist()}"
 
 
+def test_float16_rounding_is_torch_s_bit_for_bit(kernels):
+    """Every value but NaN to the bit (F16C keeps a NaN's payload where torch writes one NaN); NaN stays NaN."""
+    x = _every_kind_of_float()
+    got, want = kernels.float16(x), x.to(torch.float16)
+    nan = x.isnan()
+    assert got[nan].isnan().all()
+    differ = (got[~nan].view(torch.int16) != want[~nan].view(torch.int16)).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} values round apart, e.g. {x[~nan][differ[:5]].tolist()}"
+
+
 def _cache_of(values: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     from conveyor.model.attention import to_cache
     from conveyor.model.dtypes import kv_cache_dtype as storage_dtype
@@ -39,7 +49,7 @@ def _cache_of(values: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
     return to_cache(values, storage_dtype(kv_cache_dtype, torch.float32))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bfloat16", "float16"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 16), (6, 2, 8), (9, 3, 64), (2, 1, 128)])
 def test_attention_over_a_narrow_cache_matches_sdpa_on_the_widened_values(kernels, width, kv_cache_dtype, block_size,
@@ -65,7 +75,7 @@ def test_attention_refuses_k_and_v_of_different_dtypes(kernels):
                                 torch.tensor([3]), 1.0)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bfloat16", "float16"])
 def test_native_stack_over_a_narrow_cache_matches_the_torch_layers(kernels, width, kv_cache_dtype):
     """A prompt after a cached prefix, a fresh prompt and a decode row in one step, with a float32 model over a
     narrow cache (how the caches and outputs are held: test_native_stack._assert_native_stack_matches)."""
@@ -80,24 +90,26 @@ def test_the_pool_holds_more_blocks_in_a_narrow_dtype(tiny_model_dir):
     from conveyor.engine import Engine
 
     pools = {}
-    for name in ("auto", "bfloat16", "fp8", "fp8_e5m2"):
+    for name in ("auto", "bfloat16", "float16", "fp8", "fp8_e5m2"):
         config = EngineConfig(model=str(tiny_model_dir), kv_cache_memory="4MiB", kv_cache_dtype=name)
         cache = Engine(config).executor.kv_cache
         pools[name] = (cache.shape[2], cache.dtype)
     float_blocks = pools["auto"][0]
     assert pools == {"auto": (float_blocks, torch.float32), "bfloat16": (2 * float_blocks, torch.bfloat16),
-                     "fp8": (4 * float_blocks, torch.uint8), "fp8_e5m2": (4 * float_blocks, torch.uint8)}
+                     "float16": (2 * float_blocks, torch.float16), "fp8": (4 * float_blocks, torch.uint8),
+                     "fp8_e5m2": (4 * float_blocks, torch.uint8)}
 
 
+@pytest.mark.parametrize(("kv_cache_dtype", "stored"), [("fp8", torch.uint8), ("float16", torch.float16)])
 @pytest.mark.parametrize("kernels_flag", ["native", "torch"])
-def test_generation_over_an_fp8_cache_runs_and_repeats_itself(tiny_model_dir, kernels_flag):
-    """Greedy tokens over an fp8 cache, alone and beside other requests (batching must not change what the
-    cache holds: each row's K and V are rounded on their own), on either path."""
+def test_generation_over_a_narrow_cache_runs_and_repeats_itself(tiny_model_dir, kernels_flag, kv_cache_dtype, stored):
+    """Greedy tokens over an fp8 or float16 cache, alone and beside other requests (batching must not change what
+    the cache holds: each row's K and V are rounded on their own), on either path."""
     from conveyor.core.sampling import SamplingParams
     from conveyor.entrypoints.llm import LLM
 
-    llm = LLM(model=str(tiny_model_dir), kv_cache_dtype="fp8", kernels=kernels_flag, kv_cache_memory="8MiB")
-    assert llm.engine.executor.kv_cache.dtype == torch.uint8
+    llm = LLM(model=str(tiny_model_dir), kv_cache_dtype=kv_cache_dtype, kernels=kernels_flag, kv_cache_memory="8MiB")
+    assert llm.engine.executor.kv_cache.dtype == stored
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["The capital of France is", "One, two, three,", "def add(a, b):"]
     batched = [out.token_ids for out in llm.generate(prompts, params, use_tqdm=False)]

@@ -1,6 +1,6 @@
 // Attention straight over the paged KV cache. Each query row reads its own context through its sequence's
 // block table; nothing is gathered into a padded copy, and decode rows and prompt rows of any length share one
-// call. The cache holds float32, bfloat16 or fp8 e5m2 (widened in registers, computed on as float32).
+// call. The cache holds float32, bfloat16, float16 or fp8 e5m2 (widened in registers, computed on as float32).
 
 #pragma once
 
@@ -249,8 +249,8 @@ AttendFn<C> attend_fn(int64_t dim) {
 }
 
 // Copies this step's K and V rows (row_stride apart) into their cache slots.
-// A bf16 cache gets them rounded to nearest even (as torch's .to(torch.bfloat16)), an fp8 one likewise (as
-// .to(torch.float8_e5m2)).
+// A bf16 cache gets them rounded to nearest even (as torch's .to(torch.bfloat16)), a float16 or fp8 one likewise
+// (as .to(torch.float16), .to(torch.float8_e5m2)).
 inline void store_cache_row(const float* from, int64_t n, float* to) { std::copy(from, from + n, to); }
 inline void store_cache_row(const float* from, int64_t n, uint16_t* to) {
   for (int64_t i = 0; i < n; ++i) to[i] = bf16_bits(from[i]);
@@ -258,6 +258,16 @@ inline void store_cache_row(const float* from, int64_t n, uint16_t* to) {
 inline void store_cache_row(const float* from, int64_t n, uint8_t* to) {
   for (int64_t i = 0; i < n; ++i) to[i] = fp8_e5m2_bits(from[i]);
 }
+#if defined(__F16C__)
+inline void store_cache_row(const float* from, int64_t n, Float16Bits* to) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i), half);
+  }
+  for (; i < n; ++i) to[i] = float16_bits(from[i]);
+}
+#endif
 
 template <typename C>
 void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_stride, const int64_t* slots,

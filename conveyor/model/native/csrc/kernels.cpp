@@ -241,6 +241,18 @@ torch::Tensor fp8_e5m2(const torch::Tensor& x) {
   return out;
 }
 
+// x as float16 (same shape), rounded as the native stack writes its float16 KV cache.
+torch::Tensor float16(const torch::Tensor& x) {
+  check_float_rows(x, "x");
+#if defined(__F16C__)
+  auto out = torch::empty(x.sizes(), x.options().dtype(torch::kHalf));
+  store_cache_row(x.data_ptr<float>(), x.numel(), static_cast<Float16Bits*>(out.data_ptr()));
+  return out;
+#else
+  TORCH_CHECK(false, "a float16 KV cache needs a CPU with F16C; this build has none");
+#endif
+}
+
 std::vector<int64_t> argmax(const torch::Tensor& x, int64_t width) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x must be a 2-D float32 tensor");
   auto xc = x.contiguous();
@@ -367,6 +379,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("n"), arg("max_rows") = 0, release_gil());
   m.def("packed_swiglu", &packed_swiglu, "silu(x . Wg^T) * (x . Wu^T), gate and up packed as one weight",
         arg("x"), arg("packed"), arg("intermediate"), release_gil());
+  m.def("float16", &float16, "x rounded to float16 as the native stack writes a float16 KV cache");
   m.def("fp8_e5m2", &fp8_e5m2, "x rounded to fp8 e5m2, as uint8 bits (how an fp8 KV cache stores K and V)",
         arg("x"));
   m.def("argmax", &argmax, "the index of each row's largest value (first of equals; NaN counts as largest)",

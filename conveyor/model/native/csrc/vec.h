@@ -96,6 +96,21 @@ inline float cache_float(uint8_t bits) {
   return f;
 }
 
+#if defined(__F16C__)
+// A float16 KV cache's element (--kv-cache-dtype float16, llama.cpp's default f16 cache): IEEE half bits, a type
+// of its own so that the overloads below tell it from bf16's uint16_t. Written and widened by the CPU's float16
+// conversion (F16C), rounding to nearest, ties to even, as torch's .to(torch.float16) does; a build without F16C
+// refuses such a cache (with_cache_data).
+struct Float16Bits {
+  uint16_t bits;
+};
+
+inline float cache_float(Float16Bits h) { return _cvtsh_ss(h.bits); }
+inline Float16Bits float16_bits(float f) {
+  return {static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
+}
+#endif
+
 typedef float v4 __attribute__((vector_size(16)));
 
 inline float sum8(v8 v) {
@@ -201,6 +216,28 @@ inline V loadc(const uint8_t* p) {
   for (int lane = 0; lane < kLanesOf<V>; ++lane) v[lane] = cache_float(p[lane]);
   return v;
 }
+
+#if defined(__F16C__)
+// float16 widened by F16C, 8 or 16 lanes at a time.
+template <typename V>
+inline V loadc(const Float16Bits* p) {
+  V v;
+  if constexpr (sizeof(V) == 32) {
+    const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __builtin_memcpy(&v, &wide, sizeof v);
+    return v;
+  }
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) {
+    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __builtin_memcpy(&v, &wide, sizeof v);
+    return v;
+  }
+#endif
+  for (int lane = 0; lane < kLanesOf<V>; ++lane) v[lane] = cache_float(p[lane]);
+  return v;
+}
+#endif
 
 // Whether any lane of a comparison's mask is set.
 template <typename I>
