@@ -2,8 +2,9 @@
 
 The native stack rounds K and V as torch's ``.to(torch.float8_e5m2)`` and ``.to(torch.float16)`` do (held bit for
 bit over every float16 value, random floats of every magnitude and the edges: the largest finite, the overflow
-to infinity, denormals, NaN), its attention over such a cache matches PyTorch's on the widened values, the
-whole stack matches the torch layers over it, and the pool holds two or four times the blocks of float32's.
+to infinity, denormals, NaN; a float16 NaN stays NaN, its payload F16C's), its attention over such a cache
+matches PyTorch's on the widened values, the whole stack matches the torch layers over it, and the pool holds
+two or four times the blocks of float32's.
 """
 
 from __future__ import annotations

@@ -379,7 +379,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         arg("n"), arg("max_rows") = 0, release_gil());
   m.def("packed_swiglu", &packed_swiglu, "silu(x . Wg^T) * (x . Wu^T), gate and up packed as one weight",
         arg("x"), arg("packed"), arg("intermediate"), release_gil());
-  m.def("float16", &float16, "x rounded to float16 as the native stack writes a float16 KV cache");
+  m.def("float16", &float16, "x rounded to float16 as the native stack writes a float16 KV cache", arg("x"));
   m.def("fp8_e5m2", &fp8_e5m2, "x rounded to fp8 e5m2, as uint8 bits (how an fp8 KV cache stores K and V)",
         arg("x"));
   m.def("argmax", &argmax, "the index of each row's largest value (first of equals; NaN counts as largest)",

@@ -100,7 +100,7 @@ inline float cache_float(uint8_t bits) {
 // A float16 KV cache's element (--kv-cache-dtype float16, llama.cpp's default f16 cache): IEEE half bits, a type
 // of its own so that the overloads below tell it from bf16's uint16_t. Written and widened by the CPU's float16
 // conversion (F16C), rounding to nearest, ties to even, as torch's .to(torch.float16) does; a build without F16C
-// refuses such a cache (with_cache_data).
+// refuses such a cache (check_cache).
 struct Float16Bits {
   uint16_t bits;
 };
