@@ -309,12 +309,9 @@ class Decoder(nn.Module):
             numel = math.prod(shape)
             buffer = self.kernels.huge_page_buffer(-(-numel // 4), False)
             cache = buffer.view(torch.uint8)[:numel].view(shape)
-        elif dtype == torch.float16:  # a bfloat16 buffer's 2-byte elements, seen as float16
-            buffer = self.kernels.huge_page_buffer(math.prod(shape), True)
-            cache = buffer.view(torch.float16).view(shape)
-        else:
-            buffer = self.kernels.huge_page_buffer(math.prod(shape), dtype == torch.bfloat16)
-            cache = buffer.view(shape)
+        else:  # float32, or a bfloat16 buffer's 2-byte elements seen as the cache's (bfloat16, float16)
+            buffer = self.kernels.huge_page_buffer(math.prod(shape), dtype.itemsize == 2)
+            cache = buffer.view(dtype).view(shape)
         buffer.zero_()
         return cache
 

@@ -244,13 +244,12 @@ torch::Tensor fp8_e5m2(const torch::Tensor& x) {
 // x as float16 (same shape), rounded as the native stack writes its float16 KV cache.
 torch::Tensor float16(const torch::Tensor& x) {
   check_float_rows(x, "x");
-#if defined(__F16C__)
   auto out = torch::empty(x.sizes(), x.options().dtype(torch::kHalf));
+  check_cache(out, "out");  // refuses float16 in a build without F16C
+#if defined(__F16C__)
   store_cache_row(x.data_ptr<float>(), x.numel(), static_cast<Float16Bits*>(out.data_ptr()));
-  return out;
-#else
-  TORCH_CHECK(false, "a float16 KV cache needs a CPU with F16C; this build has none");
 #endif
+  return out;
 }
 
 std::vector<int64_t> argmax(const torch::Tensor& x, int64_t width) {

@@ -192,48 +192,57 @@ inline V loadc(const uint16_t* p) {
   return v;
 }
 
-// fp8 e5m2 widened: each byte becomes a float16's top byte, which the CPU's float16 conversion (F16C) widens
-// exactly, denormals, infinities and NaNs included; without F16C, lane by lane.
+#if defined(__F16C__)
+// float16 bits widened exactly by the CPU's float16 conversion (F16C), denormals, infinities and NaNs included:
+// 8 in a 128-bit register into a 256-bit V, 16 in a 256-bit register into a 512-bit V.
+template <typename V>
+inline V widen_halves(__m128i halves) {
+  const __m256 wide = _mm256_cvtph_ps(halves);
+  V v;
+  __builtin_memcpy(&v, &wide, sizeof v);
+  return v;
+}
+#if defined(__AVX512F__)
+template <typename V>
+inline V widen_halves(__m256i halves) {
+  const __m512 wide = _mm512_cvtph_ps(halves);
+  V v;
+  __builtin_memcpy(&v, &wide, sizeof v);
+  return v;
+}
+#endif
+#endif
+
+// fp8 e5m2 widened: each byte becomes a float16's top byte, which widen_halves widens exactly; without F16C,
+// lane by lane.
 template <typename V>
 inline V loadc(const uint8_t* p) {
-  V v;
 #if defined(__F16C__)
   if constexpr (sizeof(V) == 32) {
-    const __m128i half = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
-    const __m256 wide = _mm256_cvtph_ps(half);
-    __builtin_memcpy(&v, &wide, sizeof v);
-    return v;
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return widen_halves<V>(_mm_slli_epi16(_mm_cvtepu8_epi16(bytes), 8));
   }
 #if defined(__AVX512F__)
   if constexpr (sizeof(V) == 64) {
-    const __m256i half = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
-    const __m512 wide = _mm512_cvtph_ps(half);
-    __builtin_memcpy(&v, &wide, sizeof v);
-    return v;
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return widen_halves<V>(_mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8));
   }
 #endif
 #endif
+  V v;
   for (int lane = 0; lane < kLanesOf<V>; ++lane) v[lane] = cache_float(p[lane]);
   return v;
 }
 
 #if defined(__F16C__)
-// float16 widened by F16C, 8 or 16 lanes at a time.
+// float16 widened by widen_halves, 8 or 16 lanes at a time.
 template <typename V>
 inline V loadc(const Float16Bits* p) {
-  V v;
-  if constexpr (sizeof(V) == 32) {
-    const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __builtin_memcpy(&v, &wide, sizeof v);
-    return v;
-  }
+  if constexpr (sizeof(V) == 32) return widen_halves<V>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #if defined(__AVX512F__)
-  if constexpr (sizeof(V) == 64) {
-    const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    __builtin_memcpy(&v, &wide, sizeof v);
-    return v;
-  }
+  if constexpr (sizeof(V) == 64) return widen_halves<V>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #endif
+  V v;
   for (int lane = 0; lane < kLanesOf<V>; ++lane) v[lane] = cache_float(p[lane]);
   return v;
 }
