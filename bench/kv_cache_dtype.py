@@ -1,12 +1,12 @@
-"""``--kv-cache-dtype`` against the model's own dtype: what the pool holds, what it costs in agreement, speed.
+"""``--kv-cache-dtype`` against float32: what the pool holds, what it costs in agreement, speed.
 
-Three measurements on one model (the default: the Q4_1 file, on the native kernels), each for ``auto``,
+Three measurements on one model (the default: the Q4_1 file, on the native kernels), each for ``float32``,
 ``bfloat16``, ``float16`` and ``fp8`` in turn:
 
 - **capacity**: KV blocks in a pool of ``--kv-cache-memory``, and the most requests running at once when
   ``--hold-requests`` prompts of ``--hold-prompt-len`` tokens arrive together and each decodes 16 tokens;
 - **greedy agreement**: the W1 chat prompts (64, 128 greedy tokens each, all at once), each request's
-  tokens compared with the ``auto`` run's: how many are identical, and the tokens in common before the
+  tokens compared with the ``float32`` run's: how many are identical, and the tokens in common before the
   first that differs (an fp8 cache rounds K and V to 2 mantissa bits, so two near-equal logits may swap);
 - **decode speed** at one request and a long context (``--long-context`` tokens): attention reads half
   (bfloat16, float16) or a quarter (fp8) of float32's bytes.
@@ -26,7 +26,7 @@ from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 
-DTYPES = ("auto", "bfloat16", "float16", "fp8")
+DTYPES = ("float32", "bfloat16", "float16", "fp8")
 
 
 def greedy_outputs(engine: Engine) -> list[list[int]]:
@@ -98,7 +98,7 @@ def main() -> None:
 
     print()
     print(f"| --kv-cache-dtype | KV blocks in {args.kv_cache_memory} | peak running ({args.hold_requests} x "
-          f"{args.hold_prompt_len}-token prompts) | W1 outputs identical to auto's | tokens before the first "
+          f"{args.hold_prompt_len}-token prompts) | W1 outputs identical to float32's | tokens before the first "
           f"difference | W1@64 tok/s | decode tok/s at {args.long_context} tokens |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():

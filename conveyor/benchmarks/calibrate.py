@@ -150,7 +150,7 @@ def timed_step(engine: Engine) -> tuple[list[RequestOutput], StepWork, float]:
 def swap_price(engine: Engine, dtype: str) -> float:
     """Seconds per swapped token: its K/V bytes read and written at this machine's measured bandwidth."""
     ensure_machine_figures()
-    cost = CostModel(engine.model_config, load_hardware("cpu-local"), dtype)
+    cost = CostModel(engine.model_config, load_hardware("cpu-local"), dtype, kv_element_bytes=engine.runner.kv_itemsize)
     return 2 * cost.kv_bytes_per_token / cost.hardware.memory_bandwidth
 
 
@@ -190,7 +190,7 @@ def calibrate(config: EngineConfig, seed: int = 0) -> StepProfile:
     threads = engine.runner.num_threads
     machine = this_machine(threads, engine.runner.device)
     profile = new_profile(fitted, swap_price(engine, config.dtype), machine, engine.model_config, config.dtype,
-                          config.block_size)
+                          config.block_size, engine.runner.kv_itemsize)
     price = functools.partial(profile.step_time, block_size=profile.block_size)
     profile = dataclasses.replace(profile, fit={**profile.fit, **_fit_report(price, timed),
                                                **experts_report(touched, profile.experts),

@@ -155,7 +155,8 @@ def validate_suite(config: EngineConfig, num: int = 48, seed: int = 0, names: tu
     first = validation_cases(num, seed, 1.0, config.max_num_seqs)[0]
     base = _engine(engines, config, first.overrides)
     cost, priced_by = step_cost_model(base.model_config, load_hardware("cpu-local"), config.dtype,
-                                      step_profile=step_profile, threads=base.runner.num_threads)
+                                      step_profile=step_profile, threads=base.runner.num_threads,
+                                      kv_element_bytes=base.runner.kv_itemsize)
     print(f"validation, steps priced by the {priced_by}{_measured_ago(cost)}", flush=True)
     print(f"{first.name}: {first.description} ...", flush=True)
     measured, predicted = run_case(config, base, cost, first, seed, repeats)

@@ -170,7 +170,8 @@ def predicted_speedups(engine: Engine, config: EngineConfig, results: dict[str, 
     calibrate``) where it is current: one at a time as a sum of lone runs, at once as one run. Adds
     ``predicted_speedup`` to each case; returns what priced the steps."""
     cost, priced_by = step_cost_model(engine.model_config, load_hardware("cpu-local"), config.dtype,
-                                      step_profile=step_profile, threads=engine.runner.num_threads)
+                                      step_profile=step_profile, threads=engine.runner.num_threads,
+                                      kv_element_bytes=engine.runner.kv_itemsize)
     plain_config = dataclasses.replace(config, speculative_config=None)
     drafted_config = dataclasses.replace(config, speculative_config=config.speculative_config or DEFAULT_SPEC)
     for name, result in results.items():

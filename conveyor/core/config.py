@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from conveyor.core.formats import FLOAT_BYTES, KV_CACHE_BYTES, kv_element_bytes
+from conveyor.core.formats import FLOAT_BYTES, KV_CACHE_BYTES, kv_cache_format, kv_element_bytes
 from conveyor.core.spec.config import SpeculativeConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -60,7 +60,8 @@ class EngineConfig:
                                 "$CONVEYOR_MODELS, ORG/NAME in the Hugging Face cache", unset="SmolLM2-135M-Instruct")
     dtype: str = _option("float32", "dtype of the weights, activations and KV cache",
                          choices=tuple(FLOAT_BYTES))
-    kv_cache_dtype: str = _option("auto", "what the KV cache stores: auto (--dtype), bfloat16, float16 (llama.cpp's "
+    kv_cache_dtype: str = _option("auto", "what the KV cache stores: auto (a GGUF file's weights in float32: float16, "
+                                  "as llama.cpp keeps it; else --dtype), float32, bfloat16, float16 (llama.cpp's "
                                   "f16 cache: half float32's bytes, rounded to 11 significant bits), or fp8 (fp8_e5m2: "
                                   "one byte an element, as vLLM's CPU backend, so the pool holds four times "
                                   "float32's tokens; attention reads a quarter of the bytes, and greedy output "
@@ -177,9 +178,14 @@ class EngineConfig:
             raise ValueError("enable_prefix_caching: the contiguous layout cannot share blocks; "
                              "use kv_layout paged, or leave prefix caching off")
 
-    def kv_cache_element_bytes(self) -> int:
-        """Bytes of one K or V element in the cache: the model's own under ``auto``, else ``kv_cache_dtype``'s."""
-        return kv_element_bytes(self.kv_cache_dtype, self.dtype)
+    def kv_cache_format(self, gguf_file: bool) -> str:
+        """What the KV cache stores for a model whose weights are (or are not) a GGUF file's: ``auto`` resolved
+        (conveyor.core.formats.kv_cache_format)."""
+        return kv_cache_format(self.kv_cache_dtype, self.dtype, gguf_file)
+
+    def kv_cache_element_bytes(self, gguf_file: bool) -> int:
+        """Bytes of one K or V element in the cache (kv_cache_format's)."""
+        return kv_element_bytes(self.kv_cache_dtype, self.dtype, gguf_file)
 
     def tenant_weight_map(self) -> dict[str, float]:
         """``tenant_weights`` read: from its JSON text, or from the file it names."""

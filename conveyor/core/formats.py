@@ -14,13 +14,27 @@ from dataclasses import dataclass
 # Float dtypes (--dtype): bytes per element.
 FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# --kv-cache-dtype: bytes per K or V element (None: the model's dtype). fp8 is e5m2, held as its bits.
-KV_CACHE_BYTES: dict[str, int | None] = {"auto": None, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e5m2": 1}
+# --kv-cache-dtype: bytes per K or V element (None: auto, resolved by kv_cache_format). fp8 is e5m2, held as its
+# bits.
+KV_CACHE_BYTES: dict[str, int | None] = {"auto": None, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1,
+                                         "fp8_e5m2": 1}
+
+# What ``auto`` stores for a GGUF file's weights run in float32: float16, the cache llama.cpp and Ollama keep for
+# such a file by default, half float32's bytes (docs/kv-cache.md, "A float16 KV cache").
+GGUF_KV_CACHE = "float16"
 
 
-def kv_element_bytes(kv_cache_dtype: str, model_dtype: str) -> int:
-    """Bytes of one K or V element in the cache: ``kv_cache_dtype``'s, or the model's own under ``auto``."""
-    return KV_CACHE_BYTES[kv_cache_dtype] or FLOAT_BYTES[model_dtype]
+def kv_cache_format(kv_cache_dtype: str, model_dtype: str, gguf_file: bool) -> str:
+    """What the cache stores, ``auto`` resolved: for a GGUF file's weights in float32, GGUF_KV_CACHE; else the
+    model's dtype (a float checkpoint's cache is its activations' precision, as vLLM's ``auto``)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return GGUF_KV_CACHE if gguf_file and model_dtype == "float32" else model_dtype
+
+
+def kv_element_bytes(kv_cache_dtype: str, model_dtype: str, gguf_file: bool) -> int:
+    """Bytes of one K or V element in the cache (kv_cache_format's)."""
+    return KV_CACHE_BYTES[kv_cache_format(kv_cache_dtype, model_dtype, gguf_file)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,6 +120,12 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(path.read_text()))
 
     @property
+    def gguf_file(self) -> bool:
+        """Whether the weights are a GGUF file's, run from the file (what ``--kv-cache-dtype auto`` stores
+        depends on it: conveyor.core.formats.kv_cache_format)."""
+        return self.stored_as is not None
+
+    @property
     def weight_format(self) -> WeightFormat | None:
         """The stored weights' format (bits a weight), for the cost model; None for float weights or types it
         does not know."""

@@ -161,7 +161,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     for spec, config in zip(specs, configs):
         cost, priced_by = step_cost_model(model, hardware, config.dtype, args.tensor_parallel_size,
                                           args.step_profile, config.num_threads,
-                                          config.kv_cache_element_bytes())
+                                          config.kv_cache_element_bytes(model.gguf_file))
         print(f"steps priced by the {priced_by}", file=sys.stderr, flush=True)
         if kv_auto and not any(option in spec for option in KV_OPTIONS):
             config = dataclasses.replace(config, kv_cache_memory=device_kv_cache_memory(cost,

@@ -9,7 +9,8 @@ from conveyor.core.formats import FLOAT_BYTES, KV_CACHE_BYTES
 # --dtype's names as torch dtypes.
 DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in FLOAT_BYTES}
 
-# --kv-cache-dtype's names as the cache tensor's dtype (None: the model's own). fp8 is e5m2, the one fp8 format
+# --kv-cache-dtype's names as the cache tensor's dtype (None: auto, which the runner resolves before it asks:
+# conveyor.core.formats.kv_cache_format). fp8 is e5m2, the one fp8 format
 # that needs no scale (e4m3 tops out at 448, which K can pass), as vLLM's CPU backend stores it; held as its
 # uint8 bits, since torch has no index ops on float8 tensors.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {

@@ -40,7 +40,7 @@ class RunnerPlan:
 
     device: str  # "cpu", "cuda", "cuda:1"
     dtype: str  # the model's compute dtype: float32, bfloat16, float16
-    kv_cache_dtype: str  # --kv-cache-dtype: what the KV cache stores (auto: the model's dtype; fp8_e5m2, ...)
+    kv_cache_dtype: str  # what the KV cache stores, --kv-cache-dtype's auto resolved: float32, float16, fp8, ...
     kv_itemsize: int  # bytes per KV cache element
     model_path: Path  # the model folder (for a GGUF file, the folder that describes it)
     weight_file_bytes: int  # the weights as they lie on disk
@@ -88,8 +88,8 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, folder: Path) 
                        model_config.model_type, ", ".join(gaps))
     native = wanted and not gaps
     return RunnerPlan(
-        device=str(device), dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype,
-        kv_itemsize=config.kv_cache_element_bytes(), model_path=folder,
+        device=str(device), dtype=config.dtype, kv_cache_dtype=config.kv_cache_format(model_config.gguf_file),
+        kv_itemsize=config.kv_cache_element_bytes(model_config.gguf_file), model_path=folder,
         weight_file_bytes=weight_file_bytes(config.model), num_threads=_num_threads(config), native=native,
         keep_quantized=native and dtype == torch.float32,
         quantization=None if config.quantization == "none" else config.quantization,

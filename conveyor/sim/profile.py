@@ -84,6 +84,7 @@ class StepProfile:
     fit: dict[str, Any] = field(default_factory=dict)  # samples, errors, shapes: how well it describes them
     per_shared_decode_key_s: float | None = None  # None: no probe shared blocks; such keys cost as the others
     experts: tuple[int, int] | None = None  # a mixture of experts' (experts, top-k): the table's axis (dense_weights)
+    kv_element_bytes: int | None = None  # bytes of a K or V element in the cache it timed (None: the dtype's)
 
     def dense_time(self, num_tokens: int) -> float:
         weights = dense_weights(self.dense_tokens, num_tokens, self.experts)
@@ -124,7 +125,7 @@ class StepProfile:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StepProfile:
-        optional = ("measured_at", "fit", "per_shared_decode_key_s", "experts")
+        optional = ("measured_at", "fit", "per_shared_decode_key_s", "experts", "kv_element_bytes")
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in raw and f.name not in optional]
         if missing:
             raise ProfileError(f"not a step profile: missing {', '.join(missing)}")
@@ -378,12 +379,18 @@ def load_profile(path: str | Path) -> StepProfile:
     return StepProfile.from_json(raw)
 
 
-def check_profile(profile: StepProfile, model: ModelConfig, dtype: str, tensor_parallel_size: int = 1) -> None:
-    """Refuse a profile measured on something else than what is simulated, or with another engine version."""
+def check_profile(profile: StepProfile, model: ModelConfig, dtype: str, tensor_parallel_size: int = 1,
+                  kv_element_bytes: int | None = None) -> None:
+    """Refuse a profile measured on something else than what is simulated (a model, dtype, or KV cache element
+    of ``kv_element_bytes``, None: the dtype's), or with another engine version."""
     if profile.model != model_signature(model):
         raise ProfileError(f"the step profile was measured on another model ({profile.model}), not this one")
     if profile.dtype != dtype:
         raise ProfileError(f"the step profile was measured in {profile.dtype}, not {dtype}")
+    measured = profile.kv_element_bytes or FLOAT_BYTES[profile.dtype]
+    if measured != (kv_element_bytes or FLOAT_BYTES[dtype]):
+        raise ProfileError(f"the step profile timed a KV cache of {measured}-byte elements, not "
+                           f"{kv_element_bytes or FLOAT_BYTES[dtype]} (calibrate with the same --kv-cache-dtype)")
     if tensor_parallel_size != 1:
         raise ProfileError("a step profile prices one device: no tensor parallelism")
     current = engine_fingerprint()
@@ -397,7 +404,7 @@ class ProfiledCostModel(CostModel):
     """The roofline's sizes (weights, KV bytes per token) with the profile's step times."""
 
     def __init__(self, model: ModelConfig, hardware: HardwareSpec, dtype: str, profile: StepProfile) -> None:
-        super().__init__(model, hardware, dtype)
+        super().__init__(model, hardware, dtype, kv_element_bytes=profile.kv_element_bytes)
         self.profile = profile
 
     def step_time(self, work: StepWork, block_size: int = 16) -> float:
@@ -405,10 +412,11 @@ class ProfiledCostModel(CostModel):
 
 
 def new_profile(fitted: dict[str, Any], per_swapped_token_s: float, machine: dict[str, Any], model: ModelConfig,
-                dtype: str, block_size: int) -> StepProfile:
+                dtype: str, block_size: int, kv_element_bytes: int | None = None) -> StepProfile:
     """A profile from a fit (``fit_step_times``), stamped with what it was measured on and when."""
     return StepProfile(**fitted, per_swapped_token_s=per_swapped_token_s, machine=machine,
                        model=model_signature(model), dtype=dtype, block_size=block_size,
+                       kv_element_bytes=kv_element_bytes,
                        engine=engine_fingerprint(), measured_at=time.strftime(MEASURED_AT_FORMAT, time.gmtime()))
 
 
@@ -425,12 +433,9 @@ def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tens
     roofline = CostModel(model, hardware, dtype, tensor_parallel_size, kv_element_bytes=kv_element_bytes)
     if step_profile == "none":
         return roofline, "roofline"
-    if kv_element_bytes not in (None, FLOAT_BYTES[dtype]):
-        # A profile times steps over a cache in the model's dtype; another one reads other bytes per token.
-        return roofline, "roofline (a step profile is measured with the KV cache in the model's dtype)"
     if step_profile != "auto":
         profile = load_profile(step_profile)
-        check_profile(profile, model, dtype, tensor_parallel_size)
+        check_profile(profile, model, dtype, tensor_parallel_size, kv_element_bytes)
         return ProfiledCostModel(model, hardware, dtype, profile), f"step profile {step_profile}"
     if not hardware.extra.get("from_machine_file"):
         return roofline, "roofline"
@@ -439,7 +444,7 @@ def step_cost_model(model: ModelConfig, hardware: HardwareSpec, dtype: str, tens
         return roofline, "roofline (no step profile of this model on this machine: `conveyor simulate calibrate`)"
     profile = load_profile(path)
     try:
-        check_profile(profile, model, dtype, tensor_parallel_size)
+        check_profile(profile, model, dtype, tensor_parallel_size, kv_element_bytes)
     except ProfileError as error:
         return roofline, f"roofline: {error}"
     return ProfiledCostModel(model, hardware, dtype, profile), f"step profile {path}"

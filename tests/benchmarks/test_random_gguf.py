@@ -62,7 +62,7 @@ def test_llama_quantizes_q4_k_m_mix_runs_natively_and_agrees_with_the_float_path
     if not harness.QUANTIZE.exists():
         pytest.skip(f"llama-quantize is not built ({harness.QUANTIZE}); bash bench/peers/setup_llamacpp.sh")
     (path,) = harness.make("tiny", ["Q4_K_M"], tmp_path, threads=1)
-    native = LLM(str(path), num_kv_blocks=64)
+    native = LLM(str(path), num_kv_blocks=64, kv_cache_dtype="float32")
     assert {"Q4_K", "Q6_K"} <= set(native.engine.runner.kernel_dtype.split("+"))
     assert_first_tokens_agree_with_the_float_path(native, path)
 

@@ -146,15 +146,17 @@ def test_a_file_mixing_types_in_a_layer_with_a_tied_q6_k_head_runs_natively(kern
     harness = _harness()
     path = tmp_path / "tiny-mixed.gguf"
     harness.write_f16(harness.SHAPES["tiny"], path, block_types=Q4_K_M_MIX)
-    native = LLM(str(path), num_kv_blocks=64)
+    native = LLM(str(path), num_kv_blocks=64, kv_cache_dtype="float32")
     assert native.engine.runner.kernel_dtype == "Q4_K+Q6_K"  # every projection kept quantized, none fell back to float
     assert_first_tokens_agree_with_the_float_path(native, path)
 
 
 def assert_first_tokens_agree_with_the_float_path(native: LLM, path) -> None:
     """The file's first greedy token and its top-5 logprobs on the native kernels against the float path of the
-    same weights (--kernels torch): the same candidates within 0.01, the same choice where the float one is clear."""
-    reference = LLM(str(path), num_kv_blocks=64, kernels="torch")
+    same weights (--kernels torch) over the same cache: the same candidates within 0.01, the same choice where the
+    float one is clear. The callers keep a float32 cache, so that what differs is the kernels' arithmetic alone
+    (a float16 one, auto's for a GGUF file, moved a tiny random file's logprobs by up to 0.012 more)."""
+    reference = LLM(str(path), num_kv_blocks=64, kernels="torch", kv_cache_dtype=native.engine.runner.kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
     prompts = [[1, 2, 3], [5, 100, 2000, 7], [42] * 10, [300, 301, 302, 303, 304], [9, 8, 7, 6, 5, 4]]
     for got, want in zip(native.generate(prompts, params, use_tqdm=False),

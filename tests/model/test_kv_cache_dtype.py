@@ -136,7 +136,7 @@ def test_the_cost_model_reads_a_quarter_of_the_kv_bytes_in_fp8(machine_cache):
     model, hardware = load_model_config("SmolLM2-135M"), load_hardware("cpu-local")
     plain = CostModel(model, hardware, "float32")
     fp8 = CostModel(model, hardware, "float32", kv_element_bytes=EngineConfig(kv_cache_dtype="fp8")
-                    .kv_cache_element_bytes())
+                    .kv_cache_element_bytes(gguf_file=False))
     assert fp8.kv_bytes_per_token * 4 == plain.kv_bytes_per_token
     assert fp8.decode_time(1, 4000) < plain.decode_time(1, 4000)
     cost, priced_by = step_cost_model(model, hardware, "float32", kv_element_bytes=1)
@@ -159,3 +159,32 @@ def test_preemption_over_an_fp8_cache_gives_the_tokens_of_an_ample_pool(tiny_mod
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0 and (preemption_mode == "recompute" or stats.num_swaps_out > 0)
+
+
+def test_auto_stores_float16_for_a_gguf_file_and_the_dtype_otherwise():
+    """``auto`` resolved in one place (conveyor.core.formats.kv_cache_format), which the engine, the simulator and
+    the pool's sizing read: a GGUF file's weights run in float32 get llama.cpp's float16 cache, a float checkpoint
+    its dtype's, and a named dtype is kept whatever the weights."""
+    from conveyor.core.config import EngineConfig
+    from conveyor.core.formats import kv_cache_format
+
+    assert kv_cache_format("auto", "float32", gguf_file=True) == "float16"
+    assert kv_cache_format("auto", "float32", gguf_file=False) == "float32"
+    assert kv_cache_format("auto", "bfloat16", gguf_file=True) == "bfloat16"
+    assert kv_cache_format("float32", "float32", gguf_file=True) == "float32"
+    assert kv_cache_format("fp8", "float32", gguf_file=False) == "fp8"
+    assert EngineConfig().kv_cache_element_bytes(gguf_file=True) == 2
+    assert EngineConfig(kv_cache_dtype="float32").kv_cache_element_bytes(gguf_file=True) == 4
+
+
+def test_the_default_gguf_model_runs_over_a_float16_cache_with_twice_float32s_blocks():
+    """The engine on the default model (a GGUF file) keeps its cache in float16 under ``auto``: the pool's tensor,
+    the plan, and a pool of the same bytes holding twice the blocks of ``--kv-cache-dtype float32``."""
+    from conveyor.core.config import EngineConfig
+    from conveyor.engine.llm_engine import Engine
+
+    engines = {name: Engine(EngineConfig(kv_cache_dtype=name, kv_cache_memory="8MiB")) for name in ("auto", "float32")}
+    auto, float32 = engines["auto"], engines["float32"]
+    assert (auto.runner.kv_cache_dtype, auto.runner.kv_itemsize) == ("float16", 2)
+    assert (float32.runner.kv_cache_dtype, float32.runner.kv_itemsize) == ("float32", 4)
+    assert auto.stats().num_kv_blocks == 2 * float32.stats().num_kv_blocks

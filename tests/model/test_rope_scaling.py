@@ -273,7 +273,8 @@ def test_a_gguf_file_with_yarn_runs_as_transformers_runs_its_export(tmp_path):
     assert {key: written[key] for key in scaling} == scaling
     assert ModelConfig.from_folder(folder).rope_scaling == scaling
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(str(path), num_kv_blocks=256, kernels="torch")  # the file's weights dequantized: exact
+    # the file's weights dequantized: exact; over transformers' float32 cache (auto keeps a GGUF file's in float16)
+    llm = LLM(str(path), num_kv_blocks=256, kernels="torch", kv_cache_dtype="float32")
     cache: dict = {}
     outputs = llm.generate([_prompt(20), _prompt(60)], GREEDY, use_tqdm=False)
     _assert_matches(("qwen2-yarn.gguf", folder, reference, cache), outputs, "GGUF")
@@ -320,7 +321,8 @@ def test_a_gguf_file_with_longrope_runs_as_transformers_runs_its_export(tmp_path
     assert ModelConfig.from_folder(folder).rope_scaling["rope_type"] == "longrope"
     assert not any("rope_factors" in key for key in _safetensors_keys(folder))
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    llm = LLM(str(path), num_kv_blocks=256, kernels="torch")  # the file's weights dequantized: exact
+    # the file's weights dequantized: exact; over transformers' float32 cache (auto keeps a GGUF file's in float16)
+    llm = LLM(str(path), num_kv_blocks=256, kernels="torch", kv_cache_dtype="float32")
     outputs = llm.generate(_long_engine_prompts(name), GREEDY, use_tqdm=False)
     _assert_matches((f"{name}.gguf", folder, reference, {}), outputs, "GGUF")
 

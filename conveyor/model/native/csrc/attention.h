@@ -258,16 +258,16 @@ inline void store_cache_row(const float* from, int64_t n, uint16_t* to) {
 inline void store_cache_row(const float* from, int64_t n, uint8_t* to) {
   for (int64_t i = 0; i < n; ++i) to[i] = fp8_e5m2_bits(from[i]);
 }
-#if defined(__F16C__)
 inline void store_cache_row(const float* from, int64_t n, Float16Bits* to) {
   int64_t i = 0;
+#if defined(__F16C__)
   for (; i + 8 <= n; i += 8) {
     const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i), half);
   }
+#endif
   for (; i < n; ++i) to[i] = float16_bits(from[i]);
 }
-#endif
 
 template <typename C>
 void write_kv_rows(const float* k, const float* v, int64_t tokens, int64_t row_stride, const int64_t* slots,

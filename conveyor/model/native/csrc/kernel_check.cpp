@@ -349,6 +349,36 @@ void test_claim_runs() {
 #endif
 }
 
+// The float16 cache's portable conversions (half_bits, half_bits_float: what a build without F16C runs) against the
+// CPU's own where it has F16C: every float16 widened, and narrowed back, bit for bit; random floats of every
+// magnitude narrowed alike (NaNs: both NaN).
+void test_float16_conversions(std::mt19937& rng) {
+#if defined(__F16C__)
+  int wrong = 0;
+  const auto narrowed = [&](float f) {
+    const uint16_t mine = conveyor::half_bits(f), cpu = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const bool nan = (cpu & 0x7c00) == 0x7c00 && (cpu & 0x3ff) != 0;
+    wrong += nan ? !((mine & 0x7c00) == 0x7c00 && (mine & 0x3ff) != 0) : mine != cpu;
+  };
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float cpu = _cvtsh_ss(static_cast<uint16_t>(h)), mine = conveyor::half_bits_float(static_cast<uint16_t>(h));
+    wrong += std::memcmp(&cpu, &mine, sizeof cpu) != 0 && !(std::isnan(cpu) && std::isnan(mine));
+    narrowed(cpu);
+    narrowed(std::nextafter(cpu, 0.f));  // just under a float16: where the rounding decides
+  }
+  std::uniform_int_distribution<uint32_t> bits;
+  for (int i = 0; i < 1000000; ++i) {
+    const uint32_t u = bits(rng);
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    narrowed(f);
+  }
+  expect(wrong == 0, "the portable float16 conversions differ from F16C's on " + std::to_string(wrong) + " values");
+#else
+  (void)rng;
+#endif
+}
+
 int run_tests() {
   std::mt19937 rng(7);
   int cases = 0;
@@ -361,6 +391,7 @@ int run_tests() {
   }
   test_rows(rng);
   test_attention(rng);
+  test_float16_conversions(rng);
   test_claimed_share();
   test_claim_runs();
   std::printf("%d layout x kind cases (kinds: ", cases);

@@ -47,13 +47,9 @@ inline void check_float_rows(const torch::Tensor& t, const char* name) {
   CONVEYOR_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous(), name, " must be a contiguous float32 tensor");
 }
 
-// A KV cache: contiguous float32, bfloat16, float16 (where the build has F16C), or uint8 holding fp8 e5m2 bits
-// (--kv-cache-dtype fp8).
+// A KV cache: contiguous float32, bfloat16, float16, or uint8 holding fp8 e5m2 bits (--kv-cache-dtype fp8).
 inline void check_cache(const torch::Tensor& t, const char* name) {
   const auto dtype = t.scalar_type();
-#if !defined(__F16C__)
-  CONVEYOR_CHECK(dtype != torch::kHalf, "a float16 KV cache needs a CPU with F16C; this build has none");
-#endif
   CONVEYOR_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf ||
                   dtype == torch::kByte) && t.is_contiguous(),
                  name, " must be a contiguous float32, bfloat16, float16 or uint8 (fp8 e5m2) tensor");
@@ -66,9 +62,7 @@ void with_cache_data(const torch::Tensor& cache, const Fn& f) {
   switch (cache.scalar_type()) {
     case torch::kBFloat16: return f(static_cast<uint16_t*>(cache.data_ptr()));
     case torch::kByte: return f(static_cast<uint8_t*>(cache.data_ptr()));
-#if defined(__F16C__)
     case torch::kHalf: return f(static_cast<Float16Bits*>(cache.data_ptr()));
-#endif
     default: return f(cache.data_ptr<float>());
   }
 }

@@ -77,38 +77,72 @@ inline uint8_t fp8_e5m2_bits(float f) {
   return static_cast<uint8_t>(bits | (sign >> 24));
 }
 
-// An e5m2 byte as float32, exactly: its bits are a float16's top byte.
-inline float cache_float(uint8_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x80u) << 24, exponent = (bits >> 2) & 0x1fu;
-  const uint32_t mantissa = bits & 0x3u;
+// IEEE float16 bits as float32, exactly (denormals, infinities and NaNs included), lane by lane: the float16
+// cache's widening where the build has no F16C, and fp8 e5m2's, whose byte is a float16's top byte.
+inline float half_bits_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1fu;
+  const uint32_t mantissa = bits & 0x3ffu;
   uint32_t u;
   if (exponent == 0x1f) {
-    u = sign | 0x7f800000u | (mantissa << 21);
-  } else if (exponent == 0) {  // zero or a denormal: mantissa * 2^-16
-    float f = static_cast<float>(mantissa) * 0x1p-16f;
+    u = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent == 0) {  // zero or a denormal: mantissa * 2^-24
+    float f = static_cast<float>(mantissa) * 0x1p-24f;
     __builtin_memcpy(&u, &f, sizeof u);
     u |= sign;
   } else {
-    u = sign | ((exponent + 112) << 23) | (mantissa << 21);
+    u = sign | ((exponent + 112) << 23) | (mantissa << 13);
   }
   float f;
   __builtin_memcpy(&f, &u, sizeof f);
   return f;
 }
 
-#if defined(__F16C__)
-// A float16 KV cache's element (--kv-cache-dtype float16, llama.cpp's default f16 cache): IEEE half bits, a type
-// of its own so that the overloads below tell it from bf16's uint16_t. Written and widened by the CPU's float16
-// conversion (F16C), rounding to nearest, ties to even, as torch's .to(torch.float16) does; a build without F16C
-// refuses such a cache (check_cache).
+inline float cache_float(uint8_t bits) { return half_bits_float(static_cast<uint16_t>(bits << 8)); }
+
+// float32 narrowed to IEEE float16 bits, to nearest, ties to even, overflowing to infinity, as torch's
+// .to(torch.float16) does (fp8_e5m2_bits' algorithm with 10 mantissa bits kept; a NaN becomes the quiet NaN).
+// kernel_check holds it to the CPU's own conversion (F16C) bit for bit.
+inline uint16_t half_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint16_t bits;
+  if (u >= (143u << 23)) {  // |f| >= 2^16, infinity or NaN
+    bits = u > (255u << 23) ? 0x7e00 : 0x7c00;
+  } else if (u < (113u << 23)) {  // |f| < 2^-14: float16's denormals
+    const uint32_t denormal_bias = 126u << 23;
+    float biased, shifted;
+    __builtin_memcpy(&biased, &u, sizeof biased);
+    __builtin_memcpy(&shifted, &denormal_bias, sizeof shifted);
+    biased += shifted;
+    uint32_t r;
+    __builtin_memcpy(&r, &biased, sizeof r);
+    bits = static_cast<uint16_t>(r - denormal_bias);
+  } else {
+    const uint32_t odd = (u >> 13) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd;
+    bits = static_cast<uint16_t>(u >> 13);
+  }
+  return static_cast<uint16_t>(bits | (sign >> 16));
+}
+
+// A float16 KV cache's element (--kv-cache-dtype float16, llama.cpp's default f16 cache, and what auto stores for
+// a GGUF file's weights): IEEE half bits, a type of its own so that the overloads below tell it from bf16's
+// uint16_t. Written and widened by the CPU's float16 conversion (F16C) where the build has it, else by
+// half_bits and half_bits_float, which round alike.
 struct Float16Bits {
   uint16_t bits;
 };
 
+#if defined(__F16C__)
 inline float cache_float(Float16Bits h) { return _cvtsh_ss(h.bits); }
 inline Float16Bits float16_bits(float f) {
   return {static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
 }
+#else
+inline float cache_float(Float16Bits h) { return half_bits_float(h.bits); }
+inline Float16Bits float16_bits(float f) { return {half_bits(f)}; }
 #endif
 
 typedef float v4 __attribute__((vector_size(16)));
@@ -234,19 +268,19 @@ inline V loadc(const uint8_t* p) {
   return v;
 }
 
-#if defined(__F16C__)
-// float16 widened by widen_halves, 8 or 16 lanes at a time.
+// float16 widened by widen_halves, 8 or 16 lanes at a time; without F16C, lane by lane.
 template <typename V>
 inline V loadc(const Float16Bits* p) {
+#if defined(__F16C__)
   if constexpr (sizeof(V) == 32) return widen_halves<V>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #if defined(__AVX512F__)
   if constexpr (sizeof(V) == 64) return widen_halves<V>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
 #endif
   V v;
   for (int lane = 0; lane < kLanesOf<V>; ++lane) v[lane] = cache_float(p[lane]);
   return v;
 }
-#endif
 
 // Whether any lane of a comparison's mask is set.
 template <typename I>
