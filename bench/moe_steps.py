@@ -57,7 +57,8 @@ def main() -> None:
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, max_model_len=1024))
     config = engine.model_config
-    cost, source = step_cost_model(config, load_hardware("cpu-local"), engine.config.dtype)
+    cost, source = step_cost_model(config, load_hardware("cpu-local"), engine.config.dtype,
+                                   kv_element_bytes=engine.runner.kv_itemsize)
     timed_decodes(engine, cost, 1, 2, seed=0)  # warm-up
     bandwidth = ReadProbe()
     table = []

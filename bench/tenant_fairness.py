@@ -189,7 +189,9 @@ class Simulated:
         self.config = engine_config(build_parser().parse_args(["serve", *args.engine_flags]))
         model = load_model_config(str(resolve_model(self.config.model)))
         self.profiled, self.priced_by = step_cost_model(model, load_hardware("cpu-local"), self.config.dtype,
-                                                        threads=self.config.num_threads)
+                                                        threads=self.config.num_threads,
+                                                        kv_element_bytes=self.config.kv_cache_element_bytes(
+                                                            model.gguf_file))
         self.cost = self.profiled
 
     def run(self, policy: str, light: bool, until: float) -> dict:

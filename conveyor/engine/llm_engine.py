@@ -113,7 +113,7 @@ class Engine:
         resident = resident_bytes()
         tokens = self.kv_pool_bytes // self.kv_token_bytes
         parts = (f"weights {self.weight_file_bytes / mib:,.0f} MiB (the file), KV pool {self.kv_pool_bytes / mib:,.0f} "
-                 f"MiB ({tokens:,} tokens)")
+                 f"MiB ({tokens:,} tokens in {self.runner.kv_cache_dtype})")
         if resident is None:
             return parts
         rest = resident - self.weight_file_bytes - self.kv_pool_bytes

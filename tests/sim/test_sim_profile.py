@@ -151,6 +151,13 @@ def test_a_profile_of_another_model_dtype_or_engine_version_is_refused(monkeypat
         check_profile(profile, MODEL, "bfloat16")
     with pytest.raises(ProfileError, match="tensor parallelism"):
         check_profile(profile, MODEL, "float32", tensor_parallel_size=2)
+    check_profile(profile, MODEL, "float32", kv_element_bytes=4)  # the dtype's, as the profile timed
+    with pytest.raises(ProfileError, match="KV cache of 4-byte elements, not 2"):
+        check_profile(profile, MODEL, "float32", kv_element_bytes=2)  # a float16 cache reads half the bytes
+    float16 = dataclasses.replace(profile, kv_element_bytes=2)
+    check_profile(float16, MODEL, "float32", kv_element_bytes=2)
+    with pytest.raises(ProfileError, match="KV cache of 2-byte elements, not 4"):
+        check_profile(float16, MODEL, "float32")
     monkeypatch.setattr("conveyor.sim.profile.engine_version", lambda: "9.9.9")
     with pytest.raises(ProfileError, match=r"stale.*conveyor simulate calibrate"):
         check_profile(profile, MODEL, "float32")

@@ -48,34 +48,39 @@ inline float cache_float(uint16_t bits) {
   return f;
 }
 
-// fp8 e5m2 (1 sign, 5 exponent, 2 mantissa bits: the top byte of a float16) as vLLM's --kv-cache-dtype fp8
-// stores K and V on CPU: narrowing rounds to nearest, ties to even, and overflows to infinity exactly as torch's
-// .to(torch.float8_e5m2) does (c10's algorithm: the denormal range rounded by a float addition that leaves the
-// result in the low bits, the normal range by adding the rounding bias below the kept mantissa).
-inline uint8_t fp8_e5m2_bits(float f) {
+// float32 narrowed to a float of 5 exponent bits (bias 15) and Mantissa bits, as its low 6 + Mantissa bits: to
+// nearest, ties to even, overflowing to infinity, exactly as torch's .to() does (c10's algorithm: the denormal
+// range rounded by a float addition that leaves the result in the low bits, the normal range by adding the
+// rounding bias below the kept mantissa); a NaN becomes `nan`. fp8 e5m2 (Mantissa 2: the top byte of a float16)
+// is what vLLM's --kv-cache-dtype fp8 stores on CPU; float16 (10) is llama.cpp's f16 cache.
+template <int Mantissa>
+inline uint32_t narrow_to_e5(float f, uint32_t nan) {
+  constexpr int kDropped = 23 - Mantissa;  // float32 mantissa bits rounded away
   uint32_t u;
   __builtin_memcpy(&u, &f, sizeof u);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  uint8_t bits;
-  if (u >= (143u << 23)) {  // |f| >= 2^16, infinity or NaN: past every finite e5m2 after rounding
-    bits = u > (255u << 23) ? 0x7f : 0x7c;
-  } else if (u < (113u << 23)) {  // |f| < 2^-14: e5m2's denormals
-    const uint32_t denormal_bias = 134u << 23;
+  uint32_t bits;
+  if (u >= (143u << 23)) {  // |f| >= 2^16, infinity or NaN: past every finite value after rounding
+    bits = u > (255u << 23) ? nan : 0x1fu << Mantissa;
+  } else if (u < (113u << 23)) {  // |f| < 2^-14: the denormals
+    const uint32_t denormal_bias = static_cast<uint32_t>(126 + 10 - Mantissa) << 23;
     float biased, shifted;
     __builtin_memcpy(&biased, &u, sizeof biased);
     __builtin_memcpy(&shifted, &denormal_bias, sizeof shifted);
     biased += shifted;
     uint32_t r;
     __builtin_memcpy(&r, &biased, sizeof r);
-    bits = static_cast<uint8_t>(r - denormal_bias);
+    bits = r - denormal_bias;
   } else {
-    const uint32_t odd = (u >> 21) & 1u;
-    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffffu + odd;
-    bits = static_cast<uint8_t>(u >> 21);
+    const uint32_t odd = (u >> kDropped) & 1u;
+    u += (static_cast<uint32_t>(15 - 127) << 23) + ((1u << (kDropped - 1)) - 1) + odd;
+    bits = u >> kDropped;
   }
-  return static_cast<uint8_t>(bits | (sign >> 24));
+  return bits | (sign >> (26 - Mantissa));
 }
+
+inline uint8_t fp8_e5m2_bits(float f) { return static_cast<uint8_t>(narrow_to_e5<2>(f, 0x7f)); }
 
 // IEEE float16 bits as float32, exactly (denormals, infinities and NaNs included), lane by lane: the float16
 // cache's widening where the build has no F16C, and fp8 e5m2's, whose byte is a float16's top byte.
@@ -99,33 +104,9 @@ inline float half_bits_float(uint16_t bits) {
 
 inline float cache_float(uint8_t bits) { return half_bits_float(static_cast<uint16_t>(bits << 8)); }
 
-// float32 narrowed to IEEE float16 bits, to nearest, ties to even, overflowing to infinity, as torch's
-// .to(torch.float16) does (fp8_e5m2_bits' algorithm with 10 mantissa bits kept; a NaN becomes the quiet NaN).
-// kernel_check holds it to the CPU's own conversion (F16C) bit for bit.
-inline uint16_t half_bits(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, sizeof u);
-  const uint32_t sign = u & 0x80000000u;
-  u ^= sign;
-  uint16_t bits;
-  if (u >= (143u << 23)) {  // |f| >= 2^16, infinity or NaN
-    bits = u > (255u << 23) ? 0x7e00 : 0x7c00;
-  } else if (u < (113u << 23)) {  // |f| < 2^-14: float16's denormals
-    const uint32_t denormal_bias = 126u << 23;
-    float biased, shifted;
-    __builtin_memcpy(&biased, &u, sizeof biased);
-    __builtin_memcpy(&shifted, &denormal_bias, sizeof shifted);
-    biased += shifted;
-    uint32_t r;
-    __builtin_memcpy(&r, &biased, sizeof r);
-    bits = static_cast<uint16_t>(r - denormal_bias);
-  } else {
-    const uint32_t odd = (u >> 13) & 1u;
-    u += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + odd;
-    bits = static_cast<uint16_t>(u >> 13);
-  }
-  return static_cast<uint16_t>(bits | (sign >> 16));
-}
+// float32 narrowed to IEEE float16 bits (a NaN becomes the quiet NaN). kernel_check holds it to the CPU's own
+// conversion (F16C) bit for bit.
+inline uint16_t half_bits(float f) { return static_cast<uint16_t>(narrow_to_e5<10>(f, 0x7e00)); }
 
 // A float16 KV cache's element (--kv-cache-dtype float16, llama.cpp's default f16 cache, and what auto stores for
 // a GGUF file's weights): IEEE half bits, a type of its own so that the overloads below tell it from bf16's
