@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from conveyor.core.config import EngineConfig, usable_cores
-from conveyor.core.formats import WeightFormat
+from conveyor.core.formats import KV_CACHE_BYTES, WeightFormat
 from conveyor.core.model_config import ModelConfig
 from conveyor.model.decoder import Decoder
 from conveyor.model.dtypes import DTYPES, kv_cache_dtype
@@ -41,7 +41,6 @@ class RunnerPlan:
     device: str  # "cpu", "cuda", "cuda:1"
     dtype: str  # the model's compute dtype: float32, bfloat16, float16
     kv_cache_dtype: str  # what the KV cache stores, --kv-cache-dtype's auto resolved: float32, float16, fp8, ...
-    kv_itemsize: int  # bytes per KV cache element
     model_path: Path  # the model folder (for a GGUF file, the folder that describes it)
     weight_file_bytes: int  # the weights as they lie on disk
     num_threads: int  # compute threads (torch's and the native kernels')
@@ -53,6 +52,11 @@ class RunnerPlan:
     kernel_choice: KernelChoice | None = None  # --kernels auto on float weights: what this machine measured
     quant_choice: QuantDotChoice | None = None  # the same for quantized weights' dot products
     weight_format: WeightFormat | None = None  # what a step reads per weight: the cost model's (and roofline's)
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes per KV cache element (the resolved kv_cache_dtype's)."""
+        return KV_CACHE_BYTES[self.kv_cache_dtype]
 
     @property
     def summary(self) -> str:
@@ -89,7 +93,7 @@ def build_runner(config: EngineConfig, model_config: ModelConfig, folder: Path) 
     native = wanted and not gaps
     return RunnerPlan(
         device=str(device), dtype=config.dtype, kv_cache_dtype=config.kv_cache_format(model_config.gguf_file),
-        kv_itemsize=config.kv_cache_element_bytes(model_config.gguf_file), model_path=folder,
+        model_path=folder,
         weight_file_bytes=weight_file_bytes(config.model), num_threads=_num_threads(config), native=native,
         keep_quantized=native and dtype == torch.float32,
         quantization=None if config.quantization == "none" else config.quantization,
