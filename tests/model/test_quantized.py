@@ -77,6 +77,24 @@ def test_row_counts_from_1_to_600_on_the_vector_kernels(kernels) -> None:
             assert_close_to_reference(kernels, x_all[:rows], matrix, dot)
 
 
+JOINS_OF_FULL_BYTES = [["Q5_0", "Q5_0", "Q8_0"], ["Q4_1", "Q8_0"], ["Q8_0", "Q4_0"]]
+
+
+@pytest.mark.parametrize("parts", JOINS_OF_FULL_BYTES, ids=["+".join(p) for p in JOINS_OF_FULL_BYTES])
+def test_a_join_of_8_bit_codes_with_mins_on_every_dot_product(kernels, parts: list[str]) -> None:
+    """Q8_0 joined with parts of another zero point (Gemma 3's Q4_K_M q/k/v: Q5_0 beside Q8_0) becomes 8-bit
+    codes with mins; vpmaddubsw's int16 pair sums cannot take such codes whole (2 * 255 * 127), so the
+    AVX2 kernel must centre them as it does Q8_0's. Activations whose groups hold many inputs near their
+    largest make the pair sums that would saturate."""
+    matrix = concat_rows([random_matrix(t, n, 256, 7 + i) for i, (t, n) in enumerate(zip(parts, [40, 9, 24]))])
+    assert matrix.code_bits == 8 and matrix.mins is not None
+    rng = np.random.default_rng(5)
+    x = (np.sign(rng.standard_normal((17, 256))) * rng.uniform(0.7, 1.0, (17, 256))).astype(np.float32)
+    for rows in [1, 2, 3, 4, 5, 8, 17]:
+        for dot in kernels.quant_dots():
+            assert_close_to_reference(kernels, x[:rows], matrix, dot)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 5, 8])
 def test_a_few_rows_cover_every_tile_once_whatever_the_thread_count(kernels, threads: int) -> None:
     """A step's few rows share a weight's tiles out among the threads: with an odd count, more threads than

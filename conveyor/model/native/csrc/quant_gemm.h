@@ -327,15 +327,22 @@ inline QuantTileView tile_view(const QuantWeight& w, int64_t tile) {
 // Runs f(F{}) with the compiled format of a weight.
 template <typename Fn>
 void with_quant_format(const QuantWeight& w, const Fn& f) {
+  // Full: codes of all 8 bits, with a zero point (Q8_0) or with mins (Q8_0 joined with parts of another zero
+  // point, as Gemma 3's Q4_K_M q/k/v: Q5_0 beside Q8_0), which the AVX2 kernel must centre either way.
   const bool f16 = w.f16(), mins = w.has_mins(), full = w.code_bits == 8;
   const auto pick = [&](auto bits, auto group) {
     constexpr int B = decltype(bits)::value, G = decltype(group)::value;
-    if (f16) {
-      if (mins) return f(QuantFormat<B, G, true, true, false>{});
-      return full ? f(QuantFormat<B, G, true, false, true>{}) : f(QuantFormat<B, G, true, false, false>{});
-    }
-    if (mins) return f(QuantFormat<B, G, false, true, false>{});
-    return full ? f(QuantFormat<B, G, false, false, true>{}) : f(QuantFormat<B, G, false, false, false>{});
+    const auto with_mins = [&](auto f16_scales, auto is_full) {
+      constexpr bool S = decltype(f16_scales)::value, U = decltype(is_full)::value;
+      return mins ? f(QuantFormat<B, G, S, true, U>{}) : f(QuantFormat<B, G, S, false, U>{});
+    };
+    const auto with_full = [&](auto f16_scales) {
+      if constexpr (B == 8) {
+        if (full) return with_mins(f16_scales, std::true_type{});
+      }
+      return with_mins(f16_scales, std::false_type{});
+    };
+    return f16 ? with_full(std::true_type{}) : with_full(std::false_type{});
   };
   if (w.levels) {
     return f16 ? f(QuantFormat<4, 32, true, false, false, true>{}) : f(QuantFormat<4, 32, false, false, false, true>{});

@@ -55,8 +55,9 @@ inline constexpr uint8_t kIq4Levels[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129,
 constexpr int32_t kIq4Zero = 128;
 
 // Bits: 4 (nibbles) or 8 (bytes); Group: 16 or 32 inputs; F16: float16 scales (else float32); Mins: a min per
-// group (else the zero point); Full: 8-bit codes that use all 8 bits (Q8_0), which vpmaddubsw's 16-bit pair sums
-// cannot take whole (255 * 127 * 2 overflows them): the avx2 kernel takes them as signed magnitudes; Levels:
+// group (else the zero point); Full: 8-bit codes that use all 8 bits (Q8_0, and a join of it with other forms, which
+// has mins), which vpmaddubsw's 16-bit pair sums cannot take whole (255 * 127 * 2 overflows them): the avx2 kernel
+// takes them as signed magnitudes; Levels:
 // 4-bit codes that index kIq4Levels (IQ4_NL), looked up in registers (vpshufb) into bytes as wide as Full's.
 template <int Bits, int Group, bool F16, bool Mins, bool Full, bool Levels = false>
 struct QuantFormat {
@@ -309,10 +310,10 @@ inline __m256i levels_256(__m256i nibbles) {
 // core read Q4_1 from cache at 15 GB/s with both for every 4 inputs), so each is made to count:
 // - 4-bit codes: vpmaddubsw's int16 pair sums add up over the whole group before one vpmaddwd (8 of them, each
 //   at most 2 * 15 * 127, stay under 32,767);
-// - full 8-bit codes (Q8_0, zero point 128): taken as signed bytes code - 128, whose magnitude is vpmaddubsw's
-//   unsigned operand and whose sign moves onto the activation (vpsignb): one vpmaddubsw and one vpmaddwd for
-//   4 inputs where splitting the codes into nibbles took two of each (the pair sums, at most 2 * 128 * 127,
-//   fit); 128 * sum(xq) then makes them the codes' sums again. IQ4_NL's levels go the same way.
+// - full 8-bit codes (Q8_0's, zero point 128, or a join's with mins): taken as signed bytes code - 128, whose
+//   magnitude is vpmaddubsw's unsigned operand and whose sign moves onto the activation (vpsignb): one vpmaddubsw
+//   and one vpmaddwd for 4 inputs where splitting the codes into nibbles took two of each (the pair sums, at most
+//   2 * 128 * 127, fit); 128 * sum(xq) then makes them the codes' sums again. IQ4_NL's levels go the same way.
 // Both give the same integers as the plain way, so the outputs are the same to the bit.
 template <typename F, int Rows, bool Vnni>
 inline void group_sums_256(const QuantizedRows& x, int64_t row, int64_t g, const uint8_t* bytes, __m256i* sum) {
