@@ -57,8 +57,8 @@ constexpr int32_t kIq4Zero = 128;
 // Bits: 4 (nibbles) or 8 (bytes); Group: 16 or 32 inputs; F16: float16 scales (else float32); Mins: a min per
 // group (else the zero point); Full: 8-bit codes that use all 8 bits (Q8_0, and a join of it with other forms, which
 // has mins), which vpmaddubsw's 16-bit pair sums cannot take whole (255 * 127 * 2 overflows them): the avx2 kernel
-// takes them as signed magnitudes; Levels:
-// 4-bit codes that index kIq4Levels (IQ4_NL), looked up in registers (vpshufb) into bytes as wide as Full's.
+// takes them as signed magnitudes; Levels: 4-bit codes that index kIq4Levels (IQ4_NL), looked up in registers
+// (vpshufb) into bytes as wide as Full's.
 template <int Bits, int Group, bool F16, bool Mins, bool Full, bool Levels = false>
 struct QuantFormat {
   static constexpr int kBits = Bits, kGroup = Group;
