@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from conveyor.benchmarks.agreement import LLAMA_BIN, float_reference
-from conveyor.benchmarks.perplexity import chunks_of
+from conveyor.benchmarks.perplexity import text_chunks
 from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.core.sampling import SamplingParams
@@ -52,10 +52,7 @@ def scored_logprobs(config: EngineConfig, text: str, context: int) -> tuple[list
     A chunk runs as one request (prompt logprobs on), alone; the engine's LM head over its prompt rows is read as
     it computes them (Decoder.compute_logits), so the distributions are the engine's own, not recomputed."""
     engine = Engine(config)
-    tokenizer = engine.tokenizer
-    token_ids = tokenizer.encode(text)
-    adds_bos = bool(token_ids) and token_ids[0] == tokenizer.hf_tokenizer.bos_token_id
-    chunks = chunks_of(token_ids, context, tokenizer.hf_tokenizer.bos_token_id if adds_bos else None)
+    chunks, _ = text_chunks(engine, text, context)
     model = engine.executor.model
     rows: list[torch.Tensor] = []
     head = model.compute_logits

@@ -35,18 +35,24 @@ def chunks_of(token_ids: list[int], context: int, bos_token_id: int | None) -> l
     return chunks
 
 
-def perplexity(engine: Engine, text: str, context: int = 512) -> Perplexity:
-    """exp of the mean negative log-likelihood of the scored tokens (each chunk's tokens from context / 2 + 1 on)."""
+def text_chunks(engine: Engine, text: str, context: int) -> tuple[list[list[int]], int]:
+    """The text cut as llama-perplexity cuts it (chunks_of, BOS first where the tokenizer adds one), and its
+    token count."""
     tokenizer = engine.tokenizer
     token_ids = tokenizer.encode(text)
     adds_bos = bool(token_ids) and token_ids[0] == tokenizer.hf_tokenizer.bos_token_id
-    bos = tokenizer.hf_tokenizer.bos_token_id if adds_bos else None
-    chunks = chunks_of(token_ids, context, bos)
+    chunks = chunks_of(token_ids, context, tokenizer.hf_tokenizer.bos_token_id if adds_bos else None)
     if not chunks:
         raise ValueError(f"the text has {len(token_ids)} tokens, fewer than one chunk of {context}")
+    return chunks, len(token_ids)
+
+
+def perplexity(engine: Engine, text: str, context: int = 512) -> Perplexity:
+    """exp of the mean negative log-likelihood of the scored tokens (each chunk's tokens from context / 2 + 1 on)."""
+    chunks, text_tokens = text_chunks(engine, text, context)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     outputs, _ = run_together(engine, chunks, [params] * len(chunks))
     first = context // 2
     nll = -sum(entry.logprob for output in outputs for entry in output.prompt_logprobs[first + 1:])
     scored = len(chunks) * (context - 1 - first)
-    return Perplexity(math.exp(nll / scored), len(chunks), scored, len(token_ids))
+    return Perplexity(math.exp(nll / scored), len(chunks), scored, text_tokens)
