@@ -100,10 +100,11 @@ def conveyor_answers(config: EngineConfig, name: str, prompts: list[list[int]], 
 
 
 def float_reference(config: EngineConfig) -> EngineConfig:
-    """The same weights, dequantized to float32, on the float32 path."""
+    """The same weights, dequantized to float32, on the float32 path with a float32 KV cache."""
     from conveyor.model.weights.loader import float32_folder
 
-    return replace(config, model=str(float32_folder(config.model)), dtype="float32", quantization="none")
+    return replace(config, model=str(float32_folder(config.model)), dtype="float32", quantization="none",
+                   kv_cache_dtype="float32")
 
 
 # ----- llama.cpp ---------------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ its norms stored as 1 + w and its metadata, so the greedy comparison cannot agre
 Conveyor's native stack runs that float32 export (alone and batched) token for token as transformers (the
 PyTorch ops run Gemma's layers against transformers in test_families). It runs the file kept quantized too,
 where activations are quantized to int8 as llama.cpp does (so tokens part from the float32 run's where two
-candidates are close): its first tokens and its perplexity are held to the float32 run's. Then ``conveyor
-serve`` answers the official client. Prompts run past nothing here: Gemma's window is 512 positions, and the
-sliding-window path is compared on long prompts by the tiny models of test_families and test_window_attention.
+candidates are close): its first tokens and its next-token distributions are held to the float32 run's.
+Then ``conveyor serve`` answers the official client. Prompts run past nothing here: Gemma's window is 512
+positions, and the sliding-window path is compared on long prompts by the tiny models of test_families and
+test_window_attention.
 """
 
 from __future__ import annotations
@@ -107,32 +108,33 @@ def test_native_greedy_tokens_equal_transformers_alone_and_batched(float32_llm, 
         assert alone.token_ids == together.token_ids, prompt
 
 
-def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, float32_llm, gemma_file):
+def test_the_file_kept_quantized_agrees_with_its_float32_weights(quantized_llm, float32_llm):
     """Kept quantized (the file's Q4_K, Q5_0, Q6_K and Q8_0 codes on the quantized kernels): each prompt's first
-    four tokens are the float32 run's on all prompts but at most one, and perplexity on a page of text is within
-    1.5% of the float32 run's (10.909) and, where llama.cpp is set up, within 3% of llama-perplexity's on the same
-    file (11.127; its own figure moves with its batch and kernels). Measured: 10.947 on a Zen 5 (vnni512), 10.989
-    on an AVX2-only Zen 3 (commit 4100eba). The Zen 3 once read 11.12-11.40 here, and the bound was 5%: its AVX2
-    kernel saturated vpmaddubsw's int16 sums on the q/k/v joined from Q5_0 and Q8_0 parts (8-bit codes with mins),
-    the fault `bench/kl_divergence.py` found and tests/model/test_quantized.py now holds joins of Q8_0 to."""
-    from pathlib import Path
-
-    from conveyor.benchmarks.perplexity import perplexity
-    from tests.model.test_quantized import LLAMA_PERPLEXITY, llama_cpp_perplexity
-
+    four tokens are the float32 run's on all prompts but at most one."""
     assert {"Q4_K", "Q5_0", "Q6_K", "Q8_0"} <= set(quantized_llm.engine.runner.kernel_dtype.split("+"))
     quantized = quantized_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     float32 = float32_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     agree = sum(q.token_ids[:4] == f.token_ids[:4] for q, f in zip(quantized, float32, strict=True))
     assert agree >= len(PROMPTS) - 1
-    text = (Path(__file__).parents[1] / "data" / "declaration-of-independence.txt").read_text(encoding="utf-8")
-    ours, exact = (perplexity(llm.engine, text, 256).value for llm in (quantized_llm, float32_llm))
-    print(f"perplexity: kept quantized {ours:.4f}, float32 {exact:.4f}")
-    assert abs(ours / exact - 1) <= 0.015
+
+
+def test_the_files_distributions_stay_near_its_float32_weights(quantized_llm, float32_llm, gemma_file):
+    """Next-token distributions over a page of text (llama-perplexity's chunks of 256) against the float32 run's:
+    mean KL divergence 0.0133-0.0176 on a Zen 3 over attention scales moved by a part in a million (each another
+    draw of the activations' int8 rounding), llama.cpp's 0.0182 against its own F32 conversion. The saturating
+    join of Q5_0 and Q8_0 parts that AVX2 kernels once had (commit 4100eba) read 0.0248. Perplexity moved from
+    +0.7% to +2.0% of float32's over the same draws, so it bounds nothing here (docs/quantized-weights.md, "One
+    draw of the rounding")."""
+    from conveyor.benchmarks.divergence import engines_divergence, llama_cpp_divergence
+    from tests.model.test_quantized import LLAMA_PERPLEXITY, TEXT
+
+    ours = engines_divergence(float32_llm.engine, quantized_llm.engine, TEXT.read_text(encoding="utf-8"), 256)
+    print(f"Conveyor against float32: {ours}")
+    assert ours.mean_kld <= 0.021
     if LLAMA_PERPLEXITY.is_file():
-        theirs = llama_cpp_perplexity(gemma_file, 256)
-        print(f"perplexity: llama.cpp {theirs:.4f}")
-        assert abs(ours / theirs - 1) <= 0.03
+        theirs = llama_cpp_divergence(gemma_file, TEXT, 256, 2)
+        print(f"llama.cpp against its F32 conversion: {theirs}")
+        assert ours.mean_kld <= 1.15 * theirs.mean_kld
 
 
 def test_the_named_model_and_its_chat_template(gemma_file):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -309,34 +308,47 @@ def test_the_tensor_directory_is_the_one_ggufs_reader_finds() -> None:
                          int(tensor.data_offset), int(tensor.n_bytes))
 
 
-# ----- Perplexity against llama.cpp's on the same file -----
+# ----- Distributions against the float32 weights', and llama.cpp's on the same file -----
 
 LLAMA_PERPLEXITY = Path(__file__).resolve().parents[2] / ".peers" / "llama.cpp" / "build" / "bin" / "llama-perplexity"
 TEXT = Path(__file__).resolve().parents[1] / "data" / "declaration-of-independence.txt"
 
 
-def llama_cpp_perplexity(model: Path, context: int) -> float:
-    """llama-perplexity's final estimate on the text, on 2 threads."""
-    done = subprocess.run([str(LLAMA_PERPLEXITY), "-m", str(model), "-f", str(TEXT), "-c", str(context), "-t", "2",
-                           "-b", str(context)], capture_output=True, text=True, timeout=600, check=True)
-    match = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
-    assert match, done.stderr[-2000:]
-    return float(match.group(1))
+@pytest.fixture(scope="module")
+def divergence_from_float32(kernels):
+    """The default file's next-token distributions over TEXT (chunks of 256, llama-perplexity's protocol)
+    against its float32 reference's: the float16 cache a GGUF file gets by default."""
+    from conveyor.benchmarks.divergence import conveyor_divergence
+    from conveyor.core.config import EngineConfig
+
+    config = EngineConfig(max_model_len=257, enable_prefix_caching=False)
+    found = conveyor_divergence(config, TEXT.read_text(encoding="utf-8"), 256)
+    print(f"Conveyor against float32: {found}")
+    return found
 
 
-def test_perplexity_is_within_1_percent_of_llama_cpp_on_the_same_file(quantized_llm) -> None:
-    """The same protocol (bench/perplexity.py: chunks of 256 tokens, BOS first where the tokenizer adds one, the
-    second half of each scored) on the default model's Q4_1 file: a wrong dequantization, a wrong row order or
-    a kernel bug moves perplexity by far more than 1%."""
-    from conveyor.benchmarks.perplexity import perplexity
+def test_distributions_stay_near_the_float32_weights_of_the_same_file(divergence_from_float32) -> None:
+    """Mean KL divergence 0.0047-0.0052 on a Zen 3 over the cache's dtypes and attention scales moved by a part in
+    a million (each another draw of the activations' int8 rounding; docs/quantized-weights.md, "One draw of the
+    rounding"); llama.cpp's on the same file 0.0047-0.0049. A kernel that loses precision moves it by far more
+    than that spread: Gemma 3's saturating join (commit 4100eba) had 1.5x llama.cpp's, a wrong scale or row
+    order makes it tens of times larger. Perplexity is no measure here: it moves by +-0.6% from draw to draw."""
+    assert divergence_from_float32.mean_kld <= 0.006
+    assert divergence_from_float32.same_top >= 93.0
+
+
+def test_distributions_are_as_near_float32_as_llama_cpps_on_the_same_file(divergence_from_float32) -> None:
+    """Each engine against its own float32 run of the same weights (llama.cpp: the file converted to F32 by
+    llama-quantize), both with a float16 cache: Conveyor's quantized arithmetic moves the answers no more than
+    llama.cpp's does. The bound leaves room for the draw-to-draw spread of either (+-5%), not for a fault."""
+    from conveyor.benchmarks.divergence import llama_cpp_divergence
     from conveyor.model.weights.paths import default_model_path
 
     if not LLAMA_PERPLEXITY.is_file():
         pytest.skip("llama.cpp is not set up (bash bench/peers/setup_llamacpp.sh builds llama-perplexity)")
-    ours = perplexity(quantized_llm.engine, TEXT.read_text(encoding="utf-8"), 256)
-    theirs = llama_cpp_perplexity(default_model_path(), 256)
-    print(f"perplexity over {ours.scored_tokens} tokens: Conveyor {ours.value:.4f}, llama.cpp {theirs:.4f}")
-    assert abs(ours.value / theirs - 1) <= 0.01
+    theirs = llama_cpp_divergence(default_model_path(), TEXT, 256, 2)
+    print(f"llama.cpp against its F32 conversion: {theirs}")
+    assert divergence_from_float32.mean_kld <= 1.15 * theirs.mean_kld
 
 
 # ----- --quantization: float checkpoints quantized as they load -----
