@@ -15,8 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from conveyor.benchmarks.agreement import LLAMA_BIN
-from conveyor.benchmarks.divergence import LLAMA_CACHE_TYPES, conveyor_divergence, llama_cpp_divergence
+from conveyor.benchmarks.divergence import LLAMA_BIN, LLAMA_CACHE_TYPES, conveyor_divergence, llama_cpp_divergence
 from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig, usable_cores
 from conveyor.model.weights.paths import gguf_source, resolve_model

@@ -1,42 +1,52 @@
-"""``conveyor bench agreement``: how near a quantized file's greedy answers and perplexity stay to the float
-reference of the same weights, for Conveyor and, where it is set up, for llama.cpp.
+"""``conveyor bench agreement``: how near a quantized file's greedy answers and next-token distributions stay
+to the float reference of the same weights, for Conveyor and, where it is set up, for llama.cpp.
 
 The reference is Conveyor's float32 path over the file's weights dequantized (the path the tests hold token for
 token to transformers). The prompts are windows of the text, spread evenly across it, each continued greedily
 for a fixed number of tokens with end-of-sequence ignored. An engine's row says how many continuations equal
-the reference's whole, and where the others first differ; perplexity is ``bench perplexity``'s, which is
-``llama-perplexity``'s protocol. Near-ties decide where quantized continuations part from the float ones, so
-the first difference says more than the count alone. Conveyor's continuations run as one batch: a request's
-answer is the same alone or batched (``bench/batch_invariance.py``). llama.cpp's go one at a time, through
-its server, as ``bench compare`` runs it.
+the reference's whole, and where the others first differ; then its perplexity over the text and the mean KL
+divergence of its next-token distributions from its float32 run's, by ``llama-perplexity``'s protocol
+(``divergence``: llama.cpp is held to its own F32 conversion of the file). Near-ties decide where quantized
+continuations part from the float ones, so the first difference says more than the count alone; perplexity
+moves by about 1% from one draw of the activations' rounding to the next, the KL divergence by a few percent.
+Conveyor's continuations run as one batch: a request's answer is the same alone or batched
+(``bench/batch_invariance.py``). llama.cpp's go one at a time, through its server, as ``bench compare`` runs it.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
+from conveyor.benchmarks.divergence import (
+    LLAMA_BIN,
+    divergence,
+    float_reference,
+    llama_cpp_divergence,
+    scored_logprobs,
+)
 from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
 
-ROOT = Path(__file__).resolve().parents[2]
-LLAMA_BIN = ROOT / ".peers" / "llama.cpp" / "build" / "bin"
+Scored = tuple[list[torch.Tensor], list[list[int]]]  # scored_logprobs: each chunk's distributions, its targets
 
 
 @dataclass(frozen=True, slots=True)
 class EngineAnswers:
-    """One engine's greedy continuations of the prompts (in prompt order) and its perplexity on the text."""
+    """One engine's greedy continuations of the prompts (in prompt order), its perplexity on the text and the
+    mean KL divergence of its distributions from its float32 run's (0 for the reference itself)."""
 
     engine: str
     weights: str
     outputs: list[list[int]]
-    perplexity: float | None
+    perplexity: float
+    mean_kld: float
 
 
 def text_prompts(token_ids: list[int], count: int, length: int) -> list[list[int]]:
@@ -65,18 +75,19 @@ def compared(answers: EngineAnswers, reference: EngineAnswers) -> tuple[int, lis
 
 
 def agreement_table(reference: EngineAnswers, others: list[EngineAnswers], tokens: int) -> str:
-    """One row an engine: cases equal to the reference, where the others part from it, perplexity against it."""
+    """One row an engine: cases equal to the reference, where the others part from it, perplexity against it,
+    the KL divergence from its own float32 run."""
     rows = []
     for answers in (reference, *others):
         equal, parted = compared(answers, reference)
         where = (f"{min(parted)} / {statistics.median(parted):g}" if parted else "-")
-        ppl = "-" if answers.perplexity is None else f"{answers.perplexity:.4f}"
-        ratio = ("-" if answers.perplexity is None or reference.perplexity is None or answers is reference
-                 else f"{100 * (answers.perplexity / reference.perplexity - 1):+.2f}%")
-        rows.append([answers.engine, answers.weights, "reference" if answers is reference else
-                     f"{equal}/{len(answers.outputs)}", where, ppl, ratio])
+        is_reference = answers is reference
+        ratio = "-" if is_reference else f"{100 * (answers.perplexity / reference.perplexity - 1):+.2f}%"
+        rows.append([answers.engine, answers.weights, "reference" if is_reference else
+                     f"{equal}/{len(answers.outputs)}", where, f"{answers.perplexity:.4f}", ratio,
+                     "-" if is_reference else f"{answers.mean_kld:.6f}"])
     headers = ["engine", "weights", f"all {tokens} tokens equal to float32", "first difference: min / median",
-               "perplexity", "vs float32"]
+               "perplexity", "vs float32", "mean KLD from float32"]
     return format_table(headers, rows)
 
 
@@ -84,9 +95,9 @@ def agreement_table(reference: EngineAnswers, others: list[EngineAnswers], token
 
 
 def conveyor_answers(config: EngineConfig, name: str, prompts: list[list[int]], tokens: int, text: str,
-                     context: int) -> EngineAnswers:
-    """Greedy continuations from Conveyor's engine on ``config``, all submitted at once, and its perplexity."""
-    from conveyor.benchmarks.perplexity import perplexity
+                     context: int, base: Scored | None = None) -> tuple[EngineAnswers, Scored]:
+    """Greedy continuations from Conveyor's engine on ``config``, all submitted at once, and its distributions
+    over the text's chunks, against ``base``'s (None: this run is the reference)."""
     from conveyor.benchmarks.throughput import run_together
     from conveyor.core.sampling import SamplingParams
     from conveyor.engine import Engine
@@ -94,37 +105,23 @@ def conveyor_answers(config: EngineConfig, name: str, prompts: list[list[int]], 
     engine = Engine(config)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     outputs, _ = run_together(engine, prompts, [params] * len(prompts))
+    scored = scored_logprobs(engine, text, context)
+    distributions, targets = scored
+    if base is not None and base[1] != targets:
+        raise RuntimeError("the reference and this run scored different tokens")
+    found = divergence(distributions if base is None else base[0], distributions, targets)
     weights = engine.runner.kernel_dtype or engine.runner.dtype
-    return EngineAnswers(name, weights, [list(o.token_ids) for o in outputs],
-                         perplexity(engine, text, context).value)
-
-
-def float_reference(config: EngineConfig) -> EngineConfig:
-    """The same weights, dequantized to float32, on the float32 path with a float32 KV cache."""
-    from conveyor.model.weights.loader import float32_folder
-
-    return replace(config, model=str(float32_folder(config.model)), dtype="float32", quantization="none",
-                   kv_cache_dtype="float32")
+    return EngineAnswers(name, weights, [list(o.token_ids) for o in outputs], found.perplexity,
+                         found.mean_kld), scored
 
 
 # ----- llama.cpp ---------------------------------------------------------------------------------------------
 
 
-def llama_cpp_perplexity(model: Path, text_file: Path, context: int, threads: int,
-                         binary: Path = LLAMA_BIN / "llama-perplexity") -> float:
-    """``llama-perplexity``'s final estimate over the text, in chunks of ``context`` tokens."""
-    done = subprocess.run([str(binary), "-m", str(model), "-f", str(text_file), "-c", str(context),
-                           "-t", str(threads), "-b", str(context)], capture_output=True, text=True, timeout=1800)
-    match = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
-    if done.returncode != 0 or not match:
-        raise RuntimeError(f"llama-perplexity failed ({done.returncode}): {(done.stdout + done.stderr)[-2000:]}")
-    return float(match.group(1))
-
-
 def llama_cpp_answers(model: Path, prompts: list[list[int]], tokens: int, text_file: Path, context: int,
                       threads: int) -> EngineAnswers:
     """Greedy continuations from llama.cpp's server on the same file, one request after another (its runner in
-    bench/peers), and its perplexity."""
+    bench/peers), and its perplexity and KL divergence from its own F32 conversion (llama-perplexity)."""
     from conveyor.benchmarks.compare import PEERS, run_peer
     from conveyor.benchmarks.workload import ONE_AT_A_TIME, SyntheticRequest, Workload
 
@@ -136,8 +133,9 @@ def llama_cpp_answers(model: Path, prompts: list[list[int]], tokens: int, text_f
         workload_file.write_text(json.dumps(workload.to_json()))
         result = run_peer(peer, [workload_file], Path(tmp) / "result.json", threads=threads)
     outputs = result.results["agreement"].output_token_ids
-    return EngineAnswers(f"llama.cpp {result.version.split(',')[0]}", model.name, outputs,
-                         llama_cpp_perplexity(model, text_file, context, threads))
+    found = llama_cpp_divergence(model, text_file, context, threads)
+    return EngineAnswers(f"llama.cpp {result.version.split(',')[0]}", model.name, outputs, found.perplexity,
+                         found.mean_kld)
 
 
 # ----- the command -------------------------------------------------------------------------------------------
@@ -155,8 +153,8 @@ def bench_agreement(config: EngineConfig, text_file: Path, num_prompts: int, pro
     folder = resolve_model(config.model)
     prompts = text_prompts(Tokenizer(folder).encode(text), num_prompts, prompt_len)
     config = replace(config, max_model_len=max(config.max_model_len or 0, context + 1, prompt_len + tokens))
-    reference = conveyor_answers(float_reference(config), "Conveyor", prompts, tokens, text, context)
-    answers = [reference, conveyor_answers(config, "Conveyor", prompts, tokens, text, context)]
+    reference, base = conveyor_answers(float_reference(config), "Conveyor", prompts, tokens, text, context)
+    answers = [reference, conveyor_answers(config, "Conveyor", prompts, tokens, text, context, base)[0]]
     gguf = gguf_source(folder)
     server = LLAMA_BIN / "llama-server"
     if llama_cpp and gguf is not None and server.is_file():

@@ -24,19 +24,27 @@ import re
 import statistics
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from conveyor.benchmarks.agreement import LLAMA_BIN, float_reference
 from conveyor.benchmarks.perplexity import text_chunks
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine
 
+LLAMA_BIN = Path(__file__).resolve().parents[2] / ".peers" / "llama.cpp" / "build" / "bin"
 # llama-perplexity's cache types for Conveyor's --kv-cache-dtype (-ctk and -ctv)
 LLAMA_CACHE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+def float_reference(config: EngineConfig) -> EngineConfig:
+    """The same weights, dequantized to float32, on the float32 path with a float32 KV cache."""
+    from conveyor.model.weights.loader import float32_folder
+
+    return replace(config, model=str(float32_folder(config.model)), dtype="float32", quantization="none",
+                   kv_cache_dtype="float32")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +63,8 @@ def scored_logprobs(engine: Engine, text: str, context: int) -> tuple[list[torch
     """Each chunk's scored positions' log-probabilities over the whole vocabulary, and the tokens they score.
 
     A chunk runs as one request (prompt logprobs on), alone; the engine's LM head over its prompt rows is read as
-    it computes them (Decoder.compute_logits), so the distributions are the engine's own, not recomputed. A
-    chunk whose prefix the engine had cached would leave rows unread: that is refused, not scored."""
+    it computes them (Decoder.compute_logits), so the distributions are the engine's own, not recomputed. Every
+    prompt row is computed: a request that asks for prompt logprobs never reads the prefix cache."""
     chunks, _ = text_chunks(engine, text, context)
     model = engine.executor.model
     rows: list[torch.Tensor] = []

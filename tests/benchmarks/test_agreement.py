@@ -39,14 +39,14 @@ def test_first_difference_is_the_first_position_that_differs() -> None:
 
 
 def test_the_table_counts_equal_answers_and_where_the_others_part() -> None:
-    reference = EngineAnswers("Conveyor", "float32", [[1, 2, 3], [4, 5, 6], [7, 8, 9]], 10.0)
-    quantized = EngineAnswers("Conveyor", "Q4_1+Q8_0", [[1, 2, 3], [4, 0, 0], [0, 8, 9]], 10.5)
+    reference = EngineAnswers("Conveyor", "float32", [[1, 2, 3], [4, 5, 6], [7, 8, 9]], 10.0, 0.0)
+    quantized = EngineAnswers("Conveyor", "Q4_1+Q8_0", [[1, 2, 3], [4, 0, 0], [0, 8, 9]], 10.5, 0.0123)
     assert compared(quantized, reference) == (1, [1, 0])
     table = agreement_table(reference, [quantized], 3)
     lines = table.splitlines()
-    assert "all 3 tokens equal to float32" in lines[0]
+    assert "all 3 tokens equal to float32" in lines[0] and "mean KLD from float32" in lines[0]
     assert "reference" in lines[2] and "10.0000" in lines[2]
-    assert "| 1/3 " in lines[3] and "| 0 / 0.5 " in lines[3] and "+5.00%" in lines[3]
+    assert "| 1/3 " in lines[3] and "| 0 / 0.5 " in lines[3] and "+5.00%" in lines[3] and "0.012300" in lines[3]
 
 
 def test_a_float_folder_agrees_with_itself_throughout(tiny_model_dir: Path) -> None:
@@ -58,7 +58,8 @@ def test_a_float_folder_agrees_with_itself_throughout(tiny_model_dir: Path) -> N
     reference, ours = answers
     assert [len(o) for o in ours.outputs] == [8] * 6
     assert ours.outputs == reference.outputs and ours.perplexity == reference.perplexity
-    assert "| 6/6 " in table.splitlines()[3] and "+0.00%" in table
+    assert ours.mean_kld == reference.mean_kld == 0.0
+    assert "| 6/6 " in table.splitlines()[3] and "+0.00%" in table and "0.000000" in table
 
 
 def test_a_quantized_file_against_its_float_weights_and_llama_cpp(tmp_path: Path) -> None:
@@ -78,3 +79,4 @@ def test_a_quantized_file_against_its_float_weights_and_llama_cpp(tmp_path: Path
     for answer in (ours, theirs):
         assert [len(o) for o in answer.outputs] == [8] * 6
         assert abs(answer.perplexity / reference.perplexity - 1) < 0.02
+        assert 0 < answer.mean_kld < 0.01

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from conveyor.benchmarks.divergence import LLAMA_BIN
 from conveyor.model.quant.formats import (
     SUPPORTED_TYPES,
     concat_rows,
@@ -310,7 +311,7 @@ def test_the_tensor_directory_is_the_one_ggufs_reader_finds() -> None:
 
 # ----- Distributions against the float32 weights', and llama.cpp's on the same file -----
 
-LLAMA_PERPLEXITY = Path(__file__).resolve().parents[2] / ".peers" / "llama.cpp" / "build" / "bin" / "llama-perplexity"
+LLAMA_PERPLEXITY = LLAMA_BIN / "llama-perplexity"
 TEXT = Path(__file__).resolve().parents[1] / "data" / "declaration-of-independence.txt"
 
 
