@@ -11,10 +11,10 @@ distribution is the steadier measure, and a kernel that loses precision shows in
 tokens agree.
 
 The protocol is ``llama-perplexity``'s (chunks of ``context`` tokens, the second half of each scored); the
-reference is the same weights dequantized, on the float32 path (Conveyor: ``bench agreement``'s reference;
-llama.cpp: the file converted to F32 by ``llama-quantize``). Each engine is held to its own float run, so
-that the two figures say how much each engine's quantized arithmetic (the activations' int8 steps, its sums)
-moves the answers.
+reference is the same weights dequantized, on the float32 path (Conveyor: ``float_reference``, which
+``bench agreement`` holds its answers to as well; llama.cpp: the file converted to F32 by ``llama-quantize``).
+Each engine is held to its own float run, so that the two figures say how much each engine's quantized
+arithmetic (the activations' int8 steps, its sums) moves the answers.
 """
 
 from __future__ import annotations
