@@ -22,10 +22,9 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 from conveyor.benchmarks.divergence import (
     LLAMA_BIN,
+    Scored,
     divergence,
     float_reference,
     llama_cpp_divergence,
@@ -33,8 +32,6 @@ from conveyor.benchmarks.divergence import (
 )
 from conveyor.benchmarks.report import format_table
 from conveyor.core.config import EngineConfig
-
-Scored = tuple[list[torch.Tensor], list[list[int]]]  # scored_logprobs: each chunk's distributions, its targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +103,9 @@ def conveyor_answers(config: EngineConfig, name: str, prompts: list[list[int]], 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     outputs, _ = run_together(engine, prompts, [params] * len(prompts))
     scored = scored_logprobs(engine, text, context)
-    distributions, targets = scored
-    if base is not None and base[1] != targets:
-        raise RuntimeError("the reference and this run scored different tokens")
-    found = divergence(distributions if base is None else base[0], distributions, targets)
+    mean_kld = 0.0 if base is None else divergence(base, scored).mean_kld
     weights = engine.runner.kernel_dtype or engine.runner.dtype
-    return EngineAnswers(name, weights, [list(o.token_ids) for o in outputs], found.perplexity,
-                         found.mean_kld), scored
+    return EngineAnswers(name, weights, [list(o.token_ids) for o in outputs], scored.perplexity(), mean_kld), scored
 
 
 # ----- llama.cpp ---------------------------------------------------------------------------------------------

@@ -48,6 +48,21 @@ def float_reference(config: EngineConfig) -> EngineConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class Scored:
+    """A run's distributions over a text's chunks: each chunk's scored positions' log-probabilities over the
+    whole vocabulary, and the tokens they score."""
+
+    distributions: list[torch.Tensor]
+    targets: list[list[int]]
+
+    def perplexity(self) -> float:
+        """exp of the mean negative log-likelihood of the scored tokens."""
+        nll = sum(-float(d[torch.arange(len(t)), torch.tensor(t)].sum())
+                  for d, t in zip(self.distributions, self.targets, strict=True))
+        return math.exp(nll / sum(len(t) for t in self.targets))
+
+
+@dataclass(frozen=True, slots=True)
 class Divergence:
     """The figures llama-perplexity prints for a quantized run against its base, and the quantized run's
     perplexity over the scored tokens."""
@@ -59,8 +74,8 @@ class Divergence:
     perplexity: float
 
 
-def scored_logprobs(engine: Engine, text: str, context: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Each chunk's scored positions' log-probabilities over the whole vocabulary, and the tokens they score.
+def scored_logprobs(engine: Engine, text: str, context: int) -> Scored:
+    """The engine's distributions over the text cut as llama-perplexity cuts it.
 
     A chunk runs as one request (prompt logprobs on), alone; the engine's LM head over its prompt rows is read as
     it computes them (Decoder.compute_logits), so the distributions are the engine's own, not recomputed. Every
@@ -83,8 +98,7 @@ def scored_logprobs(engine: Engine, text: str, context: int) -> tuple[list[torch
         del model.compute_logits  # the class's own again
 
 
-def _read_chunks(engine: Engine, chunks: list[list[int]], first: int,
-                 rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[int]]]:
+def _read_chunks(engine: Engine, chunks: list[list[int]], first: int, rows: list[torch.Tensor]) -> Scored:
     distributions, targets = [], []
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     for chunk in chunks:
@@ -97,21 +111,22 @@ def _read_chunks(engine: Engine, chunks: list[list[int]], first: int,
             raise RuntimeError(f"read {every.shape[0]} prompt rows of a {len(chunk)}-token chunk")
         distributions.append(every[first:])
         targets.append(chunk[first + 1:])
-    return distributions, targets
+    return Scored(distributions, targets)
 
 
-def divergence(base: list[torch.Tensor], quantized: list[torch.Tensor], targets: list[list[int]]) -> Divergence:
+def divergence(base: Scored, quantized: Scored) -> Divergence:
     """llama-perplexity's figures for ``quantized`` against ``base``, chunk by chunk over the same targets."""
-    kld, dp, nll, same = [], [], 0.0, 0
-    for b, q, t in zip(base, quantized, targets, strict=True):
+    if quantized.targets != base.targets:
+        raise RuntimeError("the reference and quantized runs scored different tokens")
+    kld, dp, same = [], [], 0
+    for b, q, t in zip(base.distributions, quantized.distributions, base.targets, strict=True):
         kld.extend((b.exp() * (b - q)).sum(-1).tolist())
         index, rows = torch.tensor(t), torch.arange(len(t))
         dp.extend((q[rows, index].exp() - b[rows, index].exp()).tolist())
-        nll -= float(q[rows, index].sum())
         same += int((b.argmax(-1) == q.argmax(-1)).sum())
     return Divergence(statistics.mean(kld), statistics.median(kld),
                       100 * math.sqrt(statistics.mean(d * d for d in dp)), 100 * same / len(dp),
-                      math.exp(nll / len(dp)))
+                      quantized.perplexity())
 
 
 def conveyor_divergence(config: EngineConfig, text: str, context: int) -> Divergence:
@@ -121,11 +136,7 @@ def conveyor_divergence(config: EngineConfig, text: str, context: int) -> Diverg
 
 def engines_divergence(reference: Engine, quantized: Engine, text: str, context: int) -> Divergence:
     """``quantized``'s distributions against ``reference``'s over the same chunks of the text."""
-    base, targets = scored_logprobs(reference, text, context)
-    distributions, same_targets = scored_logprobs(quantized, text, context)
-    if same_targets != targets:
-        raise RuntimeError("the reference and quantized runs scored different tokens")
-    return divergence(base, distributions, targets)
+    return divergence(scored_logprobs(reference, text, context), scored_logprobs(quantized, text, context))
 
 
 def llama_cpp_divergence(gguf: Path, text_file: Path, context: int, threads: int,
