@@ -1,5 +1,6 @@
 // bench/kernel_ab's driver: the variants (VARIANTS, from run.sh) take turns, a few GEMVs (or GEMMs of ROWS rows)
-// each, and each prints the median, 25th and 75th percentile of its GB/s of weights (times ROWS: weight-rows).
+// each, and each prints the median, 25th and 75th percentile of its GB/s of weights, and its multiply-adds a second
+// at the median (GB/s times ROWS, in weights).
 // This host's memory bandwidth changes by half from one minute to the next, so two builds timed one after the
 // other, in two processes, differ by more than most kernel changes do; taking turns within seconds, they see the
 // same machine.
@@ -47,8 +48,9 @@ int main(int argc, char** argv) {
     std::sort(s.begin(), s.end());
     const double bytes = variants[i].bytes(states[i]);
     const auto rate = [&](double q) { return bytes / s[static_cast<size_t>(q * (s.size() - 1))] / 1e9; };
-    std::printf("%-7s %-8s %3ld rows %-24s median %5.1f GB/s  (25th-75th percentile %5.1f-%5.1f)\n", argv[1],
-                argv[2], rows, variants[i].label, rate(0.5), rate(0.75), rate(0.25));
+    const double madds = static_cast<double>(n) * k * rows / s[(s.size() - 1) / 2] / 1e9;
+    std::printf("%-7s %-8s %3ld rows %-24s median %5.1f GB/s  (25th-75th percentile %5.1f-%5.1f), %6.1f G multiply-adds/s\n",
+                argv[1], argv[2], rows, variants[i].label, rate(0.5), rate(0.75), rate(0.25), madds);
   }
   return 0;
 }
