@@ -16,6 +16,7 @@ from typing import Any
 
 from conveyor.benchmarks.calibrate import Probe, time_probe, timed_step
 from conveyor.benchmarks.report import format_table
+from conveyor.core.burst import burst_end
 from conveyor.core.config import EngineConfig
 from conveyor.core.sampling import SamplingParams
 from conveyor.engine import Engine, RequestOutput
@@ -51,23 +52,33 @@ FEW_DECODE_ROWS, MANY_DECODE_ROWS = 3, 16
 
 def run_real(engine: Engine, case: ValidationCase,
              prompts: list[list[int]]) -> tuple[dict[str, Any], list[TimedStep]]:
-    """Requests join as the wall clock passes their arrival; the engine steps while it has work. The run's
+    """Requests join as the wall clock passes their arrival; the engine steps while it has work, its first step
+    after a pause once the burst that woke it has come (as the server's loop: conveyor.core.burst). The run's
     figures, and each step's work, wall seconds and start (those that compute or copy something)."""
     order = sorted(range(len(prompts)), key=lambda i: case.requests[i].arrival_time)
+    times = [case.requests[i].arrival_time for i in order]
+    wait_s = engine.config.burst_wait_ms / 1000
     start = engine.clock()
     done: list[RequestOutput] = []
     timed: list[TimedStep] = []
-    steps = 0
+    steps, taken, idle = 0, 0, True
     while order or engine.has_unfinished_requests():
         now = engine.clock() - start
+        woken_by = taken
         while order and case.requests[order[0]].arrival_time <= now:
             index = order.pop(0)
+            taken += 1
             request = case.requests[index]
             params = SamplingParams(temperature=0.0, max_tokens=request.output_len, ignore_eos=True)
             engine.add_request(prompts[index], params,
                                arrival_time=start + request.arrival_time, priority=request.priority)
         if not engine.has_unfinished_requests():
             time.sleep(max(case.requests[order[0]].arrival_time - now, 0.0))
+            idle = True
+            continue
+        if idle:  # the rest of the burst joins the first step
+            idle = False
+            time.sleep(max(burst_end(times[woken_by], times, woken_by + 1, wait_s) - now, 0.0))
             continue
         started = engine.clock() - start
         outputs, work, seconds = timed_step(engine)

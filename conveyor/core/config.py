@@ -19,6 +19,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.core.burst import BURST_WAIT_CAP
 from conveyor.core.formats import FLOAT_BYTES, KV_CACHE_BYTES, kv_cache_format, kv_element_bytes
 from conveyor.core.spec.config import SpeculativeConfig
 
@@ -70,6 +71,9 @@ class EngineConfig:
     device: str = _option("auto", "auto (CUDA when present), cpu, cuda, cuda:1, ...")
     max_num_seqs: int = _option(128, "most requests in one batch", minimum=1)
     max_num_batched_tokens: int = _option(2048, "token budget of one step", minimum=1)
+    burst_wait_ms: int = _option(2, "an idle engine, woken by a request, steps once no other has come for this "
+                                 f"many ms (at most {BURST_WAIT_CAP} times it after the first), so that requests "
+                                 "sent at once share their first step; 0: it steps at once", minimum=0)
     block_size: int = _option(16, "tokens per KV block", minimum=1)
     kv_cache_memory: int | str | None = _option(
         None, "KV pool size in bytes, e.g. 2GiB, 512MB", minimum=1, size=True,

@@ -23,11 +23,13 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.core.burst import first_step_at
 from conveyor.core.request import Request
 from conveyor.core.stats import EngineStats
 from conveyor.core.structured import StructuredOutput
@@ -127,6 +129,8 @@ class AsyncEngine:
         self.draining = False  # shutting down: no new requests
         self.error: BaseException | None = None
         self._stats = engine.stats()  # published by the loop thread between steps; read from any thread
+        self._burst_wait_s = engine.config.burst_wait_ms / 1000
+        self._latest_submit = 0.0  # time.monotonic() of the latest request submitted (see _await_burst)
         self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
 
     def start(self) -> None:
@@ -214,6 +218,7 @@ class AsyncEngine:
             self._pending_load = _plus(self._pending_load, request, 1)
             self._num_submitted += 1
             self._streams[request.request_id] = stream
+        self._latest_submit = time.monotonic()
         self._commands.put(("add", request))
         self._wake.set()
         return RequestStream(self, request.request_id, stream)
@@ -288,6 +293,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            idle = True
             while not self._stopping:
                 self._apply_commands()
                 if not self._engine.has_unfinished_requests():
@@ -295,6 +301,11 @@ class AsyncEngine:
                     self._report([])  # let gauges settle after aborts
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    idle = True
+                    continue
+                if idle:  # the first step after a pause: the rest of a burst joins it
+                    idle = False
+                    self._await_burst()
                     continue
                 outputs = self._engine.step()
                 self._stats = self._engine.stats()
@@ -312,6 +323,17 @@ class AsyncEngine:
                     self.on_fatal(error)
                 except Exception:
                     logger.exception("on_fatal failed")
+
+    def _await_burst(self) -> None:
+        """Sleep until no request has been submitted for ``--burst-wait-ms`` (at most BURST_WAIT_CAP such waits):
+        requests sent at once reach the engine over a few milliseconds (conveyor.core.burst)."""
+        start = time.monotonic()
+        while not self._stopping:
+            remaining = first_step_at(start, self._latest_submit, self._burst_wait_s) - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wake.wait(timeout=remaining)
+            self._wake.clear()
 
     def _report(self, outputs: list[RequestOutput]) -> None:
         if self._on_step is None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from conveyor.core.burst import first_step_at
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
 from conveyor.core.request import Request, RequestStatus
@@ -46,6 +47,7 @@ class SimulatedReplica:
     core: EngineCore
     group: FastForwardScheduler | None = None  # its fast-forward's group of decodes (simulator.run_step)
     num_routed: int = 0
+    burst_first: float | None = None  # woken from idle at this time, its first step not taken yet (core.burst)
 
     def busy(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -130,13 +132,16 @@ class ClusterSimulation:
                                     stats.num_kv_blocks)
         index = self.router.route(request.prompt_token_ids)
         replica = self.replicas[index]
-        if not replica.busy():
-            replica.clock.now = max(replica.clock.now, now)  # an idle engine wakes when the request arrives
+        if not replica.busy() and now >= replica.clock.now:  # idle since its last step: a burst begins
+            replica.burst_first = now
+        if replica.burst_first is not None:  # its first step waits for the rest of the burst
+            replica.clock.now = first_step_at(replica.burst_first, now, self.config.burst_wait_ms / 1000)
         replica.core.add_request(request)
         replica.num_routed += 1
         self._replica_of[request.request_id] = index
 
     def _step(self, replica: SimulatedReplica, finished: FinishedSums) -> None:
+        replica.burst_first = None
         for request in run_step(replica.core, replica.executor, replica.group)[0]:
             if request.status is not FINISHED:
                 continue

@@ -2,7 +2,8 @@
 
 The loop is the engine's own (:class:`conveyor.core.engine_core.EngineCore`); the
 simulator only adds requests when the clock passes their arrival time, jumps
-the clock over idle gaps, and keeps a few running sums instead of every
+the clock over idle gaps (to where the server's loop would take its first step:
+the end of the arriving burst, conveyor.core.burst), and keeps a few running sums instead of every
 request, so that 100,000 requests fit in memory and in a minute.
 """
 
@@ -17,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from conveyor.core.burst import burst_end
 from conveyor.core.config import EngineConfig
 from conveyor.core.engine_core import EngineCore, plan_kv_cache
 from conveyor.core.errors import RequestRefused
@@ -150,19 +152,26 @@ class Simulation:
         clock, core, arrivals = self.clock, self.core, self.arrivals
         finished, sums, refused = self.finished, _StepSums(), Counter()
         next_index, idle_steps = 0, 0
+        arrival_times, wait_s = array("d", (r.arrival_time for r in arrivals)), self.config.burst_wait_ms / 1000
         group = fast_forward_group(core, traced=self.trace is not None)
         for feed in self.feeds:
             for request in feed.first_requests():
                 _add(core, request, refused)
+        if core.has_unfinished_requests():  # the closed loops' first requests wake the engine
+            clock.now = burst_end(clock.now, arrival_times, 0, wait_s)
         while next_index < len(arrivals) or core.has_unfinished_requests():
-            while next_index < len(arrivals) and arrivals[next_index].arrival_time <= clock.now:
+            if not core.has_unfinished_requests() and arrival_times[next_index] >= clock.now:
+                # idle since its last step: the first step waits for the rest of the next burst
+                clock.now = burst_end(arrival_times[next_index], arrival_times, next_index + 1, wait_s)
+            while next_index < len(arrivals) and arrival_times[next_index] <= clock.now:
                 _add(core, workload_request(arrivals[next_index], next_index, self.plan.max_model_len), refused)
                 next_index += 1
-            if not core.has_unfinished_requests():
-                clock.now = arrivals[next_index].arrival_time  # nothing to do until the next arrival
+            if not core.has_unfinished_requests():  # every arrival refused
                 continue
             updated, num_running, reserved, used, empty = run_step(core, self.executor, group)
-            self._finished(updated, refused)
+            if self._finished(updated, refused) and (next_index == len(arrivals)
+                                                     or arrival_times[next_index] >= clock.now):
+                clock.now = burst_end(clock.now, arrival_times, next_index, wait_s)  # follow-ups woke it
             sums.add(num_running, reserved, used)
             idle_steps = idle_steps + 1 if empty else 0
             if idle_steps > MAX_IDLE_STEPS:
@@ -176,16 +185,22 @@ class Simulation:
         return figures
 
 
-    def _finished(self, updated: list[Request], refused: Counter[str]) -> None:
+    def _finished(self, updated: list[Request], refused: Counter[str]) -> bool:
         """Count the step's finished requests; a closed loop's next request (a conversation's next turn, a
-        sender's next request) arrives as its last one completes."""
-        feeds, core = self.feeds, self.core
-        for request in updated:
-            if request.status is FINISHED:  # is_finished, without a property call per request and step
-                self.finished.add(request)
-                for feed in feeds:
-                    if (follow_up := feed.follow_up(request, self.clock.now)) is not None:
-                        _add(core, follow_up, refused)
+        sender's next request) arrives as its last one completes. Whether such requests woke an engine the
+        step had left idle."""
+        core = self.core
+        follow_ups = [follow_up for request in updated if request.status is FINISHED  # is_finished, no call
+                      for follow_up in self._follow_ups(request)]
+        idle = not core.has_unfinished_requests()
+        for follow_up in follow_ups:
+            _add(core, follow_up, refused)
+        return idle and core.has_unfinished_requests()
+
+    def _follow_ups(self, request: Request) -> list[Request]:
+        """``request`` counted as finished, and the closed loops' next requests it sends."""
+        self.finished.add(request)
+        return [f for feed in self.feeds if (f := feed.follow_up(request, self.clock.now)) is not None]
 
 
 def fast_forward_group(core: EngineCore, traced: bool = False) -> FastForwardScheduler | None:

@@ -129,7 +129,7 @@ def test_parser_has_one_option_per_field_with_its_default() -> None:
 def test_engine_config_round_trips_through_the_flags() -> None:
     argv = ["--model", "m.gguf", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8", "--device", "cpu",
             "--max-num-seqs", "7",
-            "--max-num-batched-tokens", "99", "--block-size", "8", "--kv-cache-memory", "1GiB",
+            "--max-num-batched-tokens", "99", "--burst-wait-ms", "5", "--block-size", "8", "--kv-cache-memory", "1GiB",
             "--num-kv-blocks", "12", "--max-model-len", "64", "--seed", "3", "--scheduler", "continuous",
             "--scheduling-policy", "priority", "--preemption-mode", "swap", "--tenant-weights", '{"a": 2}',
             "--tenant-header", "X-Tenant", "--tenant-cache-salt", "--max-num-queued-requests", "5",
@@ -143,7 +143,7 @@ def test_engine_config_round_trips_through_the_flags() -> None:
     assert len(argv) == 2 * len(engine_options()) - 3  # the three switches take no value
     assert engine_config(parse(argv)) == EngineConfig(
         model="m.gguf", dtype="bfloat16", kv_cache_dtype="fp8", device="cpu", max_num_seqs=7,
-        max_num_batched_tokens=99, block_size=8,
+        max_num_batched_tokens=99, burst_wait_ms=5, block_size=8,
         kv_cache_memory=2**30, num_kv_blocks=12, max_model_len=64, seed=3, scheduler="continuous",
         scheduling_policy="priority", preemption_mode="swap", tenant_weights='{"a": 2}', tenant_header="X-Tenant",
         tenant_cache_salt=True, max_num_queued_requests=5, max_num_queued_tokens=500, ttft_slo_ms=800, tpot_slo_ms=50,

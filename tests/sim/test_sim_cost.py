@@ -138,7 +138,7 @@ def test_a_pace_stretches_every_step_by_its_factor_and_leaves_the_model_alone():
     from conveyor.sim.workload import WorkloadRequest
 
     cost = CostModel(load_model_config("SmolLM2-135M"), load_hardware("A100-80GB"), "float16")
-    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, block_size=8, num_kv_blocks=512,
+    config = EngineConfig(burst_wait_ms=0, max_num_seqs=4, max_num_batched_tokens=256, block_size=8, num_kv_blocks=512,
                           max_model_len=512)
     workload = [WorkloadRequest(0.0, 40, 12) for _ in range(3)]
     plain, _ = simulate(config, cost, workload)
