@@ -71,7 +71,7 @@ class EngineConfig:
     device: str = _option("auto", "auto (CUDA when present), cpu, cuda, cuda:1, ...")
     max_num_seqs: int = _option(128, "most requests in one batch", minimum=1)
     max_num_batched_tokens: int = _option(2048, "token budget of one step", minimum=1)
-    burst_wait_ms: int = _option(2, "an idle engine, woken by a request, steps once no other has come for this "
+    burst_wait_ms: int = _option(5, "an idle engine, woken by a request, steps once no other has come for this "
                                  f"many ms (at most {BURST_WAIT_CAP} times it after the first), so that requests "
                                  "sent at once share their first step; 0: it steps at once", minimum=0)
     block_size: int = _option(16, "tokens per KV block", minimum=1)

@@ -38,7 +38,7 @@ def test_without_a_wait_the_first_request_steps_alone() -> None:
 def test_a_lone_request_waits_once_for_company() -> None:
     _, trace = simulate(CONFIG, COST, BURST, record_trace=True)
     late = next(step for step in trace.steps if step.start > 0.5)
-    assert late.start == pytest.approx(1.002) and len(late.scheduled) == 1
+    assert late.start == pytest.approx(1.0 + CONFIG.burst_wait_ms / 1000) and len(late.scheduled) == 1
 
 
 @pytest.mark.parametrize("wait_ms", [0, 2, 50])
