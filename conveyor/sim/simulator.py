@@ -189,18 +189,15 @@ class Simulation:
         """Count the step's finished requests; a closed loop's next request (a conversation's next turn, a
         sender's next request) arrives as its last one completes. Whether such requests woke an engine the
         step had left idle."""
-        core = self.core
-        follow_ups = [follow_up for request in updated if request.status is FINISHED  # is_finished, no call
-                      for follow_up in self._follow_ups(request)]
+        feeds, core = self.feeds, self.core
         idle = not core.has_unfinished_requests()
-        for follow_up in follow_ups:
-            _add(core, follow_up, refused)
+        for request in updated:
+            if request.status is FINISHED:  # is_finished, without a property call per request and step
+                self.finished.add(request)
+                for feed in feeds:
+                    if (follow_up := feed.follow_up(request, self.clock.now)) is not None:
+                        _add(core, follow_up, refused)
         return idle and core.has_unfinished_requests()
-
-    def _follow_ups(self, request: Request) -> list[Request]:
-        """``request`` counted as finished, and the closed loops' next requests it sends."""
-        self.finished.add(request)
-        return [f for feed in self.feeds if (f := feed.follow_up(request, self.clock.now)) is not None]
 
 
 def fast_forward_group(core: EngineCore, traced: bool = False) -> FastForwardScheduler | None:
